@@ -1,0 +1,94 @@
+"""Every error kvshm raises, as one typed hierarchy.
+
+This module owns the exception classes and nothing else. Each message must say what happened
+and what the user should do; ``docs/errors.md`` catalogues them. It must never import torch
+or any other kvshm module.
+"""
+from __future__ import annotations
+
+
+class KvshmError(Exception):
+    """Base class of every error kvshm raises on purpose."""
+
+
+# --- segment -----------------------------------------------------------------------------
+class SegmentNotFoundError(KvshmError):
+    """No kvshm segment of that name exists (attach without create)."""
+
+
+class SegmentExistsError(KvshmError):
+    """A segment of that name already exists and exclusive creation was asked for."""
+
+
+class NotAKvshmSegmentError(KvshmError):
+    """The shared-memory object exists but is not a kvshm segment (bad magic or too small)."""
+
+
+class FormatVersionError(KvshmError):
+    """The segment was written by an incompatible kvshm format version."""
+
+
+class LayoutMismatchError(KvshmError):
+    """The segment holds a different model layout than the attaching process expects."""
+
+
+class InsufficientSpaceError(KvshmError):
+    """/dev/shm (or the cgroup) has too little room for the segment."""
+
+
+class SegmentPermissionError(KvshmError):
+    """The process may not open the segment (mode/owner) or create it."""
+
+
+# --- arguments and manager semantics -----------------------------------------------------
+class InvalidArgumentError(KvshmError, ValueError):
+    """A caller passed a value kvshm can never accept (negative size, key too long, ...)."""
+
+
+class UnknownKeyError(KvshmError, KeyError):
+    """An operation named a key that is not in the cache (or not ready / not held)."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; we want the message as written
+        return str(self.args[0]) if self.args else ""
+
+
+class BlockStateError(KvshmError):
+    """An operation does not fit the block's state (double complete, complete without prepare)."""
+
+
+class CacheFullError(KvshmError):
+    """No free block and nothing evictable; returned as None by prepare_store, raised elsewhere."""
+
+
+# --- control ring and owner --------------------------------------------------------------
+class RingFullError(KvshmError, TimeoutError):
+    """The peer did not drain the ring within the timeout (backpressure)."""
+
+
+class FrameTooLargeError(KvshmError):
+    """A frame is larger than the ring can ever hold."""
+
+
+class ProtocolError(KvshmError):
+    """A frame could not be decoded or is not a valid request/reply."""
+
+
+class OwnerUnavailableError(KvshmError):
+    """No owner process is serving the segment and none could be started."""
+
+
+class ClientSlotsExhaustedError(KvshmError):
+    """Every client slot in the segment is held by a live process."""
+
+
+class ReplyTimeoutError(KvshmError, TimeoutError):
+    """The owner did not answer within the timeout."""
+
+
+# --- data path ---------------------------------------------------------------------------
+class TransferError(KvshmError):
+    """A block copy could not be submitted or failed."""
+
+
+class PinningError(KvshmError):
+    """Registering the segment with CUDA failed (copies continue unpinned)."""
