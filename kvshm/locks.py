@@ -1,0 +1,80 @@
+"""Kernel-released byte-range locks (Linux OFD locks) on a segment's file descriptor.
+
+This module owns liveness: the owner, each client slot and the pin turn are single bytes
+locked with ``F_OFD_SETLK``. The kernel drops an OFD lock when the last descriptor of the open
+file description closes — including when its process is SIGKILLed — so "is the holder alive?"
+is answered by the kernel, never by PID files or heartbeats.
+
+OFD locks belong to the open file description, not the process: every party opens its own
+descriptor (``os.open``) so that two parties in one process still exclude each other, and a
+forked child shares its parent's locks (documented for users: connect after forking).
+It must never lock data bytes or touch the mapping.
+"""
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import struct
+import time
+from typing import Iterator
+
+# struct flock on Linux x86_64/aarch64: short l_type, short l_whence, off_t l_start,
+# off_t l_len, pid_t l_pid (+ padding). l_pid must be 0 for OFD locks.
+_FLOCK = struct.Struct("hhqqi4x")
+
+
+def _flock(kind: int, start: int) -> bytes:
+    return _FLOCK.pack(kind, os.SEEK_SET, start, 1, 0)
+
+
+def try_lock(fd: int, byte: int) -> bool:
+    """Take the exclusive lock on ``byte`` without waiting; False if someone holds it."""
+    try:
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _flock(fcntl.F_WRLCK, byte))
+        return True
+    except OSError as e:
+        if e.errno in (errno.EAGAIN, errno.EACCES):
+            return False
+        raise
+
+
+def lock(fd: int, byte: int, timeout: float | None = None) -> bool:
+    """Take the lock on ``byte``, blocking (``timeout=None``) or polling until ``timeout``."""
+    if timeout is None:
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLKW, _flock(fcntl.F_WRLCK, byte))
+        return True
+    deadline = time.monotonic() + timeout
+    delay = 1e-4
+    while not try_lock(fd, byte):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(delay)  # polling a kernel lock, not synchronising on time
+        delay = min(delay * 2, 0.01)
+    return True
+
+
+def unlock(fd: int, byte: int) -> None:
+    fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _flock(fcntl.F_UNLCK, byte))
+
+
+def is_held(fd: int, byte: int) -> bool:
+    """True if another open file description holds ``byte`` (our own locks don't count)."""
+    res = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, _flock(fcntl.F_WRLCK, byte))
+    return _FLOCK.unpack(res)[0] != fcntl.F_UNLCK
+
+
+def held_among(fd: int, first: int, count: int) -> set[int]:
+    """Which of the bytes ``first .. first+count-1`` are held by someone else."""
+    return {i for i in range(count) if is_held(fd, first + i)}
+
+
+@contextlib.contextmanager
+def holding(fd: int, byte: int) -> Iterator[None]:
+    """Context manager: hold ``byte`` (blocking) for the duration of the block."""
+    lock(fd, byte)
+    try:
+        yield
+    finally:
+        unlock(fd, byte)

@@ -1,0 +1,323 @@
+"""The authoritative index of one segment: ``LocalManager``.
+
+This module owns the index (key -> block, free list, pins, pending stores by writer) and
+applies vLLM's v1 offload semantics to it, mirroring every block's durable state into the
+segment's block table and key index so that other processes can read it and a successor can
+rebuild it. Exactly one LocalManager exists per segment: it holds the segment's owner lock.
+The owner process wraps it; single-process users may use it directly.
+It never copies block data and never imports torch.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Callable, Iterable, Sequence
+
+from . import layout as L
+from . import locks
+from .api import LookupResult, OffloadingEvent, OffloadingManager, PrepareStoreOutput
+from .errors import BlockStateError, OwnerUnavailableError, UnknownKeyError
+from .fence import full_fence
+from .policy import CachePolicy, make_policy
+from .segment import Segment
+from .table import BlockTable, KeyIndex
+
+Writer = tuple[int, int, int]  # (client slot, client generation, request id)
+LOCAL_WRITER: Writer = (-1, 0, 0)
+
+
+class LocalManager(OffloadingManager):
+    """In-process manager over a segment. Thread-unsafe: one caller (the owner loop).
+
+    ``held`` returns the blocks that clients hold (lookup leases and load pins live in the
+    clients' slots, not here); those are never evicted. ``writer_alive`` decides, when the
+    index is rebuilt from the table, whether a half-finished store still has its writer.
+    """
+
+    def __init__(self, segment: Segment, policy: str = "lru", *, enable_events: bool = False,
+                 held: Callable[[], set[int]] | None = None,
+                 writer_alive: Callable[[int, int], bool] | None = None):
+        if not locks.try_lock(segment.fd, L.LOCK_OWNER):
+            raise OwnerUnavailableError(
+                f"segment {segment.name!r} already has an owner (pid "
+                f"{segment.owner_record()[0]}); use kvshm.connect() to share it")
+        self.segment = segment
+        self.table = BlockTable(segment.buf, segment.geometry)
+        self.index = KeyIndex(segment.buf, segment.geometry, self.table)
+        self.policy: CachePolicy = make_policy(policy, segment.geometry.num_blocks)
+        self.enable_events = enable_events
+        self._held = held
+        self._events: list[OffloadingEvent] = []
+        self._blocks: dict[bytes, int] = {}
+        self._ready: dict[bytes, bool] = {}
+        self._pins: dict[int, int] = {}
+        self._pending: dict[tuple[int, int], set[bytes]] = {}  # writer (slot, gen) -> keys
+        self._free: list[int] = []
+        pid, epoch, _, tick = segment.owner_record()
+        self.epoch = epoch + 1
+        self.tick = tick
+        self.recovered = self._rebuild(writer_alive or (lambda slot, gen: False))
+        segment.write_owner_record(os.getpid(), self.epoch, time.time_ns(), self.tick)
+        if epoch:
+            segment.counter_add("failovers")
+
+    # --- rebuild ------------------------------------------------------------------------
+    def _rebuild(self, writer_alive: Callable[[int, int], bool]) -> dict[str, int]:
+        """Adopt the table: ready blocks stay, stores of dead writers are freed."""
+        ready, kept, freed = [], 0, 0
+        self.index.clear()
+        for b in range(self.table.num_blocks):
+            e = self.table.read(b)
+            if e.state in (L.READY, L.EVICTING):
+                ready.append((e.last_use, b, e.key))
+            elif e.state == L.WRITING and e.writer >= 0 and writer_alive(e.writer, e.writer_gen):
+                self._adopt(b, e.key, False)
+                self._pending.setdefault((e.writer, e.writer_gen), set()).add(e.key)
+                kept += 1
+            else:
+                if e.state != L.FREE:
+                    self.table.write(b, L.FREE, b"")
+                    freed += 1
+                self._free.append(b)
+        for last_use, b, key in sorted(ready):  # oldest first: recency survives failover
+            if key in self._blocks:  # a duplicate can only come from a damaged table
+                self.table.write(b, L.FREE, b"")
+                self._free.append(b)
+                continue
+            self.table.write(b, L.READY, key, last_use=last_use,
+                             stored_ns=self.table.read(b).stored_ns)
+            self._adopt(b, key, True)
+            self.tick = max(self.tick, last_use)
+        self._free.reverse()  # hand out low block ids first, like vLLM's CPU backend
+        return {"ready": len(ready), "pending": kept, "freed": freed}
+
+    def _adopt(self, block: int, key: bytes, ready: bool) -> None:
+        self._blocks[key] = block
+        self._ready[key] = ready
+        self.policy.insert(key)
+        self.index.insert(key, block)
+
+    # --- reads --------------------------------------------------------------------------
+    def lookup(self, keys: Sequence[bytes]) -> int:
+        n = 0
+        for k in keys:
+            if not self._ready.get(k):
+                break
+            n += 1
+        return n
+
+    def key_status(self, key: bytes) -> LookupResult:
+        r = self._ready.get(key)
+        return LookupResult.MISS if r is None else LookupResult.HIT if r else LookupResult.PENDING
+
+    def block_of(self, key: bytes) -> int | None:
+        return self._blocks.get(key)
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    # --- loads --------------------------------------------------------------------------
+    def prepare_load(self, keys: Sequence[bytes]) -> list[int]:
+        for k in keys:
+            self._require_ready(k)
+        blocks = [self._blocks[k] for k in keys]
+        for b in blocks:
+            self._pins[b] = self._pins.get(b, 0) + 1
+            self.table.set_pins(b, self._pins[b])
+        return blocks
+
+    def complete_load(self, keys: Sequence[bytes]) -> None:
+        need: dict[int, int] = {}
+        for k in keys:
+            b = self._blocks.get(k)
+            if b is None:
+                raise UnknownKeyError(f"complete_load of key {k.hex()[:16]}… which is not cached")
+            need[b] = need.get(b, 0) + 1
+            if self._pins.get(b, 0) < need[b]:
+                raise BlockStateError(
+                    f"complete_load of key {k.hex()[:16]}… without a matching prepare_load")
+        for b, n in need.items():
+            left = self._pins[b] - n
+            if left:
+                self._pins[b] = left
+            else:
+                del self._pins[b]
+            self.table.set_pins(b, left)
+
+    def touch(self, keys: Sequence[bytes]) -> None:
+        self.tick += 1
+        for k in reversed(keys):  # the prefix head ends up most recent: tails go first
+            b = self._blocks.get(k)
+            if b is not None:
+                self.policy.touch(k, self._ready[k])
+                self.table.set_last_use(b, self.tick)
+
+    # --- stores -------------------------------------------------------------------------
+    def prepare_store(self, keys: Sequence[bytes], writer: Writer = LOCAL_WRITER
+                      ) -> PrepareStoreOutput | None:
+        for k in keys:
+            L.check_key(k)
+        new = list(dict.fromkeys(k for k in keys if k not in self._blocks))
+        need = len(new) - len(self._free)
+        evicted: list[bytes] = []
+        if need > 0:
+            victims = self._evict(need, protected=set(keys))
+            if victims is None:
+                self.segment.counter_add("prepare_store_refused")
+                return None
+            evicted = victims
+        self.tick += 1
+        slot, gen, req = writer
+        blocks = []
+        for k in new:
+            b = self._free.pop()
+            self.table.write(b, L.WRITING, k, slot, gen, req, self.tick)
+            self._adopt(b, k, False)
+            blocks.append(b)
+        if new:
+            self._pending.setdefault((slot, gen), set()).update(new)
+        return PrepareStoreOutput(new, blocks, evicted)
+
+    def pending_of(self, writer: Writer, request: int | None = None) -> list[tuple[bytes, int]]:
+        """(key, block) of ``writer``'s unfinished stores, optionally of one request only."""
+        out = []
+        for k in self._pending.get(writer[:2], ()):
+            b = self._blocks[k]
+            if request is None or self.table.read(b).writer_req == request:
+                out.append((k, b))
+        return out
+
+    def complete_store(self, keys: Sequence[bytes], success: bool = True,
+                       writer: Writer = LOCAL_WRITER) -> None:
+        mine = self._pending.get(writer[:2], set())
+        todo = []
+        for k in keys:
+            if k not in self._blocks:
+                raise UnknownKeyError(
+                    f"complete_store of key {k.hex()[:16]}… which is not cached (never "
+                    "prepared, or freed after its writer died)")
+            if not self._ready[k]:
+                if k not in mine:
+                    raise BlockStateError(
+                        f"complete_store of key {k.hex()[:16]}… whose store belongs to "
+                        "another writer")
+                todo.append(k)
+        now = time.time_ns()
+        done = []
+        for k in dict.fromkeys(todo):
+            b = self._blocks[k]
+            mine.discard(k)
+            if success:
+                self._ready[k] = True
+                self.table.write(b, L.READY, k, last_use=self.tick, stored_ns=now)
+                done.append(k)
+            else:
+                self._drop(k)
+        if not mine:
+            self._pending.pop(writer[:2], None)
+        if success:
+            self.segment.counter_add("stores")
+            self.segment.counter_add("store_blocks", len(done))
+            if self.enable_events and done:
+                self._events.append(OffloadingEvent(done, removed=False))
+        else:
+            self.segment.counter_add("store_failed_blocks", len(todo))
+
+    def reclaim_writer(self, slot: int, gen: int) -> int:
+        """Free every unfinished store of a writer that died. Returns the block count."""
+        keys = self._pending.pop((slot, gen), set())
+        for k in keys:
+            self._drop(k)
+        return len(keys)
+
+    # --- eviction -----------------------------------------------------------------------
+    def _evict(self, n: int, protected: set[bytes]) -> list[bytes] | None:
+        held = self._held() if self._held else set()
+        blocks, ready, pins = self._blocks, self._ready, self._pins
+
+        def can_evict(k: bytes) -> bool:
+            b = blocks[k]
+            return ready[k] and b not in pins and b not in held and k not in protected
+
+        victims = self.policy.evict(n, can_evict)
+        if victims is None:
+            return None
+        if self._held:
+            victims = self._fence_victims(victims, can_evict)
+            if victims is None:
+                return None
+        for k in victims:
+            self._drop(k)
+        self.segment.counter_add("evictions", len(victims))
+        if self.enable_events:
+            self._events.append(OffloadingEvent(victims, removed=True))
+        return victims
+
+    def _fence_victims(self, victims: list[bytes], can_evict: Callable[[bytes], bool]
+                       ) -> list[bytes] | None:
+        """The eviction half of the lease handshake with lock-free client lookups.
+
+        A client writes its lease, fences, then re-reads the block's state; we mark victims
+        EVICTING, fence, then re-read the leases. Whatever the interleaving, one side sees
+        the other: either the client sees EVICTING and reports a miss, or we see the lease
+        and keep the block. Blocks that got leased meanwhile go back into the cache.
+        """
+        for k in victims:
+            self.table.set_state(self._blocks[k], L.EVICTING)
+        full_fence()
+        held = self._held()
+        lost = [k for k in victims if self._blocks[k] in held]
+        if not lost:
+            return victims
+        for k in lost:
+            self.table.set_state(self._blocks[k], L.READY)
+            self.policy.insert(k)  # it is being read: most recent is right
+        keep = [k for k in victims if k not in lost]
+        more = self._evict_more(len(lost), can_evict, held)
+        if more is None:
+            for k in keep:
+                self.table.set_state(self._blocks[k], L.READY)
+                self.policy.insert(k)
+            return None
+        return keep + more
+
+    def _evict_more(self, n: int, can_evict: Callable[[bytes], bool], held: set[int]
+                    ) -> list[bytes] | None:
+        victims = self.policy.evict(n, lambda k: can_evict(k) and self._blocks[k] not in held)
+        if victims is None:
+            return None
+        return self._fence_victims(victims, can_evict)
+
+    def _drop(self, key: bytes) -> None:
+        """Forget ``key`` and free its block (no eviction bookkeeping)."""
+        b = self._blocks.pop(key)
+        del self._ready[key]
+        if key in self.policy:
+            self.policy.remove(key)
+        self.index.remove(key, b)
+        self.table.write(b, L.FREE, b"")
+        self._free.append(b)
+
+    def _require_ready(self, key: bytes) -> None:
+        r = self._ready.get(key)
+        if r is None:
+            raise UnknownKeyError(f"key {key.hex()[:16]}… is not cached; lookup() first")
+        if not r:
+            raise BlockStateError(f"key {key.hex()[:16]}… is still being stored; retry later")
+
+    # --- events and shutdown ------------------------------------------------------------
+    def take_events(self) -> list[OffloadingEvent]:
+        ev, self._events = self._events, []
+        return ev
+
+    def shutdown(self) -> None:
+        """Give up ownership; the table keeps the cache for the next owner."""
+        if self.segment is None:
+            return
+        self.segment.write_owner_record(0, self.epoch, time.time_ns(), self.tick)
+        locks.unlock(self.segment.fd, L.LOCK_OWNER)
+        self.segment = None  # type: ignore[assignment]

@@ -1,0 +1,312 @@
+"""Single-producer/single-consumer byte-frame ring in shared memory, and its doorbell.
+
+This module owns the ring's byte layout (header, frame format, wrap marker), the ordering of
+its publications across processes, the producer's backoff when full, and the Doorbell that
+wakes a sleeping consumer. It must never decode frames (payloads are opaque bytes; msgspec
+lives with the protocol), never allocate or name shared memory itself (callers hand it a
+writable buffer carved from the segment), never take locks shared between processes, and
+never import torch.
+
+Region layout (counters in native byte order: the segment never leaves the host)::
+
+    0    magic u64 | capacity u64        (cache line 0, written once by format())
+    64   tail  u64  producer-owned       (cache line 1)
+    128  head  u64  consumer-owned       (cache line 2: no false sharing with tail)
+    192  data[capacity]                  frames: u32 LE length | payload | pad to 8 bytes
+
+head/tail are monotonically increasing byte counters (position = counter % capacity). A frame
+never splits across the end: the producer writes a wrap marker and continues at offset 0.
+
+Memory ordering. The producer writes the payload, THEN publishes tail; the consumer reads
+tail, THEN the payload, and only after copying it out publishes head. The counters are stored
+with struct's native 'Q' format, which CPython implements as an 8-byte memcpy that compiles to
+one aligned 8-byte mov (x86-64) / str (AArch64): single-copy atomic, so a peer never sees a
+torn counter (hence the 8-byte alignment checks below). On x86 (TSO) stores become visible in
+program order and loads are not reordered with older loads or younger stores; each Python-level
+store is a separate call into C (memcpy, pack_into) that the compiler cannot reorder across, so
+the ring needs no fence there. Weakly ordered CPUs (ARM, POWER) do reorder, so on them
+memory_fence() runs between payload write and tail publish, between tail read and payload read,
+and between payload read and head publish. The Doorbell's flag/recheck handshake is a
+store-then-load pattern, which even x86 may reorder, so it always fences.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+import struct
+import threading
+import time
+from typing import Callable
+
+import posix_ipc
+
+from kvshm.errors import FrameTooLargeError, InvalidArgumentError, ProtocolError, RingFullError
+
+__all__ = ["Ring", "Doorbell", "memory_fence"]
+
+_U64 = struct.Struct("Q")  # native: CPython packs it with one 8-byte memcpy (see docstring)
+_U32 = struct.Struct("<I")  # frame length, written before tail publishes it: tearing is moot
+_MAGIC = int.from_bytes(b"KVRING01", "little")
+_CAP, _TAIL, _HEAD, _DATA = 8, 64, 128, 192
+_WRAP = 0xFFFFFFFF  # length value of the wrap marker: "continue at offset 0"
+_SPIN_S, _YIELD_S, _SLEEP_MAX_S = 50e-6, 2e-3, 1e-3  # put() backoff phases when full
+
+_WEAK_ORDER = platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686", "x86")
+_fence_lock = threading.Lock()
+_acq, _rel = _fence_lock.acquire, _fence_lock.release
+
+
+def memory_fence() -> None:
+    """Full memory barrier, built from a threading.Lock as vLLM's shm_broadcast does.
+
+    CPython's Lock is a POSIX semaphore; glibc's sem_trywait/sem_post are atomics with acquire
+    and release semantics. On x86 each is a LOCK-prefixed instruction, itself a full barrier.
+    On AArch64 an acquire followed by a release still lets accesses move *into* the pair and
+    past each other, but a release followed by an acquire is ordered (RCsc), so the middle
+    release->acquire of acquire-release-acquire-release orders everything before against
+    everything after. The lock is process-local; threads racing here merely serialise.
+    """
+    _acq(); _rel(); _acq(); _rel()
+
+
+if not _WEAK_ORDER:
+    def memory_fence() -> None:  # noqa: F811 - one LOCK-prefixed CAS is a full fence on x86
+        _acq(); _rel()
+
+
+def _view(buf: memoryview, need: int, what: str) -> memoryview:
+    """A writable, 8-byte-aligned byte view of ``need`` bytes of ``buf`` (InvalidArgument else)."""
+    mv = memoryview(buf).cast("B")
+    if mv.readonly or len(mv) < need:
+        raise InvalidArgumentError(f"{what} needs a writable buffer of >= {need} bytes, got "
+                                   f"{len(mv)}{' read-only' if mv.readonly else ''} bytes")
+    addr = ctypes.addressof(ctypes.c_char.from_buffer(mv))
+    if addr % 8:  # a misaligned counter could tear: refuse rather than corrupt silently
+        raise InvalidArgumentError(f"{what} buffer starts at address {addr:#x}, which is not "
+                                   "8-byte aligned; carve regions at multiples of 64 bytes")
+    return mv[:need]
+
+
+class Ring:
+    """SPSC ring of byte frames. One process produces, one consumes; any may inspect."""
+
+    __slots__ = ("_hdr", "_data", "_cap", "_max_frame", "_tail", "_head_seen", "_head",
+                 "_tail_seen", "_next_head")
+
+    @staticmethod
+    def region_size(capacity: int) -> int:
+        """Bytes of shared memory a ring with ``capacity`` data bytes needs (multiple of 64)."""
+        if not isinstance(capacity, int) or capacity < 64 or capacity % 8:
+            raise InvalidArgumentError(f"ring capacity must be an int >= 64 and a multiple of 8,"
+                                       f" got {capacity!r}")
+        return _DATA + (capacity + 63) // 64 * 64
+
+    @staticmethod
+    def max_payload(capacity: int) -> int:
+        """Largest payload a ring of ``capacity`` accepts: its frame fits in half the ring, so
+        it fits an empty ring wherever the counters stand (before the end or after a wrap)."""
+        Ring.region_size(capacity)
+        return (capacity // 2 & ~7) - 4
+
+    @staticmethod
+    def format(buf: memoryview, capacity: int) -> None:
+        """Initialise an empty ring in ``buf``. Only while nobody is attached: existing Ring
+        objects cache counters and must be re-created (re-attached) afterwards."""
+        mv = _view(buf, Ring.region_size(capacity), "Ring.format")
+        mv[:_DATA] = bytes(_DATA)
+        _U64.pack_into(mv, _CAP, capacity)
+        memory_fence()  # magic last: an attacher that sees it sees a complete header
+        _U64.pack_into(mv, 0, _MAGIC)
+        mv.release()
+
+    def __init__(self, buf: memoryview) -> None:
+        hdr = _view(buf, _DATA, "Ring")
+        full = memoryview(buf).cast("B")
+        magic, cap = _U64.unpack_from(hdr, 0)[0], _U64.unpack_from(hdr, _CAP)[0]
+        if magic != _MAGIC or cap < 64 or cap % 8 or len(full) < _DATA + cap:
+            raise ProtocolError(f"buffer does not hold a kvshm ring (magic {magic:#x}, capacity "
+                                f"{cap}, {len(full)} bytes): format it with Ring.format() first "
+                                "or check the region offset the segment layout gives")
+        self._hdr, self._data, self._cap = hdr, full[_DATA:_DATA + cap], cap
+        full.release()
+        self._max_frame = Ring.max_payload(cap) + 4
+        self._head = self._head_seen = _U64.unpack_from(hdr, _HEAD)[0]
+        self._tail = self._tail_seen = _U64.unpack_from(hdr, _TAIL)[0]
+        if not 0 <= self._tail - self._head <= cap:
+            raise ProtocolError(f"ring counters are inconsistent (head {self._head}, tail "
+                                f"{self._tail}, capacity {cap}): the region was overwritten; "
+                                "re-create the segment")
+        self._next_head = -1
+
+    # --- producer -----------------------------------------------------------------------
+    def try_put(self, payload: bytes | memoryview) -> bool:
+        """Append one frame; False if there is no room now. Never blocks."""
+        if type(payload) is not bytes:
+            payload = memoryview(payload).cast("B")  # count bytes, not items
+        n = len(payload)
+        size = (n + 11) & ~7  # u32 length + payload, padded to 8
+        if size > self._max_frame:
+            raise FrameTooLargeError(
+                f"frame of {n} bytes exceeds this ring's limit of {self._max_frame - 4} bytes "
+                f"(capacity {self._cap}): send less per frame or give the ring >= {2 * size} bytes")
+        cap, tail, data = self._cap, self._tail, self._data
+        pos = tail % cap
+        skip = cap - pos if size > cap - pos else 0  # wasted tail end before a wrap
+        if tail + skip + size - self._head_seen > cap:  # cached head is stale-low: re-read
+            self._head_seen = _U64.unpack_from(self._hdr, _HEAD)[0]
+            if tail + skip + size - self._head_seen > cap:
+                return False
+            if _WEAK_ORDER:
+                memory_fence()  # the consumer's reads of that space precede our overwrite
+        if skip:
+            _U32.pack_into(data, pos, _WRAP)
+            pos = 0
+        _U32.pack_into(data, pos, n)
+        data[pos + 4:pos + 4 + n] = payload
+        if _WEAK_ORDER:
+            memory_fence()  # payload visible before the tail that publishes it
+        self._tail = tail = tail + skip + size
+        _U64.pack_into(self._hdr, _TAIL, tail)
+        return True
+
+    def put(self, payload: bytes | memoryview, timeout: float) -> None:
+        """Append one frame, waiting up to ``timeout`` seconds for room (spin, yield, sleep)."""
+        if self.try_put(payload):
+            return
+        start = time.perf_counter()
+        while not self.try_put(payload):
+            waited = time.perf_counter() - start
+            if waited >= timeout:
+                raise RingFullError(
+                    f"ring stayed full for {timeout:g}s ({self.depth()} of {self._cap} bytes "
+                    "used): its consumer is not draining it; check that the consumer process is "
+                    "alive and polling, or raise the timeout / the ring capacity")
+            if waited >= _YIELD_S:
+                time.sleep(min(_SLEEP_MAX_S, timeout - waited))
+            elif waited >= _SPIN_S:
+                os.sched_yield()
+
+    # --- consumer -----------------------------------------------------------------------
+    def peek(self) -> memoryview | None:
+        """Zero-copy view of the next frame's payload, or None. The view aliases the ring:
+        use it (e.g. msgspec.decode) before advance(), and drop or release() it after."""
+        head = self._head
+        if head == self._tail_seen:
+            self._tail_seen = _U64.unpack_from(self._hdr, _TAIL)[0]
+            if head == self._tail_seen:
+                return None
+            if _WEAK_ORDER:
+                memory_fence()  # tail read before the payload it covers
+        cap, data = self._cap, self._data
+        pos = head % cap
+        n = _U32.unpack_from(data, pos)[0]
+        if n == _WRAP:
+            head += cap - pos
+            pos = 0
+            n = _U32.unpack_from(data, 0)[0]
+        if n > self._max_frame - 4:
+            raise ProtocolError(f"ring frame at offset {pos} claims {n} bytes, more than a frame "
+                                "can hold: the ring was overwritten; re-create the segment")
+        self._next_head = head + ((n + 11) & ~7)
+        return data[pos + 4:pos + 4 + n]
+
+    def advance(self) -> None:
+        """Consume the frame the last peek() returned, handing its space back to the producer."""
+        if _WEAK_ORDER:
+            memory_fence()  # our reads of the payload complete before the producer may reuse it
+        self._head = self._next_head
+        _U64.pack_into(self._hdr, _HEAD, self._head)
+
+    def try_get(self) -> bytes | None:
+        """Remove and return the next frame's payload (a copy), or None if the ring is empty."""
+        view = self.peek()
+        if view is None:
+            return None
+        out = view.tobytes()
+        self.advance()
+        return out
+
+    # --- inspection (any process) -------------------------------------------------------
+    def depth(self) -> int:
+        """Bytes in use, wrap padding included (head read first, so never negative)."""
+        head = _U64.unpack_from(self._hdr, _HEAD)[0]
+        return _U64.unpack_from(self._hdr, _TAIL)[0] - head
+
+    def pending(self) -> bool:
+        """Whether a frame is waiting (usable as a Doorbell ``ready`` callable)."""
+        return _U64.unpack_from(self._hdr, _TAIL)[0] != _U64.unpack_from(self._hdr, _HEAD)[0]
+
+    @property
+    def capacity(self) -> int:
+        return self._cap
+
+    def close(self) -> None:
+        """Release this object's views so the segment's mmap can be closed."""
+        self._hdr.release()
+        self._data.release()
+
+
+class Doorbell:
+    """Wakes one consumer (that may serve many rings) from producers in other processes.
+
+    A named POSIX semaphore plus a "sleeping" flag word in shared memory: producers post only
+    while the flag is set, so a spinning consumer costs them no syscall per frame.
+    """
+
+    def __init__(self, flag_buf: memoryview, sem_name: str) -> None:
+        self._flag = _view(flag_buf, 8, "Doorbell")
+        self._sem = posix_ipc.Semaphore(sem_name, posix_ipc.O_CREAT, initial_value=0)
+        self.name = sem_name
+
+    @staticmethod
+    def flag_size() -> int:
+        return 8
+
+    @staticmethod
+    def unlink(sem_name: str) -> None:
+        try:
+            posix_ipc.unlink_semaphore(sem_name)
+        except posix_ipc.ExistentialError:
+            pass
+
+    def ring(self) -> bool:
+        """Producer, after publishing: wake the consumer if it sleeps. Returns whether it posted."""
+        memory_fence()  # our tail store must be visible before we load the flag (store->load)
+        if _U64.unpack_from(self._flag, 0)[0]:
+            self._sem.release()
+            return True
+        return False
+
+    def wait(self, timeout: float, ready: Callable[[], bool], spin_s: float = 100e-6) -> bool:
+        """Consumer: return True once ``ready()`` is true, False after ``timeout`` seconds."""
+        now = time.perf_counter()
+        deadline, spin_end = now + timeout, now + min(spin_s, timeout)
+        while True:  # spin first: a busy producer usually publishes within microseconds
+            if ready():
+                return True
+            if time.perf_counter() >= spin_end:
+                break
+        _U64.pack_into(self._flag, 0, 1)
+        # Lost-wakeup guard: a producer that published before seeing our flag did not post. So
+        # after raising the flag (fenced: store then load) we check again. Either that producer
+        # stored tail before we look (we see it here), or it loads the flag after our store
+        # (it sees 1 and posts). Stale posts from earlier rounds only cause one extra re-check.
+        memory_fence()
+        try:
+            while not ready():
+                left = deadline - time.perf_counter()
+                if left <= 0:
+                    return False
+                try:
+                    self._sem.acquire(left)
+                except posix_ipc.BusyError:
+                    pass  # loop: one last ready() check, then the deadline ends it
+            return True
+        finally:
+            _U64.pack_into(self._flag, 0, 0)
+
+    def close(self) -> None:
+        """Close this process's semaphore handle (the name stays; see unlink) and flag view."""
+        self._sem.close()
+        self._flag.release()

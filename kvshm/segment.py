@@ -1,0 +1,356 @@
+"""The shared-memory segment: create, attach, validate, map, unlink.
+
+This module owns the POSIX shared-memory object (``posix_ipc``) and its mapping: it reserves
+the space up front (so a full ``/dev/shm`` is an error now, never a SIGBUS later), writes and
+validates the header, and hands out zero-copy views of the data planes. It never interprets
+block states (see ``table.py``) and imports torch only inside ``torch_planes``.
+"""
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import re
+import struct
+import time
+from typing import TYPE_CHECKING, Iterator
+
+import numpy as np
+import posix_ipc
+
+from . import layout as L
+from . import locks
+from .errors import (FormatVersionError, InsufficientSpaceError, InvalidArgumentError,
+                     LayoutMismatchError, NotAKvshmSegmentError, SegmentExistsError,
+                     SegmentNotFoundError, SegmentPermissionError)
+from .layout import Geometry, Layout
+
+if TYPE_CHECKING:
+    import torch
+
+SHM_DIR = "/dev/shm"
+PREFIX = "kvshm-"
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
+_INIT_WAIT_S = 10.0
+
+
+def shm_name(name: str) -> str:
+    """The POSIX name of segment ``name`` (``/kvshm-<name>``)."""
+    if not _NAME_RE.match(name or ""):
+        raise InvalidArgumentError(
+            f"segment names are 1-128 characters of letters, digits, '_', '.', '-'; got {name!r}")
+    return "/" + PREFIX + name
+
+
+def sem_name(name: str, what: str) -> str:
+    return f"{shm_name(name)}-{what}"
+
+
+def _free_bytes() -> int:
+    st = os.statvfs(SHM_DIR)
+    free = st.f_bavail * st.f_frsize
+    # tmpfs pages are charged to our cgroup too: a cgroup limit below /dev/shm's free space
+    # would end in the OOM killer instead of a clean error.
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        if limit != "max":
+            with open("/sys/fs/cgroup/memory.current") as f:
+                free = min(free, int(limit) - int(f.read()))
+    except (OSError, ValueError):
+        pass
+    return free
+
+
+class Segment:
+    """One mapped kvshm segment. Create with :meth:`create`, attach with :meth:`attach`.
+
+    Every instance opens its own file descriptor, so its kernel locks are its own (see
+    ``locks.py``). The segment outlives the processes that use it; :meth:`unlink` removes it.
+    """
+
+    def __init__(self, name: str, shm: posix_ipc.SharedMemory, mm: mmap.mmap,
+                 layout: Layout, geometry: Geometry, created_ns: int):
+        self.name = name
+        self.layout = layout
+        self.geometry = geometry
+        self.created_ns = created_ns
+        self.fd = shm.fd
+        self.buf = memoryview(mm)
+        self._shm = shm
+        self._mm = mm
+        self._counter = struct.Struct("<Q")
+
+    # --- lifecycle ----------------------------------------------------------------------
+    @classmethod
+    def create(cls, name: str, layout: Layout, num_blocks: int, *, mode: int = 0o600,
+               max_clients: int = 32, ring_capacity: int = 128 << 10,
+               hold_capacity: int = 4096, exist_ok: bool = False) -> "Segment":
+        """Create segment ``name`` holding ``num_blocks`` blocks of ``layout``.
+
+        With ``exist_ok`` an existing segment is attached instead (and validated against
+        ``layout``). Space is reserved now: too little room raises
+        :class:`InsufficientSpaceError` and leaves nothing behind.
+        """
+        geo = Geometry(int(num_blocks), layout.page_bytes, max_clients, ring_capacity,
+                       hold_capacity)
+        posix = shm_name(name)
+        try:
+            shm = posix_ipc.SharedMemory(posix, posix_ipc.O_CREX, mode=mode, size=0)
+        except posix_ipc.ExistentialError:
+            if exist_ok:
+                return cls.attach(name, layout)
+            raise SegmentExistsError(
+                f"segment {name!r} already exists; attach to it, or remove it with "
+                f"'kvshm-inspect rm {name}'") from None
+        except posix_ipc.PermissionsError as e:
+            raise SegmentPermissionError(
+                f"cannot create segment {name!r} in {SHM_DIR}: {e}") from None
+        try:
+            locks.try_lock(shm.fd, L.LOCK_INIT)
+            os.fchmod(shm.fd, mode)  # shm_open applies the umask; the caller asked for `mode`
+            need, free = geo.total_bytes, _free_bytes()
+            if need > free:
+                raise InsufficientSpaceError(
+                    f"segment {name!r} needs {need} bytes ({need / 2**30:.2f} GiB) but "
+                    f"{SHM_DIR} has {free} bytes free; give it fewer blocks, or enlarge "
+                    f"{SHM_DIR} (docker: --shm-size or --ipc=host)")
+            try:
+                os.posix_fallocate(shm.fd, 0, need)
+            except OSError as e:
+                raise InsufficientSpaceError(
+                    f"reserving {need} bytes for segment {name!r} in {SHM_DIR} failed ({e}); "
+                    f"free space or enlarge {SHM_DIR}") from None
+            mm = mmap.mmap(shm.fd, need)
+            seg = cls(name, shm, mm, layout, geo, time.time_ns())
+            seg._write_header()
+            locks.unlock(shm.fd, L.LOCK_INIT)
+            return seg
+        except BaseException:
+            with contextlib.suppress(Exception):
+                shm.close_fd()
+            with contextlib.suppress(Exception):
+                posix_ipc.unlink_shared_memory(posix)
+            raise
+
+    @classmethod
+    def attach(cls, name: str, layout: Layout | None = None) -> "Segment":
+        """Attach existing segment ``name``; if ``layout`` is given it must match."""
+        posix = shm_name(name)
+        try:
+            shm = posix_ipc.SharedMemory(posix)
+        except posix_ipc.ExistentialError:
+            raise SegmentNotFoundError(
+                f"no kvshm segment named {name!r} (no {SHM_DIR}{posix}); create it first, "
+                "or list segments with 'kvshm-inspect ls'") from None
+        except posix_ipc.PermissionsError:
+            raise SegmentPermissionError(
+                f"permission denied opening segment {name!r} ({SHM_DIR}{posix}); run as its "
+                "owner or create it with a group mode such as 0o660") from None
+        try:
+            return cls._validate(name, shm, layout)
+        except BaseException:
+            shm.close_fd()
+            raise
+
+    @classmethod
+    def _validate(cls, name: str, shm: posix_ipc.SharedMemory,
+                  expected: Layout | None) -> "Segment":
+        deadline = time.monotonic() + _INIT_WAIT_S
+        while True:  # a creator may still be writing the header; it holds LOCK_INIT meanwhile
+            size = os.fstat(shm.fd).st_size
+            if size >= L.HEADER_BYTES:
+                with open(f"{SHM_DIR}{shm.name}", "rb") as f:
+                    head = f.read(L.HEADER.size)
+                if head[:8] == L.MAGIC:
+                    break
+            creating = locks.is_held(shm.fd, L.LOCK_INIT)
+            if not creating or time.monotonic() > deadline:
+                raise NotAKvshmSegmentError(
+                    f"{SHM_DIR}{shm.name} is not a kvshm segment (size {size}, no kvshm "
+                    f"header); if it is a leftover, remove it with 'kvshm-inspect rm {name}'")
+            time.sleep(0.001)  # polling the creator's progress, bounded by the deadline
+        fields = L.HEADER.unpack(head)
+        _, version, _, total, created, nblocks, tpb, nplanes, maxc, ringcap, holdcap, _, fp = \
+            fields
+        if version != L.FORMAT_VERSION:
+            raise FormatVersionError(
+                f"segment {name!r} has format version {version}, this kvshm reads version "
+                f"{L.FORMAT_VERSION}; use a matching kvshm, or remove the segment")
+        if total != size:
+            raise NotAKvshmSegmentError(
+                f"segment {name!r} is {size} bytes but its header says {total}; it is "
+                f"damaged — remove it with 'kvshm-inspect rm {name}'")
+        mm = mmap.mmap(shm.fd, total)
+        desc = bytes(mm[L.OFF_LAYOUT_DESC:L.OFF_LAYOUT_DESC + L.LAYOUT_DESC_BYTES])
+        found = Layout.from_description(desc.rstrip(b"\0").decode())
+        if expected is not None and expected.fingerprint() != fp:
+            mm.close()
+            raise LayoutMismatchError(
+                f"segment {name!r} holds layout {found.describe()} but this process has "
+                f"{expected.describe()}; use another segment name for this model, or make "
+                "the layouts (model, page sizes, tokens per block) agree")
+        geo = Geometry(nblocks, found.page_bytes, maxc, ringcap, holdcap)
+        return cls(name, shm, mm, found, geo, created)
+
+    def _write_header(self) -> None:
+        g, lay = self.geometry, self.layout
+        b = self.buf
+        b[L.OFF_LAYOUT_DESC:L.OFF_LAYOUT_DESC + len(lay.describe())] = lay.describe().encode()
+        b[L.OFF_PAGE_BYTES:L.OFF_PAGE_BYTES + 8 * L.MAX_PLANES] = L.plane_pages(lay.page_bytes)
+        # The block table needs no writes: fallocate zero-filled it (state FREE, seq 0).
+        idx = g.index_offset
+        empty = L.INDEX_SLOT.pack(0, -1)
+        b[idx:idx + g.index_slots * 8] = empty * g.index_slots
+        # Magic last: an attacher that sees it sees a complete header.
+        L.HEADER.pack_into(b, 0, b"\0" * 8, L.FORMAT_VERSION, L.HEADER_BYTES, g.total_bytes,
+                           self.created_ns, g.num_blocks, lay.tokens_per_block,
+                           len(lay.page_bytes), g.max_clients, g.ring_capacity,
+                           g.hold_capacity, g.index_slots, lay.fingerprint())
+        b[0:8] = L.MAGIC
+
+    def close(self) -> None:
+        """Unmap and close this process's handle (the segment itself stays)."""
+        if self._mm is None:
+            return
+        self.buf.release()
+        try:
+            self._mm.close()
+        except BufferError:
+            pass  # numpy/torch views still alive: the mapping goes when they do
+        with contextlib.suppress(Exception):
+            self._shm.close_fd()
+        self._mm = None
+
+    def __enter__(self) -> "Segment":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @staticmethod
+    def unlink(name: str, max_clients: int = 1024) -> bool:
+        """Remove segment ``name`` and its semaphores. True if the segment existed.
+
+        Processes that still map it keep their mapping; the memory goes when they exit.
+        """
+        existed = True
+        try:
+            posix_ipc.unlink_shared_memory(shm_name(name))
+        except posix_ipc.ExistentialError:
+            existed = False
+        prefix = "sem." + PREFIX + name + "-"
+        with contextlib.suppress(FileNotFoundError):
+            for entry in os.listdir(SHM_DIR):
+                if entry.startswith(prefix):
+                    with contextlib.suppress(posix_ipc.ExistentialError):
+                        posix_ipc.unlink_semaphore("/" + entry[4:])
+        return existed
+
+    # --- views --------------------------------------------------------------------------
+    def plane(self, index: int) -> np.ndarray:
+        """Zero-copy ``(num_blocks, page_bytes)`` uint8 view of plane ``index``."""
+        g = self.geometry
+        off = g.plane_offsets()[index]
+        page = g.page_bytes[index]
+        return np.frombuffer(self._mm, np.uint8, g.num_blocks * page, off).reshape(
+            g.num_blocks, page)
+
+    def planes(self) -> list[np.ndarray]:
+        return [self.plane(i) for i in range(len(self.geometry.page_bytes))]
+
+    def torch_planes(self) -> list["torch.Tensor"]:
+        """The planes as uint8 torch tensors sharing the segment's memory."""
+        import torch
+        return [torch.from_numpy(p) for p in self.planes()]
+
+    def data_address(self) -> tuple[int, int]:
+        """(virtual address, length) of the data region in this process, for pinning."""
+        arr = np.frombuffer(self._mm, np.uint8, self.geometry.data_bytes,
+                            self.geometry.data_offset)
+        return arr.ctypes.data, self.geometry.data_bytes
+
+    # --- header records -----------------------------------------------------------------
+    def counter(self, name: str) -> int:
+        return self._counter.unpack_from(self.buf, self._counter_off(name))[0]
+
+    def counter_add(self, name: str, n: int = 1) -> None:
+        """Owner only (single writer): add ``n`` to header counter ``name``."""
+        off = self._counter_off(name)
+        self._counter.pack_into(self.buf, off, self._counter.unpack_from(self.buf, off)[0] + n)
+
+    @staticmethod
+    def _counter_off(name: str) -> int:
+        return L.OFF_COUNTERS + 8 * L.COUNTER_NAMES.index(name)
+
+    def counters(self) -> dict[str, int]:
+        return {n: self.counter(n) for n in L.COUNTER_NAMES}
+
+    def owner_record(self) -> tuple[int, int, int, int]:
+        """(pid, epoch, since_ns, tick) as last written by an owner."""
+        return L.OWNER.unpack_from(self.buf, L.OFF_OWNER)
+
+    def write_owner_record(self, pid: int, epoch: int, since_ns: int, tick: int) -> None:
+        L.OWNER.pack_into(self.buf, L.OFF_OWNER, pid, epoch, since_ns, tick)
+
+    def owner_alive(self) -> bool:
+        return locks.is_held(self.fd, L.LOCK_OWNER)
+
+    def clients_alive(self) -> set[int]:
+        return locks.held_among(self.fd, L.LOCK_CLIENT_BASE, self.geometry.max_clients)
+
+    # --- pinning coordination -----------------------------------------------------------
+    @contextlib.contextmanager
+    def pin_turn(self) -> Iterator[None]:
+        """Hold the segment-wide pin turn: processes register with CUDA one at a time."""
+        with locks.holding(self.fd, L.LOCK_PIN_TURN):
+            yield
+
+    def pin_progress(self) -> "PinProgress":
+        return PinProgress(self)
+
+
+class PinProgress:
+    """This process's pin-progress record in the header (visible to ``kvshm-inspect``)."""
+
+    def __init__(self, seg: Segment):
+        self._seg = seg
+        pid = os.getpid()
+        self._off = None
+        for i in range(L.MAX_PINNERS):
+            off = L.OFF_PINNERS + i * L.PINNER.size
+            p, state, *_ = L.PINNER.unpack_from(seg.buf, off)
+            if p == pid or state in (L.PIN_IDLE, L.PIN_DONE, L.PIN_FAILED) or \
+                    not _pid_alive(p):
+                self._off = off
+                break
+        self.update(L.PIN_WAITING, 0, 0)
+
+    def update(self, state: int, done: int, total: int) -> None:
+        if self._off is not None:  # table full: progress simply isn't shown
+            L.PINNER.pack_into(self._seg.buf, self._off, os.getpid(), state, done, total,
+                               time.time_ns())
+
+    def __call__(self, done: int, total: int) -> None:
+        self.update(L.PIN_DONE if done >= total else L.PIN_RUNNING, done, total)
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def list_segments() -> list[str]:
+    """Names of every kvshm segment on this host."""
+    try:
+        entries = os.listdir(SHM_DIR)
+    except FileNotFoundError:
+        return []
+    return sorted(e[len(PREFIX):] for e in entries if e.startswith(PREFIX))

@@ -1,0 +1,159 @@
+"""The block table and the key index, as they lie in the segment.
+
+This module owns the per-block records (state, key, writer, last use, pins) and the
+open-addressing index from key to block. Only the owner writes them; every process may read
+them without a lock. Writers bump a per-entry sequence number around each rewrite (odd while
+writing, a seqlock), so a reader either sees a consistent entry or retries. The index may be
+read while it is being changed: a reader verifies every candidate against the entry's key,
+so a concurrent change can cause a spurious miss, never a wrong hit.
+It never decides policy (see ``manager.py``) and never imports torch.
+"""
+from __future__ import annotations
+
+import struct
+import zlib
+from typing import NamedTuple
+
+from . import layout as L
+from .fence import publish_fence
+
+_SEQ = struct.Struct("<I")
+_KEY_OFF = struct.calcsize("<IBBhIIQQQ")
+_LAST_USE_OFF = struct.calcsize("<IBBhII")
+_U64 = struct.Struct("<Q")
+_STATE = struct.Struct("<B")
+
+
+class Entry(NamedTuple):
+    seq: int
+    state: int
+    key: bytes
+    writer: int  # client slot writing the block, -1 for none
+    writer_gen: int
+    writer_req: int
+    last_use: int
+    stored_ns: int
+    pins: int
+
+
+class BlockTable:
+    """Typed access to the block table of a mapped segment."""
+
+    def __init__(self, buf: memoryview, geometry: L.Geometry):
+        self.buf = buf
+        self.base = geometry.table_offset
+        self.num_blocks = geometry.num_blocks
+
+    def read(self, block: int) -> Entry:
+        """A consistent snapshot of ``block``'s entry (retries while the owner rewrites it)."""
+        off = self.base + block * L.ENTRY_BYTES
+        while True:
+            f = L.ENTRY.unpack_from(self.buf, off)
+            publish_fence()
+            if not f[0] & 1 and _SEQ.unpack_from(self.buf, off)[0] == f[0]:
+                return Entry(f[0], f[1], f[9][:f[2]], *f[3:9])
+
+    def state_if_key(self, block: int, key: bytes) -> int:
+        """``block``'s state if it currently holds ``key``, else -1. Lock-free reader."""
+        buf, off = self.buf, self.base + block * L.ENTRY_BYTES
+        while True:
+            seq, state, keylen = L.ENTRY_HEAD.unpack_from(buf, off)
+            if seq & 1:
+                continue
+            publish_fence()
+            same = keylen == len(key) and buf[off + _KEY_OFF:off + _KEY_OFF + keylen] == key
+            publish_fence()
+            if _SEQ.unpack_from(buf, off)[0] == seq:
+                return state if same else -1
+
+    # --- owner-only writers -------------------------------------------------------------
+    def write(self, block: int, state: int, key: bytes, writer: int = -1, writer_gen: int = 0,
+              writer_req: int = 0, last_use: int = 0, stored_ns: int = 0, pins: int = 0) -> None:
+        off = self.base + block * L.ENTRY_BYTES
+        seq = _SEQ.unpack_from(self.buf, off)[0]
+        _SEQ.pack_into(self.buf, off, seq + 1)
+        publish_fence()
+        L.ENTRY.pack_into(self.buf, off, seq + 1, state, len(key), writer, writer_gen,
+                          writer_req, last_use, stored_ns, pins, key)
+        publish_fence()
+        _SEQ.pack_into(self.buf, off, seq + 2)
+
+    def set_state(self, block: int, state: int) -> None:
+        off = self.base + block * L.ENTRY_BYTES
+        seq = _SEQ.unpack_from(self.buf, off)[0]
+        _SEQ.pack_into(self.buf, off, seq + 1)
+        publish_fence()
+        _STATE.pack_into(self.buf, off + 4, state)
+        publish_fence()
+        _SEQ.pack_into(self.buf, off, seq + 2)
+
+    def set_last_use(self, block: int, tick: int) -> None:
+        # A lone aligned 8-byte store: readers may see old or new, both are fine.
+        _U64.pack_into(self.buf, self.base + block * L.ENTRY_BYTES + _LAST_USE_OFF, tick)
+
+    def set_pins(self, block: int, pins: int) -> None:
+        _U64.pack_into(self.buf, self.base + block * L.ENTRY_BYTES + _KEY_OFF - 8, pins)
+
+
+class KeyIndex:
+    """Linear-probing hash table key -> block id (crc32 tags), at most half full."""
+
+    def __init__(self, buf: memoryview, geometry: L.Geometry, table: BlockTable):
+        self.buf = buf
+        self.base = geometry.index_offset
+        self.mask = geometry.index_slots - 1
+        self.table = table
+
+    def find(self, key: bytes) -> tuple[int, int]:
+        """(block, state) holding ``key``, or (-1, -1). Lock-free; may miss spuriously."""
+        unpack, buf, base, mask = L.INDEX_SLOT.unpack_from, self.buf, self.base, self.mask
+        tag = zlib.crc32(key)
+        i = tag & mask
+        for _ in range(mask + 1):
+            t, block = unpack(buf, base + 8 * i)
+            if block < 0:
+                return -1, -1
+            if t == tag:
+                state = self.table.state_if_key(block, key)
+                if state >= 0:
+                    return block, state
+            i = (i + 1) & mask
+        return -1, -1
+
+    # --- owner-only writers -------------------------------------------------------------
+    def insert(self, key: bytes, block: int) -> None:
+        unpack, buf, base, mask = L.INDEX_SLOT.unpack_from, self.buf, self.base, self.mask
+        tag = zlib.crc32(key)
+        i = tag & mask
+        while unpack(buf, base + 8 * i)[1] >= 0:
+            i = (i + 1) & mask
+        L.INDEX_SLOT.pack_into(buf, base + 8 * i, tag, block)
+
+    def remove(self, key: bytes, block: int) -> None:
+        """Delete ``key``'s slot with backward-shift deletion (no tombstones to rot)."""
+        unpack, pack, buf, base, mask = (L.INDEX_SLOT.unpack_from, L.INDEX_SLOT.pack_into,
+                                         self.buf, self.base, self.mask)
+        i = zlib.crc32(key) & mask
+        while True:
+            t, b = unpack(buf, base + 8 * i)
+            if b < 0:
+                return  # not present
+            if b == block:
+                break
+            i = (i + 1) & mask
+        j = i
+        while True:
+            j = (j + 1) & mask
+            t, b = unpack(buf, base + 8 * j)
+            if b < 0:
+                break
+            home = t & mask
+            # Move j back into the hole at i unless its home lies cyclically in (i, j].
+            if (j - home) & mask >= (j - i) & mask:
+                pack(buf, base + 8 * i, t, b)
+                i = j
+        pack(buf, base + 8 * i, 0, -1)
+
+    def clear(self) -> None:
+        n = self.mask + 1
+        self.buf[self.base:self.base + 8 * n] = L.INDEX_SLOT.pack(0, -1) * n

@@ -1,0 +1,468 @@
+"""Tests for kvshm.policy: LRU and ARC eviction order, ARC adaptation, all-or-nothing eviction."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvshm.errors import InvalidArgumentError
+from kvshm.policy import ARCPolicy, CachePolicy, LRUPolicy, make_policy
+
+POLICIES = ["lru", "arc"]
+
+
+def k(i: int) -> bytes:
+    return b"key-%d" % i
+
+
+def everything(_key: bytes) -> bool:
+    return True
+
+
+def only(*allowed: bytes):
+    return lambda key: key in allowed
+
+
+def filled(name: str, n: int, capacity: int = 16) -> CachePolicy:
+    p = make_policy(name, capacity)
+    for i in range(n):
+        p.insert(k(i))
+    return p
+
+
+def arc_with_target(target: int, capacity: int = 16) -> ARCPolicy:
+    """An empty ARC whose target is `target`: B1 hits with B2 empty each add exactly 1."""
+    p = make_policy("arc", capacity)
+    ghost = b"ghost"
+    p.insert(ghost)
+    assert p.evict(1, everything) == [ghost]
+    for _ in range(target):
+        p.touch(ghost, ready=True)
+    assert isinstance(p, ARCPolicy) and p.target == target
+    return p
+
+
+def snapshot(p: CachePolicy):
+    state = (p.order(), len(p))
+    if isinstance(p, ARCPolicy):
+        state += (p.lists(), p.target)
+    return state
+
+
+# --- behaviour shared by both policies ---------------------------------------------------
+@pytest.mark.parametrize("name", POLICIES)
+def test_insert_order_is_next_victim_first(name):
+    p = filled(name, 3)
+    assert p.order() == [k(0), k(1), k(2)]
+    assert len(p) == 3 and k(1) in p and k(9) not in p
+
+
+@pytest.mark.parametrize("name", POLICIES)
+@pytest.mark.parametrize("ready", [True, False])
+def test_touch_makes_key_last_victim(name, ready):
+    p = filled(name, 3)
+    p.touch(k(0), ready=ready)
+    assert p.order() == [k(1), k(2), k(0)]
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_touch_in_reverse_leaves_prefix_head_most_recent(name):
+    p = filled(name, 4)
+    for key in reversed([k(0), k(1)]):  # how the manager touches a request's keys
+        p.touch(key, ready=True)
+    assert p.order() == [k(2), k(3), k(1), k(0)]
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_touch_unknown_key_is_noop(name):
+    p = filled(name, 2)
+    before = snapshot(p)
+    p.touch(k(9), ready=True)
+    assert snapshot(p) == before
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_evict_returns_victims_in_order_and_drops_them(name):
+    p = filled(name, 4)
+    assert p.evict(2, everything) == [k(0), k(1)]
+    assert p.order() == [k(2), k(3)]
+    assert k(0) not in p and len(p) == 2
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_evict_skips_non_evictable_keys(name):
+    p = filled(name, 4)
+    assert p.evict(2, only(k(1), k(3))) == [k(1), k(3)]
+    assert p.order() == [k(0), k(2)]
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_evict_too_few_candidates_returns_none_and_changes_nothing(name):
+    p = filled(name, 4)
+    p.touch(k(1), ready=True)
+    before = snapshot(p)
+    assert p.evict(3, only(k(0), k(1))) is None
+    assert p.evict(5, everything) is None
+    assert snapshot(p) == before
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_evict_zero_returns_empty_list(name):
+    p = filled(name, 2)
+    before = snapshot(p)
+    assert p.evict(0, everything) == []
+    assert make_policy(name, 4).evict(0, everything) == []
+    assert snapshot(p) == before
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_evict_negative_count_is_an_error(name):
+    with pytest.raises(InvalidArgumentError):
+        filled(name, 2).evict(-1, everything)
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_evict_asks_can_evict_at_most_once_per_key(name):
+    p = filled(name, 6)
+    p.touch(k(0), ready=True)
+    asked: list[bytes] = []
+
+    def can_evict(key: bytes) -> bool:
+        asked.append(key)
+        return key != k(2)
+
+    assert len(p.evict(4, can_evict)) == 4
+    assert len(asked) == len(set(asked))
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_remove_drops_key_and_ignores_unknown(name):
+    p = filled(name, 3)
+    p.remove(k(1))
+    p.remove(k(9))
+    assert p.order() == [k(0), k(2)]
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_reinserted_key_after_eviction_is_last_victim(name):
+    p = filled(name, 3)
+    assert p.evict(1, everything) == [k(0)]
+    p.insert(k(0))
+    assert p.order() == [k(1), k(2), k(0)]
+
+
+# --- ARC ---------------------------------------------------------------------------------
+def test_arc_touch_ready_promotes_t1_to_t2():
+    p = filled("arc", 2)
+    p.touch(k(0), ready=True)
+    assert p.lists()["t1"] == [k(1)] and p.lists()["t2"] == [k(0)]
+
+
+def test_arc_touch_not_ready_keeps_key_in_t1_as_mru():
+    p = filled("arc", 2)
+    p.touch(k(0), ready=False)
+    assert p.lists()["t1"] == [k(1), k(0)] and p.lists()["t2"] == []
+
+
+def test_arc_touch_in_t2_moves_to_t2_mru():
+    p = filled("arc", 2)
+    p.touch(k(0), ready=True)
+    p.touch(k(1), ready=True)
+    p.touch(k(0), ready=True)
+    assert p.lists()["t2"] == [k(1), k(0)]
+
+
+def test_arc_eviction_moves_keys_to_matching_ghost_list():
+    p = filled("arc", 2)
+    p.touch(k(1), ready=True)
+    assert p.evict(2, everything) == [k(0), k(1)]
+    assert p.lists() == {"t1": [], "t2": [], "b1": [k(0)], "b2": [k(1)]}
+    assert len(p) == 0 and k(0) not in p  # ghosts are not cached
+
+
+def test_arc_insert_clears_ghost_entry():
+    p = filled("arc", 1)
+    p.evict(1, everything)
+    p.insert(k(0))
+    assert p.lists() == {"t1": [k(0)], "t2": [], "b1": [], "b2": []}
+
+
+def test_arc_remove_leaves_no_ghost_so_reinsert_does_not_adapt():
+    p = filled("arc", 2)
+    p.touch(k(1), ready=True)
+    p.remove(k(0))
+    p.remove(k(1))
+    assert p.lists() == {"t1": [], "t2": [], "b1": [], "b2": []}
+    p.touch(k(0), ready=True)  # a ghost hit would move the target
+    p.insert(k(0))
+    p.touch(k(0), ready=True)
+    assert p.target == 0
+
+
+def _ghosts(p: CachePolicy, b1: list[bytes], b2: list[bytes]) -> None:
+    """Put keys into B2 (via T2) and B1 (via T1) by evicting them."""
+    for key in b2:
+        p.insert(key)
+        p.touch(key, ready=True)
+    assert p.evict(len(b2), everything) == b2  # T1 empty: falls back to T2
+    for key in b1:
+        p.insert(key)
+    assert p.evict(len(b1), everything) == b1
+
+
+def test_arc_b1_hit_raises_target_by_ghost_ratio():
+    p = make_policy("arc", 8)
+    _ghosts(p, b1=[b"x"], b2=[b"a", b"b", b"c"])
+    p.touch(b"x", ready=True)
+    assert p.target == 3  # max(1, |B2| / |B1|) = 3
+
+
+def test_arc_b2_hit_lowers_target_by_ghost_ratio():
+    p = make_policy("arc", 8)
+    _ghosts(p, b1=[b"x", b"y", b"z"], b2=[b"a", b"b"])
+    for _ in range(4):
+        p.touch(b"x", ready=True)  # + max(1, 2/3) = +1 each
+    assert p.target == 4
+    p.touch(b"a", ready=True)
+    assert p.target == pytest.approx(2.5)  # - max(1, 3/2)
+
+
+def test_arc_target_capped_at_capacity():
+    p = make_policy("arc", 2)
+    _ghosts(p, b1=[b"x"], b2=[])
+    for _ in range(5):
+        p.touch(b"x", ready=True)
+    assert p.target == 2
+
+
+def test_arc_target_floored_at_zero():
+    p = make_policy("arc", 4)
+    _ghosts(p, b1=[], b2=[b"a"])
+    p.touch(b"a", ready=True)
+    assert p.target == 0
+
+
+def test_arc_ghost_lists_bounded_by_capacity_keeping_newest():
+    p = make_policy("arc", 2)
+    _ghosts(p, b1=[k(0), k(1), k(2)], b2=[k(3), k(4), k(5)])
+    assert p.lists()["b1"] == [k(1), k(2)] and p.lists()["b2"] == [k(4), k(5)]
+
+
+def test_arc_ghost_hit_refreshes_ghost_so_it_outlives_older_ghosts():
+    p = make_policy("arc", 2)
+    _ghosts(p, b1=[b"x", b"y"], b2=[])
+    p.touch(b"x", ready=True)
+    _ghosts(p, b1=[b"z"], b2=[])
+    assert p.lists()["b1"] == [b"x", b"z"]
+
+
+def _t1_t2(p: CachePolicy, t1: list[bytes], t2: list[bytes]) -> None:
+    for key in t2:
+        p.insert(key)
+        p.touch(key, ready=True)
+    for key in t1:
+        p.insert(key)
+
+
+def test_arc_evicts_from_t1_when_t1_reaches_target():
+    p = arc_with_target(1)
+    _t1_t2(p, t1=[b"t"], t2=[b"u"])
+    assert p.evict(1, everything) == [b"t"]
+    assert b"t" in p.lists()["b1"]
+
+
+def test_arc_evicts_from_t2_when_t1_below_target():
+    p = arc_with_target(2)
+    _t1_t2(p, t1=[b"t"], t2=[b"u", b"v"])
+    assert p.evict(1, everything) == [b"u"]
+    assert p.lists()["b2"] == [b"u"]
+
+
+def test_arc_falls_back_to_t1_when_t2_has_no_candidate():
+    p = arc_with_target(2)
+    _t1_t2(p, t1=[b"t"], t2=[b"u"])
+    assert p.evict(1, only(b"t")) == [b"t"]
+
+
+def test_arc_falls_back_to_t2_when_t1_has_no_candidate():
+    p = make_policy("arc", 8)
+    _t1_t2(p, t1=[b"t"], t2=[b"u"])
+    assert p.evict(1, only(b"u")) == [b"u"]
+
+
+def test_arc_multi_block_eviction_switches_side_as_t1_shrinks():
+    p = arc_with_target(2)
+    _t1_t2(p, t1=[b"t1", b"t2", b"t3"], t2=[b"u1", b"u2"])
+    # |T1| 3 >= 2 -> T1; 2 >= 2 -> T1; 1 < 2 -> T2
+    assert p.evict(3, everything) == [b"t1", b"t2", b"u1"]
+
+
+def test_arc_order_is_the_full_eviction_order():
+    p = arc_with_target(2)
+    _t1_t2(p, t1=[b"t1", b"t2", b"t3"], t2=[b"u1", b"u2"])
+    assert p.order() == [b"t1", b"t2", b"u1", b"u2", b"t3"]
+
+
+# --- make_policy -------------------------------------------------------------------------
+@pytest.mark.parametrize("name,cls", [("lru", LRUPolicy), ("LRU", LRUPolicy),
+                                      ("arc", ARCPolicy), ("Arc", ARCPolicy)])
+def test_make_policy_names_are_case_insensitive(name, cls):
+    p = make_policy(name, 4)
+    assert isinstance(p, cls) and p.name == name.lower()
+
+
+@pytest.mark.parametrize("name", ["lfu", "", None])
+def test_make_policy_unknown_name_lists_valid_names(name):
+    with pytest.raises(InvalidArgumentError, match="lru.*arc"):
+        make_policy(name, 4)
+
+
+@pytest.mark.parametrize("capacity", [0, -1, 2.5, True, "8"])
+def test_make_policy_rejects_capacity_below_one_or_not_int(capacity):
+    with pytest.raises(InvalidArgumentError, match="capacity"):
+        make_policy("lru", capacity)
+
+
+def test_make_policy_error_is_also_a_value_error():
+    with pytest.raises(ValueError):
+        make_policy("nope", 1)
+
+
+# --- random op sequences against trivial reference models --------------------------------
+class ListLRU:
+    """Reference LRU: a plain list, LRU first."""
+
+    def __init__(self, capacity: int) -> None:
+        self.keys: list[bytes] = []
+
+    def cached(self) -> list[bytes]:
+        return self.keys
+
+    def insert(self, key):
+        self.keys.append(key)
+
+    def remove(self, key):
+        if key in self.keys:
+            self.keys.remove(key)
+
+    def touch(self, key, ready):
+        if key in self.keys:
+            self.keys.remove(key)
+            self.keys.append(key)
+
+    def evict(self, n, ok):
+        victims = [key for key in self.keys if ok(key)][:n]
+        if len(victims) < n:
+            return None
+        self.keys = [key for key in self.keys if key not in victims]
+        return victims
+
+
+class ListARC:
+    """Reference ARC: lists, rescans per victim, works on copies and commits at the end."""
+
+    def __init__(self, capacity: int) -> None:
+        self.cap, self.target = capacity, 0.0
+        self.t1: list[bytes] = []
+        self.t2: list[bytes] = []
+        self.b1: list[bytes] = []
+        self.b2: list[bytes] = []
+
+    def cached(self) -> list[bytes]:
+        return self.t1 + self.t2
+
+    def insert(self, key):
+        self.t1.append(key)
+        self.b1 = [g for g in self.b1 if g != key]
+        self.b2 = [g for g in self.b2 if g != key]
+
+    def remove(self, key):
+        for lst in (self.t1, self.t2):
+            if key in lst:
+                lst.remove(key)
+
+    def touch(self, key, ready):
+        if key in self.t1:
+            self.t1.remove(key)
+            (self.t2 if ready else self.t1).append(key)
+        elif key in self.t2:
+            self.t2.remove(key)
+            self.t2.append(key)
+        elif key in self.b1:
+            self.target = min(self.target + max(1, len(self.b2) / len(self.b1)), self.cap)
+            self.b1.remove(key)
+            self.b1.append(key)
+        elif key in self.b2:
+            self.target = max(self.target - max(1, len(self.b1) / len(self.b2)), 0)
+            self.b2.remove(key)
+            self.b2.append(key)
+
+    def evict(self, n, ok):
+        t1, t2, b1, b2, victims = list(self.t1), list(self.t2), list(self.b1), list(self.b2), []
+        for _ in range(n):
+            sides = [(t1, b1), (t2, b2)]
+            if len(t1) < int(self.target):
+                sides.reverse()
+            for src, ghost in sides:
+                cand = [key for key in src if ok(key)]
+                if cand:
+                    src.remove(cand[0])
+                    ghost.append(cand[0])
+                    victims.append(cand[0])
+                    break
+            else:
+                return None
+        self.t1, self.t2, self.b1, self.b2 = t1, t2, b1[-self.cap:], b2[-self.cap:]
+        return victims
+
+    def lists(self):
+        return {"t1": self.t1, "t2": self.t2, "b1": self.b1, "b2": self.b2}
+
+
+KEYS = st.integers(0, 7).map(k)
+OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("insert"), KEYS),
+        st.tuples(st.just("remove"), KEYS),
+        st.tuples(st.just("touch"), KEYS, st.booleans()),
+        st.tuples(st.just("evict"), st.integers(0, 4), st.frozensets(KEYS)),
+    ),
+    max_size=60,
+)
+
+
+@pytest.mark.parametrize("name,model_cls", [("lru", ListLRU), ("arc", ListARC)])
+@settings(max_examples=300, deadline=None)
+@given(ops=OPS, capacity=st.integers(1, 4))
+def test_random_ops_match_reference_model(name, model_cls, ops, capacity):
+    p, model = make_policy(name, capacity), model_cls(capacity)
+    for op, *args in ops:
+        if op == "insert":
+            if args[0] in model.cached():
+                continue  # the manager never inserts a cached key
+            p.insert(args[0])
+            model.insert(args[0])
+        elif op == "remove":
+            p.remove(args[0])
+            model.remove(args[0])
+        elif op == "touch":
+            p.touch(*args)
+            model.touch(*args)
+        else:
+            n, allowed = args
+            before = snapshot(p)
+            got = p.evict(n, lambda key: key in allowed)
+            assert got == model.evict(n, lambda key: key in allowed)
+            if got is None:
+                assert snapshot(p) == before  # all-or-nothing
+        assert sorted(p.order()) == sorted(model.cached()) and len(p) == len(model.cached())
+        # order() is exactly the victim order when everything is evictable
+        assert copy.deepcopy(p).evict(len(p), everything) == p.order()
+        if name == "lru":
+            assert p.order() == model.cached()
+        else:
+            assert p.lists() == model.lists() and p.target == model.target
+            assert 0 <= p.target <= capacity
+            assert len(p.lists()["b1"]) <= capacity and len(p.lists()["b2"]) <= capacity
