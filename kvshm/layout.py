@@ -51,7 +51,9 @@ OFF_LAYOUT_DESC = 128  # utf-8 JSON of the layout, NUL padded, for error message
 OFF_PAGE_BYTES = OFF_LAYOUT_DESC + LAYOUT_DESC_BYTES  # MAX_PLANES x u64
 OFF_OWNER = OFF_PAGE_BYTES + 8 * MAX_PLANES  # owner record
 OWNER = struct.Struct("<IIQQ")  # pid, epoch, since_ns, tick (last-use clock)
+OFF_POLICY = OFF_OWNER + 32  # eviction policy name, 16 bytes: every owner uses the same one
 OFF_OWNER_BELL = OFF_OWNER + 64  # owner doorbell sleeper flag (own cache line)
+OFF_NEWCOMER = OFF_OWNER_BELL + 8  # set by a client that just activated its slot
 OFF_COUNTERS = OFF_OWNER_BELL + 64
 COUNTER_NAMES = (
     "stores", "store_blocks", "store_failed_blocks", "prepare_store_refused", "evictions",

@@ -34,7 +34,8 @@ class LocalManager(OffloadingManager):
     index is rebuilt from the table, whether a half-finished store still has its writer.
     """
 
-    def __init__(self, segment: Segment, policy: str = "lru", *, enable_events: bool = False,
+    def __init__(self, segment: Segment, policy: str | None = None, *,
+                 enable_events: bool = False,
                  held: Callable[[], set[int]] | None = None,
                  writer_alive: Callable[[int, int], bool] | None = None):
         if not locks.try_lock(segment.fd, L.LOCK_OWNER):
@@ -44,7 +45,8 @@ class LocalManager(OffloadingManager):
         self.segment = segment
         self.table = BlockTable(segment.buf, segment.geometry)
         self.index = KeyIndex(segment.buf, segment.geometry, self.table)
-        self.policy: CachePolicy = make_policy(policy, segment.geometry.num_blocks)
+        self.policy: CachePolicy = make_policy(policy or segment.policy,
+                                               segment.geometry.num_blocks)
         self.enable_events = enable_events
         self._held = held
         self._events: list[OffloadingEvent] = []

@@ -7,34 +7,35 @@ lives with the protocol), never allocate or name shared memory itself (callers h
 writable buffer carved from the segment), never take locks shared between processes, and
 never import torch.
 
-Region layout (counters in native byte order: the segment never leaves the host)::
+Region layout (native byte order, i.e. little-endian on x86 and ARM; it never leaves the host)::
 
     0    magic u64 | capacity u64        (cache line 0, written once by format())
     64   tail  u64  producer-owned       (cache line 1)
     128  head  u64  consumer-owned       (cache line 2: no false sharing with tail)
-    192  data[capacity]                  frames: u32 LE length | payload | pad to 8 bytes
+    192  data[capacity]                  frames: u32 length | payload | pad to 8 bytes
 
 head/tail are monotonically increasing byte counters (position = counter % capacity). A frame
 never splits across the end: the producer writes a wrap marker and continues at offset 0.
 
-Memory ordering. The producer writes the payload, THEN publishes tail; the consumer reads
-tail, THEN the payload, and only after copying it out publishes head. The counters are stored
-with struct's native 'Q' format, which CPython implements as an 8-byte memcpy that compiles to
-one aligned 8-byte mov (x86-64) / str (AArch64): single-copy atomic, so a peer never sees a
-torn counter (hence the 8-byte alignment checks below). On x86 (TSO) stores become visible in
-program order and loads are not reordered with older loads or younger stores; each Python-level
-store is a separate call into C (memcpy, pack_into) that the compiler cannot reorder across, so
-the ring needs no fence there. Weakly ordered CPUs (ARM, POWER) do reorder, so on them
-memory_fence() runs between payload write and tail publish, between tail read and payload read,
-and between payload read and head publish. The Doorbell's flag/recheck handshake is a
-store-then-load pattern, which even x86 may reorder, so it always fences.
+Memory ordering. The producer writes the payload, THEN publishes tail; the consumer reads tail,
+THEN the payload, and only after copying it out publishes head. Counters are loaded and stored
+by indexing a memoryview cast to 'Q': CPython does that with a fixed-size 8-byte memcpy, which
+compiles to one 8-byte mov (x86-64) / ldr/str (AArch64), single-copy atomic when aligned (hence
+the alignment check), so a peer never sees a torn counter. NOT struct.pack_into: it memsets the
+field to zero before writing, so a concurrent reader can see 0 (a consumer then reads unwritten
+frames; measured: 2% of racing reads). On x86 (TSO) stores become visible in program order and
+loads are not reordered with older loads, nor stores with older loads; each Python-level access
+is a separate call into C that the compiler cannot reorder across, so the ring needs no fence.
+Weakly ordered CPUs (ARM, POWER) do reorder, so there memory_fence() runs between payload write
+and tail publish, between tail read and payload read, and between payload read and head
+publish. The Doorbell's raise-flag-then-recheck is store-then-load, which even x86 reorders, so
+it always fences.
 """
 from __future__ import annotations
 
 import ctypes
 import os
 import platform
-import struct
 import threading
 import time
 from typing import Callable
@@ -45,10 +46,8 @@ from kvshm.errors import FrameTooLargeError, InvalidArgumentError, ProtocolError
 
 __all__ = ["Ring", "Doorbell", "memory_fence"]
 
-_U64 = struct.Struct("Q")  # native: CPython packs it with one 8-byte memcpy (see docstring)
-_U32 = struct.Struct("<I")  # frame length, written before tail publishes it: tearing is moot
 _MAGIC = int.from_bytes(b"KVRING01", "little")
-_CAP, _TAIL, _HEAD, _DATA = 8, 64, 128, 192
+_CAP, _TAIL, _HEAD, _DATA = 1, 8, 16, 192  # word indexes into the 'Q' header view; data offset
 _WRAP = 0xFFFFFFFF  # length value of the wrap marker: "continue at offset 0"
 _SPIN_S, _YIELD_S, _SLEEP_MAX_S = 50e-6, 2e-3, 1e-3  # put() backoff phases when full
 
@@ -75,8 +74,8 @@ if not _WEAK_ORDER:
         _acq(); _rel()
 
 
-def _view(buf: memoryview, need: int, what: str) -> memoryview:
-    """A writable, 8-byte-aligned byte view of ``need`` bytes of ``buf`` (InvalidArgument else)."""
+def _view(buf: memoryview, need: int, what: str, whole: bool = False) -> memoryview:
+    """A writable, 8-byte-aligned byte view of ``need`` (or all) bytes of ``buf``."""
     mv = memoryview(buf).cast("B")
     if mv.readonly or len(mv) < need:
         raise InvalidArgumentError(f"{what} needs a writable buffer of >= {need} bytes, got "
@@ -85,13 +84,13 @@ def _view(buf: memoryview, need: int, what: str) -> memoryview:
     if addr % 8:  # a misaligned counter could tear: refuse rather than corrupt silently
         raise InvalidArgumentError(f"{what} buffer starts at address {addr:#x}, which is not "
                                    "8-byte aligned; carve regions at multiples of 64 bytes")
-    return mv[:need]
+    return mv if whole else mv[:need]
 
 
 class Ring:
     """SPSC ring of byte frames. One process produces, one consumes; any may inspect."""
 
-    __slots__ = ("_hdr", "_data", "_cap", "_max_frame", "_tail", "_head_seen", "_head",
+    __slots__ = ("_w", "_data", "_lens", "_cap", "_max_frame", "_tail", "_head_seen", "_head",
                  "_tail_seen", "_next_head")
 
     @staticmethod
@@ -115,24 +114,26 @@ class Ring:
         objects cache counters and must be re-created (re-attached) afterwards."""
         mv = _view(buf, Ring.region_size(capacity), "Ring.format")
         mv[:_DATA] = bytes(_DATA)
-        _U64.pack_into(mv, _CAP, capacity)
+        w = mv[:_DATA].cast("Q")
+        w[_CAP] = capacity
         memory_fence()  # magic last: an attacher that sees it sees a complete header
-        _U64.pack_into(mv, 0, _MAGIC)
+        w[0] = _MAGIC
+        w.release()
         mv.release()
 
     def __init__(self, buf: memoryview) -> None:
-        hdr = _view(buf, _DATA, "Ring")
-        full = memoryview(buf).cast("B")
-        magic, cap = _U64.unpack_from(hdr, 0)[0], _U64.unpack_from(hdr, _CAP)[0]
+        full = _view(buf, 8, "Ring", whole=True)
+        w = full[:_DATA].cast("Q") if len(full) >= _DATA else None
+        magic, cap = (w[0], w[_CAP]) if w is not None else (0, 0)
         if magic != _MAGIC or cap < 64 or cap % 8 or len(full) < _DATA + cap:
             raise ProtocolError(f"buffer does not hold a kvshm ring (magic {magic:#x}, capacity "
                                 f"{cap}, {len(full)} bytes): format it with Ring.format() first "
                                 "or check the region offset the segment layout gives")
-        self._hdr, self._data, self._cap = hdr, full[_DATA:_DATA + cap], cap
-        full.release()
+        self._w, self._data, self._cap = w, full[_DATA:_DATA + cap], cap
+        self._lens = self._data.cast("I")  # frame lengths: positions are 8-aligned
         self._max_frame = Ring.max_payload(cap) + 4
-        self._head = self._head_seen = _U64.unpack_from(hdr, _HEAD)[0]
-        self._tail = self._tail_seen = _U64.unpack_from(hdr, _TAIL)[0]
+        self._head = self._head_seen = w[_HEAD]
+        self._tail = self._tail_seen = w[_TAIL]
         if not 0 <= self._tail - self._head <= cap:
             raise ProtocolError(f"ring counters are inconsistent (head {self._head}, tail "
                                 f"{self._tail}, capacity {cap}): the region was overwritten; "
@@ -150,24 +151,24 @@ class Ring:
             raise FrameTooLargeError(
                 f"frame of {n} bytes exceeds this ring's limit of {self._max_frame - 4} bytes "
                 f"(capacity {self._cap}): send less per frame or give the ring >= {2 * size} bytes")
-        cap, tail, data = self._cap, self._tail, self._data
+        cap, tail = self._cap, self._tail
         pos = tail % cap
-        skip = cap - pos if size > cap - pos else 0  # wasted tail end before a wrap
-        if tail + skip + size - self._head_seen > cap:  # cached head is stale-low: re-read
-            self._head_seen = _U64.unpack_from(self._hdr, _HEAD)[0]
-            if tail + skip + size - self._head_seen > cap:
+        skip = cap - pos if size > cap - pos else 0  # unusable end of the data area: wrap
+        end = tail + skip + size
+        if end - self._head_seen > cap:  # our cached head may be stale (too low): re-read
+            self._head_seen = self._w[_HEAD]
+            if end - self._head_seen > cap:
                 return False
             if _WEAK_ORDER:
                 memory_fence()  # the consumer's reads of that space precede our overwrite
         if skip:
-            _U32.pack_into(data, pos, _WRAP)
+            self._lens[pos >> 2] = _WRAP
             pos = 0
-        _U32.pack_into(data, pos, n)
-        data[pos + 4:pos + 4 + n] = payload
+        self._lens[pos >> 2] = n
+        self._data[pos + 4:pos + 4 + n] = payload
         if _WEAK_ORDER:
             memory_fence()  # payload visible before the tail that publishes it
-        self._tail = tail = tail + skip + size
-        _U64.pack_into(self._hdr, _TAIL, tail)
+        self._tail = self._w[_TAIL] = end
         return True
 
     def put(self, payload: bytes | memoryview, timeout: float) -> None:
@@ -193,30 +194,28 @@ class Ring:
         use it (e.g. msgspec.decode) before advance(), and drop or release() it after."""
         head = self._head
         if head == self._tail_seen:
-            self._tail_seen = _U64.unpack_from(self._hdr, _TAIL)[0]
+            self._tail_seen = self._w[_TAIL]
             if head == self._tail_seen:
                 return None
             if _WEAK_ORDER:
                 memory_fence()  # tail read before the payload it covers
-        cap, data = self._cap, self._data
-        pos = head % cap
-        n = _U32.unpack_from(data, pos)[0]
+        pos = head % self._cap
+        n = self._lens[pos >> 2]
         if n == _WRAP:
-            head += cap - pos
+            head += self._cap - pos
             pos = 0
-            n = _U32.unpack_from(data, 0)[0]
+            n = self._lens[0]
         if n > self._max_frame - 4:
             raise ProtocolError(f"ring frame at offset {pos} claims {n} bytes, more than a frame "
                                 "can hold: the ring was overwritten; re-create the segment")
         self._next_head = head + ((n + 11) & ~7)
-        return data[pos + 4:pos + 4 + n]
+        return self._data[pos + 4:pos + 4 + n]
 
     def advance(self) -> None:
         """Consume the frame the last peek() returned, handing its space back to the producer."""
         if _WEAK_ORDER:
             memory_fence()  # our reads of the payload complete before the producer may reuse it
-        self._head = self._next_head
-        _U64.pack_into(self._hdr, _HEAD, self._head)
+        self._head = self._w[_HEAD] = self._next_head
 
     def try_get(self) -> bytes | None:
         """Remove and return the next frame's payload (a copy), or None if the ring is empty."""
@@ -230,12 +229,12 @@ class Ring:
     # --- inspection (any process) -------------------------------------------------------
     def depth(self) -> int:
         """Bytes in use, wrap padding included (head read first, so never negative)."""
-        head = _U64.unpack_from(self._hdr, _HEAD)[0]
-        return _U64.unpack_from(self._hdr, _TAIL)[0] - head
+        head = self._w[_HEAD]
+        return self._w[_TAIL] - head
 
     def pending(self) -> bool:
         """Whether a frame is waiting (usable as a Doorbell ``ready`` callable)."""
-        return _U64.unpack_from(self._hdr, _TAIL)[0] != _U64.unpack_from(self._hdr, _HEAD)[0]
+        return self._w[_HEAD] != self._w[_TAIL]  # head first, as in depth()
 
     @property
     def capacity(self) -> int:
@@ -243,8 +242,8 @@ class Ring:
 
     def close(self) -> None:
         """Release this object's views so the segment's mmap can be closed."""
-        self._hdr.release()
-        self._data.release()
+        for view in (self._lens, self._data, self._w):
+            view.release()
 
 
 class Doorbell:
@@ -255,7 +254,7 @@ class Doorbell:
     """
 
     def __init__(self, flag_buf: memoryview, sem_name: str) -> None:
-        self._flag = _view(flag_buf, 8, "Doorbell")
+        self._flag = _view(flag_buf, 8, "Doorbell").cast("Q")
         self._sem = posix_ipc.Semaphore(sem_name, posix_ipc.O_CREAT, initial_value=0)
         self.name = sem_name
 
@@ -273,7 +272,7 @@ class Doorbell:
     def ring(self) -> bool:
         """Producer, after publishing: wake the consumer if it sleeps. Returns whether it posted."""
         memory_fence()  # our tail store must be visible before we load the flag (store->load)
-        if _U64.unpack_from(self._flag, 0)[0]:
+        if self._flag[0]:
             self._sem.release()
             return True
         return False
@@ -287,7 +286,7 @@ class Doorbell:
                 return True
             if time.perf_counter() >= spin_end:
                 break
-        _U64.pack_into(self._flag, 0, 1)
+        self._flag[0] = 1
         # Lost-wakeup guard: a producer that published before seeing our flag did not post. So
         # after raising the flag (fenced: store then load) we check again. Either that producer
         # stored tail before we look (we see it here), or it loads the flag after our store
@@ -304,7 +303,18 @@ class Doorbell:
                     pass  # loop: one last ready() check, then the deadline ends it
             return True
         finally:
-            _U64.pack_into(self._flag, 0, 0)
+            self._flag[0] = 0
+
+    def drain(self) -> int:
+        """Discard stale posts (e.g. made for a consumer that died asleep, its flag still set);
+        a consumer taking over calls this once. Returns how many it discarded."""
+        count = 0
+        while True:
+            try:
+                self._sem.acquire(0)
+            except posix_ipc.BusyError:
+                return count
+            count += 1
 
     def close(self) -> None:
         """Close this process's semaphore handle (the name stays; see unlink) and flag view."""

@@ -85,15 +85,19 @@ class Segment:
     @classmethod
     def create(cls, name: str, layout: Layout, num_blocks: int, *, mode: int = 0o600,
                max_clients: int = 32, ring_capacity: int = 128 << 10,
-               hold_capacity: int = 4096, exist_ok: bool = False) -> "Segment":
+               hold_capacity: int = 4096, policy: str = "lru",
+               exist_ok: bool = False) -> "Segment":
         """Create segment ``name`` holding ``num_blocks`` blocks of ``layout``.
 
         With ``exist_ok`` an existing segment is attached instead (and validated against
-        ``layout``). Space is reserved now: too little room raises
+        ``layout``). ``policy`` ("lru" or "arc") is the eviction policy every owner of this
+        segment will use. Space is reserved now: too little room raises
         :class:`InsufficientSpaceError` and leaves nothing behind.
         """
         geo = Geometry(int(num_blocks), layout.page_bytes, max_clients, ring_capacity,
                        hold_capacity)
+        from .policy import make_policy
+        policy = make_policy(policy, 1).name  # validate before touching /dev/shm
         posix = shm_name(name)
         try:
             shm = posix_ipc.SharedMemory(posix, posix_ipc.O_CREX, mode=mode, size=0)
@@ -123,7 +127,7 @@ class Segment:
                     f"free space or enlarge {SHM_DIR}") from None
             mm = mmap.mmap(shm.fd, need)
             seg = cls(name, shm, mm, layout, geo, time.time_ns())
-            seg._write_header()
+            seg._write_header(policy)
             locks.unlock(shm.fd, L.LOCK_INIT)
             return seg
         except BaseException:
@@ -193,9 +197,10 @@ class Segment:
         geo = Geometry(nblocks, found.page_bytes, maxc, ringcap, holdcap)
         return cls(name, shm, mm, found, geo, created)
 
-    def _write_header(self) -> None:
+    def _write_header(self, policy: str) -> None:
         g, lay = self.geometry, self.layout
         b = self.buf
+        b[L.OFF_POLICY:L.OFF_POLICY + len(policy)] = policy.encode()
         b[L.OFF_LAYOUT_DESC:L.OFF_LAYOUT_DESC + len(lay.describe())] = lay.describe().encode()
         b[L.OFF_PAGE_BYTES:L.OFF_PAGE_BYTES + 8 * L.MAX_PLANES] = L.plane_pages(lay.page_bytes)
         # The block table needs no writes: fallocate zero-filled it (state FREE, seq 0).
@@ -213,11 +218,11 @@ class Segment:
         """Unmap and close this process's handle (the segment itself stays)."""
         if self._mm is None:
             return
-        self.buf.release()
         try:
+            self.buf.release()
             self._mm.close()
         except BufferError:
-            pass  # numpy/torch views still alive: the mapping goes when they do
+            pass  # numpy/torch/ring views still alive: the mapping goes when they do
         with contextlib.suppress(Exception):
             self._shm.close_fd()
         self._mm = None
@@ -292,6 +297,11 @@ class Segment:
 
     def write_owner_record(self, pid: int, epoch: int, since_ns: int, tick: int) -> None:
         L.OWNER.pack_into(self.buf, L.OFF_OWNER, pid, epoch, since_ns, tick)
+
+    @property
+    def policy(self) -> str:
+        """The eviction policy recorded at creation."""
+        return bytes(self.buf[L.OFF_POLICY:L.OFF_POLICY + 16]).rstrip(b"\0").decode() or "lru"
 
     def owner_alive(self) -> bool:
         return locks.is_held(self.fd, L.LOCK_OWNER)

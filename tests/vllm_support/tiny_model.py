@@ -105,14 +105,14 @@ def build_tiny_model(path: str | os.PathLike) -> str:
         bos_token_id=fast.bos_token_id,
         eos_token_id=fast.eos_token_id,
         tie_word_embeddings=False,
-        torch_dtype="float32",
+        dtype="float32",
     )
-    devnull_state = torch.random.get_rng_state()
+    saved_rng = torch.random.get_rng_state()
     try:
         torch.manual_seed(SEED)
         model = LlamaForCausalLM(cfg).to(torch.float32).eval()
     finally:
-        torch.random.set_rng_state(devnull_state)
+        torch.random.set_rng_state(saved_rng)
     model.save_pretrained(path, safe_serialization=True)
 
     with open(marker, "w") as f:

@@ -1,0 +1,32 @@
+"""The ``kvshm`` command: run an owner in the foreground for people who want a daemon.
+
+This module owns only argument parsing for ``kvshm serve``; serving lives in ``owner.py``.
+It never imports torch.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="kvshm",
+        description="kvshm: a shared-memory KV-cache CPU tier shared by co-located engines. "
+                    "Clients start an owner on demand; 'kvshm serve' runs one under your "
+                    "process manager instead. Inspect caches with 'kvshm-inspect'.")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    serve = sub.add_parser(
+        "serve", help="serve a segment's index in the foreground",
+        description="Own segment NAME until SIGTERM/SIGINT: answer every client's manager "
+                    "requests and reclaim what dead clients held. Exits 0 at once if another "
+                    "owner already serves it. Example: kvshm serve mycache --log-level INFO")
+    serve.add_argument("name", help="segment name (the one engines pass to kvshm.connect)")
+    serve.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    args = ap.parse_args(argv)
+    from .owner import main as owner_main
+    return owner_main([args.name, "--log-level", args.log_level])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

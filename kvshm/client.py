@@ -1,0 +1,377 @@
+"""Engine-side access to a shared segment: ``connect()`` and the ``SharedManager`` proxy.
+
+This module owns a client's slot in the segment (claimed with a kernel-released lock), its
+request/reply rings to the owner, and its *holds*: the blocks it leased by a lookup or pinned
+for a load. Reads never go through the owner:
+
+* ``lookup``/``key_status`` read the key index and block table in the segment directly.
+* A hit is *leased*: the block id goes into this client's hold array, then the block is
+  re-checked after a full fence. The owner marks a victim EVICTING, fences, then reads every
+  client's holds and spares held blocks, so one of the two always sees the other (see
+  ``LocalManager._fence_victims``). A leased hit therefore stays loadable until
+  ``prepare_load`` turns the lease into a pin, ``release`` drops it, or the client holds more
+  than ``hold_capacity // 2`` leases (the oldest lease is dropped first — a later
+  ``prepare_load`` of it may then fail, and the engine recomputes).
+* ``prepare_load``/``complete_load`` only change holds; ``touch`` is a one-way frame.
+Stores go through the owner: ``prepare_store`` and ``complete_store`` are round trips.
+
+When the owner dies mid-call, the client starts another (or waits for one) and repeats the
+request if the dead owner had consumed it unanswered; callers see a delay, not an error.
+It never copies block data and never imports torch.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import OrderedDict
+from typing import Sequence
+
+import msgspec
+import numpy as np
+
+from . import layout as L
+from . import locks
+from . import protocol as P
+from .api import LookupResult, OffloadingEvent, OffloadingManager, PrepareStoreOutput
+from .errors import (BlockStateError, CacheFullError, ClientSlotsExhaustedError,
+                     OwnerUnavailableError, ReplyTimeoutError, UnknownKeyError)
+from .fence import full_fence
+from .layout import Layout
+from .ring import Doorbell, Ring
+from .segment import Segment, sem_name
+from .table import BlockTable, KeyIndex
+
+REPLY_SPIN_S = 0.002  # spin this long for a reply before sleeping on the semaphore
+OWNER_START_TIMEOUT_S = 20.0
+OWNER_IDLE_EXIT_S = 10.0
+
+
+def connect(name: str, layout: Layout | None = None, *, num_blocks: int | None = None,
+            nbytes: int | None = None, policy: str = "lru", mode: int = 0o600,
+            events: bool = False, timeout: float = 30.0, **create_kw: int) -> "SharedManager":
+    """Attach this process to shared cache ``name`` and return its manager.
+
+    Give ``num_blocks`` or ``nbytes`` (with ``layout``) to create the segment if it does not
+    exist yet; without them the segment must exist. ``layout``, when given, must match the
+    segment's. An owner process is started if none is serving. ``events=True`` makes
+    ``take_events`` report every store and eviction in the shared cache.
+    """
+    if num_blocks is None and nbytes is not None:
+        if layout is None:
+            raise TypeError("connect(nbytes=...) needs the layout to size blocks")
+        num_blocks = L.geometry_for_bytes(layout, nbytes).num_blocks
+    if num_blocks is not None:
+        if layout is None:
+            raise TypeError("connect(num_blocks=...) needs the layout of the blocks")
+        seg = Segment.create(name, layout, num_blocks, mode=mode, policy=policy,
+                             exist_ok=True, **create_kw)
+    else:
+        seg = Segment.attach(name, layout)
+    try:
+        return SharedManager(seg, events=events, timeout=timeout)
+    except BaseException:
+        seg.close()
+        raise
+
+
+class SharedManager(OffloadingManager):
+    """The manager proxy of one client process. Same semantics as ``LocalManager``.
+
+    Not for concurrent use from several threads without external locking of the read path
+    (calls to the owner are serialised internally).
+    """
+
+    def __init__(self, segment: Segment, *, events: bool = False, timeout: float = 30.0):
+        self.segment = segment
+        self.timeout = timeout
+        g = segment.geometry
+        self.table = BlockTable(segment.buf, g)
+        self.index = KeyIndex(segment.buf, g, self.table)
+        self._lock = threading.Lock()
+        self._req = 0
+        self._owner_proc: subprocess.Popen | None = None
+        self._leases: OrderedDict[bytes, int] = OrderedDict()  # key -> hold index
+        self._pins: dict[bytes, list[int]] = {}  # key -> hold indexes, one per prepare_load
+        self._lease_limit = g.hold_capacity // 2
+        self.slot, self.gen = self._claim_slot()
+        base = g.slot_offset(self.slot)
+        self._holds = np.frombuffer(segment.buf, np.int32, g.hold_capacity, base + g.hold_offset)
+        self._free_holds = list(range(g.hold_capacity - 1, -1, -1))
+        self._ctr = np.frombuffer(segment.buf, np.uint64, len(L.SLOT_COUNTERS),
+                                  base + L.SLOT_OFF_COUNTERS)
+        bell = base + g.bells_offset
+        self._reply_bell = Doorbell(segment.buf[bell:bell + 8],
+                                    sem_name(segment.name, f"c{self.slot}-reply"))
+        self._owner_bell = Doorbell(segment.buf[L.OFF_OWNER_BELL:L.OFF_OWNER_BELL + 8],
+                                    sem_name(segment.name, "owner"))
+        self._newcomer = segment.buf[L.OFF_NEWCOMER:L.OFF_NEWCOMER + 8].cast("Q")
+        self._activate()
+        ring = lambda k: segment.buf[base + g.rings_offset + k * g.ring_region:  # noqa: E731
+                                     base + g.rings_offset + (k + 1) * g.ring_region]
+        self._requests, self._replies = Ring(ring(0)), Ring(ring(1))
+        self._newcomer[0] = 1  # after ACTIVE is visible: the owner clears, fences, then scans
+        self._ensure_owner()
+        self._owner_bell.ring()
+        self._call(P.Hello(self._next_req(), self.slot, self.gen, os.getpid(), events))
+
+    # --- slot ---------------------------------------------------------------------------
+    def _claim_slot(self) -> tuple[int, int]:
+        """Lock a free slot. A dead client's slot stays unusable until the owner (or
+        ``kvshm-inspect gc``) has reclaimed what it held, so we wait for that a little."""
+        g, fd = self.segment.geometry, self.segment.fd
+        deadline = time.monotonic() + 5.0
+        while True:
+            dirty = False
+            for slot in range(g.max_clients):
+                if not locks.try_lock(fd, L.LOCK_CLIENT_BASE + slot):
+                    continue
+                state, _, gen, _, _ = L.SLOT.unpack_from(self.segment.buf, g.slot_offset(slot))
+                if state == 0:
+                    return slot, gen + 1
+                locks.unlock(fd, L.LOCK_CLIENT_BASE + slot)
+                dirty = True
+            if not dirty or time.monotonic() > deadline:
+                raise ClientSlotsExhaustedError(
+                    f"all {g.max_clients} client slots of segment {self.segment.name!r} are in "
+                    "use" + (" or wait to be reclaimed (run 'kvshm-inspect gc')" if dirty else "")
+                    + "; close unused clients or create the segment with more max_clients")
+            self._ensure_owner()  # the owner reclaims dead slots
+            time.sleep(0.05)  # polling the owner's reclaim, bounded by the deadline
+
+    def _activate(self) -> None:
+        g, buf = self.segment.geometry, self.segment.buf
+        base = g.slot_offset(self.slot)
+        self._holds[:] = -1
+        self._ctr[:] = 0
+        for k in range(len(L.RING_NAMES)):
+            off = base + g.rings_offset + k * g.ring_region
+            Ring.format(buf[off:off + g.ring_region], g.ring_capacity)
+        name = os.path.basename(sys.argv[0] or "python")[:32].encode()
+        L.SLOT.pack_into(buf, base, L.SLOT_ACTIVE, os.getpid(), self.gen, time.time_ns(), name)
+        full_fence()
+
+    # --- owner --------------------------------------------------------------------------
+    def _ensure_owner(self) -> None:
+        if self.segment.owner_alive():
+            return
+        err = tempfile.TemporaryFile()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvshm.owner", self.segment.name, "--idle-exit",
+             str(OWNER_IDLE_EXIT_S)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            stderr=err, start_new_session=True, close_fds=True)
+        deadline = time.monotonic() + OWNER_START_TIMEOUT_S
+        while not self.segment.owner_alive():
+            rc = proc.poll()
+            if rc not in (None, 0) or time.monotonic() > deadline:
+                err.seek(0)
+                why = err.read().decode(errors="replace").strip().splitlines()[-3:]
+                raise OwnerUnavailableError(
+                    f"could not start an owner for segment {self.segment.name!r} (exit "
+                    f"{rc}): {' | '.join(why) or 'no output'}; run 'kvshm serve "
+                    f"{self.segment.name}' to see why")
+            time.sleep(0.005)  # polling the child's start, bounded by the deadline
+        self._owner_proc = proc
+
+    def _next_req(self) -> int:
+        self._req += 1
+        return self._req
+
+    def _call(self, msg: P._Msg) -> P.Reply:
+        """Send one request and wait for its reply, riding out owner failovers."""
+        with self._lock:
+            frame = P.request_encoder.encode(msg)
+            self._requests.put(frame, timeout=self.timeout)
+            self._owner_bell.ring()
+            deadline = time.monotonic() + self.timeout
+            while True:
+                if self._reply_bell.wait(0.1, self._replies.pending, REPLY_SPIN_S):
+                    reply = P.reply_decoder.decode(self._replies.try_get())
+                    if reply.req == msg.req or (reply.req == 0 and isinstance(reply, P.Error)):
+                        if isinstance(reply, P.Error):
+                            P.raise_error(reply)
+                        return reply
+                    continue  # the answer to a request we gave up on: skip it
+                if time.monotonic() > deadline:
+                    raise ReplyTimeoutError(
+                        f"no reply from the owner of {self.segment.name!r} within "
+                        f"{self.timeout:g}s; check 'kvshm-inspect show {self.segment.name}'")
+                if not self.segment.owner_alive():
+                    self._ensure_owner()
+                    if not self._requests.pending() and not self._replies.pending():
+                        # The dead owner consumed the request without answering: repeat it.
+                        if isinstance(msg, P.PrepareStore):
+                            msg = msgspec.structs.replace(msg, replay=True)
+                        self._requests.put(P.request_encoder.encode(msg), timeout=self.timeout)
+                    self._owner_bell.ring()
+
+    def _send(self, msg: P._Msg) -> None:
+        """One-way request (``req == 0``): no reply is awaited."""
+        with self._lock:
+            self._requests.put(P.request_encoder.encode(msg), timeout=self.timeout)
+            self._owner_bell.ring()
+
+    # --- reads and holds ----------------------------------------------------------------
+    def _lease(self, key: bytes, block: int) -> bool:
+        if key in self._leases:
+            return True
+        if not self._free_holds:
+            return False
+        i = self._free_holds.pop()
+        self._holds[i] = block
+        full_fence()  # our hold before our re-check: the owner fences the other way round
+        if self.table.state_if_key(block, key) != L.READY:
+            self._holds[i] = -1
+            self._free_holds.append(i)
+            return False
+        self._leases[key] = i
+        if len(self._leases) > self._lease_limit:
+            self._unhold(self._leases.popitem(last=False)[1])
+        return True
+
+    def _unhold(self, i: int) -> None:
+        self._holds[i] = -1
+        self._free_holds.append(i)
+
+    def lookup(self, keys: Sequence[bytes]) -> int:
+        n = 0
+        find = self.index.find
+        for k in keys:
+            block, state = find(k)
+            if state != L.READY or not self._lease(k, block):
+                break
+            n += 1
+        self._ctr[0] += n + (n < len(keys))  # keys examined: the hits and the first miss
+        self._ctr[1] += n
+        return n
+
+    def key_status(self, key: bytes) -> LookupResult:
+        block, state = self.index.find(key)
+        self._ctr[0] += 1
+        if state == L.READY and self._lease(key, block):
+            self._ctr[1] += 1
+            return LookupResult.HIT
+        return LookupResult.PENDING if state == L.WRITING else LookupResult.MISS
+
+    def release(self, keys: Sequence[bytes] | None = None) -> None:
+        """Drop the lookup leases of ``keys`` (all leases if None); pins are unaffected."""
+        for k in list(self._leases) if keys is None else keys:
+            i = self._leases.pop(k, None)
+            if i is not None:
+                self._unhold(i)
+
+    def prepare_load(self, keys: Sequence[bytes]) -> list[int]:
+        taken: list[tuple[bytes, int]] = []
+        blocks = []
+        try:
+            for k in keys:
+                i = self._leases.pop(k, None)
+                if i is None:
+                    block, state = self.index.find(k)
+                    if state == L.WRITING:
+                        raise BlockStateError(f"key {k.hex()[:16]}… is still being stored; "
+                                              "retry later")
+                    if state == L.READY and not self._free_holds:
+                        raise CacheFullError(
+                            f"this client holds {len(self._holds)} blocks already (its "
+                            "hold_capacity); complete_load or release() some first")
+                    if state != L.READY or not self._lease(k, block):
+                        raise UnknownKeyError(f"key {k.hex()[:16]}… is not cached; lookup() "
+                                              "first")
+                    i = self._leases.pop(k)
+                taken.append((k, i))
+                blocks.append(int(self._holds[i]))
+        except BaseException:
+            for _, i in taken:
+                self._unhold(i)
+            raise
+        for k, i in taken:
+            self._pins.setdefault(k, []).append(i)
+        self._ctr[2] += 1
+        self._ctr[3] += len(blocks)
+        return blocks
+
+    def complete_load(self, keys: Sequence[bytes]) -> None:
+        need: dict[bytes, int] = {}
+        for k in keys:
+            need[k] = need.get(k, 0) + 1
+            if len(self._pins.get(k, ())) < need[k]:
+                if self.index.find(k)[0] < 0:
+                    raise UnknownKeyError(f"complete_load of key {k.hex()[:16]}… which is "
+                                          "not cached")
+                raise BlockStateError(f"complete_load of key {k.hex()[:16]}… without a "
+                                      "matching prepare_load")
+        for k in keys:
+            pins = self._pins[k]
+            self._unhold(pins.pop())
+            if not pins:
+                del self._pins[k]
+
+    def held_blocks(self) -> int:
+        """How many holds (leases + pins) this client has."""
+        return len(self._holds) - len(self._free_holds)
+
+    def add_bytes(self, loaded: int = 0, stored: int = 0) -> None:
+        """Count bytes moved by this process's transfers (shown by kvshm-inspect)."""
+        self._ctr[4] += loaded
+        self._ctr[5] += stored
+
+    # --- owner round trips --------------------------------------------------------------
+    def touch(self, keys: Sequence[bytes]) -> None:
+        if keys:
+            self._send(P.Touch(0, list(keys)))
+
+    def prepare_store(self, keys: Sequence[bytes]) -> PrepareStoreOutput | None:
+        for k in keys:
+            L.check_key(k)
+        reply = self._call(P.PrepareStore(self._next_req(), list(keys)))
+        if isinstance(reply, P.NoRoom):
+            return None
+        return PrepareStoreOutput(reply.keys, reply.blocks, reply.evicted)
+
+    def complete_store(self, keys: Sequence[bytes], success: bool = True) -> None:
+        self._call(P.CompleteStore(self._next_req(), list(keys), success))
+
+    def owner_lookup(self, keys: Sequence[bytes]) -> int:
+        """``lookup`` answered by the owner (a ring round trip; no lease). For benchmarks."""
+        return self._call(P.Lookup(self._next_req(), list(keys))).value
+
+    def take_events(self) -> list[OffloadingEvent]:
+        r = self._call(P.TakeEvents(self._next_req()))
+        return [OffloadingEvent(k, removed=False) for k in r.stored] + \
+               [OffloadingEvent(k, removed=True) for k in r.removed]
+
+    def shutdown(self) -> None:
+        """Say goodbye (the owner frees our unfinished stores), drop holds, free the slot."""
+        if self.segment is None:
+            return
+        seg = self.segment
+        try:
+            if seg.owner_alive():
+                self._call(P.Bye(self._next_req()))
+        except Exception:
+            pass  # the owner reclaims a vanished client anyway
+        self._holds[:] = -1
+        g = seg.geometry
+        L.SLOT.pack_into(seg.buf, g.slot_offset(self.slot), 0, 0, self.gen, 0, b"")
+        locks.unlock(seg.fd, L.LOCK_CLIENT_BASE + self.slot)
+        for r in (self._requests, self._replies):
+            r.close()
+        self._reply_bell.close()
+        self._owner_bell.close()
+        self._newcomer.release()
+        del self._holds, self._ctr
+        self._leases.clear()
+        self._pins.clear()
+        seg.close()
+        self.segment = None  # type: ignore[assignment]
+
+    def __enter__(self) -> "SharedManager":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
