@@ -221,7 +221,7 @@ class SharedManager(OffloadingManager):
         if not self._free_holds:
             return False
         i = self._free_holds.pop()
-        self._holds[i] = block
+        self._holds[i] = L.lease_code(block)
         full_fence()  # our hold before our re-check: the owner fences the other way round
         if self.table.state_if_key(block, key) != L.READY:
             self._holds[i] = -1
@@ -232,7 +232,7 @@ class SharedManager(OffloadingManager):
             self._unhold(self._leases.popitem(last=False)[1])
         return True
 
-    def _unhold(self, i: int) -> None:
+    def _unhold(self, i: int) -> None:  # noqa: D401 - free one hold entry
         self._holds[i] = -1
         self._free_holds.append(i)
 
@@ -283,7 +283,9 @@ class SharedManager(OffloadingManager):
                                               "first")
                     i = self._leases.pop(k)
                 taken.append((k, i))
-                blocks.append(int(self._holds[i]))
+                block = L.held_block(int(self._holds[i]))
+                self._holds[i] = block  # lease -> pin: now it protects against our own stores
+                blocks.append(block)
         except BaseException:
             for _, i in taken:
                 self._unhold(i)
@@ -341,8 +343,7 @@ class SharedManager(OffloadingManager):
 
     def take_events(self) -> list[OffloadingEvent]:
         r = self._call(P.TakeEvents(self._next_req()))
-        return [OffloadingEvent(k, removed=False) for k in r.stored] + \
-               [OffloadingEvent(k, removed=True) for k in r.removed]
+        return [OffloadingEvent(k, removed=rm) for rm, k in zip(r.removed, r.keys)]
 
     def shutdown(self) -> None:
         """Say goodbye (the owner frees our unfinished stores), drop holds, free the slot."""

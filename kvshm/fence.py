@@ -19,15 +19,24 @@ import platform
 import threading
 
 _lock = threading.Lock()
+_acq, _rel = _lock.acquire, _lock.release
+_X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686", "x86")
 
 
 def full_fence() -> None:
-    _lock.acquire()
-    _lock.release()
+    # On x86 one LOCK-prefixed instruction is a full fence. On AArch64 an acquire then a
+    # release lets accesses move into the pair, but release->acquire is ordered (RCsc), so
+    # the middle pair of acquire-release-acquire-release orders all before against all after.
+    _acq(); _rel(); _acq(); _rel()  # noqa: E702
+
+
+if _X86:
+    def full_fence() -> None:  # noqa: F811
+        _acq(); _rel()  # noqa: E702
 
 
 def _noop() -> None:
     return None
 
 
-publish_fence = _noop if platform.machine() in ("x86_64", "AMD64", "i686") else full_fence
+publish_fence = _noop if _X86 else full_fence

@@ -77,6 +77,17 @@ SLOT_HEAD_BYTES = 192
 RING_NAMES = ("request", "reply", "peer_in", "peer_out")
 BELL_NAMES = ("reply", "peer_in", "peer_out")
 
+# A hold entry is -1 (empty), a block id (a load pin) or lease_code(block) (a lookup lease).
+# Leases protect a block from *other* clients' evictions; pins from everyone's.
+def lease_code(block: int) -> int:
+    return -2 - block
+
+
+def held_block(code: int) -> int:
+    """The block an occupied hold entry refers to (pin or lease)."""
+    return code if code >= 0 else -2 - code
+
+
 # --- block table -------------------------------------------------------------------------
 # seq (seqlock: odd while the owner rewrites the entry), state, keylen, writer slot,
 # writer generation, writer request id, last use, stored_ns, key

@@ -29,14 +29,15 @@ LOCAL_WRITER: Writer = (-1, 0, 0)
 class LocalManager(OffloadingManager):
     """In-process manager over a segment. Thread-unsafe: one caller (the owner loop).
 
-    ``held`` returns the blocks that clients hold (lookup leases and load pins live in the
-    clients' slots, not here); those are never evicted. ``writer_alive`` decides, when the
+    ``held(requester_slot)`` returns the blocks that clients hold against a store of that
+    requester (lookup leases and load pins live in the clients' slots, not here); those are
+    never evicted. ``writer_alive`` decides, when the
     index is rebuilt from the table, whether a half-finished store still has its writer.
     """
 
     def __init__(self, segment: Segment, policy: str | None = None, *,
                  enable_events: bool = False,
-                 held: Callable[[], set[int]] | None = None,
+                 held: Callable[[int], set[int]] | None = None,
                  writer_alive: Callable[[int, int], bool] | None = None):
         if not locks.try_lock(segment.fd, L.LOCK_OWNER):
             raise OwnerUnavailableError(
@@ -167,7 +168,7 @@ class LocalManager(OffloadingManager):
         need = len(new) - len(self._free)
         evicted: list[bytes] = []
         if need > 0:
-            victims = self._evict(need, protected=set(keys))
+            victims = self._evict(need, set(keys), writer[0])
             if victims is None:
                 self.segment.counter_add("prepare_store_refused")
                 return None
@@ -237,8 +238,8 @@ class LocalManager(OffloadingManager):
         return len(keys)
 
     # --- eviction -----------------------------------------------------------------------
-    def _evict(self, n: int, protected: set[bytes]) -> list[bytes] | None:
-        held = self._held() if self._held else set()
+    def _evict(self, n: int, protected: set[bytes], requester: int) -> list[bytes] | None:
+        held = self._held(requester) if self._held else set()
         blocks, ready, pins = self._blocks, self._ready, self._pins
 
         def can_evict(k: bytes) -> bool:
@@ -249,7 +250,7 @@ class LocalManager(OffloadingManager):
         if victims is None:
             return None
         if self._held:
-            victims = self._fence_victims(victims, can_evict)
+            victims = self._fence_victims(victims, can_evict, requester)
             if victims is None:
                 return None
         for k in victims:
@@ -259,8 +260,8 @@ class LocalManager(OffloadingManager):
             self._events.append(OffloadingEvent(victims, removed=True))
         return victims
 
-    def _fence_victims(self, victims: list[bytes], can_evict: Callable[[bytes], bool]
-                       ) -> list[bytes] | None:
+    def _fence_victims(self, victims: list[bytes], can_evict: Callable[[bytes], bool],
+                       requester: int) -> list[bytes] | None:
         """The eviction half of the lease handshake with lock-free client lookups.
 
         A client writes its lease, fences, then re-reads the block's state; we mark victims
@@ -271,7 +272,7 @@ class LocalManager(OffloadingManager):
         for k in victims:
             self.table.set_state(self._blocks[k], L.EVICTING)
         full_fence()
-        held = self._held()
+        held = self._held(requester)
         lost = [k for k in victims if self._blocks[k] in held]
         if not lost:
             return victims
@@ -279,7 +280,7 @@ class LocalManager(OffloadingManager):
             self.table.set_state(self._blocks[k], L.READY)
             self.policy.insert(k)  # it is being read: most recent is right
         keep = [k for k in victims if k not in lost]
-        more = self._evict_more(len(lost), can_evict, held)
+        more = self._evict_more(len(lost), can_evict, held, requester)
         if more is None:
             for k in keep:
                 self.table.set_state(self._blocks[k], L.READY)
@@ -287,12 +288,12 @@ class LocalManager(OffloadingManager):
             return None
         return keep + more
 
-    def _evict_more(self, n: int, can_evict: Callable[[bytes], bool], held: set[int]
-                    ) -> list[bytes] | None:
+    def _evict_more(self, n: int, can_evict: Callable[[bytes], bool], held: set[int],
+                    requester: int) -> list[bytes] | None:
         victims = self.policy.evict(n, lambda k: can_evict(k) and self._blocks[k] not in held)
         if victims is None:
             return None
-        return self._fence_victims(victims, can_evict)
+        return self._fence_victims(victims, can_evict, requester)
 
     def _drop(self, key: bytes) -> None:
         """Forget ``key`` and free its block (no eviction bookkeeping)."""

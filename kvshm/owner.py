@@ -50,8 +50,7 @@ class _Client:
         bell = base + g.bells_offset
         self.bell = Doorbell(seg.buf[bell:bell + 8], sem_name(seg.name, f"c{slot}-reply"))
         self.holds = np.frombuffer(seg.buf, np.int32, g.hold_capacity, base + g.hold_offset)
-        self.stored: list[list[bytes]] = []
-        self.removed: list[list[bytes]] = []
+        self.events_log: list[tuple[bool, list[bytes]]] = []
 
 
 class Owner:
@@ -65,6 +64,7 @@ class Owner:
         g = self.seg.geometry
         self.bell = Doorbell(self.seg.buf[L.OFF_OWNER_BELL:L.OFF_OWNER_BELL + 8],
                              sem_name(name, "owner"))
+        self.bell.drain()  # a predecessor that died asleep leaves stale posts behind
         self.idle_exit_s = idle_exit_s
         self._inode = os.fstat(self.seg.fd).st_ino
         self._running = True
@@ -93,12 +93,21 @@ class Owner:
         return 0 <= slot < self.seg.geometry.max_clients and \
             locks.is_held(self.seg.fd, L.LOCK_CLIENT_BASE + slot) and self._slot_gen(slot) == gen
 
-    def _held(self) -> set[int]:
-        """Blocks leased or pinned by attached clients (dead ones too, until reclaimed)."""
-        if not self.clients:
+    def _held(self, requester: int) -> set[int]:
+        """Blocks that attached clients hold (dead ones too, until reclaimed): all pins, and
+        the leases of clients other than ``requester`` — a client's own lookups do not stop
+        its own stores, exactly as in a private cache."""
+        parts = []
+        for c in self.clients.values():
+            h = c.holds
+            if c.slot == requester:
+                parts.append(h[h >= 0])
+            else:
+                h = h[h != -1]
+                parts.append(np.where(h >= 0, h, -2 - h))
+        if not parts:
             return set()
-        held = np.concatenate([c.holds for c in self.clients.values()])
-        return set(held[held >= 0].tolist())
+        return set(np.concatenate(parts).tolist())
 
     def _scan(self) -> None:
         for slot, c in list(self.clients.items()):
@@ -248,8 +257,8 @@ class Owner:
         return P.Ok(m.req)
 
     def _take_events(self, c: _Client, m: P.TakeEvents) -> P.Reply:
-        stored, removed, c.stored, c.removed = c.stored, c.removed, [], []
-        return P.Events(m.req, stored, removed)
+        log, c.events_log = c.events_log, []
+        return P.Events(m.req, [rm for rm, _ in log], [k for _, k in log])
 
     def _bye(self, c: _Client, m: P.Bye) -> P.Reply | None:
         self.manager.reclaim_writer(c.slot, c.gen)
@@ -264,9 +273,8 @@ class Owner:
             return
         for c in self.clients.values():
             if c.events:
-                for e in events:
-                    (c.removed if e.removed else c.stored).append(e.keys)
-                del c.stored[:-MAX_EVENTS], c.removed[:-MAX_EVENTS]
+                c.events_log.extend((e.removed, e.keys) for e in events)
+                del c.events_log[:-MAX_EVENTS]
 
 
 def main(argv: list[str] | None = None) -> int:

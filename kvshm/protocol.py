@@ -82,8 +82,8 @@ class NoRoom(_Msg):
 
 class Events(_Msg):
     req: int
-    stored: list[list[bytes]]
-    removed: list[list[bytes]]
+    removed: list[bool]  # per event, in the order they happened
+    keys: list[list[bytes]]
 
 
 class Error(_Msg):

@@ -42,6 +42,7 @@ from typing import Callable
 
 import posix_ipc
 
+from kvshm.fence import full_fence
 from kvshm.errors import FrameTooLargeError, InvalidArgumentError, ProtocolError, RingFullError
 
 __all__ = ["Ring", "Doorbell", "memory_fence"]
@@ -51,27 +52,10 @@ _CAP, _TAIL, _HEAD, _DATA = 1, 8, 16, 192  # word indexes into the 'Q' header vi
 _WRAP = 0xFFFFFFFF  # length value of the wrap marker: "continue at offset 0"
 _SPIN_S, _YIELD_S, _SLEEP_MAX_S = 50e-6, 2e-3, 1e-3  # put() backoff phases when full
 
+_yield = os.sched_yield
 _WEAK_ORDER = platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686", "x86")
-_fence_lock = threading.Lock()
-_acq, _rel = _fence_lock.acquire, _fence_lock.release
-
-
-def memory_fence() -> None:
-    """Full memory barrier, built from a threading.Lock as vLLM's shm_broadcast does.
-
-    CPython's Lock is a POSIX semaphore; glibc's sem_trywait/sem_post are atomics with acquire
-    and release semantics. On x86 each is a LOCK-prefixed instruction, itself a full barrier.
-    On AArch64 an acquire followed by a release still lets accesses move *into* the pair and
-    past each other, but a release followed by an acquire is ordered (RCsc), so the middle
-    release->acquire of acquire-release-acquire-release orders everything before against
-    everything after. The lock is process-local; threads racing here merely serialise.
-    """
-    _acq(); _rel(); _acq(); _rel()
-
-
-if not _WEAK_ORDER:
-    def memory_fence() -> None:  # noqa: F811 - one LOCK-prefixed CAS is a full fence on x86
-        _acq(); _rel()
+# One fence for all of kvshm; see fence.py for why a lock round trip is a barrier.
+memory_fence = full_fence
 
 
 def _view(buf: memoryview, need: int, what: str, whole: bool = False) -> memoryview:
@@ -286,6 +270,8 @@ class Doorbell:
                 return True
             if time.perf_counter() >= spin_end:
                 break
+            # Yield while spinning: on a loaded host the producer may be waiting for our core.
+            _yield()
         self._flag[0] = 1
         # Lost-wakeup guard: a producer that published before seeing our flag did not post. So
         # after raising the flag (fenced: store then load) we check again. Either that producer

@@ -79,7 +79,9 @@ class Segment:
         self.buf = memoryview(mm)
         self._shm = shm
         self._mm = mm
-        self._counter = struct.Struct("<Q")
+        # Counters are read by other processes: store words through a cast (one copy each),
+        # never with struct.pack_into, which zero-fills before writing.
+        self._counters = self.buf[L.OFF_COUNTERS:L.OFF_COUNTERS + 8 * 32].cast("Q")
 
     # --- lifecycle ----------------------------------------------------------------------
     @classmethod
@@ -219,6 +221,7 @@ class Segment:
         if self._mm is None:
             return
         try:
+            self._counters.release()
             self.buf.release()
             self._mm.close()
         except BufferError:
@@ -277,16 +280,12 @@ class Segment:
 
     # --- header records -----------------------------------------------------------------
     def counter(self, name: str) -> int:
-        return self._counter.unpack_from(self.buf, self._counter_off(name))[0]
+        return self._counters[L.COUNTER_NAMES.index(name)]
 
     def counter_add(self, name: str, n: int = 1) -> None:
         """Owner only (single writer): add ``n`` to header counter ``name``."""
-        off = self._counter_off(name)
-        self._counter.pack_into(self.buf, off, self._counter.unpack_from(self.buf, off)[0] + n)
-
-    @staticmethod
-    def _counter_off(name: str) -> int:
-        return L.OFF_COUNTERS + 8 * L.COUNTER_NAMES.index(name)
+        i = L.COUNTER_NAMES.index(name)
+        self._counters[i] = (self._counters[i] + n) & 0xFFFFFFFFFFFFFFFF
 
     def counters(self) -> dict[str, int]:
         return {n: self.counter(n) for n in L.COUNTER_NAMES}

@@ -17,11 +17,16 @@ from typing import NamedTuple
 from . import layout as L
 from .fence import publish_fence
 
-_SEQ = struct.Struct("<I")
+# struct.pack_into zero-fills its target before writing, so another process can observe a
+# transient 0. Words that readers rely on (the seqlock word, last use, pins) are therefore
+# written through memoryview casts, which store each word with one aligned copy; pack_into
+# is only used for the entry body while the odd sequence number marks it as in flux.
+_BODY = struct.Struct(f"<BBhIIQQQ{L.MAX_KEY_BYTES}s")
 _KEY_OFF = struct.calcsize("<IBBhIIQQQ")
-_LAST_USE_OFF = struct.calcsize("<IBBhII")
-_U64 = struct.Struct("<Q")
-_STATE = struct.Struct("<B")
+_LAST_USE_WORD = struct.calcsize("<IBBhII") // 8
+_PINS_WORD = _KEY_OFF // 8 - 1
+_WORDS32 = L.ENTRY_BYTES // 4
+_WORDS64 = L.ENTRY_BYTES // 8
 
 
 class Entry(NamedTuple):
@@ -43,56 +48,67 @@ class BlockTable:
         self.buf = buf
         self.base = geometry.table_offset
         self.num_blocks = geometry.num_blocks
+        region = buf[self.base:self.base + self.num_blocks * L.ENTRY_BYTES]
+        self._w32 = region.cast("I")
+        self._w64 = region.cast("Q")
+
+    def close(self) -> None:
+        self._w32.release()
+        self._w64.release()
 
     def read(self, block: int) -> Entry:
         """A consistent snapshot of ``block``'s entry (retries while the owner rewrites it)."""
         off = self.base + block * L.ENTRY_BYTES
+        w, i = self._w32, block * _WORDS32
         while True:
-            f = L.ENTRY.unpack_from(self.buf, off)
+            seq = w[i]
             publish_fence()
-            if not f[0] & 1 and _SEQ.unpack_from(self.buf, off)[0] == f[0]:
-                return Entry(f[0], f[1], f[9][:f[2]], *f[3:9])
+            f = _BODY.unpack_from(self.buf, off + 4)
+            publish_fence()
+            if not seq & 1 and w[i] == seq:
+                return Entry(seq, f[0], f[8][:f[1]], *f[2:8])
 
     def state_if_key(self, block: int, key: bytes) -> int:
         """``block``'s state if it currently holds ``key``, else -1. Lock-free reader."""
-        buf, off = self.buf, self.base + block * L.ENTRY_BYTES
+        buf, off, w, i = self.buf, self.base + block * L.ENTRY_BYTES, self._w32, block * _WORDS32
         while True:
-            seq, state, keylen = L.ENTRY_HEAD.unpack_from(buf, off)
+            seq = w[i]
             if seq & 1:
                 continue
             publish_fence()
+            state, keylen = buf[off + 4], buf[off + 5]
             same = keylen == len(key) and buf[off + _KEY_OFF:off + _KEY_OFF + keylen] == key
             publish_fence()
-            if _SEQ.unpack_from(buf, off)[0] == seq:
+            if w[i] == seq:
                 return state if same else -1
 
     # --- owner-only writers -------------------------------------------------------------
     def write(self, block: int, state: int, key: bytes, writer: int = -1, writer_gen: int = 0,
               writer_req: int = 0, last_use: int = 0, stored_ns: int = 0, pins: int = 0) -> None:
-        off = self.base + block * L.ENTRY_BYTES
-        seq = _SEQ.unpack_from(self.buf, off)[0]
-        _SEQ.pack_into(self.buf, off, seq + 1)
+        w, i = self._w32, block * _WORDS32
+        seq = w[i] | 1  # a writer that died mid-rewrite left it odd: move on from there
+        w[i] = seq
         publish_fence()
-        L.ENTRY.pack_into(self.buf, off, seq + 1, state, len(key), writer, writer_gen,
-                          writer_req, last_use, stored_ns, pins, key)
+        _BODY.pack_into(self.buf, self.base + block * L.ENTRY_BYTES + 4, state, len(key),
+                        writer, writer_gen, writer_req, last_use, stored_ns, pins, key)
         publish_fence()
-        _SEQ.pack_into(self.buf, off, seq + 2)
+        w[i] = (seq + 1) & 0xFFFFFFFF
 
     def set_state(self, block: int, state: int) -> None:
-        off = self.base + block * L.ENTRY_BYTES
-        seq = _SEQ.unpack_from(self.buf, off)[0]
-        _SEQ.pack_into(self.buf, off, seq + 1)
+        w, i = self._w32, block * _WORDS32
+        seq = w[i] | 1
+        w[i] = seq
         publish_fence()
-        _STATE.pack_into(self.buf, off + 4, state)
+        self.buf[self.base + block * L.ENTRY_BYTES + 4] = state
         publish_fence()
-        _SEQ.pack_into(self.buf, off, seq + 2)
+        w[i] = (seq + 1) & 0xFFFFFFFF
 
     def set_last_use(self, block: int, tick: int) -> None:
-        # A lone aligned 8-byte store: readers may see old or new, both are fine.
-        _U64.pack_into(self.buf, self.base + block * L.ENTRY_BYTES + _LAST_USE_OFF, tick)
+        # A lone aligned word store: readers may see old or new, both are fine.
+        self._w64[block * _WORDS64 + _LAST_USE_WORD] = tick
 
     def set_pins(self, block: int, pins: int) -> None:
-        _U64.pack_into(self.buf, self.base + block * L.ENTRY_BYTES + _KEY_OFF - 8, pins)
+        self._w64[block * _WORDS64 + _PINS_WORD] = pins
 
 
 class KeyIndex:
@@ -127,6 +143,8 @@ class KeyIndex:
         i = tag & mask
         while unpack(buf, base + 8 * i)[1] >= 0:
             i = (i + 1) & mask
+        # Block before tag would be nicer, but a torn slot only ever costs a spurious miss:
+        # readers verify every candidate against the entry's key.
         L.INDEX_SLOT.pack_into(buf, base + 8 * i, tag, block)
 
     def remove(self, key: bytes, block: int) -> None:

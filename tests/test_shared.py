@@ -1,0 +1,248 @@
+"""The shared manager across real processes: sharing, crashes, failover, bad frames, leases.
+
+Child processes are spawned (a fresh interpreter, like a real engine) and driven through
+pipes; crashes are real SIGKILLs. Waiting for the owner to notice a death polls the segment
+with a generous deadline — the deadline bounds a hang, it is not what the test asserts.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+
+import pytest
+
+from kvshm import layout as L
+from kvshm import protocol as P
+from kvshm.client import connect
+from kvshm.errors import FrameTooLargeError, ProtocolError
+from kvshm.segment import Segment
+from kvshm.table import BlockTable
+
+import procs
+from conftest import SMALL_GEOMETRY, TEST_LAYOUT
+
+CTX = mp.get_context("spawn")
+KEYS = [b"shared-key-%02d" % i for i in range(32)]
+
+
+def wait_for(cond, what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)  # polling a condition; the assertion is on the condition
+
+
+def spawn(target, name: str, *args):
+    """Start ``target(name, conn, *args)`` in a fresh interpreter; return (process, conn)."""
+    parent, child = CTX.Pipe()
+    p = CTX.Process(target=target, args=(name, child, *args), daemon=True)
+    p.start()
+    return p, parent
+
+
+def states(seg: Segment) -> list[int]:
+    t = BlockTable(seg.buf, seg.geometry)
+    out = [t.read(b).state for b in range(seg.geometry.num_blocks)]
+    t.close()
+    return out
+
+
+@pytest.fixture
+def cache(seg_name):
+    """A client of a fresh 8-block segment (its owner is killed at teardown)."""
+    mgr = connect(seg_name, TEST_LAYOUT, num_blocks=8, **SMALL_GEOMETRY)
+    yield mgr
+    pid = mgr.segment.owner_record()[0]
+    mgr.shutdown()
+    kill(pid)
+
+
+def kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def test_block_stored_by_one_process_is_loaded_by_another(cache, seg_name):
+    stored = procs.store(cache, KEYS[:4])
+    p, conn = spawn(procs.load_and_verify, seg_name, KEYS[:4])
+    result = conn.recv()
+    p.join()
+    assert stored == KEYS[:4]
+    assert result["hits"] == 4 and result["verified"] == 4
+
+
+def test_clients_get_distinct_slots(cache, seg_name):
+    p, conn = spawn(procs.connect_and_report, seg_name)
+    info = conn.recv()
+    conn.send("go")
+    p.join()
+    assert info["slot"] != cache.slot
+
+
+def test_killed_client_loses_its_pins_and_unfinished_stores(cache, seg_name):
+    procs.store(cache, KEYS[:4])
+    p, conn = spawn(procs.hold_and_wait, seg_name, KEYS[:4], KEYS[4:8])
+    info = conn.recv()
+    assert states(cache.segment).count(L.WRITING) == 4
+    os.kill(p.pid, signal.SIGKILL)
+    p.join()
+    wait_for(lambda: L.WRITING not in states(cache.segment), "the owner to free dead stores")
+    # Everything the dead client pinned or leased is evictable again: all 8 blocks are ours.
+    out = cache.prepare_store(KEYS[8:16])
+    assert out is not None and len(out.keys_to_store) == 8
+    assert info["slot"] != cache.slot
+
+
+def test_killed_client_slot_is_reused(cache, seg_name):
+    p, conn = spawn(procs.hold_and_wait, seg_name, [], KEYS[:2])
+    dead_slot = conn.recv()["slot"]
+    os.kill(p.pid, signal.SIGKILL)
+    p.join()
+    p2, conn2 = spawn(procs.connect_and_report, seg_name)
+    info = conn2.recv()
+    conn2.send("go")
+    p2.join()
+    assert info["slot"] == dead_slot
+
+
+def test_owner_killed_keeps_ready_blocks_and_next_call_succeeds(cache):
+    procs.store(cache, KEYS[:4])
+    pending = cache.prepare_store(KEYS[4:6])
+    pid, epoch = cache.segment.owner_record()[:2]
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: not cache.segment.owner_alive(), "the owner to die")
+    # Our unfinished store survives the failover (we are alive) and completes normally.
+    cache.complete_store(pending.keys_to_store)
+    assert cache.segment.owner_record()[1] == epoch + 1
+    assert cache.lookup(KEYS[:6]) == 6
+    blocks = cache.prepare_load(KEYS[:4])
+    planes = cache.segment.planes()
+    assert all(procs.check(planes, b, k) for b, k in zip(blocks, KEYS[:4]))
+    cache.complete_load(KEYS[:4])
+
+
+def test_owner_restart_frees_stores_of_clients_that_died_meanwhile(cache, seg_name):
+    procs.store(cache, KEYS[:2])
+    p, conn = spawn(procs.hold_and_wait, seg_name, [], KEYS[2:5])
+    conn.recv()
+    owner = cache.segment.owner_record()[0]
+    os.kill(owner, signal.SIGSTOP)  # the owner must not reclaim before it dies
+    os.kill(p.pid, signal.SIGKILL)
+    p.join()
+    os.kill(owner, signal.SIGKILL)
+    assert states(cache.segment).count(L.WRITING) == 3
+    out = cache.prepare_store(KEYS[5:11])  # starts a new owner, which rebuilds the index
+    assert states(cache.segment).count(L.WRITING) == len(out.keys_to_store) == 6
+    assert cache.lookup(KEYS[:2]) == 2
+
+
+def test_client_death_is_invisible_to_other_clients(cache, seg_name):
+    procs.store(cache, KEYS[:3])
+    p, conn = spawn(procs.hold_and_wait, seg_name, KEYS[:3], KEYS[3:5])
+    conn.recv()
+    os.kill(p.pid, signal.SIGKILL)
+    p.join()
+    assert cache.lookup(KEYS[:3]) == 3
+    assert procs.store(cache, KEYS[5:7]) == KEYS[5:7]
+
+
+def test_lookup_hit_stays_loadable_while_another_client_evicts(cache, seg_name):
+    procs.store(cache, KEYS[:8])
+    p, conn = spawn(procs.hold_and_wait, seg_name, KEYS[:2], [])
+    conn.recv()  # the child leased KEYS[0:2] by lookup and pinned KEYS[0]
+    out = cache.prepare_store(KEYS[8:14])  # needs 6 of the 8 blocks
+    assert out is not None
+    assert not set(out.evicted_keys) & set(KEYS[:2])
+    assert cache.prepare_store(KEYS[14:16]) is None  # only the held blocks are left
+    conn.send("go")
+    p.join()
+
+
+def test_own_lookup_does_not_stop_own_store(cache):
+    procs.store(cache, KEYS[:8])
+    assert cache.lookup(KEYS[:8]) == 8
+    out = cache.prepare_store(KEYS[8:16])
+    assert out is not None and len(out.evicted_keys) == 8
+
+
+def test_concurrent_connects_start_exactly_one_owner(seg_name):
+    Segment.create(seg_name, TEST_LAYOUT, 8, **SMALL_GEOMETRY).close()
+    kids = [spawn(procs.connect_and_report, seg_name) for _ in range(4)]
+    infos = [conn.recv() for _, conn in kids]
+    for p, conn in kids:
+        conn.send("go")
+        p.join()
+    assert len({i["owner"] for i in infos}) == 1
+    assert len({i["slot"] for i in infos}) == 4
+    seg = Segment.attach(seg_name)
+    pid = seg.owner_record()[0]
+    seg.close()
+    kill(pid)
+
+
+def test_four_clients_random_traffic_keep_every_invariant(seg_name):
+    Segment.create(seg_name, TEST_LAYOUT, 16, **SMALL_GEOMETRY).close()
+    kids = [spawn(procs.random_traffic, seg_name, seed, 300, 40) for seed in range(4)]
+    stats = [conn.recv() for _, conn in kids]
+    for p, _ in kids:
+        p.join()
+    seg = Segment.attach(seg_name)
+    try:
+        assert sum(s["corrupt"] for s in stats) == 0
+        assert sum(s["loads"] for s in stats) > 0
+        wait_for(lambda: L.WRITING not in states(seg), "stores to settle")
+        from kvshm.snapshot import verify
+        assert verify(seg) == []
+    finally:
+        pid = seg.owner_record()[0]
+        seg.close()
+        kill(pid)
+
+
+# --- bad frames --------------------------------------------------------------------------
+def _raw_call(mgr, frame: bytes):
+    """Put raw bytes on ``mgr``'s request ring and return the decoded reply."""
+    mgr._requests.put(frame, timeout=5)
+    mgr._owner_bell.ring()
+    assert mgr._reply_bell.wait(10, mgr._replies.pending, 0.001)
+    return P.reply_decoder.decode(mgr._replies.try_get())
+
+
+@pytest.mark.parametrize("frame", [
+    b"\xff\x00garbage",
+    P.request_encoder.encode(P.PrepareStore(7, [b"k"] * 3))[:-4],  # truncated
+    P.request_encoder.encode(["PrepareStore", "not-an-int", [1, 2]]),  # wrong types
+    P.request_encoder.encode(["NoSuchOp", 1]),
+    b"",
+], ids=["garbage", "truncated", "wrong-types", "unknown-op", "empty"])
+def test_malformed_frame_gets_an_error_and_the_owner_keeps_serving(cache, frame):
+    reply = _raw_call(cache, frame)
+    assert isinstance(reply, P.Error) and reply.kind == "ProtocolError"
+    with pytest.raises(ProtocolError):
+        P.raise_error(reply)
+    assert procs.store(cache, KEYS[:2]) == KEYS[:2]
+    assert cache.segment.counter("errors") >= 1
+
+
+def test_bad_arguments_get_typed_errors_from_the_owner(cache):
+    from kvshm.errors import BlockStateError, UnknownKeyError
+    with pytest.raises(UnknownKeyError):
+        cache.complete_store([b"never-prepared"])
+    cache.prepare_store([b"mine"])
+    reply = _raw_call(cache, P.request_encoder.encode(P.CompleteStore(99, [b"zzz"])))
+    assert reply.kind == "UnknownKeyError"
+    with pytest.raises(BlockStateError):
+        cache.complete_load([b"mine"])
+    cache.complete_store([b"mine"])
+    assert cache.lookup([b"mine"]) == 1
+
+
+def test_oversized_frame_is_refused_before_sending(cache):
+    with pytest.raises(FrameTooLargeError):
+        cache.prepare_store([b"x" * 60 + b"%04d" % i for i in range(200)])
+    assert procs.store(cache, KEYS[:1]) == KEYS[:1]

@@ -1,0 +1,219 @@
+#!/usr/bin/env python3
+"""Measure kvshm block-transfer throughput against the practical limit and a naive loop.
+
+For every block size, one job of N blocks (default 1,000, shuffled ids on both sides: the worst
+case, nothing coalesces) is stored (device -> segment plane) and loaded back. In the same run,
+interleaved rep by rep so that machine noise hits every column alike, it times:
+
+  kvshm       the transfer handler (transfer_async + wait)
+  contiguous  ONE plain copy of the same number of bytes: the practical limit
+              (CPU: numpy copyto; CUDA: one copy_ between the device tensor and the pinned plane)
+  loop        the naive per-block loop: ``dst[d].copy_(src[s])`` once per block
+
+and prints GB/s (10^9 bytes/s, median of --reps) and the ratios kvshm/contiguous, kvshm/loop.
+The CPU path always runs; the CUDA path runs when a GPU is visible (its name is recorded), with
+the segment plane pinned by kvshm.pinning, once per copy method (auto, copy, batch, kernel).
+
+Examples:
+  python tools/bench_transfer.py                       # default sizes, table
+  python tools/bench_transfer.py --json > out.json     # one JSON object with every figure
+  python tools/bench_transfer.py --sizes 16K,2M --blocks 500 --ids sequential --device cpu
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from typing import Callable
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from kvshm.transfer import TransferSpec, make_handler  # noqa: E402
+
+CUDA_METHODS = ("auto", "copy", "batch", "kernel")
+
+
+def parse_size(text: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    text = text.strip().upper().removesuffix("IB").removesuffix("B")
+    return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
+
+
+def cpu_model() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+        return next(line.split(":", 1)[1].strip() for line in out.splitlines()
+                    if line.startswith("Model name"))
+    except (OSError, subprocess.CalledProcessError, StopIteration):
+        return platform.processor() or "unknown"
+
+
+def gbps(nbytes: int, seconds: list[float]) -> float:
+    return nbytes / statistics.median(seconds) / 1e9
+
+
+def run_interleaved(fns: dict[str, Callable[[], None]], reps: int) -> dict[str, list[float]]:
+    """Time every fn once per rep, in rotation, after one untimed warm-up each."""
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def bench_cpu(page: int, blocks: int, reps: int, ids: str, threads: int | None) -> dict:
+    import torch
+    dev = torch.empty(blocks, page, dtype=torch.uint8).fill_(1)   # fill_ also faults pages in
+    plane = torch.empty(blocks, page, dtype=torch.uint8).fill_(2)
+    rng = np.random.default_rng(0)
+    d_ids = rng.permutation(blocks) if ids == "shuffled" else np.arange(blocks)
+    s_ids = rng.permutation(blocks) if ids == "shuffled" else np.arange(blocks)
+    h = make_handler([dev], [plane], threads=threads)
+    job = iter(range(1 << 30))
+    out = {}
+    for kind in ("store", "load"):
+        src, dst = (dev, plane) if kind == "store" else (plane, dev)
+        si, di = (d_ids, s_ids) if kind == "store" else (s_ids, d_ids)
+        pairs = list(zip(si.tolist(), di.tolist()))
+        spec = TransferSpec(kind, d_ids, s_ids)
+        src_np, dst_np = src.numpy().reshape(-1), dst.numpy().reshape(-1)
+
+        def kvshm() -> None:
+            j = next(job)
+            h.transfer_async(j, spec)
+            h.wait([j])
+            assert all(r.success for r in h.get_finished())
+
+        def loop() -> None:
+            for s, d in pairs:
+                dst[d].copy_(src[s])
+
+        t = run_interleaved({"kvshm": kvshm, "contiguous": lambda: np.copyto(dst_np, src_np),
+                             "loop": loop}, reps)
+        kvshm()
+        assert torch.equal(dst[int(di[-1])], src[int(si[-1])]), "benchmark copy is wrong"
+        out[kind] = {k: gbps(blocks * page, v) for k, v in t.items()}
+    h.shutdown()
+    return out
+
+
+def bench_cuda(page: int, blocks: int, reps: int, ids: str, methods: list[str]) -> dict:
+    import torch
+    from kvshm.pinning import pin_region
+    dev = torch.empty(blocks, page, dtype=torch.uint8, device="cuda").fill_(1)
+    plane = torch.empty(blocks, page, dtype=torch.uint8).fill_(2)
+    region = pin_region(plane.data_ptr(), plane.nbytes)
+    rng = np.random.default_rng(0)
+    d_ids = rng.permutation(blocks) if ids == "shuffled" else np.arange(blocks)
+    s_ids = rng.permutation(blocks) if ids == "shuffled" else np.arange(blocks)
+    stream = torch.cuda.Stream()
+    job = iter(range(1 << 30))
+    out: dict = {"pinned": region is not None}
+    handlers = {m: make_handler([dev], [plane], method=m) for m in methods}
+    for kind in ("store", "load"):
+        src, dst = (dev, plane) if kind == "store" else (plane, dev)
+        si, di = (d_ids, s_ids) if kind == "store" else (s_ids, d_ids)
+        pairs = list(zip(si.tolist(), di.tolist()))
+        spec = TransferSpec(kind, d_ids, s_ids)
+
+        def kvshm(h=None) -> None:
+            j = next(job)
+            h.transfer_async(j, spec)
+            h.wait([j])
+            assert all(r.success for r in h.get_finished())
+
+        def contiguous() -> None:
+            with torch.cuda.stream(stream):
+                dst.copy_(src, non_blocking=True)
+            stream.synchronize()
+
+        def loop() -> None:
+            with torch.cuda.stream(stream):
+                for s, d in pairs:
+                    dst[d].copy_(src[s], non_blocking=True)
+            stream.synchronize()
+
+        fns = {f"kvshm[{m}]": (lambda h=h: kvshm(h)) for m, h in handlers.items()}
+        t = run_interleaved({**fns, "contiguous": contiguous, "loop": loop}, reps)
+        res = {k: gbps(blocks * page, v) for k, v in t.items()}
+        res["kvshm"] = res.get("kvshm[auto]", next(iter(res.values())))
+        out[kind] = res
+    for h in handlers.values():
+        h.shutdown()
+    if region is not None:
+        region.unregister()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="16K,64K,256K,2M",
+                    help="comma-separated block sizes in bytes, K/M suffixes (default: %(default)s)")
+    ap.add_argument("--blocks", type=int, default=1000,
+                    help="blocks per job; memory used is 2 x blocks x size (default: %(default)s)")
+    ap.add_argument("--reps", type=int, default=5,
+                    help="timed repetitions per column; the median is reported (default: %(default)s)")
+    ap.add_argument("--ids", choices=("shuffled", "sequential"), default="shuffled",
+                    help="shuffled = worst case, no run coalesces; sequential = one run per job")
+    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                    help="auto = CPU path, plus CUDA when a GPU is visible (default: %(default)s)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="CPU handler copy threads per job (default: min(2, cores))")
+    ap.add_argument("--cuda-methods", default=",".join(CUDA_METHODS),
+                    help="CUDA handler methods to time (default: %(default)s)")
+    ap.add_argument("--json", action="store_true", help="print ONE JSON object instead of a table")
+    args = ap.parse_args(argv)
+
+    import torch
+    sizes = [parse_size(s) for s in args.sizes.split(",") if s]
+    want_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda but torch sees no GPU")
+    report: dict = {"command": " ".join([os.path.basename(sys.argv[0]), *(argv or sys.argv[1:])]),
+                    "cpu": cpu_model(), "cores": os.cpu_count(), "torch": torch.__version__,
+                    "blocks": args.blocks, "ids": args.ids, "reps": args.reps, "results": []}
+    if want_cuda:
+        report["gpu"] = torch.cuda.get_device_name()
+    t_start = time.perf_counter()
+    for page in sizes:
+        if args.device in ("auto", "cpu"):
+            r = bench_cpu(page, args.blocks, args.reps, args.ids, args.threads)
+            report["results"].append({"path": "cpu", "block_bytes": page, **r})
+        if want_cuda:
+            r = bench_cuda(page, args.blocks, args.reps, args.ids,
+                           [m for m in args.cuda_methods.split(",") if m])
+            report["results"].append({"path": "cuda", "block_bytes": page, **r})
+    report["seconds"] = round(time.perf_counter() - t_start, 1)
+    if args.json:
+        print(json.dumps(report, indent=1))
+        return 0
+    print(f"# {report['cpu']} ({report['cores']} cores)"
+          + (f", GPU {report['gpu']}" if want_cuda else "")
+          + f"; {args.blocks} blocks/job, {args.ids} ids, median of {args.reps}")
+    print(f"{'path':5} {'dir':5} {'block':>7} {'kvshm':>7} {'contig':>7} {'loop':>7} "
+          f"{'kvshm/contig':>12} {'kvshm/loop':>10}   GB/s")
+    for r in report["results"]:
+        for kind in ("store", "load"):
+            x = r[kind]
+            extra = "  ".join(f"{k[6:-1]}={v:.1f}" for k, v in x.items() if k.startswith("kvshm["))
+            print(f"{r['path']:5} {kind:5} {r['block_bytes'] >> 10:>5}Ki {x['kvshm']:7.2f} "
+                  f"{x['contiguous']:7.2f} {x['loop']:7.2f} {x['kvshm'] / x['contiguous']:12.0%} "
+                  f"{x['kvshm'] / x['loop']:9.1f}x  {extra}")
+    print(f"# {report['seconds']} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
