@@ -34,11 +34,11 @@ import msgspec
 import numpy as np
 
 from . import layout as L
-from . import locks
+from . import slots
 from . import protocol as P
 from .api import LookupResult, OffloadingEvent, OffloadingManager, PrepareStoreOutput
-from .errors import (BlockStateError, CacheFullError, ClientSlotsExhaustedError,
-                     OwnerUnavailableError, ReplyTimeoutError, UnknownKeyError)
+from .errors import (BlockStateError, CacheFullError, OwnerUnavailableError,
+                     ReplyTimeoutError, UnknownKeyError)
 from .fence import full_fence
 from .layout import Layout
 from .ring import Doorbell, Ring
@@ -97,62 +97,22 @@ class SharedManager(OffloadingManager):
         self._leases: OrderedDict[bytes, int] = OrderedDict()  # key -> hold index
         self._pins: dict[bytes, list[int]] = {}  # key -> hold indexes, one per prepare_load
         self._lease_limit = g.hold_capacity // 2
-        self.slot, self.gen = self._claim_slot()
-        base = g.slot_offset(self.slot)
-        self._holds = np.frombuffer(segment.buf, np.int32, g.hold_capacity, base + g.hold_offset)
+        self.slot, self.gen = slots.claim(segment, self._ensure_owner)
+        self._holds = slots.holds(segment, self.slot)
         self._free_holds = list(range(g.hold_capacity - 1, -1, -1))
-        self._ctr = np.frombuffer(segment.buf, np.uint64, len(L.SLOT_COUNTERS),
-                                  base + L.SLOT_OFF_COUNTERS)
-        bell = base + g.bells_offset
-        self._reply_bell = Doorbell(segment.buf[bell:bell + 8],
+        self._ctr = slots.counters(segment, self.slot)
+        self._reply_bell = Doorbell(slots.bell_view(segment, self.slot, "reply"),
                                     sem_name(segment.name, f"c{self.slot}-reply"))
         self._owner_bell = Doorbell(segment.buf[L.OFF_OWNER_BELL:L.OFF_OWNER_BELL + 8],
                                     sem_name(segment.name, "owner"))
         self._newcomer = segment.buf[L.OFF_NEWCOMER:L.OFF_NEWCOMER + 8].cast("Q")
-        self._activate()
-        ring = lambda k: segment.buf[base + g.rings_offset + k * g.ring_region:  # noqa: E731
-                                     base + g.rings_offset + (k + 1) * g.ring_region]
-        self._requests, self._replies = Ring(ring(0)), Ring(ring(1))
+        slots.activate(segment, self.slot, self.gen)
+        self._requests = Ring(slots.ring_view(segment, self.slot, "request"))
+        self._replies = Ring(slots.ring_view(segment, self.slot, "reply"))
         self._newcomer[0] = 1  # after ACTIVE is visible: the owner clears, fences, then scans
         self._ensure_owner()
         self._owner_bell.ring()
         self._call(P.Hello(self._next_req(), self.slot, self.gen, os.getpid(), events))
-
-    # --- slot ---------------------------------------------------------------------------
-    def _claim_slot(self) -> tuple[int, int]:
-        """Lock a free slot. A dead client's slot stays unusable until the owner (or
-        ``kvshm-inspect gc``) has reclaimed what it held, so we wait for that a little."""
-        g, fd = self.segment.geometry, self.segment.fd
-        deadline = time.monotonic() + 5.0
-        while True:
-            dirty = False
-            for slot in range(g.max_clients):
-                if not locks.try_lock(fd, L.LOCK_CLIENT_BASE + slot):
-                    continue
-                state, _, gen, _, _ = L.SLOT.unpack_from(self.segment.buf, g.slot_offset(slot))
-                if state == 0:
-                    return slot, gen + 1
-                locks.unlock(fd, L.LOCK_CLIENT_BASE + slot)
-                dirty = True
-            if not dirty or time.monotonic() > deadline:
-                raise ClientSlotsExhaustedError(
-                    f"all {g.max_clients} client slots of segment {self.segment.name!r} are in "
-                    "use" + (" or wait to be reclaimed (run 'kvshm-inspect gc')" if dirty else "")
-                    + "; close unused clients or create the segment with more max_clients")
-            self._ensure_owner()  # the owner reclaims dead slots
-            time.sleep(0.05)  # polling the owner's reclaim, bounded by the deadline
-
-    def _activate(self) -> None:
-        g, buf = self.segment.geometry, self.segment.buf
-        base = g.slot_offset(self.slot)
-        self._holds[:] = -1
-        self._ctr[:] = 0
-        for k in range(len(L.RING_NAMES)):
-            off = base + g.rings_offset + k * g.ring_region
-            Ring.format(buf[off:off + g.ring_region], g.ring_capacity)
-        name = os.path.basename(sys.argv[0] or "python")[:32].encode()
-        L.SLOT.pack_into(buf, base, L.SLOT_ACTIVE, os.getpid(), self.gen, time.time_ns(), name)
-        full_fence()
 
     # --- owner --------------------------------------------------------------------------
     def _ensure_owner(self) -> None:
@@ -355,10 +315,7 @@ class SharedManager(OffloadingManager):
                 self._call(P.Bye(self._next_req()))
         except Exception:
             pass  # the owner reclaims a vanished client anyway
-        self._holds[:] = -1
-        g = seg.geometry
-        L.SLOT.pack_into(seg.buf, g.slot_offset(self.slot), 0, 0, self.gen, 0, b"")
-        locks.unlock(seg.fd, L.LOCK_CLIENT_BASE + self.slot)
+        slots.release(seg, self.slot, self.gen)
         for r in (self._requests, self._replies):
             r.close()
         self._reply_bell.close()

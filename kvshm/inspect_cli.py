@@ -99,13 +99,16 @@ def _ls_row(name: str) -> dict[str, Any]:
                                          "blocks_total", "clients_alive", "owner_alive",
                                          "age_s", "error"))
     row["name"] = name
-    try:
+    try:  # the raw header, to show the version of a segment this kvshm cannot read
         path = os.path.join(SHM_DIR, PREFIX + name)
         row["size_bytes"] = os.stat(path).st_size
         with open(path, "rb") as f:
             head = f.read(L.HEADER.size)
         if len(head) == L.HEADER.size and head[:8] == L.MAGIC:
             row["format_version"] = L.HEADER.unpack(head)[1]
+    except OSError:
+        pass  # attach below says why, in kvshm's words
+    try:
         with _attach(name) as seg:
             s = snapshot(seg)
         row.update(blocks_used=s["blocks"]["used"], blocks_total=s["blocks"]["total"],

@@ -23,6 +23,7 @@ import numpy as np
 from . import layout as L
 from . import locks
 from . import protocol as P
+from . import slots
 from .errors import KvshmError, OwnerUnavailableError
 from .fence import full_fence
 from .manager import LocalManager
@@ -40,16 +41,12 @@ class _Client:
     """What the owner knows of one attached client slot."""
 
     def __init__(self, seg: Segment, slot: int, gen: int, events: bool):
-        g = seg.geometry
-        base = g.slot_offset(slot)
         self.slot, self.gen, self.events = slot, gen, events
-        ring = lambda k: seg.buf[base + g.rings_offset + k * g.ring_region:  # noqa: E731
-                                 base + g.rings_offset + (k + 1) * g.ring_region]
-        self.requests = Ring(ring(0))
-        self.replies = Ring(ring(1))
-        bell = base + g.bells_offset
-        self.bell = Doorbell(seg.buf[bell:bell + 8], sem_name(seg.name, f"c{slot}-reply"))
-        self.holds = np.frombuffer(seg.buf, np.int32, g.hold_capacity, base + g.hold_offset)
+        self.requests = Ring(slots.ring_view(seg, slot, "request"))
+        self.replies = Ring(slots.ring_view(seg, slot, "reply"))
+        self.bell = Doorbell(slots.bell_view(seg, slot, "reply"),
+                             sem_name(seg.name, f"c{slot}-reply"))
+        self.holds = slots.holds(seg, slot)
         self.events_log: list[tuple[bool, list[bytes]]] = []
 
 
@@ -84,7 +81,7 @@ class Owner:
 
     # --- liveness -----------------------------------------------------------------------
     def _slot_state(self, slot: int) -> tuple:
-        return L.SLOT.unpack_from(self.seg.buf, self.seg.geometry.slot_offset(slot))
+        return slots.record(self.seg, slot)
 
     def _slot_gen(self, slot: int) -> int:
         return self._slot_state(slot)[2]
@@ -126,15 +123,8 @@ class Owner:
         self.clients.pop(slot, None)
         self._last_client = time.monotonic()
         freed = self.manager.reclaim_writer(slot, gen)
-        # Clear the dead slot while holding its lock, so no new client is claiming it. Clients
-        # only claim slots in state 0, so nobody reformats rings we might still be reading.
-        if locks.try_lock(self.seg.fd, L.LOCK_CLIENT_BASE + slot):
-            g = self.seg.geometry
-            off = g.slot_offset(slot)
-            if self._slot_gen(slot) == gen:
-                np.frombuffer(self.seg.buf, np.int32, g.hold_capacity, off + g.hold_offset)[:] = -1
-                L.SLOT.pack_into(self.seg.buf, off, 0, 0, gen, 0, b"")
-            locks.unlock(self.seg.fd, L.LOCK_CLIENT_BASE + slot)
+        # Clients only claim FREE slots, so nobody reformats rings we might still be reading.
+        slots.clear_if_dead(self.seg, slot, gen)
         self.seg.counter_add("reclaimed_clients")
         self.seg.counter_add("reclaimed_blocks", freed)
         log.info("reclaimed client slot %d gen %d: %d unfinished stores freed", slot, gen, freed)

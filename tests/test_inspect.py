@@ -1,0 +1,599 @@
+"""kvshm-inspect against live segments (owner and clients in other processes), segments whose
+every process was SIGKILLed, deliberately broken segments, and bad input.
+
+Clients are simulated (the client module is not written yet): a child process takes its slot's
+kernel lock, writes an ACTIVE slot record, holds, counters and formatted rings, then waits on
+its stdin pipe. The owner is a LocalManager in another child process.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+import zlib
+from pathlib import Path
+
+import posix_ipc
+import pytest
+
+from kvshm import layout as L
+from kvshm import snapshot as S
+from kvshm.inspect_cli import main
+from kvshm.layout import Layout
+from kvshm.manager import LocalManager
+from kvshm.segment import Segment
+from kvshm.table import BlockTable, KeyIndex
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
+LAYOUT = Layout((4096, 2048), 16, "tiny-test")
+
+# --- the documented --json schema (docs/inspect.md): dict = exactly these keys, [x] = list of x,
+# a type or tuple of types = a value, ``dict`` = any object ------------------------------------
+OPT_INT, OPT_FLOAT, OPT_STR = (int, type(None)), (float, type(None)), (str, type(None))
+CLIENT = {"slot": int, "pid": int, "name": str, "state": int, "alive": bool, "generation": int,
+          "attached_ns": int, "age_s": float, "holds": int, "pins_held": int,
+          "stores_pending": int, "counters": {n: int for n in L.SLOT_COUNTERS},
+          "rings": {n: OPT_INT for n in L.RING_NAMES}}
+SCHEMAS = {
+    "show": {"schema": str, "name": str, "taken_ns": int,
+             "header": {"format_version": int, "header_bytes": int, "total_bytes": int,
+                        "created_ns": int, "age_s": float, "fingerprint": str,
+                        "layout": {"model": str, "page_bytes": [int], "tokens_per_block": int,
+                                   "extra": dict}},
+             "geometry": {**dict.fromkeys(
+                 "num_blocks num_planes block_bytes tokens_per_block max_clients ring_capacity "
+                 "hold_capacity index_slots slot_bytes table_offset index_offset data_offset "
+                 "data_bytes total_bytes".split(), int), "page_bytes": [int]},
+             "blocks": {**dict.fromkeys("total free writing ready evicting invalid pinned used"
+                                        .split(), int), "usage": float},
+             "owner": {"pid": int, "alive": bool, "epoch": int, "since_ns": int,
+                       "age_s": OPT_FLOAT, "tick": int},
+             "clients": [CLIENT], "clients_alive": int, "clients_dead": int,
+             "pinners": [{"pid": int, "state": str, "alive": bool, "done_bytes": int,
+                          "total_bytes": int, "updated_ns": int}],
+             "counters": dict.fromkeys(S.COUNTERS, int)},
+    "ls": {"schema": str, "segments": [{
+        "name": str, "size_bytes": OPT_INT, "format_version": OPT_INT, "blocks_used": OPT_INT,
+        "blocks_total": OPT_INT, "clients_alive": OPT_INT, "owner_alive": (bool, type(None)),
+        "age_s": OPT_FLOAT, "error": OPT_STR}]},
+    "blocks": {"schema": str, "name": str, "states": [str], "matching": int, "rows": [{
+        "block": int, "state": str, "key": str, "pins": int, "holders": [int], "last_use": int,
+        "stored_ns": int, "writer": int, "writer_gen": int, "writer_req": int}]},
+    "verify": {"schema": str, "name": str, "ok": bool, "violations": [str]},
+    "gc": {"schema": str, "name": str, "acted": bool, "reason": str, "freed_blocks": int,
+           "kept_ready": int, "kept_pending": int,
+           "reclaimed_clients": [{"slot": int, "pid": int, "name": str, "holds": int}]},
+    "rm": {"schema": str, "name": str, "removed": bool, "forced": bool, "owner_alive": bool,
+           "live_clients": [{"slot": int, "pid": int}]},
+}
+SCHEMAS["watch"] = SCHEMAS["show"]
+
+
+def check_schema(obj: object, schema: object, path: str = "$") -> None:
+    if isinstance(schema, dict):
+        assert isinstance(obj, dict), f"{path} is {type(obj).__name__}, not an object"
+        assert set(obj) == set(schema), f"{path}: unexpected/missing {set(obj) ^ set(schema)}"
+        for k, sub in schema.items():
+            check_schema(obj[k], sub, f"{path}.{k}")
+    elif isinstance(schema, list):
+        assert isinstance(obj, list), f"{path} is not a list"
+        for i, x in enumerate(obj):
+            check_schema(x, schema[0], f"{path}[{i}]")
+    else:
+        types = schema if isinstance(schema, tuple) else (schema,)
+        assert isinstance(obj, types) and (bool in types or not isinstance(obj, bool)), \
+            f"{path} = {obj!r} is not {types}"
+
+
+# --- simulated processes -----------------------------------------------------------------
+CHILD = textwrap.dedent("""
+    import json, os, struct, sys, time
+    from kvshm import layout as L, locks
+    from kvshm.segment import Segment
+    spec = json.loads(sys.argv[1])
+    seg = Segment.attach(spec["name"])
+    g, out = seg.geometry, {}
+    if spec["role"] == "owner":
+        from kvshm.manager import LocalManager
+        mgr = LocalManager(seg, writer_alive=lambda s, gen: True)
+        ready = [b"R%035d" % i for i in range(spec["ready"])]
+        mgr.prepare_store(ready); mgr.complete_store(ready)
+        for slot, gen, n in spec["writing"]:
+            mgr.prepare_store([b"W%d-%033d" % (slot, i) for i in range(n)], writer=(slot, gen, 7))
+        mgr.prepare_store([b"O%035d" % i for i in range(spec["local"])])
+        mgr.prepare_load(ready[:spec["pins"]])
+        out = {"ready": [mgr.block_of(k) for k in ready]}
+    else:
+        from kvshm.ring import Ring
+        i = spec["slot"]
+        assert locks.try_lock(seg.fd, L.LOCK_CLIENT_BASE + i)
+        o = g.slot_offset(i)
+        holds = (spec["holds"] + [-1] * g.hold_capacity)[:g.hold_capacity]
+        struct.pack_into(f"<{g.hold_capacity}i", seg.buf, o + g.hold_offset, *holds)
+        struct.pack_into(f"<{len(L.SLOT_COUNTERS)}Q", seg.buf, o + L.SLOT_OFF_COUNTERS,
+                         *[spec["counters"].get(n, 0) for n in L.SLOT_COUNTERS])
+        L.SLOT_OWNER_VIEW.pack_into(seg.buf, o + L.SLOT_OFF_OWNER_VIEW, len(spec["holds"]), 0)
+        for k in range(len(L.RING_NAMES)):
+            r = o + g.rings_offset + k * g.ring_region
+            Ring.format(seg.buf[r:r + g.ring_region], g.ring_capacity)
+        Ring(seg.buf[o + g.rings_offset:o + g.rings_offset + g.ring_region]).try_put(b"x" * 100)
+        L.SLOT.pack_into(seg.buf, o, L.SLOT_ACTIVE, os.getpid(), spec["gen"], time.time_ns(),
+                         spec["proc"].encode())
+    print(json.dumps(out), flush=True)
+    sys.stdin.read()
+""")
+
+
+class Procs:
+    def __init__(self) -> None:
+        self.children: list[subprocess.Popen] = []
+
+    def start(self, **spec: object) -> tuple[subprocess.Popen, dict]:
+        p = subprocess.Popen([sys.executable, "-c", CHILD, json.dumps(spec)], env=ENV,
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.children.append(p)
+        line = p.stdout.readline()
+        assert line, f"child {spec} failed to start (rc {p.wait()})"
+        return p, json.loads(line)
+
+    def kill_all(self) -> None:
+        for p in self.children:
+            if p.poll() is None:
+                p.send_signal(signal.SIGKILL)
+            p.wait()
+
+
+def new_name() -> str:
+    return f"ti{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def create(name: str, blocks: int = 32) -> Segment:
+    return Segment.create(name, LAYOUT, blocks, max_clients=4, ring_capacity=4096,
+                          hold_capacity=16)
+
+
+@pytest.fixture
+def procs():
+    p = Procs()
+    yield p
+    p.kill_all()
+
+
+@pytest.fixture
+def name():
+    n = new_name()
+    yield n
+    Segment.unlink(n)
+
+
+def populate(procs: Procs, name: str) -> dict:
+    """Owner child with 5 ready (1 pinned), 2 writing for client slot 0 gen 1, 1 of its own;
+    client slot 0 (gen 1) holding two ready blocks; client slot 2 (gen 5) holding none."""
+    create(name).close()
+    owner, out = procs.start(role="owner", name=name, ready=5, writing=[[0, 1, 2]], local=1,
+                             pins=1)
+    ready = out["ready"]
+    c0, _ = procs.start(role="client", name=name, slot=0, gen=1, holds=ready[1:3],
+                        proc="fake-engine", counters={"lookups": 10, "hits": 7, "bytes_out": 99})
+    c2, _ = procs.start(role="client", name=name, slot=2, gen=5, holds=[], proc="other",
+                        counters={"lookups": 5, "hits": 1})
+    return {"owner": owner, "c0": c0, "c2": c2, "ready": ready}
+
+
+@pytest.fixture(scope="module")
+def live():
+    procs, n = Procs(), new_name()
+    info = populate(procs, n)
+    yield n, info
+    procs.kill_all()
+    Segment.unlink(n)
+
+
+@pytest.fixture(scope="module")
+def dead():
+    procs, n = Procs(), new_name()
+    info = populate(procs, n)
+    procs.kill_all()  # SIGKILL every process that used the segment
+    yield n, info
+    Segment.unlink(n)
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def run_json(capsys, *argv: str) -> tuple[int, dict]:
+    rc, out, err = run(capsys, *argv, "--json")
+    data = json.loads(out)
+    check_schema(data, SCHEMAS[argv[0]])
+    assert data["schema"] == f"kvshm.{'show' if argv[0] == 'watch' else argv[0]}/1"
+    return rc, data
+
+
+def seg_bytes(name: str) -> bytes:
+    return Path(f"/dev/shm/kvshm-{name}").read_bytes()
+
+
+# --- live segment: owner and two clients in other processes ------------------------------
+def test_ls_live(live, capsys):
+    n, _ = live
+    rc, out, _ = run(capsys, "ls")
+    assert rc == 0 and re.search(rf"^{re.escape(n)}\s+\S+ MiB\s+8/32\s+2\s+alive\s+1\s", out, re.M)
+    rc, data = run_json(capsys, "ls")
+    row = next(r for r in data["segments"] if r["name"] == n)
+    assert (row["blocks_used"], row["clients_alive"], row["owner_alive"], row["error"]) == \
+        (8, 2, True, None)
+
+
+def test_show_live(live, capsys):
+    n, info = live
+    rc, out, _ = run(capsys, "show", n)
+    assert rc == 0 and "fake-engine" in out and f"pid {info['owner'].pid}  alive" in out
+    assert re.search(r"free 24\s+writing 3\s+ready 5\s+evicting 0\s+pinned 3", out)
+    rc, s = run_json(capsys, "show", n)
+    assert s["owner"]["alive"] and s["owner"]["pid"] == info["owner"].pid
+    assert s["clients_alive"] == 2 and s["clients_dead"] == 0
+    c0 = next(c for c in s["clients"] if c["slot"] == 0)
+    assert (c0["pid"], c0["name"], c0["alive"], c0["holds"], c0["pins_held"]) == \
+        (info["c0"].pid, "fake-engine", True, 2, 2)
+    assert c0["rings"]["request"] == 104 and c0["rings"]["reply"] == 0
+    assert (s["counters"]["lookups"], s["counters"]["hits"], s["counters"]["misses"]) == (15, 8, 7)
+    assert s["counters"]["bytes_out"] == 99 and s["counters"]["store_blocks"] == 5
+    assert s["blocks"]["pinned"] == 3 and s["geometry"]["num_blocks"] == 32
+
+
+def test_blocks_live(live, capsys):
+    n, info = live
+    rc, out, _ = run(capsys, "blocks", n)
+    assert rc == 0 and "(8 of 8 blocks" in out and "slot 0 gen 1 req 7" in out
+    _, d = run_json(capsys, "blocks", n, "--state", "writing")
+    assert d["matching"] == 3 and {r["writer"] for r in d["rows"]} == {0, -1}
+    _, d = run_json(capsys, "blocks", n, "--state", "pinned")
+    assert sorted(r["block"] for r in d["rows"]) == sorted(info["ready"][:3])
+    assert [r["holders"] for r in d["rows"] if r["block"] == info["ready"][1]] == [[0]]
+    _, d = run_json(capsys, "blocks", n, "--state", "all", "--limit", "2")
+    assert d["matching"] == 32 and len(d["rows"]) == 2
+    assert bytes.fromhex(d["rows"][0]["key"]).startswith(b"R")
+
+
+def test_verify_live_clean(live, capsys):
+    n, _ = live
+    assert run(capsys, "verify", n)[:2] == (0, f"{n}: ok, no violations\n")
+    assert run_json(capsys, "verify", n) == (0, {"schema": "kvshm.verify/1", "name": n,
+                                                 "ok": True, "violations": []})
+
+
+PROM_LINE = re.compile(r'^([a-z_]+)\{segment="[^"]+"(,[a-z_]+="[^"]*")*\} -?[0-9.e+-]+$')
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    typed, out = set(), {}
+    for line in text.splitlines():
+        if line.startswith("# HELP "):
+            continue
+        if line.startswith("# TYPE "):
+            _, _, metric, kind = line.split()
+            assert kind in ("gauge", "counter") and metric not in typed
+            typed.add(metric)
+            continue
+        m = PROM_LINE.match(line)
+        assert m and m.group(1) in typed, f"bad or untyped sample line {line!r}"
+        out[line.rsplit(" ", 1)[0]] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def test_metrics_live(live, capsys):
+    n, _ = live
+    rc, out, _ = run(capsys, "metrics", n)
+    m = parse_metrics(out)
+    seg = f'segment="{n}"'
+    assert rc == 0 and m[f"kvshm_owner_up{{{seg}}}"] == 1 and m[f"kvshm_clients{{{seg}}}"] == 2
+    assert m[f'kvshm_blocks{{{seg},state="ready"}}'] == 5
+    assert m[f"kvshm_cache_usage_perc{{{seg}}}"] == 0.25
+    assert m[f"kvshm_lookups_total{{{seg}}}"] == 15 and m[f"kvshm_hits_total{{{seg}}}"] == 8
+    assert m[f"kvshm_load_bytes_total{{{seg}}}"] == 99
+    assert m[f'kvshm_ring_depth_bytes{{{seg},slot="0",ring="request"}}'] == 104
+    for name in ("stores", "evictions", "store_bytes", "errors"):
+        assert f"kvshm_{name}_total{{{seg}}}" in m
+    assert "# TYPE kvshm_stores_total counter" in out
+
+
+def test_watch_live(live, capsys):
+    n, _ = live
+    rc, out, _ = run(capsys, "watch", n, "--count", "2", "--interval", "0.05")
+    assert rc == 0 and out.count("fake-engine") == 2 and "Ctrl-C" in out
+    rc, out, _ = run(capsys, "watch", n, "--count", "2", "--interval", "0.05", "--json")
+    lines = out.splitlines()
+    assert rc == 0 and len(lines) == 2
+    for line in lines:
+        check_schema(json.loads(line), SCHEMAS["watch"])
+
+
+def test_watch_stops_on_interrupt(live):
+    n, _ = live
+    p = subprocess.Popen([sys.executable, "-m", "kvshm.inspect_cli", "watch", n], env=ENV,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert "fake-engine" in "".join(p.stdout.readline() for _ in range(10))
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=10)
+    assert p.returncode == 0 and "Traceback" not in err
+
+
+def test_gc_leaves_live_owner_alone(live, capsys):
+    n, _ = live
+    before = seg_bytes(n)
+    rc, out, _ = run(capsys, "gc", n)
+    assert rc == 0 and "is alive and reclaims dead clients itself" in out
+    rc, d = run_json(capsys, "gc", n)
+    assert rc == 0 and not d["acted"] and d["freed_blocks"] == 0
+    assert seg_bytes(n)[:L.HEADER_BYTES] == before[:L.HEADER_BYTES]
+
+
+def test_rm_refuses_live_then_force(procs, name, capsys):
+    info = populate(procs, name)
+    rc, out, err = run(capsys, "rm", name)
+    assert rc == 1 and "refusing" in err and f"pid {info['c0'].pid}" in err and not out
+    assert Path(f"/dev/shm/kvshm-{name}").exists()
+    rc, d = run_json(capsys, "rm", name, "--force")
+    assert rc == 0 and d["removed"] and d["forced"] and d["owner_alive"]
+    assert {c["slot"] for c in d["live_clients"]} == {0, 2}
+    assert not Path(f"/dev/shm/kvshm-{name}").exists()
+
+
+# --- every process SIGKILLed -------------------------------------------------------------
+def test_readers_never_write(dead, capsys):
+    n, _ = dead
+    before = seg_bytes(n)
+    for argv in (["ls"], ["show", n], ["blocks", n], ["verify", n], ["metrics", n],
+                 ["watch", n, "--count", "1"]):
+        run(capsys, *argv)
+        if argv[0] != "metrics":
+            run(capsys, *argv, "--json")
+    assert seg_bytes(n) == before
+
+
+def test_dead_segment_views(dead, capsys):
+    n, info = dead
+    _, d = run_json(capsys, "ls")
+    row = next(r for r in d["segments"] if r["name"] == n)
+    assert (row["clients_alive"], row["owner_alive"], row["error"]) == (0, False, None)
+    rc, out, _ = run(capsys, "show", n)
+    assert rc == 0 and "DEAD" in out and "none alive (last: pid" in out
+    _, s = run_json(capsys, "show", n)
+    assert s["clients_alive"] == 0 and s["clients_dead"] == 2 and not s["owner"]["alive"]
+    assert s["blocks"]["pinned"] == 1  # the dead owner's load pin; dead clients' holds don't pin
+    m = parse_metrics(run(capsys, "metrics", n)[1])
+    assert m[f'kvshm_owner_up{{segment="{n}"}}'] == 0
+    assert m[f'kvshm_clients_dead{{segment="{n}"}}'] == 2
+
+
+def test_dead_segment_verify_lists_leaks(dead, capsys):
+    n, info = dead
+    rc, out, _ = run(capsys, "verify", n)
+    assert rc == 1 and f"{n}: 4 violations" in out
+    rc, d = run_json(capsys, "verify", n)
+    v = "\n".join(d["violations"])
+    assert rc == 1 and not d["ok"]
+    assert f"client slot 0 (pid {info['c0'].pid}) is dead but still holds 2 blocks" in v
+    assert v.count("is writing for client slot 0, which is dead") == 2
+    assert "owner's own store but no owner is alive" in v
+
+
+def test_gc_reclaims_dead_then_rm(procs, name, capsys):
+    info = populate(procs, name)
+    procs.kill_all()
+    rc, out, _ = run(capsys, "gc", name)
+    assert rc == 0 and "freed 3 unfinished blocks, kept 5 ready" in out
+    assert f"slot 0 pid {info['c0'].pid} 'fake-engine': 2 holds released" in out
+    assert run(capsys, "verify", name)[0] == 0
+    _, s = run_json(capsys, "show", name)
+    assert s["clients"] == [] and s["blocks"]["ready"] == 5 and s["blocks"]["writing"] == 0
+    assert s["counters"]["reclaimed_clients"] == 2 and s["counters"]["reclaimed_blocks"] == 3
+    rc, d = run_json(capsys, "gc", name)  # nothing left to do, still acts
+    assert rc == 0 and d["acted"] and d["freed_blocks"] == 0 and d["reclaimed_clients"] == []
+    rc, out, _ = run(capsys, "rm", name)
+    assert rc == 0 and out == f"removed {name}\n"
+
+
+def test_gc_keeps_live_writers(procs, name, capsys):
+    info = populate(procs, name)
+    info["owner"].send_signal(signal.SIGKILL)
+    info["owner"].wait()
+    rc, d = run_json(capsys, "gc", name)
+    assert rc == 0 and d["acted"] and d["reclaimed_clients"] == []
+    assert (d["freed_blocks"], d["kept_ready"], d["kept_pending"]) == (1, 5, 2)
+    assert run(capsys, "verify", name)[0] == 0
+
+
+# --- deliberately broken segments ----------------------------------------------------------
+def _break(kind: str, seg: Segment, mgr: LocalManager, procs: Procs, name: str) -> str:
+    t, g = BlockTable(seg.buf, seg.geometry), seg.geometry
+    idx = KeyIndex(seg.buf, g, t)
+    k = b"K" * 36
+    free = next(b for b in range(g.num_blocks) if t.read(b).state == L.FREE)
+    if kind == "unindexed":
+        t.write(free, L.READY, b"Z" * 36)
+        return f"block {free} (ready, key {(b'Z' * 36).hex()[:16]}) is not reachable"
+    if kind == "index_to_free":
+        idx.insert(b"Y" * 36, free)
+        return f"points to block {free}, which is free"
+    if kind == "duplicate":
+        t.write(free, L.READY, k)
+        idx.insert(k, free)
+        return f"both hold key {k.hex()[:16]}"
+    if kind == "pinned_writing":
+        b = mgr.prepare_store([b"P" * 36]).block_ids[0]
+        t.set_pins(b, 2)
+        return f"block {b} is writing with 2 pins"
+    if kind == "live_hold_on_free":
+        procs.start(role="client", name=name, slot=1, gen=1, holds=[free], proc="x", counters={})
+        return f"holds block {free}, which is free"
+    if kind == "bad_tag":
+        j = next(j for j in range(g.index_slots)
+                 if L.INDEX_SLOT.unpack_from(seg.buf, g.index_offset + 8 * j)[1] >= 0)
+        tag, b = L.INDEX_SLOT.unpack_from(seg.buf, g.index_offset + 8 * j)
+        L.INDEX_SLOT.pack_into(seg.buf, g.index_offset + 8 * j, tag ^ 1, b)
+        return f"index slot {j} has tag {tag ^ 1:#010x}"
+    if kind == "header":
+        struct.pack_into("<I", seg.buf, struct.calcsize("<8sIIQQQ"), 99)  # tokens_per_block
+        return "header: tokens_per_block is 99, expected 16"
+    raise AssertionError(kind)
+
+
+@pytest.mark.parametrize("kind", ["unindexed", "index_to_free", "duplicate", "pinned_writing",
+                                  "live_hold_on_free", "bad_tag", "header"])
+def test_verify_catches_broken_table(kind, procs, name, capsys):
+    seg = create(name)
+    mgr = LocalManager(seg)
+    keys = [b"K" * 36, b"L" * 36]
+    mgr.prepare_store(keys)
+    mgr.complete_store(keys)
+    assert run(capsys, "verify", name)[0] == 0
+    expect = _break(kind, seg, mgr, procs, name)
+    rc, out, _ = run(capsys, "verify", name)
+    assert rc == 1 and expect in out, out
+    rc, d = run_json(capsys, "verify", name)
+    assert rc == 1 and any(expect in v for v in d["violations"])
+    mgr.shutdown()
+    seg.close()
+
+
+def test_torn_entry_reported_and_repaired_by_gc(name, capsys):
+    seg = create(name)
+    mgr = LocalManager(seg)
+    mgr.prepare_store([b"T" * 36])
+    mgr.complete_store([b"T" * 36])
+    mgr.shutdown()
+    off = seg.geometry.entry_offset(0)
+    struct.pack_into("<I", seg.buf, off, struct.unpack_from("<I", seg.buf, off)[0] + 1)
+    seg.close()  # the "owner" died in the middle of rewriting entry 0
+    rc, out, _ = run(capsys, "verify", name)
+    assert rc == 1 and "block 0: entry left mid-rewrite" in out
+    assert run(capsys, "gc", name)[0] == 0
+    assert run(capsys, "verify", name)[0] == 0
+
+
+# --- bad input -----------------------------------------------------------------------------
+def assert_one_line_error(rc: int, out: str, err: str, *needles: str) -> None:
+    assert rc == 2 and not out and "Traceback" not in err
+    assert err.count("\n") == 1 and err.startswith("kvshm-inspect: error: "), err
+    for needle in needles:
+        assert needle in err, err
+
+
+def cli(*argv: str, prefix: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    return subprocess.run([*prefix, sys.executable, "-m", "kvshm.inspect_cli", *argv], env=ENV,
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_unknown_and_invalid_names(capsys):
+    for cmd in ("show", "blocks", "verify", "metrics", "watch", "gc", "rm"):
+        assert_one_line_error(*run(capsys, cmd, "no-such-seg-" + uuid.uuid4().hex),
+                              "no kvshm segment named")
+    assert_one_line_error(*run(capsys, "show", "../etc"), "segment names are")
+    p = cli("show", "no-such-seg-x")
+    assert_one_line_error(p.returncode, p.stdout, p.stderr, "no kvshm segment named")
+
+
+def test_foreign_object(name, capsys):
+    shm = posix_ipc.SharedMemory(f"/kvshm-{name}", posix_ipc.O_CREX, size=8192)
+    os.pwrite(shm.fd, b"not a kvshm header" * 100, 0)
+    shm.close_fd()
+    for cmd in ("show", "blocks", "verify", "metrics", "gc"):
+        assert_one_line_error(*run(capsys, cmd, name), "is not a kvshm segment")
+    rc, d = run_json(capsys, "ls")
+    row = next(r for r in d["segments"] if r["name"] == name)
+    assert rc == 0 and row["size_bytes"] == 8192 and "not a kvshm segment" in row["error"]
+    rc, out, _ = run(capsys, "ls")
+    assert rc == 0 and re.search(rf"^{re.escape(name)}\s+8.0 KiB\s+-.*not a kvshm", out, re.M)
+    assert run(capsys, "rm", name)[:2] == (0, f"removed {name}\n")
+
+
+def test_unsupported_format_version(name, capsys):
+    create(name).close()
+    with open(f"/dev/shm/kvshm-{name}", "r+b") as f:
+        f.seek(8)
+        f.write(struct.pack("<I", 99))
+    assert_one_line_error(*run(capsys, "show", name), "format version 99")
+    _, d = run_json(capsys, "ls")
+    row = next(r for r in d["segments"] if r["name"] == name)
+    assert row["format_version"] == 99 and "format version 99" in row["error"]
+    p = cli("verify", name)
+    assert_one_line_error(p.returncode, p.stdout, p.stderr, "format version 99")
+    assert run(capsys, "rm", name)[0] == 0
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"),
+                    reason="needs root to drop the capability that bypasses file modes")
+def test_no_permission(name):
+    Segment.create(name, LAYOUT, 8, mode=0o000, max_clients=2, ring_capacity=4096,
+                   hold_capacity=16).close()
+    nocaps = ("setpriv", "--inh-caps=-all", "--bounding-set=-all")
+    p = cli("show", name, prefix=nocaps)
+    assert_one_line_error(p.returncode, p.stdout, p.stderr, "permission denied")
+    p = cli("ls", "--json", prefix=nocaps)
+    row = next(r for r in json.loads(p.stdout)["segments"] if r["name"] == name)
+    assert p.returncode == 0 and "permission denied" in row["error"]
+
+
+def test_usage_errors_and_help(capsys):
+    assert run(capsys, "frobnicate")[0] == 2
+    assert run(capsys)[0] == 2
+    for cmd in ("ls", "show", "blocks", "verify", "metrics", "watch", "gc", "rm"):
+        rc, out, _ = run(capsys, cmd, "--help")
+        assert rc == 0 and "example: kvshm-inspect " + cmd in out
+
+
+# --- process-level promises -----------------------------------------------------------------
+def test_subprocess_json_without_torch(live):
+    n, _ = live
+    p = cli("show", n, "--json")
+    assert p.returncode == 0
+    check_schema(json.loads(p.stdout), SCHEMAS["show"])
+    script = ("import sys; from kvshm.inspect_cli import main\n"
+              f"for a in (['ls'], ['show', {n!r}], ['blocks', {n!r}], ['verify', {n!r}], "
+              f"['metrics', {n!r}], ['gc', {n!r}]):\n    main(a)\n"
+              "import kvshm.manager  # what gc imports when it acts\n"
+              "assert 'torch' not in sys.modules, 'torch imported'\n"
+              "print('NO-TORCH')")
+    p = subprocess.run([sys.executable, "-c", script], env=ENV, capture_output=True, text=True)
+    assert p.returncode == 0 and p.stdout.endswith("NO-TORCH\n"), p.stderr
+
+
+def test_starts_fast():
+    best = min(_timed(cli, "ls") for _ in range(3))
+    assert best < 1.0, f"kvshm-inspect ls took {best:.2f}s"
+
+
+def _timed(f, *a) -> float:
+    t = time.perf_counter()
+    assert f(*a).returncode == 0
+    return time.perf_counter() - t
+
+
+def test_docs_cover_schema():
+    doc = (ROOT / "docs" / "inspect.md").read_text()
+
+    def keys(schema: object):
+        if isinstance(schema, dict):
+            for k, v in schema.items():
+                yield k
+                yield from keys(v)
+        elif isinstance(schema, list):
+            yield from keys(schema[0])
+
+    for cmd, schema in SCHEMAS.items():
+        assert f"kvshm.{'show' if cmd == 'watch' else cmd}/1" in doc
+        missing = {k for k in keys(schema) if f"`{k}`" not in doc}
+        assert not missing, f"docs/inspect.md lacks {cmd} keys {missing}"

@@ -1,0 +1,21 @@
+"""Runs last (file name sorts last): this test session left nothing in /dev/shm.
+
+Every segment the tests create carries the session-unique prefix from ``conftest`` (other
+people's concurrent runs use other prefixes), so a leftover segment (``kvshm-<prefix>…``) or
+semaphore (``sem.kvshm-<prefix>…``) can only be ours.
+"""
+from __future__ import annotations
+
+import os
+
+
+def test_no_shared_memory_object_of_this_session_remains(seg_prefix):
+    leftovers = sorted(e for e in os.listdir("/dev/shm") if seg_prefix in e)
+    assert leftovers == [], f"tests left these in /dev/shm: {leftovers}"
+
+
+def test_no_process_of_this_session_outlives_it():
+    import multiprocessing
+    for p in multiprocessing.active_children():
+        p.join(30)
+    assert multiprocessing.active_children() == []
