@@ -70,17 +70,22 @@ class LocalManager(OffloadingManager):
         ready, kept, freed = [], 0, 0
         self.index.clear()
         for b in range(self.table.num_blocks):
+            # A dead owner may have left an entry mid-rewrite (odd seq: readers would spin
+            # forever). A torn ready entry is kept (a rewrite never changes its key, and it
+            # may be leased); a torn WRITING entry's store was never answered: free it.
+            torn = self.table.settle(b)
             e = self.table.read(b)
-            if e.state in (L.READY, L.EVICTING):
+            if e.state in (L.READY, L.EVICTING) and e.key:
                 ready.append((e.last_use, b, e.key))
-            elif e.state == L.WRITING and e.writer >= 0 and writer_alive(e.writer, e.writer_gen):
+            elif e.state == L.WRITING and not torn and e.writer >= 0 and \
+                    writer_alive(e.writer, e.writer_gen):
                 self._adopt(b, e.key, False)
                 self._pending.setdefault((e.writer, e.writer_gen), set()).add(e.key)
                 kept += 1
             else:
-                if e.state != L.FREE:
+                if e.state != L.FREE or torn:
                     self.table.write(b, L.FREE, b"")
-                    freed += 1
+                    freed += e.state != L.FREE
                 self._free.append(b)
         for last_use, b, key in sorted(ready):  # oldest first: recency survives failover
             if key in self._blocks:  # a duplicate can only come from a damaged table

@@ -103,6 +103,21 @@ class BlockTable:
         publish_fence()
         w[i] = (seq + 1) & 0xFFFFFFFF
 
+    def settle(self, block: int) -> bool:
+        """Owner only, at takeover: end a rewrite a dead owner left half done (odd seq).
+
+        Nobody else would ever make the sequence even again, and every reader of the entry
+        would spin forever. Returns True if the entry was torn; the caller decides what its
+        contents are worth.
+        """
+        w, i = self._w32, block * _WORDS32
+        seq = w[i]
+        if not seq & 1:
+            return False
+        publish_fence()
+        w[i] = (seq + 1) & 0xFFFFFFFF
+        return True
+
     def set_last_use(self, block: int, tick: int) -> None:
         # A lone aligned word store: readers may see old or new, both are fine.
         self._w64[block * _WORDS64 + _LAST_USE_WORD] = tick

@@ -387,7 +387,7 @@ def test_dead_segment_verify_lists_leaks(dead, capsys):
     assert rc == 1 and not d["ok"]
     assert f"client slot 0 (pid {info['c0'].pid}) is dead but still holds 2 blocks" in v
     assert v.count("is writing for client slot 0, which is dead") == 2
-    assert "owner's own store but no owner is alive" in v
+    assert "owner's own store, but no owner is alive" in v
 
 
 def test_gc_reclaims_dead_then_rm(procs, name, capsys):
