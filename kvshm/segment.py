@@ -189,7 +189,13 @@ class Segment:
                 f"damaged — remove it with 'kvshm-inspect rm {name}'")
         mm = mmap.mmap(shm.fd, total)
         desc = bytes(mm[L.OFF_LAYOUT_DESC:L.OFF_LAYOUT_DESC + L.LAYOUT_DESC_BYTES])
-        found = Layout.from_description(desc.rstrip(b"\0").decode())
+        try:
+            found = Layout.from_description(desc.rstrip(b"\0").decode())
+        except (ValueError, KeyError, TypeError) as e:  # JSON/UTF-8 errors are ValueErrors
+            mm.close()
+            raise NotAKvshmSegmentError(
+                f"segment {name!r} has a damaged layout description ({e!r}); remove it "
+                f"with 'kvshm-inspect rm {name}'") from None
         if expected is not None and expected.fingerprint() != fp:
             mm.close()
             raise LayoutMismatchError(
@@ -248,9 +254,12 @@ class Segment:
         except posix_ipc.ExistentialError:
             existed = False
         prefix = "sem." + PREFIX + name + "-"
+        # Names may contain '-': segment "x-2"'s semaphores also start with "sem.kvshm-x-".
+        longer = tuple(f"sem.{PREFIX}{other}-" for other in list_segments()
+                       if other.startswith(name + "-"))
         with contextlib.suppress(FileNotFoundError):
             for entry in os.listdir(SHM_DIR):
-                if entry.startswith(prefix):
+                if entry.startswith(prefix) and not (longer and entry.startswith(longer)):
                     with contextlib.suppress(posix_ipc.ExistentialError):
                         posix_ipc.unlink_semaphore("/" + entry[4:])
         return existed

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import struct
 import zlib
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
+
+import numpy as np
 
 from . import layout as L
 from .fence import publish_fence
@@ -51,10 +53,26 @@ class BlockTable:
         region = buf[self.base:self.base + self.num_blocks * L.ENTRY_BYTES]
         self._w32 = region.cast("I")
         self._w64 = region.cast("Q")
+        self._rows = np.frombuffer(buf, np.uint8, self.num_blocks * L.ENTRY_BYTES,
+                                   self.base).reshape(self.num_blocks, L.ENTRY_BYTES)
+        self._seqs = self._rows[:, :4].view(np.uint32)[:, 0]
 
     def close(self) -> None:
         self._w32.release()
         self._w64.release()
+        del self._rows, self._seqs
+
+    def states_if_keys(self, blocks: np.ndarray, keys: np.ndarray) -> np.ndarray:
+        """Vectorised ``state_if_key``: ``keys`` is an (n, keylen) uint8 array of equal-length
+        keys. Entries caught mid-rewrite read as -1 (a spurious miss, never a wrong hit)."""
+        seq = self._seqs[blocks]
+        publish_fence()
+        rows = self._rows[blocks]
+        publish_fence()
+        klen = keys.shape[1]
+        same = (rows[:, 5] == klen) & (rows[:, _KEY_OFF:_KEY_OFF + klen] == keys).all(axis=1)
+        stable = ((seq & 1) == 0) & (self._seqs[blocks] == seq)
+        return np.where(same & stable, rows[:, 4].astype(np.int16), -1)
 
     def read(self, block: int) -> Entry:
         """A consistent snapshot of ``block``'s entry (retries while the owner rewrites it)."""
@@ -134,6 +152,31 @@ class KeyIndex:
         self.base = geometry.index_offset
         self.mask = geometry.index_slots - 1
         self.table = table
+        self._slots = np.frombuffer(buf, np.int32, 2 * geometry.index_slots,
+                                    self.base).reshape(-1, 2)
+
+    def find_prefix(self, keys: Sequence[bytes], karr: np.ndarray
+                    ) -> tuple[np.ndarray, np.ndarray]:
+        """(blocks, states) of equal-length ``keys`` (``karr``: their bytes as an (n, len)
+        uint8 array), vectorised over the home slots.
+
+        A key not in its home slot (a collision pushed it further, or it is absent) is
+        resolved by the scalar ``find``, up to the first real miss: entries after it are
+        left at state -1, as a prefix lookup does not need them.
+        """
+        crc = zlib.crc32
+        tags = np.fromiter((crc(k) for k in keys), np.uint32, len(keys))
+        slots = self._slots[(tags & self.mask).astype(np.intp)]
+        blocks = slots[:, 1].copy()
+        home = (slots[:, 0].view(np.uint32) == tags) & (blocks >= 0)
+        states = np.full(len(keys), -1, np.int16)
+        if home.any():
+            states[home] = self.table.states_if_keys(blocks[home], karr[home])
+        for i in np.flatnonzero(states < 0):
+            blocks[i], states[i] = self.find(keys[i])
+            if states[i] < 0:
+                break
+        return blocks, states
 
     def find(self, key: bytes) -> tuple[int, int]:
         """(block, state) holding ``key``, or (-1, -1). Lock-free; may miss spuriously."""

@@ -572,14 +572,19 @@ def test_subprocess_json_without_torch(live):
 
 
 def test_starts_fast():
-    best = min(_timed(cli, "ls") for _ in range(3))
-    assert best < 1.0, f"kvshm-inspect ls took {best:.2f}s"
+    """Start-up is CPU work; count the child's CPU seconds so a busy machine cannot fail it."""
+    import resource
 
+    def cpu() -> float:
+        r = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return r.ru_utime + r.ru_stime
 
-def _timed(f, *a) -> float:
-    t = time.perf_counter()
-    assert f(*a).returncode == 0
-    return time.perf_counter() - t
+    best = float("inf")
+    for _ in range(3):
+        t = cpu()
+        assert cli("--help").returncode == 0
+        best = min(best, cpu() - t)
+    assert best < 0.8, f"kvshm-inspect --help took {best:.2f} CPU seconds"
 
 
 def test_docs_cover_schema():

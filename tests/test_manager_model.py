@@ -61,6 +61,7 @@ class ManagerMachine(RuleBasedStateMachine):
     def teardown(self) -> None:
         try:
             self.m.shutdown()
+            self.table.close()
             self.obs.close()
             self.seg.close()
         finally:

@@ -283,6 +283,18 @@ def test_segment_whose_size_disagrees_with_header_is_damaged(make_segment):
     assert str(seg.geometry.total_bytes) in str(e.value)
 
 
+@pytest.mark.parametrize("damage", [b"\xff\xfe", b"{not json", b'{"model": "x"}'],
+                         ids=["not-utf8", "not-json", "missing-fields"])
+def test_damaged_layout_description_raises_not_a_kvshm_segment(make_segment, damage):
+    seg = make_segment()
+    seg.buf[L.OFF_LAYOUT_DESC:L.OFF_LAYOUT_DESC + L.LAYOUT_DESC_BYTES] = \
+        damage.ljust(L.LAYOUT_DESC_BYTES, b"\0")
+    for layout in (None, LAYOUT):
+        with pytest.raises(NotAKvshmSegmentError) as e:
+            Segment.attach(seg.name, layout)
+        assert "damaged" in str(e.value) and seg.name in str(e.value)
+
+
 def test_attach_missing_segment_raises_not_found(seg_name):
     with pytest.raises(SegmentNotFoundError) as e:
         Segment.attach(seg_name, LAYOUT)
@@ -410,6 +422,17 @@ def test_unlink_leaves_other_segments_alone(make_segment):
     assert os.path.exists(shm_path(b.name))
     with Segment.attach(b.name, LAYOUT):
         pass
+
+
+def test_unlink_leaves_semaphores_of_a_segment_whose_name_extends_its_name(make_segment):
+    a = make_segment()
+    b = make_segment(name=a.name + "-2")  # "x" and "x-2": sem.kvshm-x-2-owner is b's
+    posix_ipc.Semaphore(sem_name(a.name, "owner"), posix_ipc.O_CREX).close()
+    posix_ipc.Semaphore(sem_name(b.name, "owner"), posix_ipc.O_CREX).close()
+    Segment.unlink(a.name)
+    assert not os.path.exists(f"/dev/shm/sem.kvshm-{a.name}-owner")
+    assert os.path.exists(f"/dev/shm/sem.kvshm-{b.name}-owner")
+    assert os.path.exists(shm_path(b.name))
 
 
 def test_mapping_survives_unlink(make_segment):
