@@ -67,12 +67,15 @@ else
 fi
 
 log "smoke import"
-"$VPY" - <<'PYEOF'
-import time
+KVSHM_EXPECT_INSTALLED=$([ -f "$REPO/setup.cfg" ] && echo 1 || echo 0) "$VPY" - <<'PYEOF'
+import os, time
 t = time.time()
 import torch, vllm
 import vllm.v1.kv_offload.base  # noqa: F401
 import vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector  # noqa: F401
 print(f"vllm {vllm.__version__}, torch {torch.__version__}, import {time.time() - t:.1f}s")
+if os.environ.get("KVSHM_EXPECT_INSTALLED") == "1":
+    import kvshm
+    print(f"kvshm {getattr(kvshm, '__version__', '?')} from {os.path.dirname(kvshm.__file__)}")
 PYEOF
 log "done: $VENV"

@@ -110,6 +110,10 @@ class Owner:
         for slot, c in list(self.clients.items()):
             if not self._writer_alive(slot, c.gen):
                 self._reclaim(slot, c.gen)
+        for slot in range(self.seg.geometry.max_clients):  # job channels hold nothing of
+            state, _, gen, _, _ = self._slot_state(slot)   # ours: a dead one just goes FREE
+            if state == slots.CHANNEL:
+                slots.clear_if_dead(self.seg, slot, gen)
         if not self.clients and self.idle_exit_s is not None and \
                 time.monotonic() - self._last_client > self.idle_exit_s:
             self._running = False

@@ -107,15 +107,20 @@ def default_backend() -> PinBackend | None:
         return None
 
 
+def _madvise(start: int, length: int, advice: int) -> int:
+    """madvise(2); returns 0 or the errno."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return 0 if libc.madvise(start, length, advice) == 0 else ctypes.get_errno()
+
+
 def prefault(addr: int, nbytes: int) -> str:
     """Fault the range in before registering; returns how: madvise, touched or skipped."""
     start = addr - addr % PAGE
     length = addr + nbytes - start
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    if libc.madvise(start, length, MADV_POPULATE_WRITE) == 0:
+    err = _madvise(start, length, MADV_POPULATE_WRITE)
+    if err == 0:
         return "madvise"
-    err = ctypes.get_errno()
     if err != errno.EINVAL:
         logger.info("kvshm: pre-fault skipped (%s); cudaHostRegister faults pages itself",
                     errno.errorcode.get(err, err))

@@ -32,6 +32,7 @@ _GEOMETRY = ("num_blocks max_clients ring_capacity hold_capacity index_slots slo
              "table_offset index_offset data_offset data_bytes total_bytes").split()
 PIN_STATES = ("idle", "waiting", "running", "done", "failed")
 COUNTERS = (*L.COUNTER_NAMES, *L.SLOT_COUNTERS, "misses")
+SLOT_FREE = 0
 
 
 class _Meta:
@@ -39,7 +40,7 @@ class _Meta:
 
     def __init__(self, seg: Segment):
         g, src = seg.geometry, seg.buf
-        self.g = g
+        self.g, self._keys_at = g, g.table_offset + _KEY_OFF  # Geometry recomputes offsets
         self.buf = buf = bytearray(g.index_offset + g.index_slots * L.INDEX_SLOT.size)
         buf[:L.HEADER_BYTES] = src[:L.HEADER_BYTES]
         for i in range(g.max_clients):
@@ -48,91 +49,69 @@ class _Meta:
         buf[g.table_offset:] = src[g.table_offset:len(buf)]  # table and index in one copy
         self.e = np.frombuffer(buf, _ENTRY_DT, g.num_blocks, g.table_offset)
         self.index = np.frombuffer(buf, _INDEX_DT, g.index_slots, g.index_offset)
-        self.torn = self._settle(src)
+        odd = np.nonzero(self.e["seq"] & 1)[0]
+        if len(odd):  # caught mid-rewrite: an owner finishes one in microseconds; look again
+            time.sleep(0.001)
+            buf[g.table_offset:g.index_offset] = src[g.table_offset:g.index_offset]
+            odd = np.nonzero(self.e["seq"] & 1)[0]
+        self.torn = odd.tolist()  # still odd: left torn by a death
+        self.e["seq"][odd] += 1  # in our copy only, so that BlockTable readers proceed
         self.live, self.owner_alive = seg.clients_alive(), seg.owner_alive()
-        self.live_held = {int(b) for i in range(g.max_clients) if self.alive(i)
-                          for b in self.holds(i) if 0 <= b < g.num_blocks}
-        mv = memoryview(buf)
-        self.find = KeyIndex(mv, g, BlockTable(mv, g)).find
+        self.find = KeyIndex(memoryview(buf), g, BlockTable(memoryview(buf), g)).find
+        live = [self.holds(i) for i in range(g.max_clients) if self.alive(i)]
+        codes = np.concatenate(live) if live else np.empty(0, np.int32)
+        ok = lambda b: {int(x) for x in b if 0 <= x < g.num_blocks}  # noqa: E731
+        self.live_pinned, self.live_leased = ok(codes[codes >= 0]), ok(-2 - codes[codes < -1])
 
-    def _settle(self, src: memoryview) -> list[int]:
-        """Re-copy entries caught mid-rewrite; return those still odd (left torn by a death)."""
-        torn = []
-        for b in np.nonzero(self.e["seq"] & 1)[0].tolist():
-            o = self.g.entry_offset(b)
-            for _ in range(200):
-                self.buf[o:o + L.ENTRY_BYTES] = src[o:o + L.ENTRY_BYTES]
-                if not self.e["seq"][b] & 1:
-                    break
-                time.sleep(0.0001)  # an owner finishes a rewrite in microseconds
-            else:
-                torn.append(b)
-                self.e["seq"][b] += 1  # in our copy only: lets BlockTable readers proceed
-        return torn
-
-    def key(self, b: int) -> bytes:
-        o = self.g.entry_offset(b) + _KEY_OFF
-        return bytes(self.buf[o:o + min(int(self.e["keylen"][b]), L.MAX_KEY_BYTES)])
+    def key(self, b: int, keylen: int | None = None) -> bytes:
+        o = self._keys_at + b * L.ENTRY_BYTES
+        n = int(self.e["keylen"][b]) if keylen is None else keylen
+        return bytes(self.buf[o:o + min(n, L.MAX_KEY_BYTES)])
 
     def slot(self, i: int) -> tuple[int, int, int, int, bytes]:
         return L.SLOT.unpack_from(self.buf, self.g.slot_offset(i))
 
     def alive(self, i: int) -> bool:
-        return i in self.live and self.slot(i)[0] == L.SLOT_ACTIVE
+        return i in self.live and self.slot(i)[0] != SLOT_FREE
 
     def holds(self, i: int) -> np.ndarray:
-        """Block ids slot ``i`` holds (>= 0); holds mean something only in an active slot."""
-        if self.slot(i)[0] != L.SLOT_ACTIVE:
+        """Slot ``i``'s occupied hold entries: block ids (load pins) and ``lease_code``s
+        (lookup leases). A FREE slot has none, whatever its array holds."""
+        if self.slot(i)[0] == SLOT_FREE:
             return np.empty(0, np.int32)
         h = np.frombuffer(self.buf, "<i4", self.g.hold_capacity,
                           self.g.slot_offset(i) + self.g.hold_offset)
-        return h[h >= 0]
-
-
-def torn_entries(seg: Segment) -> list[int]:
-    """Blocks whose entry stays mid-rewrite (odd sequence number): its writer died writing it."""
-    return _Meta(seg).torn
+        return h[h != -1]
 
 
 def _age(now: int, then: int) -> float:
     return round(max(0, now - then) / 1e9, 3)
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError):
-        pass
-    return pid > 0
-
-
 def _ring_depths(seg: Segment, i: int) -> dict[str, int | None]:
     g, out = seg.geometry, {}
     for k, name in enumerate(L.RING_NAMES):
         o = g.slot_offset(i) + g.rings_offset + k * g.ring_region
-        out[name] = None  # a ring never formatted (or damaged) has no depth to show
         with seg.buf[o:o + g.ring_region] as view:
             try:
                 ring = Ring(view)
-            except Exception:
-                continue
-            out[name] = ring.depth()
-            ring.close()
+                out[name] = ring.depth()
+                ring.close()
+            except Exception:  # a ring never formatted (or damaged) has no depth to show
+                out[name] = None
     return out
 
 
 def _client(seg: Segment, m: _Meta, i: int, now: int) -> dict[str, Any]:
     state, pid, gen, attached, name = m.slot(i)
-    base = seg.geometry.slot_offset(i)
+    base, codes = seg.geometry.slot_offset(i), m.holds(i)
     counters = struct.unpack_from(f"<{len(L.SLOT_COUNTERS)}Q", m.buf, base + L.SLOT_OFF_COUNTERS)
-    pins, pending = L.SLOT_OWNER_VIEW.unpack_from(m.buf, base + L.SLOT_OFF_OWNER_VIEW)
+    pins_held, pending = L.SLOT_OWNER_VIEW.unpack_from(m.buf, base + L.SLOT_OFF_OWNER_VIEW)
     return {"slot": i, "pid": pid, "name": name.rstrip(b"\0").decode("utf-8", "replace"),
             "state": state, "alive": m.alive(i), "generation": gen, "attached_ns": attached,
-            "age_s": _age(now, attached), "holds": len(m.holds(i)), "pins_held": pins,
-            "stores_pending": pending, "counters": dict(zip(L.SLOT_COUNTERS, counters)),
-            "rings": _ring_depths(seg, i)}
+            "age_s": _age(now, attached), "holds": len(codes), "pins": int((codes >= 0).sum()),
+            "leases": int((codes < -1).sum()), "pins_held": pins_held, "stores_pending": pending,
+            "counters": dict(zip(L.SLOT_COUNTERS, counters)), "rings": _ring_depths(seg, i)}
 
 
 def snapshot(seg: Segment) -> dict[str, Any]:
@@ -140,17 +119,18 @@ def snapshot(seg: Segment) -> dict[str, Any]:
     m, g, lay, now = _Meta(seg), seg.geometry, seg.layout, time.time_ns()
     h = L.HEADER.unpack_from(m.buf, 0)
     n = np.bincount(np.minimum(m.e["state"], 4), minlength=5).tolist()
-    pinned = m.live_held | set(np.nonzero(m.e["pins"])[0].tolist())
+    pinned = m.live_pinned | set(np.nonzero(m.e["pins"])[0].tolist())
     clients = [_client(seg, m, i, now) for i in range(g.max_clients)
-               if m.slot(i)[0] == L.SLOT_ACTIVE or i in m.live]
+               if m.slot(i)[0] != SLOT_FREE or i in m.live]
     counters = dict(zip(L.COUNTER_NAMES, struct.unpack_from(
         f"<{len(L.COUNTER_NAMES)}Q", m.buf, L.OFF_COUNTERS)))
-    for name in L.SLOT_COUNTERS:  # clients' own counters, while their slot is active
-        counters[name] = sum(c["counters"][name] for c in clients if c["state"] == L.SLOT_ACTIVE)
+    for name in L.SLOT_COUNTERS:  # clients' own counters, while their slot is taken
+        counters[name] = sum(c["counters"][name] for c in clients if c["state"] != SLOT_FREE)
     counters["misses"] = max(0, counters["lookups"] - counters["hits"])
     pid, epoch, since, tick = L.OWNER.unpack_from(m.buf, L.OFF_OWNER)
-    pinners = [{"pid": p, "alive": _pid_alive(p), "done_bytes": done, "total_bytes": total,
-                "state": PIN_STATES[st] if st < 5 else str(st), "updated_ns": upd}
+    pinners = [{"pid": p, "alive": os.path.exists(f"/proc/{p}"), "done_bytes": done,
+                "total_bytes": total, "state": PIN_STATES[st] if st < 5 else str(st),
+                "updated_ns": upd}
                for p, st, done, total, upd in (L.PINNER.unpack_from(
                    m.buf, L.OFF_PINNERS + k * L.PINNER.size) for k in range(L.MAX_PINNERS)) if p]
     used = g.num_blocks - n[L.FREE]
@@ -158,50 +138,53 @@ def snapshot(seg: Segment) -> dict[str, Any]:
         "schema": "kvshm.show/1", "name": seg.name, "taken_ns": now,
         "header": {"format_version": h[1], "header_bytes": h[2], "total_bytes": h[3],
                    "created_ns": h[4], "age_s": _age(now, h[4]), "fingerprint": h[12].hex(),
-                   "layout": {"model": lay.model, "page_bytes": list(lay.page_bytes),
+                   "policy": seg.policy, "layout": {"model": lay.model, "page_bytes": list(lay.page_bytes),
                               "tokens_per_block": lay.tokens_per_block, "extra": lay.extra}},
         "geometry": {**{k: getattr(g, k) for k in _GEOMETRY}, "num_planes": len(g.page_bytes),
                      "page_bytes": list(g.page_bytes), "block_bytes": lay.block_bytes,
                      "tokens_per_block": lay.tokens_per_block},
         "blocks": {"total": g.num_blocks, "free": n[0], "writing": n[1], "ready": n[2],
-                   "evicting": n[3], "invalid": n[4], "pinned": len(pinned), "used": used,
+                   "evicting": n[3], "invalid": n[4], "pinned": len(pinned),
+                   "leased": len(m.live_leased - pinned), "used": used,
                    "usage": round(used / g.num_blocks, 6)},
         "owner": {"pid": pid, "alive": m.owner_alive, "epoch": epoch, "since_ns": since,
                   "age_s": _age(now, since) if since else None, "tick": tick},
         "clients": clients, "clients_alive": sum(c["alive"] for c in clients),
-        "clients_dead": sum(c["state"] == L.SLOT_ACTIVE and not c["alive"] for c in clients),
+        "clients_dead": sum(c["state"] != SLOT_FREE and not c["alive"] for c in clients),
         "pinners": pinners, "counters": counters}
 
 
 def block_rows(seg: Segment, states: set[str], limit: int) -> tuple[int, list[dict[str, Any]]]:
     """(number of matching blocks, up to ``limit`` rows of them; 0 = all). ``states`` holds
-    state names, 'pinned' (owner pins or a live client's hold), 'used' (not free) or 'all'."""
+    state names, 'pinned' (a load pin), 'leased' (a live client's lease), 'used' or 'all'."""
     m = _Meta(seg)
-    st, pins = m.e["state"], m.e["pins"]
-    pinned = np.zeros(len(st), bool)
-    pinned[list(m.live_held)] = True
+    st, n = m.e["state"], m.g.num_blocks
     mask = np.isin(st, [s for s, name in L.STATE_NAMES.items() if name in states])
     mask |= ("all" in states) | (("used" in states) & (st != L.FREE))
-    mask |= ("pinned" in states) & (pinned | (pins > 0))
+    if "pinned" in states:
+        mask |= m.e["pins"] > 0
+        mask[list(m.live_pinned)] = True
+    if "leased" in states:
+        mask[list(m.live_leased)] = True
     chosen = np.nonzero(mask)[0]
-    holders: dict[int, list[int]] = {}
+    by: dict[tuple[str, int], list[int]] = {}
     for i in range(m.g.max_clients):
-        for b in sorted(set(m.holds(i).tolist())):
-            holders.setdefault(b, []).append(i)
+        codes = m.holds(i)
+        for kind, blocks in (("pinned", codes[codes >= 0]), ("leased", -2 - codes[codes < -1])):
+            for b in np.unique(blocks[blocks < n]).tolist():
+                by.setdefault((kind, b), []).append(i)
     rows = []
     for b in (chosen[:limit] if limit else chosen).tolist():
         e = m.e[b]
         rows.append({"block": b, "state": L.STATE_NAMES.get(int(e["state"]), "invalid"),
-                     "key": m.key(b).hex(), "holders": holders.get(b, []),
-                     **{k: int(e[k]) for k in _E[3:]}})
+                     "key": m.key(b).hex(), "pinned_by": by.get(("pinned", b), []),
+                     "leased_by": by.get(("leased", b), []), **{k: int(e[k]) for k in _E[3:]}})
     return len(chosen), rows
 
 
 def verify(seg: Segment, attempts: int = 3) -> list[str]:
-    """Violations of DESIGN.md's invariants visible in ``seg`` (empty when clean).
-
-    While an owner or client is alive the segment moves under us, so a violation counts only
-    if each of ``attempts`` passes (50 ms apart) sees it."""
+    """Violations of DESIGN.md's invariants visible in ``seg`` (empty when clean). While an
+    owner or client lives the segment moves, so only what all ``attempts`` passes see counts."""
     found = _verify_once(seg)
     for _ in range(attempts - 1):
         if not found or not (seg.owner_alive() or seg.clients_alive()):
@@ -229,12 +212,14 @@ def _verify_once(seg: Segment) -> list[str]:
         out.append(f"header: created_ns {created} lies in the future")
     out += [f"block {b}: entry left mid-rewrite (odd sequence number)" for b in m.torn]
     st, pins, seen = m.e["state"], m.e["pins"], {}
-    for j in np.nonzero(m.index["block"] != -1)[0].tolist():
-        tag, b = int(m.index["tag"][j]), int(m.index["block"][j])
+    occupied = np.nonzero(m.index["block"] != -1)[0]
+    states = st.tolist()
+    for j, tag, b in zip(occupied.tolist(), *(m.index[k][occupied].tolist() for k in (
+            "tag", "block"))):
         if not 0 <= b < g.num_blocks:
             out.append(f"index slot {j} points to block {b}, outside 0..{g.num_blocks - 1}")
             continue
-        if st[b] == L.FREE:
+        if states[b] == L.FREE:
             out.append(f"index slot {j} points to block {b}, which is free")
         elif zlib.crc32(m.key(b)) != tag:
             out.append(f"index slot {j} has tag {tag:#010x} but block {b}'s key "
@@ -243,9 +228,10 @@ def _verify_once(seg: Segment) -> list[str]:
             out.append(f"block {b} appears in index slots {seen[b]} and {j}")
         seen.setdefault(b, j)
     owners: dict[bytes, int] = {}
-    for b in np.nonzero(st != L.FREE)[0].tolist():
-        s, key, w, gen = int(st[b]), m.key(b), int(m.e["writer"][b]), int(m.e["writer_gen"][b])
-        name, keylen = L.STATE_NAMES.get(s, f"in unknown state {s}"), int(m.e["keylen"][b])
+    used = np.nonzero(st != L.FREE)[0]
+    for b, s, w, gen, keylen in zip(used.tolist(), *(m.e[k][used].tolist() for k in (
+            "state", "writer", "writer_gen", "keylen"))):
+        key, name = m.key(b, keylen), L.STATE_NAMES.get(s, f"in unknown state {s}")
         if not 1 <= keylen <= L.MAX_KEY_BYTES:
             out.append(f"block {b} is {name} with key length {keylen}")
         elif key in owners:
@@ -270,78 +256,74 @@ def _verify_once(seg: Segment) -> list[str]:
             "(pins are only allowed on ready blocks)"
             for b in np.nonzero((pins > 0) & (st != L.READY))[0].tolist()]
     for i in range(g.max_clients):
-        held, who = m.holds(i).tolist(), f"client slot {i} (pid {m.slot(i)[1]})"
-        if held and not m.alive(i):
-            more = ", …" if len(held) > 8 else ""
-            out.append(f"{who} is dead but still holds {len(held)} blocks "
-                       f"({', '.join(map(str, held[:8]))}{more})")
-        elif held:
-            out += [f"{who} holds block {b}, which is " + (
-                L.STATE_NAMES.get(int(st[b]), "invalid") if b < g.num_blocks
-                else f"outside 0..{g.num_blocks - 1}") for b in held
-                if b >= g.num_blocks or st[b] not in (L.READY, L.EVICTING)]
+        codes, who = m.holds(i), f"client slot {i} (pid {m.slot(i)[1]})"
+        blocks = np.where(codes >= 0, codes, -2 - codes).tolist()
+        if blocks and not m.alive(i):
+            out.append(f"{who} is dead but still holds {len(blocks)} blocks "
+                       f"({', '.join(map(str, blocks[:8]))}{', …' * (len(blocks) > 8)})")
+            continue
+        out += [f"{who} holds block {b}, outside 0..{g.num_blocks - 1}"
+                for b in blocks if b >= g.num_blocks]
+        # A lease may outlive its block (its own stores may evict it); a load pin may not.
+        out += [f"{who} has a load pin on block {b}, which is "
+                f"{L.STATE_NAMES.get(int(st[b]), 'invalid')}" for b in codes[codes >= 0].tolist()
+                if b < g.num_blocks and st[b] not in (L.READY, L.EVICTING)]
     return out
 
 
-_GAUGES = (  # (metric, help, value of a snapshot)
-    ("kvshm_blocks_pinned", "Blocks pinned by a load or held by a live client.",
-     lambda s: s["blocks"]["pinned"]),
-    ("kvshm_num_blocks", "Blocks the segment holds.", lambda s: s["blocks"]["total"]),
-    ("kvshm_cache_usage_perc", "Fraction of blocks in use (not free), 0..1.",
-     lambda s: s["blocks"]["usage"]),
-    ("kvshm_cache_write_usage_perc", "Fraction of blocks being written, 0..1.",
-     lambda s: round(s["blocks"]["writing"] / s["blocks"]["total"], 6)),
-    ("kvshm_cache_bytes", "Bytes of the data region.", lambda s: s["geometry"]["data_bytes"]),
-    ("kvshm_clients", "Live client processes.", lambda s: s["clients_alive"]),
-    ("kvshm_clients_dead", "Client slots whose process died, not yet reclaimed.",
-     lambda s: s["clients_dead"]),
-    ("kvshm_owner_up", "1 while an owner process holds the owner lock.",
-     lambda s: int(s["owner"]["alive"])),
-    ("kvshm_owner_epoch", "Owners the segment has had.", lambda s: s["owner"]["epoch"]),
-)
-_COUNTER_HELP = {  # counter -> (metric name without kvshm_ and _total, help)
+_GAUGES = (  # (metric, help, where in a snapshot)
+    ("kvshm_blocks_pinned", "Blocks with a load pin.", "blocks.pinned"),
+    ("kvshm_blocks_leased", "Blocks leased by a live client's lookup.", "blocks.leased"),
+    ("kvshm_num_blocks", "Blocks the segment holds.", "blocks.total"),
+    ("kvshm_cache_usage_perc", "Fraction of blocks in use (not free), 0..1.", "blocks.usage"),
+    ("kvshm_cache_bytes", "Bytes of the data region.", "geometry.data_bytes"),
+    ("kvshm_clients", "Live client processes.", "clients_alive"),
+    ("kvshm_clients_dead", "Client slots whose process died, not reclaimed.", "clients_dead"),
+    ("kvshm_owner_up", "1 while an owner process holds the owner lock.", "owner.alive"),
+    ("kvshm_owner_epoch", "Owners the segment has had.", "owner.epoch"))
+_COUNTERS = {  # snapshot counter: (metric kvshm_<name>_total, help)
     "lookups": ("lookups", "Lookups clients made."), "hits": ("hits", "Lookups that hit."),
     "misses": ("misses", "Lookups that missed."), "stores": ("stores", "Completed stores."),
-    "store_blocks": ("store_blocks", "Blocks stored."),
-    "store_failed_blocks": ("store_failed_blocks", "Blocks whose store failed."),
-    "prepare_store_refused": ("allocation_failure", "prepare_store calls refused (full)."),
+    "store_blocks": ("store_blocks", "Blocks stored."), "store_failed_blocks": (
+        "store_failed_blocks", "Blocks whose store failed."), "prepare_store_refused": (
+        "allocation_failure", "prepare_store calls refused (full)."),
     "loads": ("loads", "Loads clients made."), "load_blocks": ("load_blocks", "Blocks loaded."),
     "bytes_in": ("store_bytes", "Bytes copied into the cache."),
     "bytes_out": ("load_bytes", "Bytes copied out of the cache."),
     "evictions": ("evictions", "Blocks evicted."), "errors": ("errors", "Errors answered."),
-    "failovers": ("failovers", "Times a new owner took over."),
-    "reclaimed_clients": ("reclaimed_clients", "Dead clients reclaimed."),
-    "reclaimed_blocks": ("reclaimed_blocks", "Blocks reclaimed from dead processes."),
-}
+    "failovers": ("failovers", "Times a new owner took over."), "reclaimed_clients": (
+        "reclaimed_clients", "Dead clients reclaimed."), "reclaimed_blocks": (
+        "reclaimed_blocks", "Blocks reclaimed from dead processes.")}
 
 
 def prometheus(snaps: list[dict[str, Any]]) -> str:
     """Prometheus text exposition (format 0.0.4) of ``snapshot()`` results, one per segment."""
     fams: dict[str, tuple[str, str, list[str]]] = {}
 
-    def add(name: str, kind: str, text: str, value: float, **labels: object) -> None:
+    def add(name: str, kind: str, text: str, value: Any, **labels: object) -> None:
         lab = ",".join('{}="{}"'.format(k, str(v).replace("\\", r"\\").replace('"', r"\"")
                                         .replace("\n", r"\n")) for k, v in labels.items())
-        fams.setdefault(name, (kind, text, []))[2].append(f"{name}{{{lab}}} {value}")
+        num = str(int(value)) if isinstance(value, int) else repr(float(value))
+        fams.setdefault(name, (kind, text, []))[2].append(f"{name}{{{lab}}} {num}")
 
     for s in snaps:
         seg = s["name"]
         for state in ("free", "writing", "ready", "evicting"):
             add("kvshm_blocks", "gauge", "Blocks by state.", s["blocks"][state], segment=seg,
                 state=state)
-        for metric, text, value in _GAUGES:
-            add(metric, "gauge", text, value(s), segment=seg)
-        for key, (metric, text) in _COUNTER_HELP.items():
+        for metric, text, path in _GAUGES:
+            first, _, second = path.partition(".")
+            add(metric, "gauge", text, s[first][second] if second else s[first], segment=seg)
+        add("kvshm_cache_write_usage_perc", "gauge", "Fraction of blocks being written, 0..1.",
+            s["blocks"]["writing"] / s["blocks"]["total"], segment=seg)
+        for key, (metric, text) in _COUNTERS.items():
             add(f"kvshm_{metric}_total", "counter", text, s["counters"][key], segment=seg)
         for c in s["clients"]:
-            add("kvshm_client_holds", "gauge", "Blocks a client holds (leases and load pins).",
+            add("kvshm_client_holds", "gauge", "Hold entries (load pins and leases) of a client.",
                 c["holds"], segment=seg, slot=c["slot"], pid=c["pid"], alive=int(c["alive"]))
             for ring, depth in c["rings"].items():
                 if depth is not None:
                     add("kvshm_ring_depth_bytes", "gauge", "Bytes queued in a client's ring.",
                         depth, segment=seg, slot=c["slot"], ring=ring)
-        for p in s["pinners"]:
-            add("kvshm_pin_done_bytes", "gauge", "Bytes a process has pinned for CUDA copies.",
-                p["done_bytes"], segment=seg, pid=p["pid"], state=p["state"])
     return "".join(f"# HELP {n} {t}\n# TYPE {n} {k}\n" + "\n".join(rows) + "\n"
                    for n, (k, t, rows) in fams.items())

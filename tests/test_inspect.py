@@ -32,6 +32,8 @@ from kvshm.manager import LocalManager
 from kvshm.segment import Segment
 from kvshm.table import BlockTable, KeyIndex
 
+from conftest import unique_name
+
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 LAYOUT = Layout((4096, 2048), 16, "tiny-test")
@@ -40,21 +42,22 @@ LAYOUT = Layout((4096, 2048), 16, "tiny-test")
 # a type or tuple of types = a value, ``dict`` = any object ------------------------------------
 OPT_INT, OPT_FLOAT, OPT_STR = (int, type(None)), (float, type(None)), (str, type(None))
 CLIENT = {"slot": int, "pid": int, "name": str, "state": int, "alive": bool, "generation": int,
-          "attached_ns": int, "age_s": float, "holds": int, "pins_held": int,
+          "attached_ns": int, "age_s": float, "holds": int, "pins": int, "leases": int,
+          "pins_held": int,
           "stores_pending": int, "counters": {n: int for n in L.SLOT_COUNTERS},
           "rings": {n: OPT_INT for n in L.RING_NAMES}}
 SCHEMAS = {
     "show": {"schema": str, "name": str, "taken_ns": int,
              "header": {"format_version": int, "header_bytes": int, "total_bytes": int,
-                        "created_ns": int, "age_s": float, "fingerprint": str,
+                        "created_ns": int, "age_s": float, "fingerprint": str, "policy": str,
                         "layout": {"model": str, "page_bytes": [int], "tokens_per_block": int,
                                    "extra": dict}},
              "geometry": {**dict.fromkeys(
                  "num_blocks num_planes block_bytes tokens_per_block max_clients ring_capacity "
                  "hold_capacity index_slots slot_bytes table_offset index_offset data_offset "
                  "data_bytes total_bytes".split(), int), "page_bytes": [int]},
-             "blocks": {**dict.fromkeys("total free writing ready evicting invalid pinned used"
-                                        .split(), int), "usage": float},
+             "blocks": {**dict.fromkeys("total free writing ready evicting invalid pinned leased "
+                                        "used".split(), int), "usage": float},
              "owner": {"pid": int, "alive": bool, "epoch": int, "since_ns": int,
                        "age_s": OPT_FLOAT, "tick": int},
              "clients": [CLIENT], "clients_alive": int, "clients_dead": int,
@@ -66,7 +69,8 @@ SCHEMAS = {
         "blocks_total": OPT_INT, "clients_alive": OPT_INT, "owner_alive": (bool, type(None)),
         "age_s": OPT_FLOAT, "error": OPT_STR}]},
     "blocks": {"schema": str, "name": str, "states": [str], "matching": int, "rows": [{
-        "block": int, "state": str, "key": str, "pins": int, "holders": [int], "last_use": int,
+        "block": int, "state": str, "key": str, "pins": int, "pinned_by": [int],
+        "leased_by": [int], "last_use": int,
         "stored_ns": int, "writer": int, "writer_gen": int, "writer_req": int}]},
     "verify": {"schema": str, "name": str, "ok": bool, "violations": [str]},
     "gc": {"schema": str, "name": str, "acted": bool, "reason": str, "freed_blocks": int,
@@ -102,7 +106,16 @@ CHILD = textwrap.dedent("""
     spec = json.loads(sys.argv[1])
     seg = Segment.attach(spec["name"])
     g, out = seg.geometry, {}
-    if spec["role"] == "owner":
+    if spec["role"] == "engine":  # a real client: connect() starts an owner process
+        from kvshm.client import connect
+        mgr = connect(spec["name"])
+        keys = [b"E%035d" % i for i in range(4)]
+        mgr.prepare_store(keys); mgr.complete_store(keys)
+        mgr.lookup(keys)  # leases all four
+        mgr.prepare_load(keys[:1])  # turns one lease into a load pin
+        mgr.prepare_store([b"F%035d" % i for i in range(2)])  # never completed
+        out = {"slot": mgr.slot, "owner": seg.owner_record()[0]}
+    elif spec["role"] == "owner":
         from kvshm.manager import LocalManager
         mgr = LocalManager(seg, writer_alive=lambda s, gen: True)
         ready = [b"R%035d" % i for i in range(spec["ready"])]
@@ -152,10 +165,6 @@ class Procs:
             p.wait()
 
 
-def new_name() -> str:
-    return f"ti{os.getpid()}-{uuid.uuid4().hex[:8]}"
-
-
 def create(name: str, blocks: int = 32) -> Segment:
     return Segment.create(name, LAYOUT, blocks, max_clients=4, ring_capacity=4096,
                           hold_capacity=16)
@@ -170,19 +179,21 @@ def procs():
 
 @pytest.fixture
 def name():
-    n = new_name()
+    n = unique_name()
     yield n
     Segment.unlink(n)
 
 
 def populate(procs: Procs, name: str) -> dict:
     """Owner child with 5 ready (1 pinned), 2 writing for client slot 0 gen 1, 1 of its own;
-    client slot 0 (gen 1) holding two ready blocks; client slot 2 (gen 5) holding none."""
+    client slot 0 (gen 1) pinning one ready block and leasing another; client slot 2 (gen 5)
+    holding none."""
     create(name).close()
     owner, out = procs.start(role="owner", name=name, ready=5, writing=[[0, 1, 2]], local=1,
                              pins=1)
     ready = out["ready"]
-    c0, _ = procs.start(role="client", name=name, slot=0, gen=1, holds=ready[1:3],
+    c0, _ = procs.start(role="client", name=name, slot=0, gen=1,
+                        holds=[ready[1], L.lease_code(ready[2])],
                         proc="fake-engine", counters={"lookups": 10, "hits": 7, "bytes_out": 99})
     c2, _ = procs.start(role="client", name=name, slot=2, gen=5, holds=[], proc="other",
                         counters={"lookups": 5, "hits": 1})
@@ -191,7 +202,7 @@ def populate(procs: Procs, name: str) -> dict:
 
 @pytest.fixture(scope="module")
 def live():
-    procs, n = Procs(), new_name()
+    procs, n = Procs(), unique_name()
     info = populate(procs, n)
     yield n, info
     procs.kill_all()
@@ -200,7 +211,7 @@ def live():
 
 @pytest.fixture(scope="module")
 def dead():
-    procs, n = Procs(), new_name()
+    procs, n = Procs(), unique_name()
     info = populate(procs, n)
     procs.kill_all()  # SIGKILL every process that used the segment
     yield n, info
@@ -240,17 +251,18 @@ def test_show_live(live, capsys):
     n, info = live
     rc, out, _ = run(capsys, "show", n)
     assert rc == 0 and "fake-engine" in out and f"pid {info['owner'].pid}  alive" in out
-    assert re.search(r"free 24\s+writing 3\s+ready 5\s+evicting 0\s+pinned 3", out)
+    assert re.search(r"free 24\s+writing 3\s+ready 5\s+evicting 0\s+pinned 2\s+leased 1", out)
     rc, s = run_json(capsys, "show", n)
     assert s["owner"]["alive"] and s["owner"]["pid"] == info["owner"].pid
     assert s["clients_alive"] == 2 and s["clients_dead"] == 0
     c0 = next(c for c in s["clients"] if c["slot"] == 0)
-    assert (c0["pid"], c0["name"], c0["alive"], c0["holds"], c0["pins_held"]) == \
-        (info["c0"].pid, "fake-engine", True, 2, 2)
+    assert (c0["pid"], c0["name"], c0["alive"], c0["holds"], c0["pins"], c0["leases"]) == \
+        (info["c0"].pid, "fake-engine", True, 2, 1, 1)
     assert c0["rings"]["request"] == 104 and c0["rings"]["reply"] == 0
     assert (s["counters"]["lookups"], s["counters"]["hits"], s["counters"]["misses"]) == (15, 8, 7)
     assert s["counters"]["bytes_out"] == 99 and s["counters"]["store_blocks"] == 5
-    assert s["blocks"]["pinned"] == 3 and s["geometry"]["num_blocks"] == 32
+    assert (s["blocks"]["pinned"], s["blocks"]["leased"]) == (2, 1)
+    assert s["geometry"]["num_blocks"] == 32 and s["header"]["policy"] == "lru"
 
 
 def test_blocks_live(live, capsys):
@@ -260,8 +272,13 @@ def test_blocks_live(live, capsys):
     _, d = run_json(capsys, "blocks", n, "--state", "writing")
     assert d["matching"] == 3 and {r["writer"] for r in d["rows"]} == {0, -1}
     _, d = run_json(capsys, "blocks", n, "--state", "pinned")
-    assert sorted(r["block"] for r in d["rows"]) == sorted(info["ready"][:3])
-    assert [r["holders"] for r in d["rows"] if r["block"] == info["ready"][1]] == [[0]]
+    assert sorted(r["block"] for r in d["rows"]) == sorted(info["ready"][:2])
+    assert [r["pinned_by"] for r in d["rows"] if r["block"] == info["ready"][1]] == [[0]]
+    _, d = run_json(capsys, "blocks", n, "--state", "leased")
+    assert [(r["block"], r["leased_by"]) for r in d["rows"]] == [(info["ready"][2], [0])]
+    out = run(capsys, "blocks", n, "--state", "ready")[1]
+    assert re.search(rf"^{info['ready'][2]}\s+ready\s+52303030\S*\s+0\s+0:lease\s", out, re.M)
+    assert re.search(rf"^{info['ready'][1]}\s+ready\s+\S+\s+0\s+0:pin\s", out, re.M)
     _, d = run_json(capsys, "blocks", n, "--state", "all", "--limit", "2")
     assert d["matching"] == 32 and len(d["rows"]) == 2
     assert bytes.fromhex(d["rows"][0]["key"]).startswith(b"R")
@@ -373,6 +390,7 @@ def test_dead_segment_views(dead, capsys):
     _, s = run_json(capsys, "show", n)
     assert s["clients_alive"] == 0 and s["clients_dead"] == 2 and not s["owner"]["alive"]
     assert s["blocks"]["pinned"] == 1  # the dead owner's load pin; dead clients' holds don't pin
+    assert s["blocks"]["leased"] == 0
     m = parse_metrics(run(capsys, "metrics", n)[1])
     assert m[f'kvshm_owner_up{{segment="{n}"}}'] == 0
     assert m[f'kvshm_clients_dead{{segment="{n}"}}'] == 2
@@ -436,9 +454,15 @@ def _break(kind: str, seg: Segment, mgr: LocalManager, procs: Procs, name: str) 
         b = mgr.prepare_store([b"P" * 36]).block_ids[0]
         t.set_pins(b, 2)
         return f"block {b} is writing with 2 pins"
-    if kind == "live_hold_on_free":
+    if kind == "live_pin_on_free":
         procs.start(role="client", name=name, slot=1, gen=1, holds=[free], proc="x", counters={})
-        return f"holds block {free}, which is free"
+        return f"has a load pin on block {free}, which is free"
+    if kind == "dead_lease":
+        p, _ = procs.start(role="client", name=name, slot=1, gen=1, holds=[L.lease_code(0)],
+                           proc="x", counters={})
+        p.kill()
+        p.wait()
+        return f"client slot 1 (pid {p.pid}) is dead but still holds 1 blocks (0)"
     if kind == "bad_tag":
         j = next(j for j in range(g.index_slots)
                  if L.INDEX_SLOT.unpack_from(seg.buf, g.index_offset + 8 * j)[1] >= 0)
@@ -452,7 +476,7 @@ def _break(kind: str, seg: Segment, mgr: LocalManager, procs: Procs, name: str) 
 
 
 @pytest.mark.parametrize("kind", ["unindexed", "index_to_free", "duplicate", "pinned_writing",
-                                  "live_hold_on_free", "bad_tag", "header"])
+                                  "live_pin_on_free", "dead_lease", "bad_tag", "header"])
 def test_verify_catches_broken_table(kind, procs, name, capsys):
     seg = create(name)
     mgr = LocalManager(seg)
@@ -467,6 +491,48 @@ def test_verify_catches_broken_table(kind, procs, name, capsys):
     assert rc == 1 and any(expect in v for v in d["violations"])
     mgr.shutdown()
     seg.close()
+
+
+def test_lease_on_a_free_block_is_no_violation(procs, name, capsys):
+    """A client's own store may evict what it leased: only load pins must stay on ready blocks."""
+    create(name).close()
+    procs.start(role="client", name=name, slot=1, gen=1, holds=[L.lease_code(3)], proc="x",
+                counters={})
+    assert run(capsys, "verify", name)[0] == 0
+
+
+def test_real_clients_live_then_killed(procs, name, capsys):
+    """A real kvshm client (which starts a real owner process): live, then everything killed."""
+    create(name).close()
+    engine, info = procs.start(role="engine", name=name)
+    owner = info["owner"]
+    try:
+        _, s = run_json(capsys, "show", name)
+        c = next(c for c in s["clients"] if c["slot"] == info["slot"])
+        assert c["alive"] and (c["pins"], c["leases"]) == (1, 3) and s["owner"]["pid"] == owner
+        assert (s["blocks"]["ready"], s["blocks"]["writing"], s["blocks"]["pinned"]) == (4, 2, 1)
+        assert run(capsys, "verify", name)[0] == 0
+        os.kill(owner, signal.SIGSTOP)  # so that it cannot reclaim before it dies
+        engine.kill()
+        engine.wait()
+        os.kill(owner, signal.SIGKILL)
+        with Segment.attach(name) as seg:
+            deadline = time.monotonic() + 10
+            while seg.owner_alive() and time.monotonic() < deadline:
+                time.sleep(0.01)  # polling the kernel's release of the dead owner's lock
+        rc, d = run_json(capsys, "verify", name)
+        v = "\n".join(d["violations"])
+        assert rc == 1 and f"client slot {info['slot']} (pid {engine.pid}) is dead but still " \
+            "holds 4 blocks" in v and v.count("which is dead (leaked store)") == 2
+        rc, d = run_json(capsys, "gc", name)
+        assert (d["freed_blocks"], d["kept_ready"]) == (2, 4)
+        assert [(r["slot"], r["holds"]) for r in d["reclaimed_clients"]] == [(info["slot"], 4)]
+        assert run(capsys, "verify", name)[0] == 0
+    finally:
+        try:
+            os.kill(owner, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def test_torn_entry_reported_and_repaired_by_gc(name, capsys):

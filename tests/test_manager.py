@@ -499,7 +499,7 @@ def test_complete_store_of_evicted_key_raises_unknown_key(manager):
 def test_unknown_key_error_is_a_key_error_with_a_readable_message(manager):
     with pytest.raises(KeyError) as e:
         manager.prepare_load([A])
-    assert str(e.value).startswith("key ")  # not KeyError's quoted repr
+    assert str(e.value) == e.value.args[0]  # not KeyError's quoted repr
 
 
 # --- events --------------------------------------------------------------------------------

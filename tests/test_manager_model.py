@@ -12,6 +12,7 @@ from __future__ import annotations
 import uuid
 from collections import OrderedDict
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
@@ -28,6 +29,7 @@ from kvshm.table import BlockTable, KeyIndex
 
 NUM_BLOCKS = 8
 KEYS = [b"k%02d" % i for i in range(12)]
+KEY_ARRAY = np.frombuffer(b"".join(KEYS), np.uint8).reshape(len(KEYS), -1)
 LAYOUT = Layout((64,), 16, "model-test")
 WRITERS = [LOCAL_WRITER, (1, 1, 7), (2, 5, 9)]
 SETTINGS = settings(max_examples=50, stateful_step_count=40, deadline=None,
@@ -47,10 +49,15 @@ class ManagerMachine(RuleBasedStateMachine):
         self.name = f"{self.PREFIX}-{uuid.uuid4().hex[:8]}"
         self.seg = Segment.create(self.name, LAYOUT, NUM_BLOCKS, max_clients=1,
                                   ring_capacity=4096, hold_capacity=16, policy=self.POLICY)
-        self.m = LocalManager(self.seg, self.POLICY, enable_events=True)
-        self.obs = Segment.attach(self.name, LAYOUT)
-        self.table = BlockTable(self.obs.buf, self.obs.geometry)
-        self.index = KeyIndex(self.obs.buf, self.obs.geometry, self.table)
+        try:
+            self.m = LocalManager(self.seg, self.POLICY, enable_events=True)
+            self.obs = Segment.attach(self.name, LAYOUT)
+            self.table = BlockTable(self.obs.buf, self.obs.geometry)
+            self.index = KeyIndex(self.obs.buf, self.obs.geometry, self.table)
+        except BaseException:  # teardown() only runs for a machine that was built
+            self.seg.close()
+            Segment.unlink(self.name)
+            raise
         # the model
         self.state: dict[bytes, str] = {}  # "writing" | "ready"
         self.writer: dict[bytes, tuple[int, int]] = {}  # writing key -> (slot, gen)
@@ -319,6 +326,15 @@ class ManagerMachine(RuleBasedStateMachine):
                 assert self.index.find(k) == (self.block[k], states[self.state[k]])
             else:
                 assert self.index.find(k) == (-1, -1)
+        if hasattr(self.index, "find_prefix"):  # the clients' vectorised prefix lookup
+            for keys in (KEYS, KEYS[::-1], [k for k in KEYS if k in self.state]):
+                blocks, found = self.index.find_prefix(keys, KEY_ARRAY[[KEYS.index(k)
+                                                                        for k in keys]])
+                for k, b, st_ in zip(keys, blocks.tolist(), found.tolist()):
+                    if k not in self.state:
+                        assert st_ == -1, k
+                        break  # a prefix lookup stops at its first miss
+                    assert (b, st_) == (self.block[k], states[self.state[k]]), k
 
 
 @pytest.mark.parametrize("policy", ["lru", "arc"])

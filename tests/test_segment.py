@@ -381,7 +381,7 @@ def _can_switch_user() -> bool:
 def test_other_user_cannot_attach_a_0600_segment(make_segment):
     seg = make_segment(mode=0o600)
     kind, msg = run_child(_child_attach_as_nobody, seg.name)
-    assert kind == "SegmentPermissionError", msg
+    assert kind == SegmentPermissionError.__name__, msg
     assert seg.name in msg and "0o660" in msg
 
 
@@ -390,10 +390,6 @@ def test_other_user_can_attach_a_world_readable_segment(make_segment):
     seg = make_segment(mode=0o666)
     kind, msg = run_child(_child_attach_as_nobody, seg.name)
     assert kind is None, msg
-
-
-def test_segment_permission_error_is_a_kvshm_error():
-    assert issubclass(SegmentPermissionError, KvshmError)
 
 
 # --- unlink --------------------------------------------------------------------------------
@@ -461,13 +457,13 @@ def test_close_with_live_numpy_view_does_not_raise(make_segment):
 # --- invalid arguments ---------------------------------------------------------------------
 @pytest.mark.parametrize("name", ["", "a/b", "has space", "x" * 129, "../etc", "ü", None])
 def test_invalid_segment_name_raises_invalid_argument(name):
-    before = set(os.listdir("/dev/shm"))
     with pytest.raises(InvalidArgumentError) as e:
         Segment.create(name, LAYOUT, 4, **SMALL)
-    assert "segment names" in str(e.value)
+    assert "segment names" in str(e.value) and repr(name) in str(e.value)
     with pytest.raises(InvalidArgumentError):
         Segment.attach(name)
-    assert set(os.listdir("/dev/shm")) <= before
+    with pytest.raises(InvalidArgumentError):
+        Segment.unlink(name)
 
 
 @pytest.mark.parametrize("num_blocks", [0, -1, 2**31, 2**40])

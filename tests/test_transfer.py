@@ -7,6 +7,8 @@ expansion and coalescing code.
 """
 from __future__ import annotations
 
+import ctypes
+import errno
 import mmap
 import subprocess
 import sys
@@ -15,7 +17,7 @@ import threading
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from kvshm.errors import InvalidArgumentError, TransferError
@@ -502,6 +504,54 @@ def test_a_job_split_over_helper_threads_copies_the_same_bytes():
     check("store", devs, planes, before, ids[:250], ids[50:], 1)
 
 
+@pytest.mark.parametrize("copier", ["vm", "memmove"])
+def test_both_cpu_copiers_copy_the_same_bytes(copier):
+    rig = Rig("cpu")
+    devs = [rig.tensor((40, 96))]
+    planes = rig.planes(40, [192])
+    h = make_handler(devs, planes, copier=copier)
+    before = snapshot(devs, planes)
+    ids = np.random.default_rng(2).permutation(40)
+    run(h, 1, "load", ids[:30], ids[10:])
+    h.shutdown()
+    check("load", devs, planes, before, ids[:30], ids[10:], 1)
+
+
+def test_vm_copier_cuts_long_runs_and_groups_calls():
+    from kvshm import cpu_copy
+    src = np.arange(50_000, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    base_s, base_d = src.ctypes.data, dst.ctypes.data
+    starts = np.array([0, 20_000, 30_000, 30_100])
+    nbytes = np.array([20_000, 10_000, 100, 19_900])
+    cpu_copy._vm_runs(base_d + starts, base_s + starts, nbytes, max_bytes=4096)
+    np.testing.assert_array_equal(dst, src)
+    dst[:] = 0  # more runs than one call may carry (IOV_MAX)
+    perm = np.random.default_rng(0).permutation(5000) * 8
+    cpu_copy._vm_runs(base_d + perm, base_s + perm[::-1].copy(), np.full(5000, 8))
+    np.testing.assert_array_equal(dst.reshape(-1, 8)[perm // 8], src.reshape(-1, 8)[perm[::-1] // 8])
+
+
+def test_cpu_handler_falls_back_to_memmove_where_process_vm_readv_is_refused(monkeypatch):
+    from kvshm import cpu_copy
+
+    def refuse(*args):
+        ctypes.set_errno(errno.EPERM)
+        return -1
+
+    monkeypatch.setattr(cpu_copy, "_vm_readv", refuse)
+    monkeypatch.setattr(cpu_copy, "_vm_usable", True)
+    rig = Rig("cpu")
+    devs = [rig.tensor((8, 64))]
+    planes = rig.planes(8, [128])
+    h = make_handler(devs, planes)
+    before = snapshot(devs, planes)
+    run(h, 1, "store", [1, 2, 3], [7, 0, 4])
+    h.shutdown()
+    assert [r.success for r in h.get_finished()] == [True] and not cpu_copy._vm_usable
+    check("store", devs, planes, before, [1, 2, 3], [7, 0, 4], 1)
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_any_layout_and_job_matches_the_reference(data):
@@ -518,11 +568,11 @@ def test_any_layout_and_job_matches_the_reference(data):
     seg_ids = data.draw(st.permutations(range(n_seg)), "seg")[:m]
     skip = data.draw(st.integers(0, f - 1), "skip") if m else 0
     dev_ids = data.draw(st.permutations(range(n_dev)), "dev")[:max(0, m * f - skip)]
-    if len(dev_ids) < m * f - skip:  # not enough device blocks for this many segment blocks
-        return
+    assume(len(dev_ids) == m * f - skip)  # enough device blocks for this many segment blocks
     kind = data.draw(st.sampled_from(KINDS), "kind")
     h = make_handler(devs, planes, block_size_factor=f, kv_dim_before_num_blocks=kv,
-                     threads=data.draw(st.integers(1, 2)), split_min_bytes=0)
+                     threads=data.draw(st.integers(1, 2)), split_min_bytes=0,
+                     copier=data.draw(st.sampled_from(["vm", "memmove"]), "copier"))
     before = snapshot(devs, planes, kv)
     run(h, 1, kind, dev_ids, seg_ids)
     h.shutdown()

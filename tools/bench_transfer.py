@@ -35,6 +35,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from kvshm.errors import TransferError  # noqa: E402
 from kvshm.transfer import TransferSpec, make_handler  # noqa: E402
 
 CUDA_METHODS = ("auto", "copy", "batch", "kernel")
@@ -72,14 +73,15 @@ def run_interleaved(fns: dict[str, Callable[[], None]], reps: int) -> dict[str, 
     return times
 
 
-def bench_cpu(page: int, blocks: int, reps: int, ids: str, threads: int | None) -> dict:
+def bench_cpu(page: int, blocks: int, reps: int, ids: str, threads: int | None,
+              copier: str) -> dict:
     import torch
     dev = torch.empty(blocks, page, dtype=torch.uint8).fill_(1)   # fill_ also faults pages in
     plane = torch.empty(blocks, page, dtype=torch.uint8).fill_(2)
     rng = np.random.default_rng(0)
     d_ids = rng.permutation(blocks) if ids == "shuffled" else np.arange(blocks)
     s_ids = rng.permutation(blocks) if ids == "shuffled" else np.arange(blocks)
-    h = make_handler([dev], [plane], threads=threads)
+    h = make_handler([dev], [plane], threads=threads, copier=copier)
     job = iter(range(1 << 30))
     out = {}
     for kind in ("store", "load"):
@@ -120,7 +122,12 @@ def bench_cuda(page: int, blocks: int, reps: int, ids: str, methods: list[str]) 
     stream = torch.cuda.Stream()
     job = iter(range(1 << 30))
     out: dict = {"pinned": region is not None}
-    handlers = {m: make_handler([dev], [plane], method=m) for m in methods}
+    handlers = {}
+    for m in methods:
+        try:
+            handlers[m] = make_handler([dev], [plane], method=m)
+        except TransferError as e:  # e.g. batch on a driver < 12.8
+            out[f"{m}_unavailable"] = str(e)
     for kind in ("store", "load"):
         src, dst = (dev, plane) if kind == "store" else (plane, dev)
         si, di = (d_ids, s_ids) if kind == "store" else (s_ids, d_ids)
@@ -171,6 +178,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="auto = CPU path, plus CUDA when a GPU is visible (default: %(default)s)")
     ap.add_argument("--threads", type=int, default=None,
                     help="CPU handler copy threads per job (default: min(2, cores))")
+    ap.add_argument("--copier", choices=("auto", "vm", "memmove"), default="auto",
+                    help="CPU handler copy primitive: process_vm_readv batches, or one memmove "
+                         "per run (default: %(default)s)")
     ap.add_argument("--cuda-methods", default=",".join(CUDA_METHODS),
                     help="CUDA handler methods to time (default: %(default)s)")
     ap.add_argument("--json", action="store_true", help="print ONE JSON object instead of a table")
@@ -183,13 +193,14 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--device cuda but torch sees no GPU")
     report: dict = {"command": " ".join([os.path.basename(sys.argv[0]), *(argv or sys.argv[1:])]),
                     "cpu": cpu_model(), "cores": os.cpu_count(), "torch": torch.__version__,
-                    "blocks": args.blocks, "ids": args.ids, "reps": args.reps, "results": []}
+                    "blocks": args.blocks, "ids": args.ids, "reps": args.reps,
+                    "threads": args.threads, "copier": args.copier, "results": []}
     if want_cuda:
         report["gpu"] = torch.cuda.get_device_name()
     t_start = time.perf_counter()
     for page in sizes:
         if args.device in ("auto", "cpu"):
-            r = bench_cpu(page, args.blocks, args.reps, args.ids, args.threads)
+            r = bench_cpu(page, args.blocks, args.reps, args.ids, args.threads, args.copier)
             report["results"].append({"path": "cpu", "block_bytes": page, **r})
         if want_cuda:
             r = bench_cuda(page, args.blocks, args.reps, args.ids,
