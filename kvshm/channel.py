@@ -17,7 +17,7 @@ imports torch.
 from __future__ import annotations
 
 import time
-from typing import Iterable, Sequence, Union
+from typing import Callable, Iterable, Sequence, Union
 
 import msgspec
 
@@ -133,13 +133,16 @@ class SchedulerChannel:
         self._worker_seen |= alive
         return alive
 
-    def wait_worker(self, timeout: float = 60.0) -> None:
-        """Return once a worker attached (raises TransferError after ``timeout``)."""
+    def wait_worker(self, timeout: float = 60.0,
+                    starting: Callable[[], bool] = lambda: True) -> None:
+        """Return once a worker attached. Raises TransferError after ``timeout``, or as soon
+        as ``starting()`` (e.g. the worker process's ``is_alive``) turns False."""
         deadline = time.monotonic() + timeout
         while not self.worker_alive():
-            if time.monotonic() > deadline:
-                raise TransferError(f"no worker attached to job channel {self.address} within "
-                                    f"{timeout:g}s; check that the worker process started")
+            if not starting() or time.monotonic() > deadline:
+                raise TransferError(f"no worker attached to job channel {self.address} "
+                                    f"({'it exited' if not starting() else f'{timeout:g}s'}); "
+                                    "check the worker process's output")
             time.sleep(0.005)  # polling a kernel lock while the worker starts, bounded
 
     def _check_worker(self) -> bool:

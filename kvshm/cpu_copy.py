@@ -9,14 +9,14 @@ It must never move a byte before the job has been validated (``plan_transfer`` r
 caller's thread and raises there), let a copy exception kill a worker thread (the job reports
 ``success=False`` instead), or report a job finished before its bytes are in place.
 
-How bytes move: ``process_vm_readv`` on our own pid copies up to 1,024 runs per system call with
-the GIL released once, and the kernel checks every address (a bad one fails the job with EFAULT
-instead of crashing the process). Where it is not allowed (seccomp, gVisor) we fall back to one
-``ctypes.memmove`` per run (also GIL-free while copying, but one GIL round trip per run, which a
-busy engine thread can stretch). Both beat torch here: measured on the 2-core dev box with 1,000
-shuffled blocks, ``index_copy_`` scatters at 1.5-3 GB/s and a per-block ``copy_`` loop at
-0.3-15 GB/s (it fans small copies out to OpenMP threads and stalls when a core is busy). Every
-address comes from validated block ids and is bounds-checked in ``job_runs`` first.
+How bytes move: one ``ctypes.memmove`` per coalesced run. It releases the GIL while it copies;
+measured on the 2-core dev box with 1,000 shuffled blocks it reaches 60-90% of one contiguous
+copy from 64 KiB blocks up, while ``index_copy_`` scatters at 1.5-3 GB/s and a per-block torch
+``copy_`` loop at 0.3-15 GB/s (it fans copies out to OpenMP threads and stalls when a core is
+busy). Opt-in ``copier="vm"`` uses ``process_vm_readv`` on our own pid instead: 1,024 runs per
+system call and kernel-checked addresses, but slower here (this VM hides ERMS from the kernel's
+copy routine), so it is not the default; where the kernel refuses it, it falls back to memmove.
+Every address comes from validated block ids and is bounds-checked in ``job_runs`` first.
 """
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ _vm_readv.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_vo
                       ctypes.c_ulong, ctypes.c_ulong]
 IOV_MAX = 1024           # iovecs per call (UIO_MAXIOV)
 VM_MAX_BYTES = 1 << 30   # per call: the kernel silently truncates beyond ~2 GiB (MAX_RW_COUNT)
-_vm_usable = True        # flipped once, process-wide, if the kernel refuses the call
+_vm_usable = True        # cleared once, process-wide, if the kernel refuses the call
 
 
 @dataclass
@@ -65,29 +65,29 @@ class CpuTransferHandler(TransferHandler):
     """Copies on background threads; the same semantics as the CUDA handler.
 
     ``threads``: copy threads per job (the direction's worker plus helpers); a job of at least
-    ``split_min_bytes`` is cut into that many byte-balanced parts. Why: one big copy uses
-    non-temporal stores (glibc switches above ~192 MiB here) and one thread of per-block copies
-    does not, so one thread tops out near 70% of it; a second thread closes the gap when a core
-    is free. Small jobs stay on one thread: waking a helper costs more than it saves.
-    ``copier``: ``auto`` (process_vm_readv, else memmove), ``vm`` or ``memmove`` (for tests).
+    ``split_min_bytes`` whose runs average ``split_min_run`` bytes or more is cut into that many
+    byte-balanced parts. Why: one big copy uses non-temporal stores (glibc switches above
+    ~192 MiB here) and per-block copies do not, so one thread tops out near 70% of it; a second
+    thread closes the gap when a core is free. Small jobs and small runs stay on one thread:
+    waking a helper costs more than it saves, and the GIL serialises per-run Python cost.
+    ``copier``: ``memmove`` (default) or ``vm`` (process_vm_readv, memmove where refused).
     """
 
     def __init__(self, device_tensors: Sequence["torch.Tensor"], planes: Sequence["torch.Tensor"],
                  *, block_size_factor: int = 1,
                  kv_dim_before_num_blocks: Sequence[bool] | None = None,
                  threads: int | None = None, split_min_bytes: int = 8 << 20,
-                 copier: str = "auto") -> None:
+                 split_min_run: int = 64 << 10, copier: str = "memmove") -> None:
         self._geo: Geometry = build_geometry(device_tensors, planes, block_size_factor,
                                              kv_dim_before_num_blocks)
         if any(p.device.device.type != "cpu" for p in self._geo.pairs):
             raise InvalidArgumentError("CpuTransferHandler needs CPU device tensors; use "
                                        "make_handler to get the CUDA handler for CUDA tensors")
-        if copier not in ("auto", "vm", "memmove"):
-            raise InvalidArgumentError(f"copier must be auto, vm or memmove, got {copier!r}")
-        self._copy_runs = _memmove_runs if copier == "memmove" else \
-            (_vm_runs if copier == "vm" else _auto_runs)
+        if copier not in ("memmove", "vm"):
+            raise InvalidArgumentError(f"copier must be 'memmove' or 'vm', got {copier!r}")
+        self._copy_runs = _memmove_runs if copier == "memmove" else _vm_or_memmove_runs
         self._threads = max(1, threads if threads is not None else min(2, os.cpu_count() or 1))
-        self._split_min = split_min_bytes
+        self._split_min, self._split_min_run = split_min_bytes, split_min_run
         self._helpers = ThreadPoolExecutor(2 * (self._threads - 1), "kvshm-copy-helper") \
             if self._threads > 1 else None
         self._lock = threading.Lock()
@@ -166,7 +166,10 @@ class CpuTransferHandler(TransferHandler):
         nb = np.concatenate([r.nbytes for r in runs])
         dst, src = (seg, dev) if job.plan.kind == "store" else (dev, seg)
         total = int(nb.sum())
-        parts = self._threads if self._helpers is not None and total >= self._split_min else 1
+        # Split only big jobs of big runs: small runs are bound by per-run Python cost, which
+        # a second thread cannot share (the GIL) — measured: 16 KiB runs got slower split.
+        big = total >= self._split_min and total >= self._split_min_run * nb.size
+        parts = self._threads if self._helpers is not None and big else 1
         if parts == 1 or nb.size < 2:
             self._copy_runs(dst, src, nb)
             return total
@@ -219,7 +222,7 @@ def _vm_runs(dst: np.ndarray, src: np.ndarray, nbytes: np.ndarray,
         i = j
 
 
-def _auto_runs(dst: np.ndarray, src: np.ndarray, nbytes: np.ndarray) -> None:
+def _vm_or_memmove_runs(dst: np.ndarray, src: np.ndarray, nbytes: np.ndarray) -> None:
     global _vm_usable
     if _vm_usable:
         try:

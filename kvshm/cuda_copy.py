@@ -288,8 +288,11 @@ class CudaTransferHandler(TransferHandler):
         return dst, src, nb
 
     def _copy_kernel(self, plan: BlockPlan) -> Any:
-        def idx(a: np.ndarray) -> torch.Tensor:  # pageable source: staged before return
-            return torch.from_numpy(np.ascontiguousarray(a)).to(self._dev, non_blocking=True)
+        def idx(a: np.ndarray) -> torch.Tensor:
+            # From pinned memory: an upload from pageable memory would first synchronise the
+            # stream, i.e. block this (engine) thread until the compute stream is done.
+            return torch.from_numpy(np.ascontiguousarray(a)).pin_memory().to(
+                self._dev, non_blocking=True)
         d, rows, subs = idx(plan.device_ids), idx(plan.segment_rows), idx(plan.segment_subs)
         for dev_w, host_w in self._uva or ():
             if plan.kind == "load":

@@ -18,6 +18,7 @@ import hashlib
 import json
 import struct
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Sequence
 
 from .errors import InvalidArgumentError
@@ -71,8 +72,6 @@ SLOT = struct.Struct("<IIQQ32s")
 SLOT_ACTIVE = 1
 SLOT_COUNTERS = ("lookups", "hits", "loads", "load_blocks", "bytes_in", "bytes_out")
 SLOT_OFF_COUNTERS = 64
-SLOT_OFF_OWNER_VIEW = 128  # owner-written: pins_held u32, stores_pending u32
-SLOT_OWNER_VIEW = struct.Struct("<II")
 SLOT_HEAD_BYTES = 192
 RING_NAMES = ("request", "reply", "peer_in", "peer_out")
 BELL_NAMES = ("reply", "peer_in", "peer_out")
@@ -173,64 +172,70 @@ class Geometry:
         if self.hold_capacity < 16:
             raise InvalidArgumentError(f"hold_capacity must be >= 16, got {self.hold_capacity}")
 
-    # The ring's header size lives with the ring; keep layout importable without it.
-    @property
+    # Offsets are derived once per geometry (cached_property writes the instance dict
+    # directly, which a frozen dataclass allows). The ring's header size lives with the
+    # ring; the import is deferred so layout stays importable on its own.
+    @cached_property
     def ring_region(self) -> int:
         from .ring import Ring
         return _round_up(Ring.region_size(self.ring_capacity), 64)
 
-    @property
+    @cached_property
     def hold_offset(self) -> int:
         return SLOT_HEAD_BYTES
 
-    @property
+    @cached_property
     def rings_offset(self) -> int:
         return _round_up(SLOT_HEAD_BYTES + 4 * self.hold_capacity, 64)
 
-    @property
+    @cached_property
     def bells_offset(self) -> int:
         return self.rings_offset + len(RING_NAMES) * self.ring_region
 
-    @property
+    @cached_property
     def slot_bytes(self) -> int:
         return _round_up(self.bells_offset + 64 * len(BELL_NAMES), 4096)
 
-    @property
+    @cached_property
     def clients_offset(self) -> int:
         return HEADER_BYTES
 
-    @property
+    @cached_property
     def table_offset(self) -> int:
         return self.clients_offset + self.max_clients * self.slot_bytes
 
-    @property
+    @cached_property
     def index_slots(self) -> int:
         n = 1
         while n < 2 * self.num_blocks:
             n <<= 1
         return n
 
-    @property
+    @cached_property
     def index_offset(self) -> int:
         return self.table_offset + self.num_blocks * ENTRY_BYTES
 
-    @property
+    @cached_property
     def data_offset(self) -> int:
         return _round_up(self.index_offset + self.index_slots * INDEX_SLOT.size, DATA_ALIGN)
 
-    def plane_offsets(self) -> list[int]:
+    @cached_property
+    def _plane_offsets(self) -> tuple[int, ...]:
         offs, at = [], self.data_offset
         for page in self.page_bytes:
             offs.append(at)
             at = _round_up(at + self.num_blocks * page, DATA_ALIGN)
-        return offs
+        return tuple(offs)
 
-    @property
+    def plane_offsets(self) -> list[int]:
+        return list(self._plane_offsets)
+
+    @cached_property
     def total_bytes(self) -> int:
         last = self.plane_offsets()[-1]
         return _round_up(last + self.num_blocks * self.page_bytes[-1], DATA_ALIGN)
 
-    @property
+    @cached_property
     def data_bytes(self) -> int:
         return self.total_bytes - self.data_offset
 

@@ -212,6 +212,10 @@ class Segment:
         b[L.OFF_LAYOUT_DESC:L.OFF_LAYOUT_DESC + len(lay.describe())] = lay.describe().encode()
         b[L.OFF_PAGE_BYTES:L.OFF_PAGE_BYTES + 8 * L.MAX_PLANES] = L.plane_pages(lay.page_bytes)
         # The block table needs no writes: fallocate zero-filled it (state FREE, seq 0).
+        # Hold arrays do: 0 would read as "pins block 0".
+        for slot in range(g.max_clients):
+            off = g.slot_offset(slot) + g.hold_offset
+            np.frombuffer(self._mm, np.int32, g.hold_capacity, off)[:] = -1
         idx = g.index_offset
         empty = L.INDEX_SLOT.pack(0, -1)
         b[idx:idx + g.index_slots * 8] = empty * g.index_slots

@@ -106,11 +106,12 @@ def _client(seg: Segment, m: _Meta, i: int, now: int) -> dict[str, Any]:
     state, pid, gen, attached, name = m.slot(i)
     base, codes = seg.geometry.slot_offset(i), m.holds(i)
     counters = struct.unpack_from(f"<{len(L.SLOT_COUNTERS)}Q", m.buf, base + L.SLOT_OFF_COUNTERS)
-    pins_held, pending = L.SLOT_OWNER_VIEW.unpack_from(m.buf, base + L.SLOT_OFF_OWNER_VIEW)
+    e = m.e
+    pending = int(((e["state"] == L.WRITING) & (e["writer"] == i) & (e["writer_gen"] == gen)).sum())
     return {"slot": i, "pid": pid, "name": name.rstrip(b"\0").decode("utf-8", "replace"),
             "state": state, "alive": m.alive(i), "generation": gen, "attached_ns": attached,
             "age_s": _age(now, attached), "holds": len(codes), "pins": int((codes >= 0).sum()),
-            "leases": int((codes < -1).sum()), "pins_held": pins_held, "stores_pending": pending,
+            "leases": int((codes < -1).sum()), "stores_pending": pending,
             "counters": dict(zip(L.SLOT_COUNTERS, counters)), "rings": _ring_depths(seg, i)}
 
 
@@ -138,8 +139,9 @@ def snapshot(seg: Segment) -> dict[str, Any]:
         "schema": "kvshm.show/1", "name": seg.name, "taken_ns": now,
         "header": {"format_version": h[1], "header_bytes": h[2], "total_bytes": h[3],
                    "created_ns": h[4], "age_s": _age(now, h[4]), "fingerprint": h[12].hex(),
-                   "policy": seg.policy, "layout": {"model": lay.model, "page_bytes": list(lay.page_bytes),
-                              "tokens_per_block": lay.tokens_per_block, "extra": lay.extra}},
+                   "policy": seg.policy, "layout": {
+                       "model": lay.model, "page_bytes": list(lay.page_bytes),
+                       "tokens_per_block": lay.tokens_per_block, "extra": lay.extra}},
         "geometry": {**{k: getattr(g, k) for k in _GEOMETRY}, "num_planes": len(g.page_bytes),
                      "page_bytes": list(g.page_bytes), "block_bytes": lay.block_bytes,
                      "tokens_per_block": lay.tokens_per_block},
@@ -281,19 +283,18 @@ _GAUGES = (  # (metric, help, where in a snapshot)
     ("kvshm_clients_dead", "Client slots whose process died, not reclaimed.", "clients_dead"),
     ("kvshm_owner_up", "1 while an owner process holds the owner lock.", "owner.alive"),
     ("kvshm_owner_epoch", "Owners the segment has had.", "owner.epoch"))
-_COUNTERS = {  # snapshot counter: (metric kvshm_<name>_total, help)
-    "lookups": ("lookups", "Lookups clients made."), "hits": ("hits", "Lookups that hit."),
-    "misses": ("misses", "Lookups that missed."), "stores": ("stores", "Completed stores."),
-    "store_blocks": ("store_blocks", "Blocks stored."), "store_failed_blocks": (
-        "store_failed_blocks", "Blocks whose store failed."), "prepare_store_refused": (
-        "allocation_failure", "prepare_store calls refused (full)."),
-    "loads": ("loads", "Loads clients made."), "load_blocks": ("load_blocks", "Blocks loaded."),
-    "bytes_in": ("store_bytes", "Bytes copied into the cache."),
-    "bytes_out": ("load_bytes", "Bytes copied out of the cache."),
-    "evictions": ("evictions", "Blocks evicted."), "errors": ("errors", "Errors answered."),
-    "failovers": ("failovers", "Times a new owner took over."), "reclaimed_clients": (
-        "reclaimed_clients", "Dead clients reclaimed."), "reclaimed_blocks": (
-        "reclaimed_blocks", "Blocks reclaimed from dead processes.")}
+_COUNTERS = (  # (snapshot counter, help): metric kvshm_<counter>_total unless renamed
+    ("lookups", "Lookups clients made."), ("hits", "Lookups that hit."),
+    ("misses", "Lookups that missed."), ("stores", "Completed stores."),
+    ("store_blocks", "Blocks stored."), ("store_failed_blocks", "Blocks whose store failed."),
+    ("prepare_store_refused", "prepare_store calls refused (full)."),
+    ("loads", "Loads clients made."), ("load_blocks", "Blocks loaded."),
+    ("bytes_in", "Bytes loaded from the cache."), ("bytes_out", "Bytes stored into the cache."),
+    ("evictions", "Blocks evicted."), ("errors", "Errors answered."),
+    ("failovers", "Times a new owner took over."), ("reclaimed_clients", "Dead clients reclaimed."),
+    ("reclaimed_blocks", "Blocks reclaimed from dead processes."))
+_RENAMED = {"prepare_store_refused": "allocation_failure", "bytes_in": "load_bytes",
+            "bytes_out": "store_bytes"}  # vLLM's names for the same things (client's view)
 
 
 def prometheus(snaps: list[dict[str, Any]]) -> str:
@@ -316,8 +317,9 @@ def prometheus(snaps: list[dict[str, Any]]) -> str:
             add(metric, "gauge", text, s[first][second] if second else s[first], segment=seg)
         add("kvshm_cache_write_usage_perc", "gauge", "Fraction of blocks being written, 0..1.",
             s["blocks"]["writing"] / s["blocks"]["total"], segment=seg)
-        for key, (metric, text) in _COUNTERS.items():
-            add(f"kvshm_{metric}_total", "counter", text, s["counters"][key], segment=seg)
+        for key, text in _COUNTERS:
+            add(f"kvshm_{_RENAMED.get(key, key)}_total", "counter", text, s["counters"][key],
+                segment=seg)
         for c in s["clients"]:
             add("kvshm_client_holds", "gauge", "Hold entries (load pins and leases) of a client.",
                 c["holds"], segment=seg, slot=c["slot"], pid=c["pid"], alive=int(c["alive"]))

@@ -18,7 +18,6 @@ import sys
 import textwrap
 import time
 import uuid
-import zlib
 from pathlib import Path
 
 import posix_ipc
@@ -43,7 +42,6 @@ LAYOUT = Layout((4096, 2048), 16, "tiny-test")
 OPT_INT, OPT_FLOAT, OPT_STR = (int, type(None)), (float, type(None)), (str, type(None))
 CLIENT = {"slot": int, "pid": int, "name": str, "state": int, "alive": bool, "generation": int,
           "attached_ns": int, "age_s": float, "holds": int, "pins": int, "leases": int,
-          "pins_held": int,
           "stores_pending": int, "counters": {n: int for n in L.SLOT_COUNTERS},
           "rings": {n: OPT_INT for n in L.RING_NAMES}}
 SCHEMAS = {
@@ -134,7 +132,6 @@ CHILD = textwrap.dedent("""
         struct.pack_into(f"<{g.hold_capacity}i", seg.buf, o + g.hold_offset, *holds)
         struct.pack_into(f"<{len(L.SLOT_COUNTERS)}Q", seg.buf, o + L.SLOT_OFF_COUNTERS,
                          *[spec["counters"].get(n, 0) for n in L.SLOT_COUNTERS])
-        L.SLOT_OWNER_VIEW.pack_into(seg.buf, o + L.SLOT_OFF_OWNER_VIEW, len(spec["holds"]), 0)
         for k in range(len(L.RING_NAMES)):
             r = o + g.rings_offset + k * g.ring_region
             Ring.format(seg.buf[r:r + g.ring_region], g.ring_capacity)
@@ -289,6 +286,8 @@ def test_verify_live_clean(live, capsys):
     assert run(capsys, "verify", n)[:2] == (0, f"{n}: ok, no violations\n")
     assert run_json(capsys, "verify", n) == (0, {"schema": "kvshm.verify/1", "name": n,
                                                  "ok": True, "violations": []})
+    rc, out, _ = run(capsys, "--json", "verify", n)  # --json also goes before the command
+    assert rc == 0 and json.loads(out)["ok"]
 
 
 PROM_LINE = re.compile(r'^([a-z_]+)\{segment="[^"]+"(,[a-z_]+="[^"]*")*\} -?[0-9.e+-]+$')
@@ -319,7 +318,7 @@ def test_metrics_live(live, capsys):
     assert m[f'kvshm_blocks{{{seg},state="ready"}}'] == 5
     assert m[f"kvshm_cache_usage_perc{{{seg}}}"] == 0.25
     assert m[f"kvshm_lookups_total{{{seg}}}"] == 15 and m[f"kvshm_hits_total{{{seg}}}"] == 8
-    assert m[f"kvshm_load_bytes_total{{{seg}}}"] == 99
+    assert m[f"kvshm_store_bytes_total{{{seg}}}"] == 99  # bytes_out: what clients stored
     assert m[f'kvshm_ring_depth_bytes{{{seg},slot="0",ring="request"}}'] == 104
     for name in ("stores", "evictions", "store_bytes", "errors"):
         assert f"kvshm_{name}_total{{{seg}}}" in m

@@ -10,6 +10,7 @@ predicted too; for ARC only their legitimacy (the policy's order is tested in te
 from __future__ import annotations
 
 import uuid
+import zlib
 from collections import OrderedDict
 
 import numpy as np
@@ -28,7 +29,12 @@ from kvshm.segment import Segment
 from kvshm.table import BlockTable, KeyIndex
 
 NUM_BLOCKS = 8
-KEYS = [b"k%02d" % i for i in range(12)]
+# Chosen so that their home slots in the 16-slot key index collide (4 keys at slot 15, 3 at
+# slot 0 — probing wraps around —, 3 at 7, 2 at 8): probing and backward-shift deletion get
+# exercised, not just direct hits. test_key_alphabet_collides_in_the_index guards this.
+KEYS = [b"k015", b"k022", b"k043", b"k074", b"k010", b"k027", b"k038", b"k001", b"k029",
+        b"k036", b"k004", b"k033"]
+KEY_HOMES = {15: 4, 0: 3, 7: 3, 8: 2}
 KEY_ARRAY = np.frombuffer(b"".join(KEYS), np.uint8).reshape(len(KEYS), -1)
 LAYOUT = Layout((64,), 16, "model-test")
 WRITERS = [LOCAL_WRITER, (1, 1, 7), (2, 5, 9)]
@@ -342,3 +348,12 @@ def test_manager_matches_reference_model(policy, seg_prefix):
     machine = type(f"ManagerMachine_{policy}", (ManagerMachine,),
                    {"POLICY": policy, "PREFIX": seg_prefix})
     run_state_machine_as_test(machine, settings=SETTINGS)
+
+
+def test_key_alphabet_collides_in_the_index():
+    slots = L.Geometry(NUM_BLOCKS, LAYOUT.page_bytes, 1, 4096, 16).index_slots
+    homes: dict[int, int] = {}
+    for k in KEYS:
+        h = zlib.crc32(k) & (slots - 1)
+        homes[h] = homes.get(h, 0) + 1
+    assert homes == KEY_HOMES

@@ -496,7 +496,7 @@ def test_a_job_split_over_helper_threads_copies_the_same_bytes():
     rig = Rig("cpu")
     devs = [rig.tensor((300, 256))]
     planes = rig.planes(300, [512])
-    h = make_handler(devs, planes, threads=3, split_min_bytes=0)
+    h = make_handler(devs, planes, threads=3, split_min_bytes=0, split_min_run=0)
     before = snapshot(devs, planes)
     ids = np.random.default_rng(1).permutation(300)
     run(h, 1, "store", ids[:250], ids[50:])
@@ -544,7 +544,7 @@ def test_cpu_handler_falls_back_to_memmove_where_process_vm_readv_is_refused(mon
     rig = Rig("cpu")
     devs = [rig.tensor((8, 64))]
     planes = rig.planes(8, [128])
-    h = make_handler(devs, planes)
+    h = make_handler(devs, planes, copier="vm")
     before = snapshot(devs, planes)
     run(h, 1, "store", [1, 2, 3], [7, 0, 4])
     h.shutdown()
@@ -571,7 +571,7 @@ def test_any_layout_and_job_matches_the_reference(data):
     assume(len(dev_ids) == m * f - skip)  # enough device blocks for this many segment blocks
     kind = data.draw(st.sampled_from(KINDS), "kind")
     h = make_handler(devs, planes, block_size_factor=f, kv_dim_before_num_blocks=kv,
-                     threads=data.draw(st.integers(1, 2)), split_min_bytes=0,
+                     threads=data.draw(st.integers(1, 2)), split_min_bytes=0, split_min_run=0,
                      copier=data.draw(st.sampled_from(["vm", "memmove"]), "copier"))
     before = snapshot(devs, planes, kv)
     run(h, 1, kind, dev_ids, seg_ids)

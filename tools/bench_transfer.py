@@ -178,9 +178,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="auto = CPU path, plus CUDA when a GPU is visible (default: %(default)s)")
     ap.add_argument("--threads", type=int, default=None,
                     help="CPU handler copy threads per job (default: min(2, cores))")
-    ap.add_argument("--copier", choices=("auto", "vm", "memmove"), default="auto",
-                    help="CPU handler copy primitive: process_vm_readv batches, or one memmove "
-                         "per run (default: %(default)s)")
+    ap.add_argument("--copier", choices=("memmove", "vm"), default="memmove",
+                    help="CPU handler copy primitive: one memmove per run, or process_vm_readv "
+                         "batches of 1,024 runs (default: %(default)s)")
     ap.add_argument("--cuda-methods", default=",".join(CUDA_METHODS),
                     help="CUDA handler methods to time (default: %(default)s)")
     ap.add_argument("--json", action="store_true", help="print ONE JSON object instead of a table")

@@ -23,11 +23,13 @@ Subprocess (one engine per OS process, e.g. two engines sharing one segment):
     r1, r2 = p1.result(), p2.result()                # JSON-decoded dicts
 
 Steps let subprocesses rendezvous through files:
-  {"op": "generate", "tag": "A1", "prompts": [[ids...]], "max_tokens": 8}
+  {"op": "generate", "tag": "A1", "prompts": [[ids...]], "max_tokens": 8,
+   "skip_prefix_cache": false}                     # true: compute alone, no cache hits
   {"op": "touch", "path": "/tmp/x/a_stored"}
   {"op": "wait_file", "path": "/tmp/x/a_stored", "timeout": 120}
   {"op": "metrics", "tag": "m1"}
   {"op": "sleep", "seconds": 0.5}
+  {"op": "call", "tag": "x", "fn": "pkg.mod:func", "args": [...]}   # result kept under tag
 """
 
 from __future__ import annotations
@@ -157,14 +159,24 @@ def random_prompt(seed: int, length: int = PROMPT_LEN, low: int = 3, high: int =
 
 
 def generate(
-    llm, prompts: Sequence[Sequence[int]], max_tokens: int = MAX_TOKENS
+    llm,
+    prompts: Sequence[Sequence[int]],
+    max_tokens: int = MAX_TOKENS,
+    skip_prefix_cache: bool = False,
 ) -> list[dict[str, Any]]:
-    """Greedy generation from token ids; one dict per prompt."""
+    """Greedy generation from token ids; one dict per prompt.
+
+    ``skip_prefix_cache`` computes the prompt from scratch: no device prefix-cache hit and
+    no external (connector) hit, i.e. what this engine computes alone."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     sp = SamplingParams(
-        temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False
+        temperature=0.0,
+        max_tokens=max_tokens,
+        ignore_eos=True,
+        detokenize=False,
+        skip_reading_prefix_cache=skip_prefix_cache or None,
     )
     outs = llm.generate(
         [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sp, use_tqdm=False
@@ -321,7 +333,12 @@ def _child_main(config_path: str) -> int:
         tag = step.get("tag", f"{i}:{op}")
         if op == "generate":
             t = time.perf_counter()
-            outs = generate(llm, step["prompts"], step.get("max_tokens", MAX_TOKENS))
+            outs = generate(
+                llm,
+                step["prompts"],
+                step.get("max_tokens", MAX_TOKENS),
+                bool(step.get("skip_prefix_cache", False)),
+            )
             result["steps"][tag] = {"outputs": outs, "seconds": time.perf_counter() - t}
         elif op == "touch":
             Path(step["path"]).touch()
@@ -335,6 +352,12 @@ def _child_main(config_path: str) -> int:
             time.sleep(float(step["seconds"]))
         elif op == "metrics":
             result["steps"][tag] = metrics_snapshot(llm)
+        elif op == "call":  # "pkg.module:function" with JSON args; its JSON result is kept
+            import importlib
+
+            mod, _, fn = step["fn"].partition(":")
+            func = getattr(importlib.import_module(mod), fn)
+            result["steps"][tag] = func(*step.get("args", []), **step.get("kwargs", {}))
         else:
             raise ValueError(f"unknown op {op!r}")
     result["metrics"] = metrics_snapshot(llm)

@@ -1,0 +1,284 @@
+"""The job channel with a real worker process: jobs, flushes, completions, and deaths.
+
+The test process is the engine's scheduler (SharedManager + SchedulerConnector +
+SchedulerChannel) and writes the "device" KV; a spawned process is its worker (WorkerChannel +
+WorkerConnector + CPU handler) and copies between the same shared device tensors and the
+segment. Deaths are real SIGKILLs; a worker "mid-job" is one blocked inside its handler after
+telling the test which job it holds.
+"""
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from kvshm import channel as ch
+from kvshm import layout as L
+from kvshm import slots
+from kvshm.channel import SchedulerChannel, WorkerChannel
+from kvshm.client import connect
+from kvshm.connector import SchedulerConnector
+from kvshm.errors import InvalidArgumentError
+from kvshm.hashing import block_hashes, offload_key
+from kvshm.table import BlockTable
+from kvshm.transfer import TransferHandler, make_handler
+from kvshm.worker import WorkerConnector
+
+from conftest import SMALL_GEOMETRY
+from test_connector import BT, PAGE, kv, layout, prompt
+
+CTX = mp.get_context("spawn")
+
+
+class _Stuck(TransferHandler):
+    """A handler that tells the test which job it got, then never finishes it."""
+
+    def __init__(self, conn):
+        self.conn = conn
+
+    def transfer_async(self, job_id, spec):
+        self.conn.send(("stuck", job_id, spec.kind))
+        self.conn.recv()  # the test SIGKILLs us while we hold the job
+        return True
+
+    def get_finished(self):
+        return []
+
+    def wait(self, job_ids):
+        pass
+
+    def shutdown(self):
+        pass
+
+
+def _serve(name: str, slot: int, dev: list, conn, stuck: bool) -> None:
+    """Worker process body: serve the channel until Stop or a dead scheduler."""
+    wc = WorkerChannel(name, slot)
+    handler = _Stuck(conn) if stuck else make_handler(dev, wc.segment.torch_planes())
+    WorkerConnector(handler).serve(wc)
+    handler.shutdown()
+    wc.close()
+    conn.send("exited")
+
+
+def _channel_and_die(name: str, conn) -> None:
+    sc = SchedulerChannel(name)
+    conn.send(sc.slot)
+    conn.recv()  # SIGKILLed here
+
+
+class Engine:
+    """Scheduler side of one engine, with its worker in another process."""
+
+    def __init__(self, name: str, stuck: bool = False, device_blocks: int = 24):
+        self.mgr = connect(name, layout(1), num_blocks=8, **SMALL_GEOMETRY)
+        self.owner = self.mgr.segment.owner_record()[0]
+        self.conn = SchedulerConnector(self.mgr, device_block_tokens=BT)
+        self.chan = SchedulerChannel(name)
+        self.dev = [torch.zeros(device_blocks, PAGE, dtype=torch.uint8).share_memory_()
+                    for _ in range(2)]
+        self.pipe, child = CTX.Pipe()
+        self.proc = CTX.Process(target=_serve, args=(name, self.chan.slot, self.dev, child,
+                                                     stuck), daemon=True)
+        self.proc.start()
+        self.chan.wait_worker(timeout=120)
+
+    def compute(self, toks, blocks) -> None:
+        for i in range(len(toks) // BT):
+            for p, d in enumerate(self.dev):
+                d[blocks[i]].numpy()[:] = kv(toks[i * BT:(i + 1) * BT], i * BT, p).ravel()
+
+    def matches(self, toks, blocks) -> bool:
+        return all(np.array_equal(d[blocks[i]].numpy(),
+                                  kv(toks[i * BT:(i + 1) * BT], i * BT, p).ravel())
+                   for i in range(len(toks) // BT) for p, d in enumerate(self.dev))
+
+    def admit(self, req: str, toks, blocks) -> int:
+        n = self.conn.get_num_new_matched_tokens(req, block_hashes(toks, BT), 0)
+        return self.conn.update_state_after_alloc(req, blocks, n)
+
+    def finish(self, jobs):
+        """Send jobs, wait for all of them over the channel, complete them."""
+        self.chan.flush(jobs.flush)
+        self.chan.send(jobs.loads + jobs.stores)
+        done = self.chan.wait([j.job_id for j in jobs.loads + jobs.stores], timeout=60)
+        return self.conn.jobs_finished(done)
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.chan.stop()
+        self.proc.join(30)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
+        self.chan.close()
+        self.mgr.shutdown()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.owner, signal.SIGKILL)
+
+
+@pytest.fixture
+def engine(seg_name):
+    made = []
+
+    def new(**kw) -> Engine:
+        made.append(Engine(seg_name, **kw))
+        return made[-1]
+
+    yield new
+    for e in made:
+        e.close()
+
+
+def states(seg) -> list[int]:
+    t = BlockTable(seg.buf, seg.geometry)
+    out = [t.read(b).state for b in range(seg.geometry.num_blocks)]
+    t.close()
+    return out
+
+
+def test_jobs_run_in_the_worker_process_and_loads_verify(engine, monkeypatch):
+    e = engine()
+    toks = prompt(30, 5 * BT)
+    assert e.admit("a", toks, [0, 1, 2, 3, 4]) == 0
+    e.compute(toks, [0, 1, 2, 3, 4])
+    done = e.finish(e.conn.build_jobs({"a": (5 * BT, [0, 1, 2, 3, 4])}))
+    assert [(d.kind, d.success) for d in done.done] == [("store", True)]
+    assert e.mgr.lookup([offload_key(h) for h in block_hashes(toks, BT)]) == 5
+    monkeypatch.setattr(ch, "MAX_IDS_PER_FRAME", 2)  # the load travels as 3 frames
+    blocks = [10, 12, 14, 16, 18]
+    assert e.admit("b", toks, blocks) == 5 * BT
+    done = e.finish(e.conn.build_jobs({}))
+    assert [(d.kind, d.success) for d in done.done] == [("load", True)]
+    assert e.matches(toks, blocks)
+
+
+def test_flush_over_the_channel_orders_the_store_before_block_reuse(engine):
+    e = engine()
+    toks = prompt(31, 6 * BT)
+    blocks = list(range(6))
+    e.admit("a", toks, blocks)
+    e.compute(toks, blocks)
+    jobs = e.conn.build_jobs({"a": (6 * BT, blocks)})
+    e.chan.send(jobs.stores)
+    nxt = e.conn.build_jobs({}, preempted=["a"])
+    assert nxt.flush == {jobs.stores[0].job_id}
+    e.chan.flush(nxt.flush)
+    done = e.chan.wait(nxt.flush, timeout=60)  # the engine waits before reusing the blocks
+    for d in e.dev:
+        d[blocks] = 0x5A
+    assert [d.success for d in e.conn.jobs_finished(done).done] == [True]
+    other = list(range(10, 16))
+    e.admit("b", toks, other)
+    e.finish(e.conn.build_jobs({}))
+    assert e.matches(toks, other)
+
+
+def test_worker_killed_mid_job_fails_the_job_and_frees_its_blocks(engine):
+    e = engine(stuck=True)
+    toks = prompt(32, 4 * BT)
+    e.admit("a", toks, [0, 1, 2, 3])
+    jobs = e.conn.build_jobs({"a": (4 * BT, [0, 1, 2, 3])})
+    writing = jobs.stores[0].spec.segment_block_ids
+    assert [states(e.mgr.segment)[b] for b in writing] == [L.WRITING] * 4
+    e.chan.send(jobs.stores)
+    assert e.pipe.recv() == ("stuck", jobs.stores[0].job_id, "store")
+    e.proc.kill()
+    e.proc.join()
+    done = e.conn.jobs_finished(e.chan.wait([jobs.stores[0].job_id], timeout=60))
+    assert [(d.kind, d.success) for d in done.done] == [("store", False)]
+    assert states(e.mgr.segment) == [L.FREE] * 8
+    assert e.conn.request_finished("a") is False
+    # Later jobs on the dead channel fail at once instead of hanging.
+    e.admit("b", toks, [4, 5, 6, 7])
+    later = e.conn.build_jobs({"b": (4 * BT, [4, 5, 6, 7])})
+    e.chan.send(later.stores)
+    assert [d.success for d in e.chan.poll()] == [False]
+    e.conn.jobs_finished([(later.stores[0].job_id, False)])
+    assert e.mgr.prepare_store([b"k%d" % i for i in range(8)]).evicted_keys == []
+
+
+def test_worker_killed_mid_load_releases_the_pins(engine, seg_name):
+    e = engine(stuck=True)
+    toks = prompt(33, 8 * BT)
+    keys = [offload_key(h) for h in block_hashes(toks, BT)]
+    out = e.mgr.prepare_store(keys)
+    e.mgr.complete_store(out.keys_to_store)
+    assert e.admit("a", toks, list(range(8))) == 8 * BT
+    jobs = e.conn.build_jobs({})
+    e.chan.send(jobs.loads)
+    assert e.pipe.recv()[0] == "stuck"
+    assert e.mgr.prepare_store([b"new"]) is None  # all 8 blocks pinned by the load
+    e.proc.kill()
+    e.proc.join()
+    done = e.conn.jobs_finished(e.chan.wait([jobs.loads[0].job_id], timeout=60))
+    assert [(d.kind, d.success) for d in done.done] == [("load", False)]
+    e.mgr.release()
+    assert e.mgr.prepare_store([b"new"]) is not None
+
+
+def test_stop_drains_and_the_worker_exits(engine):
+    e = engine()
+    toks = prompt(34, 2 * BT)
+    e.admit("a", toks, [0, 1])
+    e.compute(toks, [0, 1])
+    jobs = e.conn.build_jobs({"a": (2 * BT, [0, 1])})
+    e.chan.send(jobs.stores)
+    e.chan.stop()
+    assert e.pipe.recv() == "exited"
+    done = e.chan.wait([jobs.stores[0].job_id], timeout=60)
+    assert [d.success for d in done] == [True]
+
+
+def test_worker_exits_when_its_scheduler_closes_the_channel(engine):
+    e = engine()
+    e.chan.close()
+    assert e.pipe.recv() == "exited"
+    e.proc.join()
+
+
+def test_dead_scheduler_channel_slot_is_reclaimed_by_the_owner(seg_name):
+    mgr = connect(seg_name, layout(1), num_blocks=8, **SMALL_GEOMETRY)
+    try:
+        parent, child = CTX.Pipe()
+        p = CTX.Process(target=_channel_and_die, args=(seg_name, child), daemon=True)
+        p.start()
+        slot = parent.recv()
+        assert slots.record(mgr.segment, slot)[0] == slots.CHANNEL
+        p.kill()
+        p.join()
+        deadline = time.monotonic() + 30
+        while slots.record(mgr.segment, slot)[0] != slots.FREE:
+            assert time.monotonic() < deadline, "the owner never reclaimed the channel slot"
+            time.sleep(0.01)  # polling the owner's scan; the assertion is on the state
+    finally:
+        owner = mgr.segment.owner_record()[0]
+        mgr.shutdown()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(owner, signal.SIGKILL)
+
+
+def test_a_channel_has_one_worker_and_only_channel_slots_attach(seg_name):
+    mgr = connect(seg_name, layout(1), num_blocks=8, **SMALL_GEOMETRY)
+    sc = SchedulerChannel(seg_name)
+    try:
+        w = WorkerChannel(*sc.address)
+        with pytest.raises(InvalidArgumentError, match="already has a worker"):
+            WorkerChannel(*sc.address)
+        with pytest.raises(InvalidArgumentError, match="not a job channel"):
+            WorkerChannel(seg_name, mgr.slot)
+        assert sc.worker_alive() and w.scheduler_alive()
+        w.close()
+        assert not sc.worker_alive()
+    finally:
+        sc.close()
+        owner = mgr.segment.owner_record()[0]
+        mgr.shutdown()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(owner, signal.SIGKILL)

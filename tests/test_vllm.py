@@ -1,0 +1,351 @@
+"""kvshm's vLLM integration: its pure core (no vLLM needed) and real vLLM engines end to end.
+
+The unit tests run everywhere. The end-to-end tests run a real vLLM 0.32 engine (tiny random
+Llama built at test time, CPU, single-process CI mode) in a subprocess with the vLLM venv's
+interpreter (``$KVSHM_VLLM_PYTHON``, else ``$KVSHM_VLLM_VENV/bin/python``, else
+``.venv-vllm/bin/python``); they skip only when that interpreter does not exist.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace as NS
+
+import pytest
+import torch
+
+from kvshm.api import LookupResult
+from kvshm.client import connect
+from kvshm.errors import InvalidArgumentError, KvshmError, LayoutMismatchError, TransferError
+from kvshm.integrations.vllm_core import KvshmOptions, ManagerCore, layout_for, open_segment
+from kvshm.integrations.vllm_jobs import WorkerCore, split_job
+from kvshm.layout import Layout
+from kvshm.segment import Segment
+from kvshm.transfer import make_handler
+
+from conftest import unique_name
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# --- configuration and layout ---------------------------------------------------------------
+def fake_config(name="/models/tiny", dtype="float32", bpc=1, world=1, rank=0, per_block=65536,
+                engine_id="e1", canonical_layout=False):
+    return NS(groups=(NS(tokens_per_block=32, layer_names=("l0", "l1"), group_id=0),),
+              worker_kv_bytes_per_block=per_block, model=NS(name=name, dtype=dtype),
+              cache=NS(tokens_per_hash=32, blocks_per_chunk=bpc), engine_id=engine_id,
+              parallel=NS(rank=rank, world_size=world, tp_size=world, pp_size=1, pcp_size=1,
+                          dcp_size=1), kv_cache_layout="LBHNC", canonical_layout=canonical_layout)
+
+
+def test_options_from_extra_config():
+    o = KvshmOptions.from_extra({"kvshm_segment": "s", "cpu_bytes_to_use": "1024",
+                                 "eviction_policy": "ARC", "kvshm_mode": "0660"})
+    assert (o.segment, o.nbytes, o.policy, o.mode) == ("s", 1024, "arc", 0o660)
+    assert o.hold_capacity == 16384
+    assert KvshmOptions.from_extra({"kvshm_segment": "s"}).nbytes is None
+    for bad in ({}, {"kvshm_segment": "s", "cpu_bytes_to_use": 0},
+                {"kvshm_segment": "s", "eviction_policy": "fifo"},
+                {"kvshm_segment": "s", "kvshm_mode": "rw"},
+                {"kvshm_segment": "s", "kvshm_hold_capacity": 4}):
+        with pytest.raises(InvalidArgumentError):
+            KvshmOptions.from_extra(bad)
+
+
+def test_layout_is_deterministic_and_per_rank():
+    a = layout_for(fake_config(world=2, rank=0, engine_id="x"))
+    b = layout_for(fake_config(world=2, rank=1, engine_id="y"))
+    assert a == b and a.fingerprint() == b.fingerprint()  # engine id and rank do not matter
+    assert a.page_bytes == (65536, 65536) and a.tokens_per_block == 32
+    assert layout_for(fake_config(bpc=4)).page_bytes == (4 * 65536,)
+    others = [fake_config(dtype="bfloat16"), fake_config(name="/models/other"),
+              fake_config(bpc=2), fake_config(per_block=32768), fake_config(world=2)]
+    assert len({layout_for(c).fingerprint() for c in others + [fake_config()]}) == 6
+    assert layout_for(fake_config(name="/a" * 300)).describe()  # long names fit
+    with pytest.raises(InvalidArgumentError, match="canonical_layout"):
+        layout_for(fake_config(canonical_layout=True))
+
+
+def test_an_instance_with_another_layout_is_refused_with_both_layouts(seg_name):
+    opts = KvshmOptions(seg_name, 1 << 20)
+    seg = open_segment(opts, layout_for(fake_config()))
+    try:
+        again = open_segment(opts, layout_for(fake_config()))  # same model: shares it
+        again.close()
+        with pytest.raises(LayoutMismatchError) as e:
+            open_segment(opts, layout_for(fake_config(dtype="bfloat16")))
+        msg = str(e.value)
+        assert seg_name in msg and "bfloat16" in msg and "float32" in msg
+        assert "kvshm_segment" in msg
+    finally:
+        seg.close()
+
+
+# --- job translation and the worker core ----------------------------------------------------
+def test_split_job_maps_groups_and_head_skip():
+    assert split_job([1, 2, 3], [3], [0], [7, 8, 9], 1) == [(0, [1, 2, 3], [7, 8, 9])]
+    # bpc 2, group 0 starts mid-chunk (skip 1), group 1 empty, group 2 whole chunks
+    assert split_job([4, 5, 6, 10, 11], [3, 0, 2], [1, 0, 4], [0, 1, 5], 2) == [
+        (0, [4, 5, 6], [0, 1]), (2, [10, 11], [5])]
+    with pytest.raises(TransferError, match="inside a chunk"):
+        split_job([1, 2, 3], [3], [0], [0, 1], 2)
+    with pytest.raises(InvalidArgumentError):
+        split_job([1, 2], [3], [0], [0, 1], 1)
+    with pytest.raises(InvalidArgumentError):
+        split_job([1, 2], [2], [0], [0, 1, 2], 1)
+
+
+def _rows(t, i):
+    return t[i].view(torch.uint8)
+
+
+def test_worker_core_stores_and_loads_through_plane_columns():
+    torch.manual_seed(0)
+    dev = [torch.randint(-128, 127, (20, 256), dtype=torch.int8) for _ in range(2)]
+    plane = torch.zeros(10, 2 * 2 * 256 + 64, dtype=torch.uint8)  # bpc 2, 2 tensors, padding
+    core = WorkerCore(dev, [[0, 1]], plane, 2, make_handler=make_handler)
+    try:
+        assert core.submit(0, "store", [3, 4, 5, 6], [4], [0], [7, 2])
+        core.wait({0, 99})  # unknown ids are ignored
+        assert core.get_finished() == [(0, True, 4 * 2 * 256, pytest.approx(0, abs=5))]
+        assert torch.equal(plane[7, 256:512], _rows(dev[0], 4))
+        assert torch.equal(plane[2, 512:768], _rows(dev[1], 5))
+        assert core.submit(1, "load", [10, 11, 12], [3], [1], [7, 2])  # skip sub-block 0
+        core.wait({1})
+        (job, ok, nbytes, _), = core.get_finished()
+        assert (job, ok, nbytes) == (1, True, 3 * 2 * 256)
+        for d, src in ((10, 4), (11, 5), (12, 6)):
+            assert all(torch.equal(t[d], t[src]) for t in dev)
+    finally:
+        core.shutdown()
+
+
+def test_worker_core_reports_a_multi_group_job_once():
+    dev = [torch.randint(-128, 127, (8, 128), dtype=torch.int8) for _ in range(2)]
+    plane = torch.zeros(6, 256, dtype=torch.uint8)
+    core = WorkerCore(dev, [[0], [1]], plane, 1, make_handler=make_handler)  # two handlers
+    try:
+        core.submit(5, "store", [1, 2, 3, 4], [2, 2], [0, 0], [0, 1, 2, 3])
+        core.wait({5})
+        assert [r[:3] for r in core.get_finished()] == [(5, True, 4 * 128)]
+        assert core.get_finished() == []
+        assert torch.equal(plane[1, :128], _rows(dev[0], 2))
+        assert torch.equal(plane[3, 128:], _rows(dev[1], 4))
+    finally:
+        core.shutdown()
+
+
+# --- the manager core over a real shared segment --------------------------------------------
+def test_manager_core_leases_pins_and_reset(seg_name):
+    mgr = connect(seg_name, Layout((4096,), 16, "t"), num_blocks=8, ring_capacity=8192,
+                  hold_capacity=64)
+    other = connect(seg_name)  # another engine on the same segment
+    core = ManagerCore(mgr)
+    try:
+        keys = [bytes([i]) * 36 for i in range(4)]
+        out = core.prepare_store(keys, "w")
+        assert core.lookup(keys[0], "r0") is LookupResult.PENDING  # our own store: wait
+        core.complete_store(set(out.keys_to_store), "w")
+        frames = mgr.segment.counter("frames")
+        for _ in range(50):  # per-key lookups never go to the owner
+            assert core.lookup(keys[0], "r1") is LookupResult.HIT
+        assert core.lookup(b"x" * 36, "r1") is LookupResult.MISS
+        assert mgr.segment.counter("frames") == frames
+        assert core.lookup(keys[0], "r2") is LookupResult.HIT
+        assert core.lookup(keys[1], "r1") is LookupResult.HIT
+        assert mgr.held_blocks() == 2  # one lease per key, shared by r1 and r2
+        assert core.prepare_load([keys[0]], "r1") == [out.block_ids[0]]
+        assert mgr.held_blocks() == 3  # r1's pin on k0; leases on k0 (for r2) and k1
+        core.request_finished("r2")
+        assert mgr.held_blocks() == 2
+        core.schedule_end()  # loads of the step are prepared: every lease goes
+        assert mgr.held_blocks() == 1
+        core.complete_load({keys[0]}, "r1")
+        assert mgr.held_blocks() == 0
+        # another engine's store in flight is a miss (never wait for someone else)
+        assert other.prepare_store([b"o" * 36]).keys_to_store
+        assert core.lookup(b"o" * 36, "r3") is LookupResult.MISS
+        # reset: leases go now; pins and unfinished stores after a grace period
+        assert core.prepare_store([b"p" * 36], "w2").keys_to_store
+        core.lookup(keys[1], "r3")
+        core.prepare_load([keys[2]], "r4")
+        core.reset()
+        assert mgr.held_blocks() == 1
+        for _ in range(2):
+            core.schedule_end()
+        assert mgr.held_blocks() == 1
+        core.schedule_end()
+        assert mgr.held_blocks() == 0
+        assert mgr.key_status(b"p" * 36) is LookupResult.MISS  # freed, never published
+    finally:
+        core.shutdown()
+        other.shutdown()
+
+
+def test_import_kvshm_never_imports_the_integration():
+    code = ("import sys, kvshm, kvshm.integrations; kvshm.connect; kvshm.Layout; "
+            "bad = [m for m in sys.modules if m.startswith(('vllm', 'torch', "
+            "'kvshm.integrations.'))]; assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("vllm") is not None,
+                    reason="vLLM is installed in this interpreter")
+def test_without_vllm_the_compat_module_names_the_supported_version():
+    with pytest.raises(ImportError, match=r"supports vLLM 0\.32\.x"):
+        import kvshm.integrations.vllm_compat  # noqa: F401
+
+
+# --- end to end with real vLLM engines ------------------------------------------------------
+def vllm_python() -> str:
+    if os.environ.get("KVSHM_VLLM_PYTHON"):
+        return os.environ["KVSHM_VLLM_PYTHON"]
+    venv = os.environ.get("KVSHM_VLLM_VENV") or str(REPO / ".venv-vllm")
+    return os.path.join(venv, "bin", "python")
+
+
+VLLM_PY = vllm_python()
+needs_vllm = pytest.mark.skipif(
+    not os.path.exists(VLLM_PY),
+    reason=f"vLLM venv not found ({VLLM_PY}): run .ci/install_vllm.sh")
+
+from vllm_support import engine as E  # noqa: E402  (imports no vLLM)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("vllm") / "tiny-llama"
+    subprocess.run([VLLM_PY, str(REPO / "tests/vllm_support/tiny_model.py"), str(path)],
+                   check=True, cwd=REPO, capture_output=True, timeout=300)
+    return str(path)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def remove_segment(name: str) -> None:
+    """Unlink the segment and make sure its owner process is gone."""
+    pid = 0
+    try:
+        seg = Segment.attach(name)
+        pid = seg.owner_record()[0]
+        seg.close()
+    except KvshmError:
+        pass
+    Segment.unlink(name)
+    deadline = time.monotonic() + 10
+    while pid and _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)  # the owner exits by itself ~0.2 s after the unlink
+    if pid and _alive(pid):
+        os.kill(pid, signal.SIGKILL)
+
+
+def kvshm_extra(name: str) -> dict:
+    return E.offload_extra_config("KvshmOffloadingSpec", "kvshm.integrations.vllm",
+                                  kvshm_segment=name, cpu_bytes_to_use=64 << 20)
+
+
+def gen(tag: str, prompt: list[int], **kw) -> dict:
+    return {"op": "generate", "tag": tag, "prompts": [prompt], **kw}
+
+
+def run_engines(model: str, plans: list[tuple[str, list[dict]]], timeout: float = 400):
+    """Start one engine subprocess per (segment, steps) plan at once; their results."""
+    procs = [E.start_engine_subprocess(E.engine_config(model, kvshm_extra(seg), steps),
+                                       python=VLLM_PY) for seg, steps in plans]
+    try:
+        return [p.result(timeout) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+
+
+@pytest.fixture(scope="module")
+def one_engine(tiny_model):
+    """(a) and (c) in one engine: A,B,C,D,A; then B,C,D again, zero the segment, A again."""
+    name = unique_name()
+    a, b, c, d = (E.random_prompt(s) for s in (1, 2, 3, 4))
+    ops = "tests.vllm_support.kvshm_ops:"
+    steps = [gen("A1", a), gen("B", b), gen("C", c), gen("D", d), gen("A2", a),
+             {"op": "metrics", "tag": "m2"},
+             {"op": "call", "tag": "seg", "fn": ops + "segment_info", "args": [name]},
+             {"op": "call", "tag": "checks", "fn": ops + "self_checks"},
+             {"op": "call", "tag": "refusal", "fn": ops + "layout_refusal"},
+             gen("B2", b), gen("C2", c), gen("D2", d),
+             {"op": "metrics", "tag": "m3"},
+             {"op": "call", "tag": "zeroed", "fn": ops + "corrupt_segment", "args": [name]},
+             gen("A3", a)]
+    try:
+        yield name, run_engines(tiny_model, [(name, steps)])[0]
+    finally:
+        remove_segment(name)
+
+
+def out(res: dict, tag: str) -> dict:
+    return res["steps"][tag]["outputs"][0]
+
+
+@needs_vllm
+def test_a_prompt_evicted_from_the_device_comes_back_from_kvshm(one_engine):
+    name, res = one_engine
+    assert out(res, "A1")["num_cached_tokens"] == 0
+    assert out(res, "A2")["num_cached_tokens"] == E.EXPECTED_CACHED_TOKENS  # 384
+    assert out(res, "A2")["token_ids"] == out(res, "A1")["token_ids"]
+    m = res["steps"]["m2"]
+    assert m[E.EXTERNAL_HITS] == E.EXPECTED_CACHED_TOKENS and m[E.PREFIX_HITS] == 0
+    assert m["vllm:kv_offload_load_bytes"] == 12 * 65536  # 12 blocks x 2 layers x 32 KiB
+    info = res["steps"]["seg"]
+    assert info["counters"]["store_blocks"] == 4 * 12 and info["page_bytes"] == [65536]
+    assert '"dtype":"float32"' in info["layout"]
+    checks = res["steps"]["checks"]
+    assert checks["pickle_ok"] and checks["supported"], checks
+    assert "supports vLLM 0.32.x" in checks["refusal"] and "0.33.0" in checks["refusal"]
+    refusal = res["steps"]["refusal"]  # same segment, the model's KV in bfloat16: refused
+    assert name in refusal and '"dtype":"bfloat16"' in refusal and '"dtype":"float32"' in refusal
+
+
+@needs_vllm
+def test_c_negative_control_corrupted_kvshm_bytes_change_the_output(one_engine):
+    name, res = one_engine
+    assert res["steps"]["zeroed"] > 0
+    assert res["steps"]["m3"][E.EXTERNAL_HITS] > E.EXPECTED_CACHED_TOKENS  # B2..D2 loaded too
+    a3 = out(res, "A3")
+    assert a3["num_cached_tokens"] == E.EXPECTED_CACHED_TOKENS  # loaded from kvshm again...
+    assert a3["token_ids"] != out(res, "A1")["token_ids"]  # ...and the loaded bytes are used
+    assert res["metrics"][E.EXTERNAL_HITS] > res["steps"]["m3"][E.EXTERNAL_HITS]
+
+
+@needs_vllm
+def test_b_two_engine_processes_share_one_segment(tiny_model, tmp_path):
+    """A prompt computed by engine A is an external hit on engine B, with the output B
+    computes alone (``skip_prefix_cache``: no device or connector hit)."""
+    name = unique_name()
+    p = E.random_prompt(7)
+    a_done, b_done = str(tmp_path / "a_done"), str(tmp_path / "b_done")
+    plan_a = [gen("A", p), {"op": "touch", "path": a_done},
+              {"op": "wait_file", "path": b_done, "timeout": 300}]  # both attached at once
+    plan_b = [{"op": "wait_file", "path": a_done, "timeout": 300}, gen("B_hit", p),
+              {"op": "metrics", "tag": "m"}, gen("B_alone", p, skip_prefix_cache=True),
+              {"op": "call", "tag": "seg", "fn": "tests.vllm_support.kvshm_ops:segment_info",
+               "args": [name]},
+              {"op": "touch", "path": b_done}]
+    try:
+        ra, rb = run_engines(tiny_model, [(name, plan_a), (name, plan_b)])
+    finally:
+        remove_segment(name)
+    hit, alone = out(rb, "B_hit"), out(rb, "B_alone")
+    assert out(ra, "A")["num_cached_tokens"] == 0
+    assert hit["num_cached_tokens"] == E.EXPECTED_CACHED_TOKENS
+    assert rb["steps"]["m"][E.EXTERNAL_HITS] == E.EXPECTED_CACHED_TOKENS
+    assert alone["num_cached_tokens"] == 0
+    assert hit["token_ids"] == alone["token_ids"] == out(ra, "A")["token_ids"]
+    assert rb["steps"]["seg"]["clients_alive"] >= 2  # A's and B's managers, at the same time

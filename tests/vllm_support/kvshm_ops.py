@@ -1,0 +1,100 @@
+"""kvshm helpers that the engine subprocess runs between generations ("call" steps).
+
+They run inside the vLLM venv's interpreter (next to a live engine) and return JSON-able
+values that end up in the subprocess's result file. Importing this module imports neither
+vLLM nor torch; ``self_checks`` imports the vLLM integration when called.
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+from kvshm.segment import Segment
+
+
+def segment_info(name: str) -> dict[str, Any]:
+    """What the segment holds: geometry, layout, counters, owner pid."""
+    seg = Segment.attach(name)
+    try:
+        return {
+            "num_blocks": seg.geometry.num_blocks,
+            "page_bytes": list(seg.geometry.page_bytes),
+            "layout": seg.layout.describe(),
+            "counters": seg.counters(),
+            "owner_pid": seg.owner_record()[0],
+            "clients_alive": len(seg.clients_alive()),
+        }
+    finally:
+        seg.close()
+
+
+def corrupt_segment(name: str) -> int:
+    """Zero every data byte of the segment (negative control); returns the bytes zeroed.
+
+    The engine is idle between steps, so no copy is racing with this."""
+    seg = Segment.attach(name)
+    try:
+        total = 0
+        for plane in seg.planes():
+            plane[:] = 0
+            total += plane.nbytes
+            del plane
+        return total
+    finally:
+        seg.close()
+
+
+def self_checks() -> dict[str, Any]:
+    """Checks that need vLLM but no engine: picklable specs, the version gate."""
+    import numpy as np
+
+    from kvshm.integrations import vllm as integ
+    from kvshm.integrations import vllm_compat as compat
+
+    spec = integ.KvshmLoadStoreSpec([5, 3, 9])
+    back = pickle.loads(pickle.dumps(spec))
+    out = compat.PrepareStoreOutput(
+        keys_to_store=[b"k" * 36], store_spec=spec, evicted_keys=[]
+    )
+    out_back = pickle.loads(pickle.dumps(out))
+    real = compat.installed_version
+    try:
+        compat.installed_version = lambda: "0.33.0"  # type: ignore[assignment]
+        try:
+            integ.KvshmOffloadingSpec(None)  # type: ignore[arg-type]
+            refused = ""
+        except RuntimeError as e:
+            refused = str(e)
+    finally:
+        compat.installed_version = real  # type: ignore[assignment]
+    return {
+        "pickle_ok": type(back) is integ.KvshmLoadStoreSpec
+        and back.block_ids.dtype == np.int32
+        and back.block_ids.tolist() == [5, 3, 9]
+        and out_back.store_spec.block_ids.tolist() == [5, 3, 9],
+        "version": real(),
+        "supported": compat.is_supported(real()),
+        "refusal": refused,
+    }
+
+
+def layout_refusal(field: str = "dtype", value: str = "bfloat16") -> str:
+    """Build a second spec from the live engine's OffloadingConfig with one model field
+    changed and attach it to the same segment; returns the refusal message ("" if none).
+
+    Runs in single-process CI mode, where the engine's spec objects live in this process."""
+    import dataclasses
+    import gc
+
+    from kvshm.errors import LayoutMismatchError
+    from kvshm.integrations.vllm import KvshmOffloadingSpec
+
+    live = next(o for o in gc.get_objects() if isinstance(o, KvshmOffloadingSpec))
+    cfg = live.config
+    other = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **{field: value}))
+    try:
+        KvshmOffloadingSpec(other).get_manager()
+    except LayoutMismatchError as e:
+        return str(e)
+    return ""
