@@ -20,7 +20,9 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.append(os.path.dirname(HERE))  # a repository checkout works without installing kvshm
 
 import kvshm  # noqa: E402
 from mini_engine import STAT_KEYS, Engine, EngineConfig, layout_for  # noqa: E402
@@ -54,17 +56,18 @@ examples:
 @dataclass
 class Options:
     engines: int = 3
-    conversations: int = 8
-    turns: int = 4
-    system_prompts: int = 2
+    conversations: int = 12
+    turns: int = 6
+    system_prompts: int = 4
     system_tokens: int = 512
     user_tokens: int = 48
-    reply_tokens: int = 24
+    reply_tokens: int = 32
     block_tokens: int = 16
     block_size_factor: int = 1
     token_bytes: int = 1024
-    device_blocks: int = 256
-    cache_mib: float = 64.0
+    device_blocks: int = 128
+    max_running: int = 2
+    cache_mib: float = 16.0
     private: bool = False        # one cache per engine (of cache_mib each) instead of one
     inline_workers: bool = False
     device: str = "cpu"
@@ -121,6 +124,7 @@ def run(o: Options) -> dict[str, Any]:
     cfgs = [EngineConfig(cache=names[i if o.private else 0], name=f"engine{i}",
                          block_tokens=o.block_tokens, block_size_factor=o.block_size_factor,
                          token_bytes=o.token_bytes, device_blocks=o.device_blocks,
+                         max_running=o.max_running,
                          worker="inline" if o.inline_workers else "process", device=o.device)
             for i in range(o.engines)]
     lay = layout_for(cfgs[0])
@@ -157,9 +161,8 @@ def run(o: Options) -> dict[str, Any]:
             if p.is_alive():
                 p.kill()
                 p.join()
-        if not o.keep:
-            for name in names:
-                remove_cache(name)
+        for name in names:
+            release_cache(name, remove=not o.keep)
     total = {k: sum(s[k] for s in stats) for k in STAT_KEYS}
     return {"schema": "kvshm.demo/1", "options": asdict(o), "caches": names,
             "cache_bytes_each": num_blocks * lay.block_bytes, "kept": o.keep,
@@ -176,23 +179,25 @@ def _expect(pipe, what: str) -> Any:
     return payload
 
 
-def remove_cache(name: str) -> None:
-    """Unlink a segment and its semaphores; make sure its (auto-started) owner is gone."""
+def release_cache(name: str, remove: bool) -> None:
+    """Stop the segment's auto-started owner (the cache stays intact) and, if ``remove``,
+    unlink the segment and its semaphores."""
     try:
         seg = kvshm.Segment.attach(name)
     except kvshm.errors.SegmentNotFoundError:
         return
     pid = seg.owner_record()[0] if seg.owner_alive() else 0
     seg.close()
-    kvshm.Segment.unlink(name)
-    if not pid:
-        return
-    deadline = time.monotonic() + 2.0  # it exits on its own once the segment is unlinked
-    while _running(pid):
+    if remove:
+        kvshm.Segment.unlink(name)  # an owner notices within ~0.2 s and exits by itself
+    elif pid:
+        os.kill(pid, signal.SIGTERM)  # a graceful stop: the block table keeps the cache
+    deadline = time.monotonic() + 5.0
+    while pid and _running(pid):
         if time.monotonic() > deadline:
-            os.kill(pid, signal.SIGTERM)
+            os.kill(pid, signal.SIGKILL)
             deadline = time.monotonic() + 5.0
-        time.sleep(0.02)  # polling another session's process; bounded by the deadlines
+        time.sleep(0.02)  # polling a process we cannot wait() for; bounded by the deadline
 
 
 def _running(pid: int) -> bool:
@@ -246,6 +251,7 @@ def parse(argv: list[str] | None = None) -> Options:
                      ("block_size_factor", "device blocks per kvshm block"),
                      ("token_bytes", "KV bytes per token per plane (2 planes: K, V)"),
                      ("device_blocks", "device KV blocks per engine"),
+                     ("max_running", "requests an engine runs at once"),
                      ("seed", "workload seed")):
         ap.add_argument("--" + f.replace("_", "-"), type=int, default=getattr(d, f),
                         help=f"{help_} (default {getattr(d, f)})")

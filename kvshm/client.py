@@ -294,6 +294,7 @@ class SharedManager(OffloadingManager):
         blocks = []
         try:
             for k in keys:
+                L.check_key(k)
                 i = self._leases.pop(k, None)
                 if i is None:
                     block, state = self.index.find(k)
@@ -332,6 +333,7 @@ class SharedManager(OffloadingManager):
     def complete_load(self, keys: Sequence[bytes]) -> None:
         need: dict[bytes, int] = {}
         for k in keys:
+            L.check_key(k)
             need[k] = need.get(k, 0) + 1
             if len(self._pins.get(k, ())) < need[k]:
                 if self.index.find(k)[0] < 0:
@@ -372,6 +374,8 @@ class SharedManager(OffloadingManager):
         return PrepareStoreOutput(reply.keys, reply.blocks, reply.evicted)
 
     def complete_store(self, keys: Sequence[bytes], success: bool = True) -> None:
+        for k in keys:
+            L.check_key(k)
         self._call(P.CompleteStore(self._next_req(), list(keys), success))
 
     def owner_lookup(self, keys: Sequence[bytes]) -> int:

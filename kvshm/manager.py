@@ -131,6 +131,7 @@ class LocalManager(OffloadingManager):
     # --- loads --------------------------------------------------------------------------
     def prepare_load(self, keys: Sequence[bytes]) -> list[int]:
         for k in keys:
+            L.check_key(k)
             self._require_ready(k)
         blocks = [self._blocks[k] for k in keys]
         for b in blocks:
@@ -141,6 +142,7 @@ class LocalManager(OffloadingManager):
     def complete_load(self, keys: Sequence[bytes]) -> None:
         need: dict[int, int] = {}
         for k in keys:
+            L.check_key(k)
             b = self._blocks.get(k)
             if b is None:
                 raise UnknownKeyError(f"complete_load of key {k.hex()[:16]}… which is not cached")
@@ -204,6 +206,7 @@ class LocalManager(OffloadingManager):
         mine = self._pending.get(writer[:2], set())
         todo = []
         for k in keys:
+            L.check_key(k)
             if k not in self._blocks:
                 raise UnknownKeyError(
                     f"complete_store of key {k.hex()[:16]}… which is not cached (never "

@@ -32,6 +32,7 @@ SHM_DIR = "/dev/shm"
 PREFIX = "kvshm-"
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 _INIT_WAIT_S = 10.0
+_CREATE_GRACE_S = 0.5
 
 
 def shm_name(name: str) -> str:
@@ -162,7 +163,8 @@ class Segment:
     @classmethod
     def _validate(cls, name: str, shm: posix_ipc.SharedMemory,
                   expected: Layout | None) -> "Segment":
-        deadline = time.monotonic() + _INIT_WAIT_S
+        start = time.monotonic()
+        deadline = start + _INIT_WAIT_S
         while True:  # a creator may still be writing the header; it holds LOCK_INIT meanwhile
             size = os.fstat(shm.fd).st_size
             if size >= L.HEADER_BYTES:
@@ -170,7 +172,10 @@ class Segment:
                     head = f.read(L.HEADER.size)
                 if head[:8] == L.MAGIC:
                     break
-            creating = locks.is_held(shm.fd, L.LOCK_INIT)
+            # A creator takes LOCK_INIT just after its exclusive open: an object younger than
+            # the grace period may not be locked yet.
+            creating = locks.is_held(shm.fd, L.LOCK_INIT) or \
+                time.monotonic() - start < _CREATE_GRACE_S
             if not creating or time.monotonic() > deadline:
                 raise NotAKvshmSegmentError(
                     f"{SHM_DIR}{shm.name} is not a kvshm segment (size {size}, no kvshm "

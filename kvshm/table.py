@@ -28,6 +28,7 @@ _KEY_OFF = struct.calcsize("<IBBhIIQQQ")
 _LAST_USE_WORD = struct.calcsize("<IBBhII") // 8
 _PINS_WORD = _KEY_OFF // 8 - 1
 _WORDS32 = L.ENTRY_BYTES // 4
+_READ_SPINS = 100_000  # an owner rewrites an entry in microseconds; beyond this it died
 _WORDS64 = L.ENTRY_BYTES // 8
 
 
@@ -89,7 +90,7 @@ class BlockTable:
     def state_if_key(self, block: int, key: bytes) -> int:
         """``block``'s state if it currently holds ``key``, else -1. Lock-free reader."""
         buf, off, w, i = self.buf, self.base + block * L.ENTRY_BYTES, self._w32, block * _WORDS32
-        while True:
+        for _ in range(_READ_SPINS):
             seq = w[i]
             if seq & 1:
                 continue
@@ -99,6 +100,7 @@ class BlockTable:
             publish_fence()
             if w[i] == seq:
                 return state if same else -1
+        return -1  # left odd by a dead owner: a miss until the next owner settles it
 
     # --- owner-only writers -------------------------------------------------------------
     def write(self, block: int, state: int, key: bytes, writer: int = -1, writer_gen: int = 0,

@@ -15,6 +15,13 @@ import uuid
 from typing import Callable, Iterator
 
 import pytest
+from hypothesis import Phase, settings
+
+# In CI a failing example is reported as found: shrinking it can take minutes.
+settings.register_profile("ci", phases=[Phase.explicit, Phase.reuse, Phase.generate],
+                          deadline=None)
+settings.register_profile("dev", deadline=None)
+settings.load_profile("ci" if os.environ.get("CI") else "dev")
 
 from kvshm.api import OffloadingManager
 from kvshm.layout import Layout
@@ -29,7 +36,7 @@ TEST_BLOCKS = 24
 SMALL_GEOMETRY = dict(ring_capacity=8192, hold_capacity=64)
 
 POLICIES = ["lru", "arc"]
-MANAGER_KINDS = ["local"]
+MANAGER_KINDS = ["local", "shared"]
 
 
 def unique_name() -> str:
@@ -47,6 +54,9 @@ def make_manager(kind: str, segment: Segment, policy: str,
     if kind == "local":
         from kvshm.manager import LocalManager
         return LocalManager(segment, policy, enable_events=enable_events)
+    if kind == "shared":  # a proxy to an owner process it starts; the policy is the segment's
+        from kvshm.client import SharedManager
+        return SharedManager(Segment.attach(segment.name), events=enable_events)
     raise ValueError(f"unknown manager kind {kind!r}; known: {MANAGER_KINDS}")
 
 
@@ -117,7 +127,24 @@ def new_manager(manager_kind, policy, make_segment):
 
     yield new
     for m in reversed(made):
+        owner = getattr(m, "segment", None)
+        pid = owner.owner_record()[0] if manager_kind == "shared" and owner else 0
         m.shutdown()
+        if pid:
+            stop_owner(pid)
+
+
+def stop_owner(pid: int) -> None:
+    """Kill an owner process a test started and reap it if it is our child."""
+    import signal
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return
+    try:
+        os.waitpid(pid, 0)
+    except ChildProcessError:
+        pass
 
 
 @pytest.fixture

@@ -72,13 +72,12 @@ class Rig:
                                   kv(tokens[i * BT:(i + 1) * BT], i * BT, p).ravel())
                    for i in range(first_block, end_block) for p, d in enumerate(self.dev))
 
-    def run(self, jobs, reports: int = 1):
-        """Run every job to the end and report it ``reports`` times (one per worker)."""
+    def run(self, jobs):
+        """Run every job to the end (flushes first) and report the completions."""
         self.worker.flush(jobs.flush)
         self.worker.submit(jobs.loads + jobs.stores)
         self.worker.flush([j.job_id for j in jobs.loads + jobs.stores])
-        results = self.worker.poll()
-        return self.conn.jobs_finished(results * reports)
+        return self.conn.jobs_finished(self.worker.poll())
 
     def store_prompt(self, req: str, tokens, blocks):
         hashes = block_hashes(tokens, BT)

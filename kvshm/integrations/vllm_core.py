@@ -132,7 +132,7 @@ def explain_mismatch(e: LayoutMismatchError, name: str) -> LayoutMismatchError:
     return LayoutMismatchError(
         f"this vLLM instance cannot share kvshm segment {name!r}: its KV layout (model, "
         f"dtype, block/chunk size, bytes per block, parallelism) differs from the one the "
-        f"segment was created for. {e}. Give this model its own 'kvshm_segment'.")
+        f"segment was created for, so its blocks would be misread. {e}")
 
 
 def open_segment(opts: KvshmOptions, layout: Layout) -> Segment:
@@ -213,6 +213,7 @@ class ManagerCore:
                 if not jobs:
                     del self._loads[req_id]
                 self._quietly(self.mgr.complete_load, job)
+                self._count(loaded=len(job))
                 return
         logger.warning("kvshm: complete_load of %d keys that request %s never prepared",
                        len(done), req_id)
@@ -233,6 +234,8 @@ class ManagerCore:
         for k in keys:
             self._store_req.pop(k, None)
         self._quietly(self.mgr.complete_store, keys, success)
+        if success:
+            self._count(stored=len(keys))
 
     # --- life cycle -------------------------------------------------------------------
     def schedule_end(self) -> None:
@@ -274,6 +277,14 @@ class ManagerCore:
 
     def shutdown(self) -> None:
         self.mgr.shutdown()  # the owner frees our unfinished stores; our pins go with our slot
+
+    def _count(self, loaded: int = 0, stored: int = 0) -> None:
+        """Per-client byte counters for kvshm-inspect (whole blocks: a partial first chunk
+        of a load counts whole)."""
+        add = getattr(self.mgr, "add_bytes", None)
+        if add is not None:
+            block = self.mgr.segment.layout.block_bytes
+            add(loaded=loaded * block, stored=stored * block)
 
     @staticmethod
     def _quietly(fn: Any, *args: Any) -> None:

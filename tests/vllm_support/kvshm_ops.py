@@ -83,14 +83,17 @@ def layout_refusal(field: str = "dtype", value: str = "bfloat16") -> str:
     """Build a second spec from the live engine's OffloadingConfig with one model field
     changed and attach it to the same segment; returns the refusal message ("" if none).
 
-    Runs in single-process CI mode, where the engine's spec objects live in this process."""
+    Runs in single-process CI mode, where the engine's worker-side connector (and its spec)
+    lives in this process."""
     import dataclasses
-    import gc
+
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     from kvshm.errors import LayoutMismatchError
     from kvshm.integrations.vllm import KvshmOffloadingSpec
 
-    live = next(o for o in gc.get_objects() if isinstance(o, KvshmOffloadingSpec))
+    live = get_kv_transfer_group().connector_worker.spec
+    assert isinstance(live, KvshmOffloadingSpec), type(live)
     cfg = live.config
     other = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **{field: value}))
     try:

@@ -1,0 +1,84 @@
+"""The co-located engines demo, run as a user runs it: a subprocess with ``--json``.
+
+It must show real cross-engine hits (blocks stored by one engine process and loaded by
+another), verify every loaded block, produce the model's replies, and leave nothing behind:
+no segment or semaphore in /dev/shm and no owner process (``--keep`` leaves the segment only).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvshm.segment import Segment
+
+from conftest import unique_name
+
+DEMO = Path(__file__).resolve().parents[1] / "examples" / "colocated_engines.py"
+SMALL = ["--engines", "2", "--conversations", "3", "--turns", "3", "--system-prompts", "1",
+         "--system-tokens", "64", "--user-tokens", "16", "--reply-tokens", "16",
+         "--token-bytes", "64", "--device-blocks", "32", "--cache-mib", "1", "--device", "cpu"]
+
+
+def processes_naming(name: str) -> list[int]:
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if name.encode() in f.read():
+                    out.append(int(pid))
+        except OSError:
+            pass
+    return out
+
+
+def run_demo(*args: str) -> dict:
+    proc = subprocess.run([sys.executable, str(DEMO), "--json", *SMALL, *args],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout)
+
+
+# A 10-block device pool with 4 requests per engine: running requests get preempted while
+# their stores are in flight; what they stored is loaded (and verified) by the other engine.
+PREEMPTING = ["--conversations", "6", "--system-tokens", "32", "--reply-tokens", "24",
+              "--device-blocks", "10", "--max-running", "4"]
+
+
+@pytest.mark.parametrize("extra", [[], ["--inline-workers", "--block-size-factor", "2"],
+                                   PREEMPTING],
+                         ids=["worker-processes", "inline-workers-factor-2", "preemptions"])
+def test_demo_shares_blocks_across_engines_verifies_them_and_cleans_up(extra):
+    name = unique_name()
+    r = run_demo("--cache", name, *extra)
+    t = r["total"]
+    assert t["preemptions"] > 0 or extra is not PREEMPTING
+    assert r["cross_engine_blocks"] > 0
+    assert t["blocks_verified"] == t["kvshm_blocks_own"] + t["kvshm_blocks_other"] > 0
+    assert t["blocks_mismatched"] == 0 and t["loads_failed"] == 0
+    assert r["wrong_outputs"] == 0
+    assert t["bytes_loaded"] > 0 and t["bytes_stored"] > 0
+    assert t["device_hit_tokens"] + t["kvshm_hit_tokens"] + t["recomputed_tokens"] == \
+        t["prompt_tokens"]
+    assert [e for e in os.listdir("/dev/shm") if name in e] == []
+    assert processes_naming(name) == []
+
+
+def test_demo_keep_leaves_the_cache_for_inspection_and_no_process():
+    name = unique_name()
+    try:
+        r = run_demo("--cache", name, "--keep", "--turns", "2", "--inline-workers")
+        assert r["kept"] and r["caches"] == [name]
+        assert processes_naming(name) == []
+        seg = Segment.attach(name)
+        try:
+            assert not seg.owner_alive()
+            assert seg.counter("store_blocks") > 0
+        finally:
+            seg.close()
+    finally:
+        Segment.unlink(name)
