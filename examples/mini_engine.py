@@ -191,6 +191,7 @@ class Request:
     output: list[int] = field(default_factory=list)
     prompt_len: int = 0
     admitted: bool = False
+    first_load: bool = False     # the pending load is the one of the first admission
     load: tuple[int, int, int] = (0, 0, 0)  # device blocks [first, end) loading, local tokens
 
     def __post_init__(self) -> None:
@@ -209,7 +210,7 @@ class Request:
 STAT_KEYS = ("requests", "prompt_tokens", "device_hit_tokens", "kvshm_hit_tokens",
              "kvshm_blocks_own", "kvshm_blocks_other", "recomputed_tokens", "bytes_loaded",
              "bytes_stored", "blocks_stored", "blocks_verified", "blocks_mismatched",
-             "loads_failed", "stores_failed", "preemptions", "steps")
+             "loads_failed", "stores_failed", "preemptions", "jobs_flushed", "steps")
 
 
 class Engine(EngineLoop):

@@ -25,6 +25,7 @@ class EngineLoop:
         jobs = self.conn.build_jobs(
             {r.req_id: (r.num_computed + r.scheduled, r.blocks) for r in scheduled},
             preempted=[r.req_id for r in preempted])
+        self.stats["jobs_flushed"] += len(jobs.flush)
         if jobs.flush:  # those blocks get new owners in this very step
             self._complete(self.worker.wait(jobs.flush))
         self._send(jobs.loads)
@@ -76,23 +77,26 @@ class EngineLoop:
 
     def _loaded(self, r, done) -> None:
         first, end, local = r.load
+        bt = self.cfg.block_tokens
+        counted, r.first_load = r.first_load, False  # prompt accounting: first admission only
         ok = done.success and self.verify(r, first, end)
         if done.success and not ok:
             self.stats["blocks_mismatched"] += len(done.keys)
         if ok:
             self.stats["blocks_verified"] += len(done.keys)
-            own = sum(k in self.own_keys for k in done.keys)
-            self.stats["kvshm_blocks_own"] += own
-            self.stats["kvshm_blocks_other"] += len(done.keys) - own
-            bt = self.cfg.block_tokens
-            self.stats["kvshm_hit_tokens"] += (end - first) * bt
+            if counted:
+                own = sum(k in self.own_keys for k in done.keys)
+                self.stats["kvshm_blocks_own"] += own
+                self.stats["kvshm_blocks_other"] += len(done.keys) - own
+                self.stats["kvshm_hit_tokens"] += (end - first) * bt
             for i in range(first, end):
                 self.pool.register(r.blocks[i], r.hashes[i])
             # vLLM: with the whole prompt loaded, the last token is computed again (logits).
             r.num_computed = min(end * bt, len(r.tokens) - 1)
         else:
             self.stats["loads_failed"] += not done.success
-            self.stats["recomputed_tokens"] += (end - first) * self.cfg.block_tokens
+            if counted:
+                self.stats["recomputed_tokens"] += (end - first) * bt
             r.num_computed = local  # recompute what the load should have brought
         self.running.append(r)
 
@@ -151,7 +155,7 @@ class EngineLoop:
         r.blocks = cached + new
         got = self.conn.update_state_after_alloc(r.req_id, r.blocks, ext)
         if not r.admitted:  # count hits once per request, not again after a preemption
-            r.admitted = True
+            r.admitted, r.first_load = True, got > 0
             self.stats["device_hit_tokens"] += local
             self.stats["recomputed_tokens"] += r.prompt_len - local - got
         r.num_computed = local

@@ -9,9 +9,9 @@ for a load. Reads never go through the owner:
   re-checked after a full fence. The owner marks a victim EVICTING, fences, then reads every
   client's holds and spares held blocks, so one of the two always sees the other (see
   ``LocalManager._fence_victims``). A leased hit therefore stays loadable until
-  ``prepare_load`` turns the lease into a pin, ``release`` drops it, or the client holds more
-  than ``hold_capacity // 2`` leases (the oldest lease is dropped first — a later
-  ``prepare_load`` of it may then fail, and the engine recomputes).
+  ``prepare_load`` turns the lease into a pin or ``release`` drops it. A client holds at most
+  ``hold_capacity // 2`` leases: past that, lookups report misses (always safe) until it
+  releases some — a connector releases a request's leases once it is scheduled or done.
 * ``prepare_load``/``complete_load`` only change holds; ``touch`` is a one-way frame.
 Stores go through the owner: ``prepare_store`` and ``complete_store`` are round trips.
 
@@ -27,7 +27,6 @@ import sys
 import tempfile
 import threading
 import time
-from collections import OrderedDict
 from typing import Sequence
 
 import msgspec
@@ -65,7 +64,7 @@ def connect(name: str, layout: Layout | None = None, *, num_blocks: int | None =
     if num_blocks is None and nbytes is not None:
         if layout is None:
             raise TypeError("connect(nbytes=...) needs the layout to size blocks")
-        num_blocks = L.geometry_for_bytes(layout, nbytes).num_blocks
+        num_blocks = L.blocks_for_bytes(layout, nbytes)
     if num_blocks is not None:
         if layout is None:
             raise TypeError("connect(num_blocks=...) needs the layout of the blocks")
@@ -96,7 +95,7 @@ class SharedManager(OffloadingManager):
         self._lock = threading.Lock()
         self._req = 0
         self._owner_proc: subprocess.Popen | None = None
-        self._leases: OrderedDict[bytes, int] = OrderedDict()  # key -> hold index
+        self._leases: dict[bytes, int] = {}  # key -> hold index
         self._pins: dict[bytes, list[int]] = {}  # key -> hold indexes, one per prepare_load
         self._lease_limit = g.hold_capacity // 2
         self.slot, self.gen = slots.claim(segment, self._ensure_owner)
@@ -183,8 +182,8 @@ class SharedManager(OffloadingManager):
             if L.held_block(int(self._holds[i])) == block:
                 return True
             self._unhold(self._leases.pop(key))  # stale: our own store evicted it since
-        if not self._free_holds:
-            return False
+        if not self._free_holds or len(self._leases) >= self._lease_limit:
+            return False  # a miss is always safe; a hit we could not keep would not be
         i = self._free_holds.pop()
         self._holds[i] = L.lease_code(block)
         full_fence()  # our hold before our re-check: the owner fences the other way round
@@ -193,8 +192,6 @@ class SharedManager(OffloadingManager):
             self._free_holds.append(i)
             return False
         self._leases[key] = i
-        if len(self._leases) > self._lease_limit:
-            self._unhold(self._leases.popitem(last=False)[1])
         return True
 
     def _unhold(self, i: int) -> None:  # noqa: D401 - free one hold entry
@@ -264,8 +261,6 @@ class SharedManager(OffloadingManager):
                 self._free_holds.extend(idx[bad:].tolist())
                 idx, new = idx[:bad], new[:bad]
             leases.update(zip((keys[i] for i in new), idx.tolist()))
-            while len(leases) > self._lease_limit:
-                self._unhold(leases.popitem(last=False)[1])
         self._count_lookup(len(keys), hits)
         return hits
 

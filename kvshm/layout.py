@@ -246,17 +246,13 @@ class Geometry:
         return self.table_offset + block * ENTRY_BYTES
 
 
-def geometry_for_bytes(layout: Layout, nbytes: int, **kw: int) -> Geometry:
-    """The largest geometry whose data fits in ``nbytes`` (like vLLM's ``cpu_bytes_to_use``)."""
-    if nbytes <= 0:
-        raise InvalidArgumentError(f"cache size must be positive, got {nbytes} bytes")
-    n = max(1, nbytes // layout.block_bytes)
-    geo = Geometry(n, layout.page_bytes, **kw)
-    if n == 1 and layout.block_bytes > nbytes:
+def blocks_for_bytes(layout: Layout, nbytes: int) -> int:
+    """How many blocks of ``layout`` fit in ``nbytes`` (like vLLM's ``cpu_bytes_to_use``)."""
+    if nbytes < layout.block_bytes:
         raise InvalidArgumentError(
             f"{nbytes} bytes cannot hold one block of {layout.block_bytes} bytes; "
             "give the cache more memory")
-    return geo
+    return nbytes // layout.block_bytes
 
 
 def check_key(key: bytes) -> None:

@@ -58,7 +58,8 @@ def test_demo_shares_blocks_across_engines_verifies_them_and_cleans_up(extra):
     t = r["total"]
     assert t["preemptions"] > 0 or extra is not PREEMPTING
     assert r["cross_engine_blocks"] > 0
-    assert t["blocks_verified"] == t["kvshm_blocks_own"] + t["kvshm_blocks_other"] > 0
+    # every loaded block is verified (a request preempted after its load loads again)
+    assert t["blocks_verified"] >= t["kvshm_blocks_own"] + t["kvshm_blocks_other"] > 0
     assert t["blocks_mismatched"] == 0 and t["loads_failed"] == 0
     assert r["wrong_outputs"] == 0
     assert t["bytes_loaded"] > 0 and t["bytes_stored"] > 0
