@@ -110,8 +110,7 @@ class SchedulerChannel:
         self.seg = Segment.attach(segment_name)
         self.timeout = timeout
         try:
-            # Slots of dead clients become FREE when the owner reclaims them (<= 0.2 s).
-            self.slot, self.gen = slots.claim(self.seg, lambda: None, timeout=timeout)
+            self.slot, self.gen = self._claim(timeout)
         except BaseException:
             self.seg.close()
             raise
@@ -121,6 +120,20 @@ class SchedulerChannel:
         self._received: list[Done] = []
         self._worker_seen = False
         self._worker_lost = False
+
+    def _claim(self, timeout: float) -> tuple[int, int]:
+        skipped: list[int] = []
+        try:
+            while True:  # dead clients' slots become FREE when the owner reclaims them
+                slot, gen = slots.claim(self.seg, lambda: None, timeout=timeout)
+                if not locks.is_held(self.seg.fd, WORKER_LOCK_BASE + slot):
+                    return slot, gen
+                # A previous channel's worker still drains into this slot's rings: keep the
+                # slot locked (so that claim moves on) until we hold another one.
+                skipped.append(slot)
+        finally:
+            for s in skipped:
+                locks.unlock(self.seg.fd, L.LOCK_CLIENT_BASE + s)
 
     @property
     def address(self) -> tuple[str, int]:
@@ -290,6 +303,8 @@ class WorkerChannel:
 
     def send_done(self, results: Sequence[TransferResult]) -> bool:
         """Publish completions; False if the scheduler is gone."""
+        if not self.scheduler_alive():
+            return False  # its slot may be someone else's soon: write nothing more
         for r in results:
             frame = _encoder.encode(Done(r.job_id, r.success, r.nbytes, r.seconds))
             if not _put(self._ends.done, frame, self.scheduler_alive, timeout=3600.0):

@@ -201,17 +201,23 @@ class SchedulerConnector:
         ``scheduled``: request -> (tokens computed once this step ran, its device block ids).
         ``preempted``: requests whose device blocks the engine frees now; ``reused``: device
         blocks the engine is about to overwrite. Jobs still using those blocks are returned in
-        ``flush``: the workers must finish them before the blocks are written.
+        ``flush``: the workers must finish them before the blocks are written. A preempted
+        request's load that was not handed out yet is cancelled (its pins are released).
         """
         jobs = Jobs(self._loads, [], set())
         self._loads = []
         for req_id in preempted:
             st = self._reqs.get(req_id)
             if st is not None:
+                self._release(st)
+                for job in [j for j in jobs.loads if j.req_id == req_id]:
+                    jobs.loads.remove(job)  # never sent: cancel it instead of waiting for it
+                    self._finish(job.job_id, self._jobs[job.job_id], Completions())
                 jobs.flush |= st.jobs
-                st.device_ids, st.lookup = [], None
+                st.device_ids = []
         for b in reused:
             jobs.flush |= self._block_jobs.get(b, set())
+        jobs.flush -= {j.job_id for j in jobs.loads}  # unsent: nothing to wait for
         obs, f = self.block_tokens, self.factor
         for req_id, (num_computed, device_ids) in scheduled.items():
             st = self._reqs.get(req_id)

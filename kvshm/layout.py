@@ -256,6 +256,8 @@ def blocks_for_bytes(layout: Layout, nbytes: int) -> int:
 
 
 def check_key(key: bytes) -> None:
+    if type(key) is bytes and 0 < len(key) <= MAX_KEY_BYTES:
+        return  # the hot path: one type check and one length check
     if not isinstance(key, (bytes, bytearray)) or not 1 <= len(key) <= MAX_KEY_BYTES:
         raise InvalidArgumentError(
             f"keys are 1..{MAX_KEY_BYTES} bytes (vLLM offload keys are 36); got "

@@ -224,7 +224,7 @@ class LocalManager(OffloadingManager):
             mine.discard(k)
             if success:
                 self._ready[k] = True
-                self.table.write(b, L.READY, k, last_use=self.tick, stored_ns=now)
+                self.table.publish(b, self.tick, now)
                 done.append(k)
             else:
                 self._drop(k)

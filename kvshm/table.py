@@ -114,6 +114,21 @@ class BlockTable:
         publish_fence()
         w[i] = (seq + 1) & 0xFFFFFFFF
 
+    def publish(self, block: int, tick: int, stored_ns: int) -> None:
+        """WRITING -> READY: state, writer, last use and store time in one seqlock round
+        (the key, already in place, stays)."""
+        w, i = self._w32, block * _WORDS32
+        seq = w[i] | 1
+        w[i] = seq
+        publish_fence()
+        off = self.base + block * L.ENTRY_BYTES
+        self.buf[off + 4] = L.READY
+        self.buf[off + 6:off + 8] = b"\xff\xff"  # writer -1: nobody writes a ready block
+        self._w64[block * _WORDS64 + _LAST_USE_WORD] = tick
+        self._w64[block * _WORDS64 + _LAST_USE_WORD + 1] = stored_ns
+        publish_fence()
+        w[i] = (seq + 1) & 0xFFFFFFFF
+
     def set_state(self, block: int, state: int) -> None:
         w, i = self._w32, block * _WORDS32
         seq = w[i] | 1

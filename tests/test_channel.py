@@ -274,6 +274,12 @@ def test_a_channel_has_one_worker_and_only_channel_slots_attach(seg_name):
         with pytest.raises(InvalidArgumentError, match="not a job channel"):
             WorkerChannel(seg_name, mgr.slot)
         assert sc.worker_alive() and w.scheduler_alive()
+        first = sc.slot
+        sc.close()
+        assert not w.scheduler_alive()
+        # Its worker still holds on: a new channel must not reformat the rings it writes to.
+        sc = SchedulerChannel(seg_name)
+        assert sc.slot != first
         w.close()
         assert not sc.worker_alive()
     finally:

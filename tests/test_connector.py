@@ -300,6 +300,21 @@ def test_preemption_flushes_stores_before_blocks_are_reused(make, how):
     rig.close()
 
 
+def test_preempting_a_request_before_its_load_was_sent_cancels_the_load(make):
+    mgr, seg = make(num_blocks=2)
+    rig = Rig(mgr, seg)
+    toks = prompt(21, 2 * BT)
+    rig.store_prompt("a", toks, [0, 1])
+    rig.conn.get_num_new_matched_tokens("b", block_hashes(toks, BT), 0)
+    assert rig.conn.update_state_after_alloc("b", [2, 3], 2 * BT) == 2 * BT
+    assert mgr.prepare_store([b"x1", b"x2"]) is None  # pinned by b's load
+    jobs = rig.conn.build_jobs({}, preempted=["b"])
+    assert jobs.loads == [] and jobs.flush == set()
+    assert rig.conn.pending_jobs() == set() and rig.conn.request_finished("b") is False
+    assert mgr.prepare_store([b"x1", b"x2"]) is not None  # the pins are gone
+    rig.close()
+
+
 def test_request_finished_with_stores_in_flight_keeps_its_blocks(make):
     mgr, seg = make()
     rig = Rig(mgr, seg)
