@@ -119,7 +119,7 @@ def engine_main(cfg: EngineConfig, conn) -> None:
 def run(o: Options) -> dict[str, Any]:
     """Run the demo; returns the summary (see ``--json``)."""
     t0 = time.monotonic()
-    base = o.cache or f"kvshm-demo-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    base = o.cache or f"demo-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     names = [f"{base}-e{i}" for i in range(o.engines)] if o.private else [base]
     cfgs = [EngineConfig(cache=names[i if o.private else 0], name=f"engine{i}",
                          block_tokens=o.block_tokens, block_size_factor=o.block_size_factor,

@@ -23,7 +23,7 @@ import msgspec
 
 from . import layout as L
 from . import locks, slots
-from .errors import InvalidArgumentError, TransferError
+from .errors import ClientSlotsExhaustedError, InvalidArgumentError, TransferError
 from .ring import Doorbell, Ring
 from .segment import Segment, sem_name
 from .transfer import TransferResult, TransferSpec
@@ -122,18 +122,24 @@ class SchedulerChannel:
         self._worker_lost = False
 
     def _claim(self, timeout: float) -> tuple[int, int]:
-        skipped: list[int] = []
-        try:
-            while True:  # dead clients' slots become FREE when the owner reclaims them
-                slot, gen = slots.claim(self.seg, lambda: None, timeout=timeout)
-                if not locks.is_held(self.seg.fd, WORKER_LOCK_BASE + slot):
-                    return slot, gen
-                # A previous channel's worker still drains into this slot's rings: keep the
-                # slot locked (so that claim moves on) until we hold another one.
-                skipped.append(slot)
-        finally:
-            for s in skipped:
-                locks.unlock(self.seg.fd, L.LOCK_CLIENT_BASE + s)
+        """``slots.claim``, but skipping slots whose previous worker still holds on: it may
+        still be draining completions into that slot's rings."""
+        g, fd = self.seg.geometry, self.seg.fd
+        deadline = time.monotonic() + timeout
+        while True:
+            for slot in range(g.max_clients):
+                if locks.is_held(fd, WORKER_LOCK_BASE + slot) or \
+                        not locks.try_lock(fd, L.LOCK_CLIENT_BASE + slot):
+                    continue
+                state, _, gen, _, _ = slots.record(self.seg, slot)
+                if state == slots.FREE:
+                    return slot, gen + 1
+                locks.unlock(fd, L.LOCK_CLIENT_BASE + slot)
+            if time.monotonic() > deadline:
+                raise ClientSlotsExhaustedError(
+                    f"no free client slot in segment {self.seg.name!r} for a job channel; "
+                    "close unused clients or create the segment with more max_clients")
+            time.sleep(0.05)  # dead clients' slots go FREE when the owner reclaims them
 
     @property
     def address(self) -> tuple[str, int]:

@@ -160,6 +160,11 @@ class Owner:
         if self._newcomer[0]:
             self._discover()
         for c in list(self.clients.values()):
+            if self._slot_gen(c.slot) != c.gen:
+                # The client left without a goodbye and a new one took its slot: our ring
+                # objects are stale. Reclaim; the newcomer is discovered afresh.
+                self._reclaim(c.slot, c.gen)
+                continue
             while True:
                 frame = c.requests.try_get()
                 if frame is None:

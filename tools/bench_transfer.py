@@ -8,7 +8,10 @@ interleaved rep by rep so that machine noise hits every column alike, it times:
   kvshm       the transfer handler (transfer_async + wait)
   contiguous  ONE plain copy of the same number of bytes: the practical limit
               (CPU: numpy copyto; CUDA: one copy_ between the device tensor and the pinned plane)
-  loop        the naive per-block loop: ``dst[d].copy_(src[s])`` once per block
+  loop        the naive per-block loop: ``dst[d].copy_(src[s])`` once per block, with torch's
+              intra-op threads at 1 (a conservative baseline: with 2, each small copy waits
+              for an OpenMP thread and collapses to 0.01-0.3 GB/s on a busy box), capped at
+              --budget seconds and reported as a rate over the blocks it copied
 
 and prints GB/s (10^9 bytes/s, median of --reps) and the ratios kvshm/contiguous, kvshm/loop.
 The CPU path always runs; the CUDA path runs when a GPU is visible (its name is recorded), with
@@ -62,31 +65,56 @@ def cpu_model() -> str:
         return platform.processor() or "unknown"
 
 
-def gbps(nbytes: int, seconds: list[float]) -> float:
-    return nbytes / statistics.median(seconds) / 1e9
+def run_interleaved(fns: dict[str, Callable[[], int | None]], reps: int,
+                    total: int) -> dict[str, float]:
+    """GB/s of every fn, median over ``reps`` runs taken in rotation after one warm-up each.
 
-
-def run_interleaved(fns: dict[str, Callable[[], None]], reps: int,
-                    budget_s: float) -> dict[str, list[float]]:
-    """Time every fn once per rep, in rotation, after one untimed warm-up each.
-
-    A fn whose warm-up alone exceeds ``budget_s`` (the naive loop on a busy box) keeps that
-    single run as its only sample, so the default run stays well under a minute.
+    A fn returns the bytes it moved, or None for all ``total`` bytes (the time-capped loop
+    returns how far it got, so its figure is a rate over the blocks it did copy).
     """
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for name, fn in fns.items():
-        t0 = time.perf_counter()
+    for fn in fns.values():
         fn()
-        if time.perf_counter() - t0 > budget_s:
-            times[name].append(time.perf_counter() - t0)
+    rates: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(reps):
         for name, fn in fns.items():
-            if times[name] and times[name][0] > budget_s:
-                continue
             t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
-    return times
+            moved = fn()
+            rates[name].append((total if moved is None else moved) / (time.perf_counter() - t0))
+    return {k: statistics.median(v) / 1e9 for k, v in rates.items()}
+
+
+def naive_loop(pairs: list[tuple[int, int]], src, dst, budget_s: float, page: int,
+               sync: Callable[[], None] = lambda: None, **copy_kw) -> Callable[[], int]:
+    """``dst[d].copy_(src[s])`` per block, with torch's intra-op threads at 1 (with more, every
+    small copy waits for an OpenMP thread and the loop collapses to 0.01-0.3 GB/s whenever
+    another core is busy), stopping after ``budget_s``; returns the bytes it copied."""
+    import torch
+
+    def loop() -> int:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            deadline, done = time.perf_counter() + budget_s, 0
+            for s, d in pairs:
+                dst[d].copy_(src[s], **copy_kw)
+                done += 1
+                if done % 16 == 0 and time.perf_counter() > deadline:
+                    break
+            sync()
+            return done * page
+        finally:
+            torch.set_num_threads(threads)
+    return loop
+
+
+def check(job: Callable[[], None], src, dst, si: np.ndarray, di: np.ndarray) -> None:
+    """Zero the destination, run one kvshm job, and compare a few blocks with their sources."""
+    import torch
+    dst.zero_()
+    job()
+    for k in (0, len(si) // 2, -1):
+        want = src[int(si[k])].cpu()
+        assert bool(want.any()) and torch.equal(dst[int(di[k])].cpu(), want), "copy is wrong"
 
 
 def bench_cpu(page: int, blocks: int, reps: int, ids: str, threads: int | None,
@@ -113,15 +141,10 @@ def bench_cpu(page: int, blocks: int, reps: int, ids: str, threads: int | None,
             h.wait([j])
             assert all(r.success for r in h.get_finished())
 
-        def loop() -> None:
-            for s, d in pairs:
-                dst[d].copy_(src[s])
-
-        t = run_interleaved({"kvshm": kvshm, "contiguous": lambda: np.copyto(dst_np, src_np),
-                             "loop": loop}, reps, budget_s)
-        kvshm()
-        assert torch.equal(dst[int(di[-1])], src[int(si[-1])]), "benchmark copy is wrong"
-        out[kind] = {k: gbps(blocks * page, v) for k, v in t.items()}
+        out[kind] = run_interleaved(
+            {"kvshm": kvshm, "contiguous": lambda: np.copyto(dst_np, src_np),
+             "loop": naive_loop(pairs, src, dst, budget_s, page)}, reps, blocks * page)
+        check(kvshm, src, dst, si, di)
     h.shutdown()
     return out
 
@@ -162,17 +185,20 @@ def bench_cuda(page: int, blocks: int, reps: int, ids: str, methods: list[str],
                 dst.copy_(src, non_blocking=True)
             stream.synchronize()
 
-        def loop() -> None:
-            with torch.cuda.stream(stream):
-                for s, d in pairs:
-                    dst[d].copy_(src[s], non_blocking=True)
+        def synced() -> None:
             stream.synchronize()
 
+        def loop() -> int:
+            with torch.cuda.stream(stream):
+                return naive_loop(pairs, src, dst, budget_s, page, synced, non_blocking=True)()
+
         fns = {f"kvshm[{m}]": (lambda h=h: kvshm(h)) for m, h in handlers.items()}
-        t = run_interleaved({**fns, "contiguous": contiguous, "loop": loop}, reps, budget_s)
-        res = {k: gbps(blocks * page, v) for k, v in t.items()}
+        res = run_interleaved({**fns, "contiguous": contiguous, "loop": loop}, reps,
+                              blocks * page)
         res["kvshm"] = res.get("kvshm[auto]", next(iter(res.values())))
         out[kind] = res
+        for h in handlers.values():
+            check(lambda h=h: kvshm(h), src, dst, si, di)
     for h in handlers.values():
         h.shutdown()
     if region is not None:
@@ -201,8 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cuda-methods", default=",".join(CUDA_METHODS),
                     help="CUDA handler methods to time (default: %(default)s)")
     ap.add_argument("--budget", type=float, default=1.0,
-                    help="seconds: a column whose warm-up run takes longer is timed once "
-                         "(default: %(default)s)")
+                    help="seconds: the naive loop stops after this long and reports its rate "
+                         "over the blocks it copied (default: %(default)s)")
     ap.add_argument("--json", action="store_true", help="print ONE JSON object instead of a table")
     args = ap.parse_args(argv)
 
