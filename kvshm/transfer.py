@@ -30,13 +30,16 @@ KINDS = ("store", "load")
 class TransferSpec:
     """One job: ``store`` copies device -> segment, ``load`` copies segment -> device.
 
-    ``len(segment_block_ids) * factor - len(device_block_ids)`` is the skip, which must lie in
-    ``[0, factor)``: the first ``skip`` sub-blocks of the FIRST segment block are not
-    transferred (the device already holds them).
+    The device blocks map onto consecutive sub-blocks of the segment blocks, starting
+    ``skip`` sub-blocks into the FIRST segment block (the device already holds those). By
+    default ``skip = len(segment_block_ids) * factor - len(device_block_ids)``, in
+    ``[0, factor)``, so the job ends on a segment-block boundary; give ``skip`` explicitly for
+    a job that also ends inside its last segment block (vLLM: a load ending mid-chunk).
     """
     kind: Literal["store", "load"]
     device_block_ids: Sequence[int]
     segment_block_ids: Sequence[int]
+    skip: int | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -247,14 +250,16 @@ def plan_transfer(spec: TransferSpec, geo: Geometry) -> BlockPlan:
     dev = _ids(spec.device_block_ids, "device_block_ids")
     seg = _ids(spec.segment_block_ids, "segment_block_ids")
     f = geo.factor
-    skip = seg.size * f - dev.size
-    if not 0 <= skip < f:
+    skip = seg.size * f - dev.size if spec.skip is None else spec.skip
+    tail = seg.size * f - dev.size - skip  # unused sub-blocks at the end of the last block
+    if not 0 <= skip < f or not 0 <= tail < f:
         raise InvalidArgumentError(
-            f"{dev.size} device blocks do not fit {seg.size} segment blocks with "
-            f"block_size_factor {f}: need len(segment) * {f} - len(device) in [0, {f})")
+            f"{dev.size} device blocks starting {skip} sub-blocks in do not fit {seg.size} "
+            f"segment blocks with block_size_factor {f}: the job must start in the first "
+            f"and end in the last segment block (skip in [0, {f}))")
     _check_range(dev, geo.num_device_blocks, "device_block_ids")
     _check_range(seg, geo.num_segment_blocks, "segment_block_ids")
-    sub = expand_block_ids(seg, f, skip)
+    sub = expand_block_ids(seg, f, skip)[:dev.size]
     if spec.kind == "store":
         _check_unique(seg, "segment_block_ids")
     else:

@@ -606,3 +606,34 @@ def test_the_handler_releases_the_pin_it_was_given_at_shutdown():
     run(h, 1, "store", [0, 1], [2, 3])
     h.shutdown()
     assert not pin.pinned and not base.is_pinned()
+
+
+def test_explicit_skip_allows_a_job_that_ends_inside_its_last_segment_block():
+    """vLLM loads may start and end mid-chunk: 4 device blocks from sub-blocks 1..4 of 2x3."""
+    torch = pytest.importorskip("torch")
+    from kvshm.transfer import TransferSpec, make_handler
+    dev = torch.zeros(8, 16, dtype=torch.uint8)
+    plane = torch.arange(4 * 48, dtype=torch.int64).remainder(251).to(torch.uint8).reshape(4, 48)
+    h = make_handler([dev], [plane], block_size_factor=3)
+    try:
+        assert h.transfer_async(1, TransferSpec("load", [5, 6, 7, 0], [2, 3], skip=1))
+        h.wait([1])
+        subs = plane.reshape(12, 16)
+        for d, s in zip([5, 6, 7, 0], [7, 8, 9, 10]):
+            assert torch.equal(dev[d], subs[s])
+        assert not dev[1:5].any()
+    finally:
+        h.shutdown()
+
+
+def test_skip_that_leaves_a_whole_segment_block_unused_is_refused():
+    torch = pytest.importorskip("torch")
+    from kvshm.errors import InvalidArgumentError
+    from kvshm.transfer import TransferSpec, make_handler
+    h = make_handler([torch.zeros(8, 16, dtype=torch.uint8)],
+                     [torch.zeros(4, 48, dtype=torch.uint8)], block_size_factor=3)
+    try:
+        with pytest.raises(InvalidArgumentError):
+            h.transfer_async(1, TransferSpec("load", [0, 1], [0, 1], skip=0))
+    finally:
+        h.shutdown()

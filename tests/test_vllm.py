@@ -88,12 +88,17 @@ def test_an_instance_with_another_layout_is_refused_with_both_layouts(seg_name):
 
 # --- job translation and the worker core ----------------------------------------------------
 def test_split_job_maps_groups_and_head_skip():
-    assert split_job([1, 2, 3], [3], [0], [7, 8, 9], 1) == [(0, [1, 2, 3], [7, 8, 9])]
+    assert split_job([1, 2, 3], [3], [0], [7, 8, 9], 1) == [(0, [1, 2, 3], [7, 8, 9], 0)]
     # bpc 2, group 0 starts mid-chunk (skip 1), group 1 empty, group 2 whole chunks
     assert split_job([4, 5, 6, 10, 11], [3, 0, 2], [1, 0, 4], [0, 1, 5], 2) == [
-        (0, [4, 5, 6], [0, 1]), (2, [10, 11], [5])]
-    with pytest.raises(TransferError, match="inside a chunk"):
-        split_job([1, 2, 3], [3], [0], [0, 1], 2)
+        (0, [4, 5, 6], [0, 1], 1), (2, [10, 11], [5], 0)]
+
+
+def test_split_job_maps_a_group_that_ends_inside_its_last_chunk():
+    assert split_job([1, 2, 3], [3], [0], [0, 1], 2) == [(0, [1, 2, 3], [0, 1], 0)]
+
+
+def test_split_job_refuses_specs_that_do_not_add_up():
     with pytest.raises(InvalidArgumentError):
         split_job([1, 2], [3], [0], [0, 1], 1)
     with pytest.raises(InvalidArgumentError):

@@ -14,7 +14,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
-from ..errors import InvalidArgumentError, TransferError
+from ..errors import InvalidArgumentError
 from ..transfer import TransferHandler, TransferSpec
 
 logger = logging.getLogger(__name__)
@@ -44,13 +44,13 @@ def _cdiv(a: int, b: int) -> int:
 
 def split_job(block_ids: Sequence[int], group_sizes: Sequence[int],
               block_indices: Sequence[int], segment_ids: Sequence[int],
-              bpc: int) -> list[tuple[int, list[int], list[int]]]:
-    """vLLM's GPU spec + segment chunk ids -> ``(group, device ids, segment ids)`` per group.
+              bpc: int) -> list[tuple[int, list[int], list[int], int]]:
+    """vLLM's GPU spec + segment chunk ids -> ``(group, device ids, segment ids, skip)``.
 
     Device blocks of all groups are concatenated in group order, and so are the chunk ids:
     group g uses ``cdiv(skip + size, bpc)`` chunks where ``skip = block_indices[g] % bpc``
-    (its first device block is sub-block ``skip`` of its first chunk). kvshm's TransferSpec
-    expresses that head skip; a group that ends inside a chunk is refused.
+    (its first device block is sub-block ``skip`` of its first chunk); it may also end
+    inside its last chunk, which kvshm's explicit ``TransferSpec.skip`` expresses.
     """
     dev, seg = list(map(int, block_ids)), list(map(int, segment_ids))
     if len(group_sizes) != len(block_indices) or sum(group_sizes) != len(dev):
@@ -63,12 +63,7 @@ def split_job(block_ids: Sequence[int], group_sizes: Sequence[int],
             continue
         skip = int(first) % bpc
         n = _cdiv(skip + size, bpc)
-        if (skip + size) % bpc:
-            raise TransferError(
-                f"group {g}: {size} blocks from sub-block {skip} end inside a chunk of "
-                f"{bpc}; kvshm's TransferSpec cannot skip the tail of the last chunk yet "
-                "(use blocks_per_chunk=1)")
-        out.append((g, dev[d:d + size], seg[s:s + n]))
+        out.append((g, dev[d:d + size], seg[s:s + n], skip))
         d, s = d + size, s + n
     if s != len(seg):
         raise InvalidArgumentError(
@@ -120,14 +115,14 @@ class WorkerCore:
             self._done.append((job_id, True, 0, 0.0))
             return True
         job = self._jobs[job_id] = _Job(set())
-        for g, dev, seg in parts:
+        for g, dev, seg, skip in parts:
             handler = self._group_handler[g] if g < len(self._group_handler) else None
             if handler is None:
                 raise InvalidArgumentError(f"job {job_id} moves blocks of KV cache group {g}, "
                                            "which has no KV tensors in this worker")
             part = self._next_part
             self._next_part += 1
-            handler.transfer_async(part, TransferSpec(kind, dev, seg))  # type: ignore[arg-type]
+            handler.transfer_async(part, TransferSpec(kind, dev, seg, skip))  # type: ignore[arg-type]
             job.parts.add(part)
             self._part_job[part] = (job_id, handler)
         return True
