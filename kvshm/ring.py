@@ -36,7 +36,6 @@ from __future__ import annotations
 import ctypes
 import os
 import platform
-import threading
 import time
 from typing import Callable
 

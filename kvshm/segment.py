@@ -11,7 +11,6 @@ import contextlib
 import mmap
 import os
 import re
-import struct
 import time
 from typing import TYPE_CHECKING, Iterator
 

@@ -21,7 +21,7 @@ import torch
 from kvshm import slots
 from kvshm.api import LookupResult
 from kvshm.client import connect
-from kvshm.errors import InvalidArgumentError, KvshmError, LayoutMismatchError, TransferError
+from kvshm.errors import InvalidArgumentError, KvshmError, LayoutMismatchError
 from kvshm.integrations.vllm_core import KvshmOptions, ManagerCore, layout_for, open_segment
 from kvshm.integrations.vllm_jobs import WorkerCore, split_job
 from kvshm.layout import Layout
