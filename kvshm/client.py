@@ -308,13 +308,6 @@ class SharedManager(OffloadingManager):
                 block = L.held_block(int(self._holds[i]))
                 self._holds[i] = block  # lease -> pin: now it protects against our own stores
                 blocks.append(block)
-            # A lease never stopped our OWN stores, which may have evicted (and reused) a
-            # leased block since lookup(): re-check every block now that our pins are set.
-            full_fence()
-            for (k, _), block in zip(taken, blocks):
-                if self.table.state_if_key(block, k) != L.READY:
-                    raise UnknownKeyError(f"key {k.hex()[:16]}… was evicted since lookup() "
-                                          "(by this client's own store); lookup() again")
         except BaseException:
             for _, i in taken:
                 self._unhold(i)

@@ -79,6 +79,7 @@ class Segment:
         self.buf = memoryview(mm)
         self._shm = shm
         self._mm = mm
+        self._qfd: int | None = None
         # Counters are read by other processes: store words through a cast (one copy each),
         # never with struct.pack_into, which zero-fills before writing.
         self._counters = self.buf[L.OFF_COUNTERS:L.OFF_COUNTERS + 8 * 32].cast("Q")
@@ -242,6 +243,9 @@ class Segment:
             pass  # numpy/torch/ring views still alive: the mapping goes when they do
         with contextlib.suppress(Exception):
             self._shm.close_fd()
+        if self._qfd is not None:
+            os.close(self._qfd)
+            self._qfd = None
         self._mm = None
 
     def __enter__(self) -> "Segment":
@@ -319,11 +323,20 @@ class Segment:
         """The eviction policy recorded at creation."""
         return bytes(self.buf[L.OFF_POLICY:L.OFF_POLICY + 16]).rstrip(b"\0").decode() or "lru"
 
+    def _query_fd(self) -> int:
+        # The kernel does not report our own OFD locks back to us, so liveness questions go
+        # through a descriptor of their own: then locks held through ``self.fd`` count too.
+        if self._qfd is None:
+            self._qfd = os.open(SHM_DIR + self._shm.name, os.O_RDWR | os.O_CLOEXEC)
+        return self._qfd
+
     def owner_alive(self) -> bool:
-        return locks.is_held(self.fd, L.LOCK_OWNER)
+        """Whether any process (this one included) holds the owner lock."""
+        return locks.is_held(self._query_fd(), L.LOCK_OWNER)
 
     def clients_alive(self) -> set[int]:
-        return locks.held_among(self.fd, L.LOCK_CLIENT_BASE, self.geometry.max_clients)
+        """Slots whose lock any process (this one included) holds."""
+        return locks.held_among(self._query_fd(), L.LOCK_CLIENT_BASE, self.geometry.max_clients)
 
     # --- pinning coordination -----------------------------------------------------------
     @contextlib.contextmanager

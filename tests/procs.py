@@ -112,3 +112,13 @@ def random_traffic(name: str, conn, seed: int, ops: int, nkeys: int) -> None:
 
 def pid() -> int:
     return os.getpid()
+
+
+def store_then_hang(name: str, conn, layout, num_blocks: int, ready: list[bytes],
+                    writing: list[bytes]) -> None:
+    """Create/attach ``name``, store ``ready`` completely and ``writing`` half-way, report."""
+    mgr = connect(name, layout, num_blocks=num_blocks, ring_capacity=8192, hold_capacity=64)
+    store(mgr, ready)
+    out = mgr.prepare_store(writing)
+    conn.send({"owner": mgr.segment.owner_record()[0], "writing": out.block_ids})
+    conn.recv()  # SIGKILLed here, with its owner
