@@ -42,10 +42,12 @@ class JobFrame(_Frame, tag="Job"):
     device: list[int]
     segment: list[int]
     last: bool = True  # False: more ids of this job follow in the next frame
+    skip: int | None = None  # TransferSpec.skip
 
     def to_job(self):
         from .connector import Job
-        return Job(self.job_id, "", TransferSpec(self.kind, self.device, self.segment))
+        return Job(self.job_id, "", TransferSpec(self.kind, self.device, self.segment,
+                                                 self.skip))
 
 
 class Flush(_Frame):
@@ -186,7 +188,7 @@ class SchedulerChannel:
             for i in range(parts):
                 sl = slice(i * MAX_IDS_PER_FRAME, (i + 1) * MAX_IDS_PER_FRAME)
                 if not self._send(JobFrame(job.job_id, spec.kind, dev[sl], seg[sl],
-                                           i == parts - 1)):
+                                           i == parts - 1, spec.skip)):
                     break  # the worker is gone: the job is already reported failed
 
     def flush(self, job_ids: Iterable[int]) -> None:
@@ -303,7 +305,7 @@ class WorkerChannel:
                     continue
                 del self._pending[m.job_id]
                 m = JobFrame(m.job_id, m.kind, [d for p in parts for d in p.device],
-                             [s for p in parts for s in p.segment])
+                             [s for p in parts for s in p.segment], True, m.skip)
             out.append(m)
         return out
 

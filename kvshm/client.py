@@ -94,6 +94,7 @@ class SharedManager(OffloadingManager):
         self.index = KeyIndex(segment.buf, g, self.table)
         self._lock = threading.Lock()
         self._req = 0
+        self._failed_over = False
         self._owner_proc: subprocess.Popen | None = None
         self._leases: dict[bytes, int] = {}  # key -> hold index
         self._pins: dict[bytes, list[int]] = {}  # key -> hold indexes, one per prepare_load
@@ -148,11 +149,19 @@ class SharedManager(OffloadingManager):
             self._requests.put(frame, timeout=self.timeout)
             self._owner_bell.ring()
             deadline = time.monotonic() + self.timeout
+            resent = False
             while True:
                 if self._reply_bell.wait(0.1, self._replies.pending, REPLY_SPIN_S):
                     reply = P.reply_decoder.decode(self._replies.try_get())
                     if reply.req == msg.req or (reply.req == 0 and isinstance(reply, P.Error)):
+                        if self._failed_over:
+                            self._revalidate_leases()
                         if isinstance(reply, P.Error):
+                            if resent and reply.kind == "UnknownKeyError" and \
+                                    isinstance(msg, P.CompleteStore):
+                                # The dead owner was rewriting those entries as it died and
+                                # its successor freed them: the stores are lost, not wrong.
+                                return P.Ok(msg.req)
                             P.raise_error(reply)
                         return reply
                     continue  # the answer to a request we gave up on: skip it
@@ -162,11 +171,13 @@ class SharedManager(OffloadingManager):
                         f"{self.timeout:g}s; check 'kvshm-inspect show {self.segment.name}'")
                 if not self.segment.owner_alive():
                     self._ensure_owner()
+                    self._failed_over = True
                     if not self._requests.pending() and not self._replies.pending():
                         # The dead owner consumed the request without answering: repeat it.
                         if isinstance(msg, P.PrepareStore):
                             msg = msgspec.structs.replace(msg, replay=True)
                         self._requests.put(P.request_encoder.encode(msg), timeout=self.timeout)
+                        resent = True
                     self._owner_bell.ring()
 
     def _send(self, msg: P._Msg) -> None:
@@ -193,6 +204,17 @@ class SharedManager(OffloadingManager):
             return False
         self._leases[key] = i
         return True
+
+    def _revalidate_leases(self) -> None:
+        """After an owner failover: drop leases whose block no longer holds their key.
+
+        Only our own stores may evict what we lease, and each prepare_store reply lists what
+        it evicted — except a replayed one, whose evictions died with the owner.
+        """
+        self._failed_over = False
+        for k, i in list(self._leases.items()):
+            if self.table.state_if_key(L.held_block(int(self._holds[i])), k) < 0:
+                self._unhold(self._leases.pop(k))
 
     def _unhold(self, i: int) -> None:  # noqa: D401 - free one hold entry
         self._holds[i] = -1
@@ -245,8 +267,9 @@ class SharedManager(OffloadingManager):
             if j is not None and L.held_block(int(self._holds[j])) != int(blocks[i]):
                 self._unhold(leases.pop(keys[i]))
         new = [i for i in range(hits) if keys[i] not in leases]
-        if len(new) > len(self._free_holds):
-            hits, new = new[len(self._free_holds)], new[:len(self._free_holds)]
+        room = max(0, min(len(self._free_holds), self._lease_limit - len(leases)))
+        if len(new) > room:
+            hits, new = new[room], new[:room]
         if new:
             idx = np.array(self._free_holds[-len(new):][::-1], np.intp)
             del self._free_holds[-len(new):]
@@ -306,6 +329,9 @@ class SharedManager(OffloadingManager):
                     i = self._leases.pop(k)
                 taken.append((k, i))
                 block = L.held_block(int(self._holds[i]))
+                if self.table.state_if_key(block, k) < 0:  # never load another key's bytes
+                    raise UnknownKeyError(f"key {k.hex()[:16]}… is no longer cached; "
+                                          "lookup() again")
                 self._holds[i] = block  # lease -> pin: now it protects against our own stores
                 blocks.append(block)
         except BaseException:

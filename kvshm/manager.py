@@ -203,20 +203,27 @@ class LocalManager(OffloadingManager):
 
     def complete_store(self, keys: Sequence[bytes], success: bool = True,
                        writer: Writer = LOCAL_WRITER) -> None:
+        """Publish (or free) this writer's stores of ``keys``; keys already ready are left.
+
+        Keys that are unknown or belong to another writer do not hold back the others: the
+        valid ones are applied first, then the first problem is raised, so one lost key
+        never strands the rest of a batch in WRITING.
+        """
         mine = self._pending.get(writer[:2], set())
-        todo = []
+        todo, problem = [], None
         for k in keys:
             L.check_key(k)
             if k not in self._blocks:
-                raise UnknownKeyError(
+                problem = problem or UnknownKeyError(
                     f"complete_store of key {k.hex()[:16]}… which is not cached (never "
-                    "prepared, or freed after its writer died)")
-            if not self._ready[k]:
-                if k not in mine:
-                    raise BlockStateError(
+                    "prepared, or freed after its writer or the owner died)")
+            elif not self._ready[k]:
+                if k in mine:
+                    todo.append(k)
+                else:
+                    problem = problem or BlockStateError(
                         f"complete_store of key {k.hex()[:16]}… whose store belongs to "
                         "another writer")
-                todo.append(k)
         now = time.time_ns()
         done = []
         for k in dict.fromkeys(todo):
@@ -237,6 +244,8 @@ class LocalManager(OffloadingManager):
                 self._events.append(OffloadingEvent(done, removed=False))
         else:
             self.segment.counter_add("store_failed_blocks", len(todo))
+        if problem is not None:
+            raise problem
 
     def reclaim_writer(self, slot: int, gen: int) -> int:
         """Free every unfinished store of a writer that died. Returns the block count."""

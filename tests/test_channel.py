@@ -288,3 +288,27 @@ def test_a_channel_has_one_worker_and_only_channel_slots_attach(seg_name):
         mgr.shutdown()
         with contextlib.suppress(ProcessLookupError):
             os.kill(owner, signal.SIGKILL)
+
+
+def test_frames_carry_the_whole_spec_across_several_frames(seg_name, monkeypatch):
+    from kvshm.connector import Job
+    from kvshm.transfer import TransferSpec
+    mgr = connect(seg_name, layout(1), num_blocks=8, **SMALL_GEOMETRY)
+    sc = SchedulerChannel(seg_name)
+    w = WorkerChannel(*sc.address)
+    try:
+        monkeypatch.setattr(ch, "MAX_IDS_PER_FRAME", 2)
+        spec = TransferSpec("load", [5, 6, 7], [1, 2, 3], skip=1)
+        sc.send([Job(9, "r", spec), Job(10, "r", TransferSpec("store", [1], [4]))])
+        sc.flush([9])
+        got = w.recv(timeout=10)
+        assert [type(m).__name__ for m in got] == ["JobFrame", "JobFrame", "Flush"]
+        assert got[0].to_job().spec == spec and got[1].to_job().spec.skip is None
+        assert sc.outstanding() == {9: "load", 10: "store"}
+    finally:
+        w.close()
+        sc.close()
+        owner = mgr.segment.owner_record()[0]
+        mgr.shutdown()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(owner, signal.SIGKILL)

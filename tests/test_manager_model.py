@@ -222,22 +222,22 @@ class ManagerMachine(RuleBasedStateMachine):
         return out
 
     def _complete_store(self, keys, success, writer):
+        """The writer's own stores among ``keys`` complete; the first unknown key or store
+        of another writer is then raised (a lost key must not strand the rest)."""
         err = None
         for k in keys:
             if k not in self.state:
-                err = UnknownKeyError
-                break
-            if self.state[k] == "writing" and self.writer[k] != writer[:2]:
-                err = BlockStateError
-                break
+                err = err or UnknownKeyError
+            elif self.state[k] == "writing" and self.writer[k] != writer[:2]:
+                err = err or BlockStateError
+        todo = list(dict.fromkeys(k for k in keys if self.state.get(k) == "writing"
+                                  and self.writer[k] == writer[:2]))
         if err is not None:
             event(f"complete_store {err.__name__}")
             with pytest.raises(err):
                 self.m.complete_store(keys, success, writer)
-            self.expect_no_events()
-            return
-        self.m.complete_store(keys, success, writer)
-        todo = list(dict.fromkeys(k for k in keys if self.state[k] == "writing"))
+        else:
+            self.m.complete_store(keys, success, writer)
         for k in todo:
             if success:
                 self.state[k] = "ready"

@@ -17,6 +17,7 @@ def test_soak_with_client_and_owner_kills_keeps_every_invariant():
     report = json.loads(out.stdout)
     assert report["corrupt_loads"] == 0
     assert report["leaked_blocks"] == 0
+    assert report["client_crashes"] == 0
     assert report["violations"] == []
     assert report["kills"]["clients"] > 0 and report["kills"]["owner"] > 0
     assert report["loaded_blocks"] > 0

@@ -105,6 +105,7 @@ class Soak:
         self.corrupt: list[tuple] = []
         self.kills = {"clients": 0, "owner": 0}
         self.incarnation = 0
+        self.crashes = 0
 
     def start_client(self, idx: int) -> None:
         parent, child = self.ctx.Pipe()
@@ -153,6 +154,8 @@ class Soak:
                 conn.send("stop")
             for i, (p, _) in self.procs.items():
                 p.join(30)
+                if p.exitcode not in (0, None):
+                    self.crashes += 1
                 self.retire(i)
             return self.check(seg)
         finally:
@@ -177,7 +180,10 @@ class Soak:
             return
         idx = self.rng.randrange(self.args.clients)
         p, _ = self.procs[idx]
-        os.kill(p.pid, signal.SIGKILL)
+        if p.exitcode is not None:  # it died on its own: a client must never crash
+            self.crashes += 1
+        else:
+            os.kill(p.pid, signal.SIGKILL)
         p.join()
         self.retire(idx)
         self.kills["clients"] += 1
@@ -208,9 +214,10 @@ class Soak:
             "reclaimed_clients": seg.counter("reclaimed_clients"),
             "reclaimed_blocks": seg.counter("reclaimed_blocks"),
             **totals, "corrupt_loads": len(self.corrupt), "leaked_blocks": writing,
-            "dead_slots_left": len(dead), "violations": violations,
+            "dead_slots_left": len(dead), "client_crashes": self.crashes,
+            "violations": violations,
         }
-        report["ok"] = not (self.corrupt or writing or dead or violations)
+        report["ok"] = not (self.corrupt or writing or dead or violations or self.crashes)
         return report
 
 
@@ -235,7 +242,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{report['clients']} clients, {report['ops']} ops, {report['loaded_blocks']} "
               f"blocks loaded+verified, kills {report['kills']}, failovers "
               f"{report['failovers']}, corrupt {report['corrupt_loads']}, leaked "
-              f"{report['leaked_blocks']}, violations {len(report['violations'])}")
+              f"{report['leaked_blocks']}, crashed clients {report['client_crashes']}, "
+              f"violations {len(report['violations'])}")
         print(json.dumps(report, indent=1))
     return 0 if report["ok"] else 1
 
