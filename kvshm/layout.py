@@ -60,6 +60,9 @@ COUNTER_NAMES = (
     "stores", "store_blocks", "store_failed_blocks", "prepare_store_refused", "evictions",
     "lookups_owner", "touches", "errors", "failovers", "reclaimed_clients",
     "reclaimed_blocks", "frames",
+    # Counters of clients that have left, folded in by the owner so totals survive them.
+    "gone_lookups", "gone_hits", "gone_loads", "gone_load_blocks", "gone_bytes_in",
+    "gone_bytes_out",
 )
 OFF_PINNERS = OFF_COUNTERS + 8 * 32
 PINNER = struct.Struct("<IIQQQ")  # pid, state, done_bytes, total_bytes, updated_ns

@@ -123,8 +123,14 @@ class Owner:
         except FileNotFoundError:
             self._running = False
 
+    def _retire_counters(self, slot: int) -> None:
+        """Fold a leaving client's own counters into the segment's totals."""
+        for name, value in zip(L.SLOT_COUNTERS, slots.counters(self.seg, slot).tolist()):
+            self.seg.counter_add(f"gone_{name}", value)
+
     def _reclaim(self, slot: int, gen: int) -> None:
-        self.clients.pop(slot, None)
+        if self.clients.pop(slot, None) is not None and self._slot_gen(slot) == gen:
+            self._retire_counters(slot)
         self._last_client = time.monotonic()
         freed = self.manager.reclaim_writer(slot, gen)
         # Clients only claim FREE slots, so nobody reformats rings we might still be reading.
@@ -171,6 +177,8 @@ class Owner:
                     break
                 n += 1
                 self._handle(c, frame)
+        if n:
+            self.seg.counter_add("frames", n)
         return n
 
     def _handle(self, c: _Client, frame: bytes) -> None:
@@ -261,6 +269,7 @@ class Owner:
 
     def _bye(self, c: _Client, m: P.Bye) -> P.Reply | None:
         self.manager.reclaim_writer(c.slot, c.gen)
+        self._retire_counters(c.slot)
         self.clients.pop(c.slot, None)
         self._last_client = time.monotonic()
         return P.Ok(m.req) if m.req else None

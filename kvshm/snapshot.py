@@ -31,7 +31,8 @@ _INDEX_DT = np.dtype([("tag", "<u4"), ("block", "<i4")])
 _GEOMETRY = ("num_blocks max_clients ring_capacity hold_capacity index_slots slot_bytes "
              "table_offset index_offset data_offset data_bytes total_bytes").split()
 PIN_STATES = ("idle", "waiting", "running", "done", "failed")
-COUNTERS = (*L.COUNTER_NAMES, *L.SLOT_COUNTERS, "misses")
+COUNTERS = (*(n for n in L.COUNTER_NAMES if not n.startswith("gone_")), *L.SLOT_COUNTERS,
+            "misses")
 SLOT_FREE = 0
 
 
@@ -125,8 +126,9 @@ def snapshot(seg: Segment) -> dict[str, Any]:
                if m.slot(i)[0] != SLOT_FREE or i in m.live]
     counters = dict(zip(L.COUNTER_NAMES, struct.unpack_from(
         f"<{len(L.COUNTER_NAMES)}Q", m.buf, L.OFF_COUNTERS)))
-    for name in L.SLOT_COUNTERS:  # clients' own counters, while their slot is taken
-        counters[name] = sum(c["counters"][name] for c in clients if c["state"] != SLOT_FREE)
+    for name in L.SLOT_COUNTERS:  # clients' own counters, plus those of clients gone
+        counters[name] = counters.pop(f"gone_{name}") + sum(
+            c["counters"][name] for c in clients if c["state"] != SLOT_FREE)
     counters["misses"] = max(0, counters["lookups"] - counters["hits"])
     pid, epoch, since, tick = L.OWNER.unpack_from(m.buf, L.OFF_OWNER)
     pinners = [{"pid": p, "alive": os.path.exists(f"/proc/{p}"), "done_bytes": done,
