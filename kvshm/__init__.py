@@ -22,6 +22,9 @@ _PUBLIC = {
     "LookupResult": "api",
     "TransferSpec": "transfer", "TransferResult": "transfer", "TransferHandler": "transfer",
     "make_handler": "transfer",
+    "SchedulerConnector": "connector", "WorkerConnector": "worker",
+    "SchedulerChannel": "channel", "WorkerChannel": "channel",
+    "block_hashes": "hashing", "offload_key": "hashing",
     "KvshmError": "errors",
 }
 __all__ = sorted(_PUBLIC) + ["errors"]
@@ -40,9 +43,13 @@ def __getattr__(name: str) -> Any:
 
 if TYPE_CHECKING:  # for type checkers and IDEs only
     from .api import LookupResult, OffloadingEvent, OffloadingManager, PrepareStoreOutput
+    from .channel import SchedulerChannel, WorkerChannel
     from .client import SharedManager, connect
+    from .connector import SchedulerConnector
     from .errors import KvshmError
+    from .hashing import block_hashes, offload_key
     from .layout import Layout
     from .manager import LocalManager
     from .segment import Segment, list_segments
     from .transfer import TransferHandler, TransferResult, TransferSpec, make_handler
+    from .worker import WorkerConnector
