@@ -21,7 +21,7 @@ from kvshm.segment import Segment
 from kvshm.table import BlockTable
 
 import procs
-from conftest import SMALL_GEOMETRY, TEST_LAYOUT
+from conftest import SMALL_GEOMETRY, TEST_LAYOUT, stop_owner
 
 CTX = mp.get_context("spawn")
 KEYS = [b"shared-key-%02d" % i for i in range(32)]
@@ -57,14 +57,7 @@ def cache(seg_name):
     yield mgr
     pid = mgr.segment.owner_record()[0]
     mgr.shutdown()
-    kill(pid)
-
-
-def kill(pid: int) -> None:
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+    stop_owner(pid)
 
 
 def test_block_stored_by_one_process_is_loaded_by_another(cache, seg_name):
@@ -182,7 +175,7 @@ def test_concurrent_connects_start_exactly_one_owner(seg_name):
     seg = Segment.attach(seg_name)
     pid = seg.owner_record()[0]
     seg.close()
-    kill(pid)
+    stop_owner(pid)
 
 
 def test_four_clients_random_traffic_keep_every_invariant(seg_name):
@@ -201,7 +194,7 @@ def test_four_clients_random_traffic_keep_every_invariant(seg_name):
     finally:
         pid = seg.owner_record()[0]
         seg.close()
-        kill(pid)
+        stop_owner(pid)
 
 
 # --- bad frames --------------------------------------------------------------------------
