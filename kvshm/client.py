@@ -37,7 +37,7 @@ from . import slots
 from . import protocol as P
 from .api import LookupResult, OffloadingEvent, OffloadingManager, PrepareStoreOutput
 from .errors import (BlockStateError, CacheFullError, OwnerUnavailableError,
-                     ReplyTimeoutError, UnknownKeyError)
+                     ReplyTimeoutError, RingFullError, UnknownKeyError)
 from .fence import full_fence
 from .layout import Layout
 from .ring import Doorbell, Ring
@@ -47,6 +47,8 @@ from .table import BlockTable, KeyIndex
 # Spin this long for a reply before sleeping on the semaphore: long enough for a lookup or
 # a small store round trip, short enough not to steal the owner's CPU on a busy host.
 REPLY_SPIN_S = 200e-6
+# A held block is READY, or EVICTING for the instant an eviction honours our hold.
+_LOADABLE = (L.READY, L.EVICTING)
 OWNER_START_TIMEOUT_S = 20.0
 OWNER_IDLE_EXIT_S = 10.0
 
@@ -95,10 +97,15 @@ class SharedManager(OffloadingManager):
         self._lock = threading.Lock()
         self._req = 0
         self._failed_over = False
+        self._events = events
+        self._epoch = 0
         self._owner_proc: subprocess.Popen | None = None
         self._leases: dict[bytes, int] = {}  # key -> hold index
         self._pins: dict[bytes, list[int]] = {}  # key -> hold indexes, one per prepare_load
         self._lease_limit = g.hold_capacity // 2
+        # A prepare_store reply carries keys, block ids and evicted keys: size requests so
+        # that it fits one frame too.
+        self._chunk_keys = max(1, Ring.max_payload(g.ring_capacity) // (3 * (L.MAX_KEY_BYTES + 8)))
         self.slot, self.gen = slots.claim(segment, self._ensure_owner)
         self._holds = slots.holds(segment, self.slot)
         self._free_holds = list(range(g.hold_capacity - 1, -1, -1))
@@ -114,7 +121,8 @@ class SharedManager(OffloadingManager):
         self._newcomer[0] = 1  # after ACTIVE is visible: the owner clears, fences, then scans
         self._ensure_owner()
         self._owner_bell.ring()
-        self._call(P.Hello(self._next_req(), self.slot, self.gen, os.getpid(), events))
+        self._epoch = self._call(P.Hello(self._next_req(), self.slot, self.gen, os.getpid(),
+                                         events)).value
 
     # --- owner --------------------------------------------------------------------------
     def _ensure_owner(self) -> None:
@@ -142,49 +150,97 @@ class SharedManager(OffloadingManager):
         self._req += 1
         return self._req
 
+    def _owner_gone(self) -> bool:
+        """The owner we talked to is dead, or was replaced (another client restarted it
+        between two of our polls): either way our last request may need repeating."""
+        return not self.segment.owner_alive() or self.segment.owner_record()[1] != self._epoch
+
+    def _put(self, frame: bytes, deadline: float) -> None:
+        """Queue ``frame``, restarting a dead owner if the ring stays full meanwhile."""
+        while not self._requests.try_put(frame):
+            if time.monotonic() > deadline:
+                raise RingFullError(
+                    f"the owner of {self.segment.name!r} did not drain our requests within "
+                    f"{self.timeout:g}s; check 'kvshm-inspect show {self.segment.name}'")
+            if not self.segment.owner_alive():
+                self._ensure_owner()
+            self._owner_bell.ring()
+            self._reply_bell.wait(0.01, self._requests_drained, 0.0)
+
+    def _requests_drained(self) -> bool:
+        return not self._requests.pending()
+
     def _call(self, msg: P._Msg) -> P.Reply:
         """Send one request and wait for its reply, riding out owner failovers."""
         with self._lock:
-            frame = P.request_encoder.encode(msg)
-            self._requests.put(frame, timeout=self.timeout)
-            self._owner_bell.ring()
             deadline = time.monotonic() + self.timeout
+            self._put(P.request_encoder.encode(msg), deadline)
+            self._owner_bell.ring()
             resent = False
             while True:
                 if self._reply_bell.wait(0.1, self._replies.pending, REPLY_SPIN_S):
                     reply = P.reply_decoder.decode(self._replies.try_get())
-                    if reply.req == msg.req or (reply.req == 0 and isinstance(reply, P.Error)):
-                        if self._failed_over:
-                            self._revalidate_leases()
-                        if isinstance(reply, P.Error):
-                            if resent and reply.kind == "UnknownKeyError" and \
-                                    isinstance(msg, P.CompleteStore):
-                                # The dead owner was rewriting those entries as it died and
-                                # its successor freed them: the stores are lost, not wrong.
-                                return P.Ok(msg.req)
-                            P.raise_error(reply)
-                        return reply
-                    continue  # the answer to a request we gave up on: skip it
+                    if reply.req != msg.req:
+                        self._abandoned(reply)
+                        continue
+                    if self._failed_over:
+                        self._after_failover()
+                    if isinstance(reply, P.Error):
+                        if resent and reply.kind == "UnknownKeyError" and \
+                                isinstance(msg, P.CompleteStore):
+                            # The dead owner was rewriting those entries as it died and its
+                            # successor freed them: the stores are lost, not wrong.
+                            return P.Ok(msg.req)
+                        P.raise_error(reply)
+                    return reply
                 if time.monotonic() > deadline:
                     raise ReplyTimeoutError(
                         f"no reply from the owner of {self.segment.name!r} within "
                         f"{self.timeout:g}s; check 'kvshm-inspect show {self.segment.name}'")
-                if not self.segment.owner_alive():
+                if self._owner_gone():
                     self._ensure_owner()
+                    self._epoch = self.segment.owner_record()[1]
                     self._failed_over = True
+                    deadline = time.monotonic() + self.timeout  # a rebuild takes its time
                     if not self._requests.pending() and not self._replies.pending():
                         # The dead owner consumed the request without answering: repeat it.
                         if isinstance(msg, P.PrepareStore):
                             msg = msgspec.structs.replace(msg, replay=True)
-                        self._requests.put(P.request_encoder.encode(msg), timeout=self.timeout)
+                        self._put(P.request_encoder.encode(msg), deadline)
                         resent = True
                     self._owner_bell.ring()
 
-    def _send(self, msg: P._Msg) -> None:
-        """One-way request (``req == 0``): no reply is awaited."""
-        with self._lock:
-            self._requests.put(P.request_encoder.encode(msg), timeout=self.timeout)
+    def _abandoned(self, reply: P.Reply) -> None:
+        """A reply to a request we gave up on (timeout): undo what it did for us."""
+        if isinstance(reply, P.Prepared):
+            for k in reply.evicted:
+                i = self._leases.pop(k, None)
+                if i is not None:
+                    self._unhold(i)
+            if reply.keys:  # nobody will write these blocks: free them, don't strand them
+                self._put(P.request_encoder.encode(
+                    P.CompleteStore(self._next_req(), reply.keys, False)),
+                    time.monotonic() + self.timeout)
+                self._owner_bell.ring()
+
+    def _after_failover(self) -> None:
+        """A new owner serves us: repair what the old one's death may have hidden."""
+        self._failed_over = False
+        self._revalidate_leases()
+        if self._events:  # the new owner does not know we subscribed
+            self._put(P.request_encoder.encode(P.Hello(
+                self._next_req(), self.slot, self.gen, os.getpid(), True)),
+                time.monotonic() + self.timeout)
             self._owner_bell.ring()
+
+    def _send(self, msg: P._Msg) -> None:
+        """One-way request (``req == 0``): no reply. Dropped if the ring is full — only
+        recency hints travel this way, and an engine must never block on them."""
+        with self._lock:
+            if self._requests.try_put(P.request_encoder.encode(msg)):
+                self._owner_bell.ring()
+            elif not self.segment.owner_alive():
+                self._ensure_owner()
 
     # --- reads and holds ----------------------------------------------------------------
     def _lease(self, key: bytes, block: int) -> bool:
@@ -213,7 +269,7 @@ class SharedManager(OffloadingManager):
         """
         self._failed_over = False
         for k, i in list(self._leases.items()):
-            if self.table.state_if_key(L.held_block(int(self._holds[i])), k) < 0:
+            if self.table.state_if_key(L.held_block(int(self._holds[i])), k) not in _LOADABLE:
                 self._unhold(self._leases.pop(k))
 
     def _unhold(self, i: int) -> None:  # noqa: D401 - free one hold entry
@@ -329,7 +385,7 @@ class SharedManager(OffloadingManager):
                     i = self._leases.pop(k)
                 taken.append((k, i))
                 block = L.held_block(int(self._holds[i]))
-                if self.table.state_if_key(block, k) < 0:  # never load another key's bytes
+                if self.table.state_if_key(block, k) not in _LOADABLE:  # never half-written
                     raise UnknownKeyError(f"key {k.hex()[:16]}… is no longer cached; "
                                           "lookup() again")
                 self._holds[i] = block  # lease -> pin: now it protects against our own stores
@@ -372,25 +428,41 @@ class SharedManager(OffloadingManager):
 
     # --- owner round trips --------------------------------------------------------------
     def touch(self, keys: Sequence[bytes]) -> None:
-        if keys:
-            self._send(P.Touch(0, list(keys)))
-
-    def prepare_store(self, keys: Sequence[bytes]) -> PrepareStoreOutput | None:
         for k in keys:
             L.check_key(k)
-        reply = self._call(P.PrepareStore(self._next_req(), list(keys)))
-        if isinstance(reply, P.NoRoom):
-            return None
-        for k in reply.evicted:  # our own store may evict what we leased: forget those
-            i = self._leases.pop(k, None)
-            if i is not None:
-                self._unhold(i)
-        return PrepareStoreOutput(reply.keys, reply.blocks, reply.evicted)
+        for part in self._chunks(keys):
+            self._send(P.Touch(0, part))
+
+    def _chunks(self, keys: Sequence[bytes]) -> list[list[bytes]]:
+        """``keys`` in pieces whose request and reply each fit one ring frame."""
+        keys, n = list(keys), self._chunk_keys
+        return [keys[i:i + n] for i in range(0, len(keys), n)] or [[]]
+
+    def prepare_store(self, keys: Sequence[bytes]) -> PrepareStoreOutput | None:
+        """See ``OffloadingManager.prepare_store``. A request too large for one ring frame
+        is sent in pieces; all-or-nothing eviction then holds per piece, and if a later
+        piece finds no room the keys placed so far are returned."""
+        for k in keys:
+            L.check_key(k)
+        out = PrepareStoreOutput([], [], [])
+        for part in self._chunks(keys):
+            reply = self._call(P.PrepareStore(self._next_req(), part))
+            if isinstance(reply, P.NoRoom):
+                return out if out.keys_to_store else None
+            for k in reply.evicted:  # our own store may evict what we leased: forget those
+                i = self._leases.pop(k, None)
+                if i is not None:
+                    self._unhold(i)
+            out.keys_to_store += reply.keys
+            out.block_ids += reply.blocks
+            out.evicted_keys += reply.evicted
+        return out
 
     def complete_store(self, keys: Sequence[bytes], success: bool = True) -> None:
         for k in keys:
             L.check_key(k)
-        self._call(P.CompleteStore(self._next_req(), list(keys), success))
+        for part in self._chunks(keys):
+            self._call(P.CompleteStore(self._next_req(), part, success))
 
     def owner_lookup(self, keys: Sequence[bytes]) -> int:
         """``lookup`` answered by the owner (a ring round trip; no lease). For benchmarks."""

@@ -47,6 +47,7 @@ class _Client:
         self.bell = Doorbell(slots.bell_view(seg, slot, "reply"),
                              sem_name(seg.name, f"c{slot}-reply"))
         self.holds = slots.holds(seg, slot)
+        self.max_reply = Ring.max_payload(seg.geometry.ring_capacity)
         self.events_log: list[tuple[bool, list[bytes]]] = []
 
 
@@ -172,7 +173,14 @@ class Owner:
                 self._reclaim(c.slot, c.gen)
                 continue
             while True:
-                frame = c.requests.try_get()
+                try:
+                    frame = c.requests.try_get()
+                except KvshmError as e:  # the client scribbled over its own ring
+                    log.warning("client slot %d: request ring unreadable (%s); dropping "
+                                "the client", c.slot, e)
+                    self.seg.counter_add("errors")
+                    self.clients.pop(c.slot, None)
+                    break
                 if frame is None:
                     break
                 n += 1
@@ -197,9 +205,20 @@ class Owner:
             log.exception("request failed")
             self.seg.counter_add("errors")
             reply = P.Error(req, "ProtocolError", f"owner could not apply request: {e!r}")
-        if reply is not None and (req or isinstance(reply, P.Error)):
-            c.replies.put(P.reply_encoder.encode(reply), timeout=5.0)
+        if reply is None or not (req or isinstance(reply, P.Error)):
+            return
+        try:
+            frame = P.reply_encoder.encode(reply)
+            if len(frame) > c.max_reply:
+                self.seg.counter_add("errors")
+                frame = P.reply_encoder.encode(P.Error(
+                    req, "FrameTooLargeError", f"the reply ({len(frame)} bytes) exceeds the "
+                    "ring's frame size; send fewer keys per request"))
+            c.replies.put(frame, timeout=5.0)
             c.bell.ring()
+        except KvshmError as e:  # a client that stopped draining its replies: drop it
+            self.seg.counter_add("errors")
+            log.warning("client slot %d: reply dropped: %s", c.slot, e)
 
     def run(self) -> None:
         next_scan = 0.0
@@ -243,10 +262,16 @@ class Owner:
 
     def _prepare_store(self, c: _Client, m: P.PrepareStore) -> P.Reply:
         writer = (c.slot, c.gen, m.req)
-        if m.replay:
+        if m.replay:  # the dead owner may have placed some keys: answer with those too
             done = self.manager.pending_of(writer, m.req)
             if done:
-                return P.Prepared(m.req, [k for k, _ in done], [b for _, b in done], [])
+                rest = [k for k in m.keys if self.manager.block_of(k) is None]
+                out = self.manager.prepare_store(rest, writer) if rest else None
+                keys, blocks = [k for k, _ in done], [b for _, b in done]
+                if out is not None:
+                    keys, blocks = keys + out.keys_to_store, blocks + out.block_ids
+                self._fan_out()
+                return P.Prepared(m.req, keys, blocks, out.evicted_keys if out else [])
         out = self.manager.prepare_store(m.keys, writer)
         self._fan_out()
         if out is None:
@@ -264,7 +289,15 @@ class Owner:
         return P.Ok(m.req)
 
     def _take_events(self, c: _Client, m: P.TakeEvents) -> P.Reply:
-        log, c.events_log = c.events_log, []
+        # As many events as fit one reply frame; the rest wait for the next call.
+        room, n = c.max_reply // 2, 0
+        for n, (_, keys) in enumerate(c.events_log):
+            room -= sum(len(k) + 3 for k in keys) + 8
+            if room < 0:
+                break
+        else:
+            n = len(c.events_log)
+        log, c.events_log = c.events_log[:n], c.events_log[n:]
         return P.Events(m.req, [rm for rm, _ in log], [k for _, k in log])
 
     def _bye(self, c: _Client, m: P.Bye) -> P.Reply | None:

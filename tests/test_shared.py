@@ -16,7 +16,7 @@ import pytest
 from kvshm import layout as L
 from kvshm import protocol as P
 from kvshm.client import connect
-from kvshm.errors import FrameTooLargeError, ProtocolError
+from kvshm.errors import ProtocolError
 from kvshm.segment import Segment
 from kvshm.table import BlockTable
 
@@ -235,7 +235,16 @@ def test_bad_arguments_get_typed_errors_from_the_owner(cache):
     assert cache.lookup([b"mine"]) == 1
 
 
-def test_oversized_frame_is_refused_before_sending(cache):
-    with pytest.raises(FrameTooLargeError):
-        cache.prepare_store([b"x" * 60 + b"%04d" % i for i in range(200)])
-    assert procs.store(cache, KEYS[:1]) == KEYS[:1]
+def test_requests_larger_than_one_frame_are_split(seg_name):
+    mgr = connect(seg_name, TEST_LAYOUT, num_blocks=64, **{**SMALL_GEOMETRY, "hold_capacity": 256})
+    try:
+        keys = [b"k" * 60 + b"%04d" % i for i in range(60)]  # ~4 KiB: several frames
+        out = mgr.prepare_store(keys)
+        assert out.keys_to_store == keys and len(set(out.block_ids)) == 60
+        mgr.complete_store(keys)
+        mgr.touch(keys)
+        assert mgr.lookup(keys) == 60
+    finally:
+        pid = mgr.segment.owner_record()[0]
+        mgr.shutdown()
+        stop_owner(pid)
