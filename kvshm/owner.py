@@ -158,7 +158,12 @@ class Owner:
             if slot not in self.clients:
                 state, _, gen, _, _ = self._slot_state(slot)
                 if state == L.SLOT_ACTIVE and self._writer_alive(slot, gen):
-                    self.clients[slot] = _Client(self.seg, slot, gen, False)
+                    try:
+                        self.clients[slot] = _Client(self.seg, slot, gen, False)
+                    except KvshmError as e:  # its rings are not rings: ignore that client
+                        log.warning("client slot %d: unusable rings (%s)", slot, e)
+                        self.seg.counter_add("errors")
+                        continue
                     self._last_client = time.monotonic()
 
     def serve_once(self) -> int:
