@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 from typing import Any, Callable
@@ -164,6 +165,9 @@ def cmd_metrics(args: Args) -> int:
 
 
 def cmd_watch(args: Args) -> int:
+    # Ctrl-C must stop us even if we inherited SIGINT as ignored (a background job of a
+    # non-interactive shell does), in which case Python never raises KeyboardInterrupt.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     clear = "\x1b[H\x1b[2J" if sys.stdout.isatty() else "\n"
     with Segment.attach(args.name) as seg:
         try:
