@@ -91,11 +91,22 @@ def held_block(code: int) -> int:
 
 
 # --- block table -------------------------------------------------------------------------
-# seq (seqlock: odd while the owner rewrites the entry), state, keylen, writer slot,
-# writer generation, writer request id, last use, stored_ns, key
-ENTRY = struct.Struct(f"<IBBhIIQQQ{MAX_KEY_BYTES}s")
+# One entry per block, then the key. The one definition that table.py (writer/reader) and
+# snapshot.py (numpy view) derive their offsets from.
+ENTRY_FIELDS = (("seq", "I"),  # seqlock: odd while the owner rewrites the entry
+                ("state", "B"), ("keylen", "B"), ("writer", "h"), ("writer_gen", "I"),
+                ("writer_req", "I"), ("last_use", "Q"), ("stored_ns", "Q"), ("pins", "Q"))
+ENTRY_FORMAT = "<" + "".join(c for _, c in ENTRY_FIELDS)
+ENTRY_KEY_OFFSET = struct.calcsize(ENTRY_FORMAT)
 ENTRY_BYTES = 128
-ENTRY_HEAD = struct.Struct("<IBB")  # the part a reader checks first
+
+
+def entry_field_offset(name: str) -> int:
+    """Byte offset of field ``name`` inside an entry."""
+    i = [n for n, _ in ENTRY_FIELDS].index(name)
+    return struct.calcsize("<" + "".join(c for _, c in ENTRY_FIELDS[:i]))
+
+
 INDEX_SLOT = struct.Struct("<Ii")  # crc32 tag, block id (-1 empty)
 
 

@@ -22,11 +22,11 @@ from .ring import Ring
 from .segment import Segment
 from .table import BlockTable, KeyIndex
 
-_E = "seq state keylen writer writer_gen writer_req last_use stored_ns pins".split()
-_ENTRY_DT = np.dtype({"names": _E, "formats": ["<" + c for c in "IBBhIIQQQ"],
-                      "offsets": [struct.calcsize("<" + "IBBhIIQQQ"[:i]) for i in range(9)],
+_ENTRY_DT = np.dtype({"names": [n for n, _ in L.ENTRY_FIELDS],
+                      "formats": ["<" + c for _, c in L.ENTRY_FIELDS],
+                      "offsets": [L.entry_field_offset(n) for n, _ in L.ENTRY_FIELDS],
                       "itemsize": L.ENTRY_BYTES})
-_KEY_OFF = struct.calcsize("<IBBhIIQQQ")
+_KEY_OFF = L.ENTRY_KEY_OFFSET
 _INDEX_DT = np.dtype([("tag", "<u4"), ("block", "<i4")])
 _GEOMETRY = ("num_blocks max_clients ring_capacity hold_capacity index_slots slot_bytes "
              "table_offset index_offset data_offset data_bytes total_bytes").split()
@@ -182,7 +182,7 @@ def block_rows(seg: Segment, states: set[str], limit: int) -> tuple[int, list[di
         e = m.e[b]
         rows.append({"block": b, "state": L.STATE_NAMES.get(int(e["state"]), "invalid"),
                      "key": m.key(b).hex(), "pinned_by": by.get(("pinned", b), []),
-                     "leased_by": by.get(("leased", b), []), **{k: int(e[k]) for k in _E[3:]}})
+                     "leased_by": by.get(("leased", b), []), **{k: int(e[k]) for k, _ in L.ENTRY_FIELDS[3:]}})
     return len(chosen), rows
 
 

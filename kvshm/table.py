@@ -23,10 +23,10 @@ from .fence import publish_fence
 # transient 0. Words that readers rely on (the seqlock word, last use, pins) are therefore
 # written through memoryview casts, which store each word with one aligned copy; pack_into
 # is only used for the entry body while the odd sequence number marks it as in flux.
-_BODY = struct.Struct(f"<BBhIIQQQ{L.MAX_KEY_BYTES}s")
-_KEY_OFF = struct.calcsize("<IBBhIIQQQ")
-_LAST_USE_WORD = struct.calcsize("<IBBhII") // 8
-_PINS_WORD = _KEY_OFF // 8 - 1
+_BODY = struct.Struct(f"<{L.ENTRY_FORMAT[2:]}{L.MAX_KEY_BYTES}s")  # all but seq, then the key
+_KEY_OFF = L.ENTRY_KEY_OFFSET
+_LAST_USE_WORD = L.entry_field_offset("last_use") // 8
+_PINS_WORD = L.entry_field_offset("pins") // 8
 _WORDS32 = L.ENTRY_BYTES // 4
 _READ_SPINS = 100_000  # an owner rewrites an entry in microseconds; beyond this it died
 _WORDS64 = L.ENTRY_BYTES // 8

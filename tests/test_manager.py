@@ -766,7 +766,7 @@ def _tear(seg, block, state=None, key=None):
         seg.buf[off + 4] = state
     if key is not None:
         seg.buf[off + 5] = len(key)
-        koff = off + struct.calcsize("<IBBhIIQQQ")
+        koff = off + L.ENTRY_KEY_OFFSET
         seg.buf[koff:koff + L.MAX_KEY_BYTES] = key.ljust(L.MAX_KEY_BYTES, b"\0")
     seq = struct.unpack_from("<I", seg.buf, off)[0]
     struct.pack_into("<I", seg.buf, off, seq | 1)
