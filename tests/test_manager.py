@@ -989,3 +989,44 @@ def test_local_owner_lock_is_released_when_the_owner_process_dies(local_seg):
 def test_local_errors_are_kvshm_errors():
     for cls in (UnknownKeyError, BlockStateError, InvalidArgumentError, OwnerUnavailableError):
         assert issubclass(cls, KvshmError)
+
+
+# --- the lease handshake (eviction side) ------------------------------------------------------
+def test_a_block_leased_while_it_is_being_evicted_is_spared(local_seg):
+    """A client may lease a victim after the owner chose it: the owner marks victims EVICTING,
+    fences, and reads the holds again; a victim found held there goes back into the cache
+    and another block is evicted instead (DESIGN: a held block is never evicted)."""
+    calls = []
+
+    def held(_requester):  # nothing held when victims are chosen; A leased by the re-read
+        calls.append(_requester)
+        return set() if len(calls) == 1 else {m.block_of(A)}
+
+    m = local(local_seg, held=held)
+    out = m.prepare_store([A, B, C, D])
+    m.complete_store(out.keys_to_store)
+    m.touch([D, C, B])  # A is least recently used: the first victim
+    out = m.prepare_store([E])
+    assert out.evicted_keys == [B]
+    assert m.key_status(A) is HIT and len(calls) >= 2
+    m.shutdown()
+
+
+def test_eviction_gives_up_unchanged_when_every_victim_gets_leased(local_seg):
+    blocks: dict[bytes, int] = {}
+    calls = []
+
+    def held(_requester):  # nothing held when victims are chosen; everything by the re-read
+        calls.append(_requester)
+        return set() if len(calls) == 1 else set(blocks.values())
+
+    m = local(local_seg, held=held)
+    out = m.prepare_store([A, B, C, D])  # fills the 4 blocks: no eviction, held not asked
+    m.complete_store(out.keys_to_store)
+    blocks.update({k: m.block_of(k) for k in (A, B, C, D)})
+    assert m.prepare_store([E]) is None
+    assert all(m.key_status(k) is HIT for k in (A, B, C, D))
+    table = BlockTable(local_seg.buf, local_seg.geometry)
+    assert [table.read(m.block_of(k)).state for k in (A, B, C, D)] == [L.READY] * 4
+    table.close()
+    m.shutdown()
