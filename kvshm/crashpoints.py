@@ -1,0 +1,67 @@
+"""Named crash points: a process SIGKILLs or SIGSTOPs itself at an exact step, on request.
+
+This module owns deterministic fault injection. Code that must survive a death at a given
+step calls ``crash_point("owner.store.after_consume")`` there; when the environment of that
+process names the point, it stops dead right there, so a test can walk every point of a
+protocol instead of hoping a random soak hits a narrow window.
+
+    KVSHM_CRASH_AT=owner.store.after_consume        # SIGKILL on the first hit
+    KVSHM_CRASH_AT=owner.store.after_consume:3      # ... on the third hit
+    KVSHM_CRASH_SIGNAL=STOP                         # SIGSTOP instead (a frozen process)
+
+Unset (production), ``crash_point`` is a function that returns at once: the variable is
+read once, at import. Every point in the code base is listed in ``POINTS``; naming an
+unknown point is an error, so a renamed point cannot silently stop being tested. It must
+never do anything but stop its own process.
+"""
+from __future__ import annotations
+
+import os
+import signal
+
+# Every crash point, grouped by the operation it belongs to. Tests walk this tuple.
+POINTS = (
+    # owner: one request, from the ring to the reply
+    "owner.request.after_consume",  # request recorded as consumed, nothing executed
+    "owner.request.after_execute",  # index changed (and mirrored), no reply yet
+    "owner.request.after_reply",  # reply on the ring, request frame not yet released
+    # owner: eviction inside prepare_store
+    "owner.evict.after_mark",  # victims marked EVICTING, leases not yet re-read
+    "owner.evict.after_drop",  # victims freed, their keys gone from the index
+    # owner: entry writes
+    "table.write.odd",  # entry sequence odd, body half written
+    # owner: takeover
+    "owner.rebuild.mid",  # half the table adopted
+    "owner.reclaim.mid",  # a dead client's stores freed, its slot not yet cleared
+    # client
+    "client.connect.after_activate",  # slot ACTIVE, owner has not adopted it yet
+    "client.store.after_prepare",  # blocks granted, nothing copied
+    "client.store.after_copy",  # blocks copied, complete_store not sent
+    "client.load.after_pin",  # blocks pinned, not yet copied out
+    "client.shutdown.before_bye",  # about to say goodbye
+    # copy workers
+    "worker.store.mid_copy",  # a store job half copied into the segment
+)
+
+_ENV = os.environ.get("KVSHM_CRASH_AT")
+_SIG = signal.SIGSTOP if os.environ.get("KVSHM_CRASH_SIGNAL", "KILL").upper() == "STOP" \
+    else signal.SIGKILL
+_AT, _HITS = None, 0
+if _ENV:
+    _AT, _, n = _ENV.partition(":")
+    _HITS = int(n or 1)
+    if _AT not in POINTS:
+        raise ValueError(f"KVSHM_CRASH_AT names {_AT!r}, which is no crash point; "
+                         f"known: {', '.join(POINTS)}")
+
+ARMED = _AT is not None  # hot paths may test this before building a point's name
+
+
+def crash_point(name: str) -> None:
+    """Stop this process here if ``KVSHM_CRASH_AT`` names ``name`` (and its hit count is up)."""
+    global _HITS
+    if name != _AT:
+        return
+    _HITS -= 1
+    if _HITS <= 0:
+        os.kill(os.getpid(), _SIG)
