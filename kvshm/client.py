@@ -1,56 +1,38 @@
 """Engine-side access to a shared segment: ``connect()`` and the ``SharedManager`` proxy.
 
-This module owns a client's slot in the segment (claimed with a kernel-released lock), its
-request/reply rings to the owner, and its *holds*: the blocks it leased by a lookup or pinned
-for a load. Reads never go through the owner:
+This module owns the manager API of a client process and its lock-free reads. It composes a
+client slot (claimed with a kernel-released lock, ``slots.py``), the link to the owner
+(``owner_link.py``: calls, exactly-once, failover) and the hold table (``holds.py``: leases
+and pins). Reads never go through the owner:
 
-* ``lookup``/``key_status`` read the key index and block table in the segment directly.
-* A hit is *leased*: the block id goes into this client's hold array, then the block is
-  re-checked after a full fence. The owner marks a victim EVICTING, fences, then reads every
-  client's holds and spares held blocks, so one of the two always sees the other (see
-  ``LocalManager._fence_victims``). A leased hit therefore stays loadable until
-  ``prepare_load`` turns the lease into a pin or ``release`` drops it. A client holds at most
-  ``hold_capacity // 2`` leases: past that, lookups report misses (always safe) until it
-  releases some — a connector releases a request's leases once it is scheduled or done.
+* ``lookup``/``key_status`` read the key index and block table in the segment directly; a hit
+  is *leased* (``holds.py``) so no other client can evict it before ``prepare_load``.
 * ``prepare_load``/``complete_load`` only change holds; ``touch`` is a one-way frame.
-Stores go through the owner: ``prepare_store`` and ``complete_store`` are round trips.
+* Stores go through the owner: ``prepare_store`` (one atomic operation, in as many frames as
+  it needs) and ``complete_store`` are round trips.
 
-When the owner dies mid-call, the client starts another (or waits for one) and repeats the
-request if the dead owner had consumed it unanswered; callers see a delay, not an error.
-It never copies block data and never imports torch.
+When the owner dies mid-call, the client starts another and the successor finishes the call:
+callers see a delay, not an error. It never copies block data and never imports torch.
 """
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-import tempfile
-import threading
-import time
-from typing import Sequence
+from typing import Iterable, Sequence
 
-import msgspec
 import numpy as np
 
 from . import layout as L
 from . import slots
 from . import protocol as P
 from .api import LookupResult, OffloadingEvent, OffloadingManager, PrepareStoreOutput
-from .errors import (BlockStateError, CacheFullError, OwnerUnavailableError,
-                     ReplyTimeoutError, RingFullError, UnknownKeyError)
-from .fence import full_fence
+from .crashpoints import crash_point
+from .errors import BlockStateError, CacheFullError, UnknownKeyError
+from .holds import LOADABLE, HoldTable
 from .layout import Layout
-from .ring import Doorbell, Ring
-from .segment import Segment, sem_name
+from .owner_link import OwnerLink, start_owner
+from .ring import Ring
+from .segment import Segment
 from .table import BlockTable, KeyIndex
-
-# Spin this long for a reply before sleeping on the semaphore: long enough for a lookup or
-# a small store round trip, short enough not to steal the owner's CPU on a busy host.
-REPLY_SPIN_S = 200e-6
-# A held block is READY, or EVICTING for the instant an eviction honours our hold.
-_LOADABLE = (L.READY, L.EVICTING)
-OWNER_START_TIMEOUT_S = 20.0
-OWNER_IDLE_EXIT_S = 10.0
 
 
 def connect(name: str, layout: Layout | None = None, *, num_blocks: int | None = None,
@@ -94,193 +76,52 @@ class SharedManager(OffloadingManager):
         g = segment.geometry
         self.table = BlockTable(segment.buf, g)
         self.index = KeyIndex(segment.buf, g, self.table)
-        self._lock = threading.Lock()
-        self._req = 0
-        self._failed_over = False
         self._events = events
-        self._epoch = 0
-        self._owner_proc: subprocess.Popen | None = None
-        self._leases: dict[bytes, int] = {}  # key -> hold index
-        self._pins: dict[bytes, list[int]] = {}  # key -> hold indexes, one per prepare_load
-        self._lease_limit = g.hold_capacity // 2
-        # A prepare_store reply carries keys, block ids and evicted keys: size requests so
-        # that it fits one frame too.
-        self._chunk_keys = max(1, Ring.max_payload(g.ring_capacity) // (3 * (L.MAX_KEY_BYTES + 8)))
-        self.slot, self.gen = slots.claim(segment, self._ensure_owner)
-        self._holds = slots.holds(segment, self.slot)
-        self._free_holds = list(range(g.hold_capacity - 1, -1, -1))
-        self._ctr = slots.counters(segment, self.slot)
-        self._reply_bell = Doorbell(slots.bell_view(segment, self.slot, "reply"),
-                                    sem_name(segment.name, f"c{self.slot}-reply"))
-        self._owner_bell = Doorbell(segment.buf[L.OFF_OWNER_BELL:L.OFF_OWNER_BELL + 8],
-                                    sem_name(segment.name, "owner"))
-        self._newcomer = segment.buf[L.OFF_NEWCOMER:L.OFF_NEWCOMER + 8].cast("Q")
-        slots.activate(segment, self.slot, self.gen)
-        self._requests = Ring(slots.ring_view(segment, self.slot, "request"))
-        self._replies = Ring(slots.ring_view(segment, self.slot, "reply"))
-        self._newcomer[0] = 1  # after ACTIVE is visible: the owner clears, fences, then scans
-        self._ensure_owner()
-        self._owner_bell.ring()
-        self._epoch = self._call(P.Hello(self._next_req(), self.slot, self.gen, os.getpid(),
-                                         events)).value
+        # A prepare_store reply part carries keys and block ids; requests are cut to match.
+        self._chunk_keys = max(1, (Ring.max_payload(g.ring_capacity) - 64) // (L.MAX_KEY_BYTES + 16))
+        self.slot, self.gen = slots.claim(segment, lambda: start_owner(segment))
+        try:
+            self._ctr = slots.counters(segment, self.slot)
+            self._h = HoldTable(slots.holds(segment, self.slot), self.table)
+            slots.activate(segment, self.slot, self.gen)
+            self._link = OwnerLink(segment, self.slot, self.gen, timeout,
+                                   self._after_failover, self._abandoned)
+            self._newcomer = segment.buf[L.OFF_NEWCOMER:L.OFF_NEWCOMER + 8].cast("Q")
+            self._newcomer[0] = 1  # after ACTIVE is visible: the owner clears, fences, scans
+            crash_point("client.connect.after_activate")
+            self._link.ensure_owner()
+            self._link.ring_owner()
+            self._link.call([P.Hello(self._link.next_req(), self.slot, self.gen, os.getpid(),
+                                     events)])
+        except BaseException:
+            # Leave the slot ACTIVE and unlocked: the owner (or gc) reclaims it, and it is
+            # the only one that may, since it may have adopted it already.
+            slots.unlock(segment, self.slot)
+            raise
 
-    # --- owner --------------------------------------------------------------------------
-    def _ensure_owner(self) -> None:
-        if self.segment.owner_alive():
-            return
-        err = tempfile.TemporaryFile()
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "kvshm.owner", self.segment.name, "--idle-exit",
-             str(OWNER_IDLE_EXIT_S)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-            stderr=err, start_new_session=True, close_fds=True)
-        deadline = time.monotonic() + OWNER_START_TIMEOUT_S
-        while not self.segment.owner_alive():
-            rc = proc.poll()
-            if rc not in (None, 0) or time.monotonic() > deadline:
-                err.seek(0)
-                why = err.read().decode(errors="replace").strip().splitlines()[-3:]
-                raise OwnerUnavailableError(
-                    f"could not start an owner for segment {self.segment.name!r} (exit "
-                    f"{rc}): {' | '.join(why) or 'no output'}; run 'kvshm serve "
-                    f"{self.segment.name}' to see why")
-            time.sleep(0.005)  # polling the child's start, bounded by the deadline
-        self._owner_proc = proc
+    @property
+    def _owner_proc(self):  # the owner this client started, if any (tests stop it)
+        return self._link.owner_proc
 
-    def _next_req(self) -> int:
-        self._req += 1
-        return self._req
-
-    def _owner_gone(self) -> bool:
-        """The owner we talked to is dead, or was replaced (another client restarted it
-        between two of our polls): either way our last request may need repeating."""
-        return not self.segment.owner_alive() or self.segment.owner_record()[1] != self._epoch
-
-    def _put(self, frame: bytes, deadline: float) -> None:
-        """Queue ``frame``, restarting a dead owner if the ring stays full meanwhile."""
-        while not self._requests.try_put(frame):
-            if time.monotonic() > deadline:
-                raise RingFullError(
-                    f"the owner of {self.segment.name!r} did not drain our requests within "
-                    f"{self.timeout:g}s; check 'kvshm-inspect show {self.segment.name}'")
-            if not self.segment.owner_alive():
-                self._ensure_owner()
-            self._owner_bell.ring()
-            self._reply_bell.wait(0.01, self._requests_drained, 0.0)
-
-    def _requests_drained(self) -> bool:
-        return not self._requests.pending()
-
-    def _call(self, msg: P._Msg) -> P.Reply:
-        """Send one request and wait for its reply, riding out owner failovers."""
-        with self._lock:
-            deadline = time.monotonic() + self.timeout
-            self._put(P.request_encoder.encode(msg), deadline)
-            self._owner_bell.ring()
-            resent = False
-            while True:
-                if self._reply_bell.wait(0.1, self._replies.pending, REPLY_SPIN_S):
-                    reply = P.reply_decoder.decode(self._replies.try_get())
-                    if reply.req != msg.req:
-                        self._abandoned(reply)
-                        continue
-                    if self._failed_over:
-                        self._after_failover()
-                    if isinstance(reply, P.Error):
-                        if resent and reply.kind == "UnknownKeyError" and \
-                                isinstance(msg, P.CompleteStore):
-                            # The dead owner was rewriting those entries as it died and its
-                            # successor freed them: the stores are lost, not wrong.
-                            return P.Ok(msg.req)
-                        P.raise_error(reply)
-                    return reply
-                if time.monotonic() > deadline:
-                    raise ReplyTimeoutError(
-                        f"no reply from the owner of {self.segment.name!r} within "
-                        f"{self.timeout:g}s; check 'kvshm-inspect show {self.segment.name}'")
-                if self._owner_gone():
-                    self._ensure_owner()
-                    self._epoch = self.segment.owner_record()[1]
-                    self._failed_over = True
-                    deadline = time.monotonic() + self.timeout  # a rebuild takes its time
-                    if not self._requests.pending() and not self._replies.pending():
-                        # The dead owner consumed the request without answering: repeat it.
-                        if isinstance(msg, P.PrepareStore):
-                            msg = msgspec.structs.replace(msg, replay=True)
-                        self._put(P.request_encoder.encode(msg), deadline)
-                        resent = True
-                    self._owner_bell.ring()
-
-    def _abandoned(self, reply: P.Reply) -> None:
-        """A reply to a request we gave up on (timeout): undo what it did for us."""
-        if isinstance(reply, P.Prepared):
-            for k in reply.evicted:
-                i = self._leases.pop(k, None)
-                if i is not None:
-                    self._unhold(i)
-            if reply.keys:  # nobody will write these blocks: free them, don't strand them
-                self._put(P.request_encoder.encode(
-                    P.CompleteStore(self._next_req(), reply.keys, False)),
-                    time.monotonic() + self.timeout)
-                self._owner_bell.ring()
-
+    # --- owner link hooks ---------------------------------------------------------------
     def _after_failover(self) -> None:
         """A new owner serves us: repair what the old one's death may have hidden."""
-        self._failed_over = False
-        self._revalidate_leases()
+        self._h.revalidate()
         if self._events:  # the new owner does not know we subscribed
-            self._put(P.request_encoder.encode(P.Hello(
-                self._next_req(), self.slot, self.gen, os.getpid(), True)),
-                time.monotonic() + self.timeout)
-            self._owner_bell.ring()
+            self._link.post(P.Hello(self._link.next_req(), self.slot, self.gen, os.getpid(),
+                                    True))
 
-    def _send(self, msg: P._Msg) -> None:
-        """One-way request (``req == 0``): no reply. Dropped if the ring is full — only
-        recency hints travel this way, and an engine must never block on them."""
-        with self._lock:
-            if self._requests.try_put(P.request_encoder.encode(msg)):
-                self._owner_bell.ring()
-            elif not self.segment.owner_alive():
-                self._ensure_owner()
+    def _abandoned(self, reply: P._Msg) -> None:
+        """A reply to a request we gave up on: forget leases its evictions took away."""
+        if isinstance(reply, P.Prepared):
+            self._h.release(reply.evicted)
 
     # --- reads and holds ----------------------------------------------------------------
-    def _lease(self, key: bytes, block: int) -> bool:
-        i = self._leases.get(key)
-        if i is not None:
-            if L.held_block(int(self._holds[i])) == block:
-                return True
-            self._unhold(self._leases.pop(key))  # stale: our own store evicted it since
-        if not self._free_holds or len(self._leases) >= self._lease_limit:
-            return False  # a miss is always safe; a hit we could not keep would not be
-        i = self._free_holds.pop()
-        self._holds[i] = L.lease_code(block)
-        full_fence()  # our hold before our re-check: the owner fences the other way round
-        if self.table.state_if_key(block, key) != L.READY:
-            self._holds[i] = -1
-            self._free_holds.append(i)
-            return False
-        self._leases[key] = i
-        return True
-
-    def _revalidate_leases(self) -> None:
-        """After an owner failover: drop leases whose block no longer holds their key.
-
-        Only our own stores may evict what we lease, and each prepare_store reply lists what
-        it evicted — except a replayed one, whose evictions died with the owner.
-        """
-        self._failed_over = False
-        for k, i in list(self._leases.items()):
-            if self.table.state_if_key(L.held_block(int(self._holds[i])), k) not in _LOADABLE:
-                self._unhold(self._leases.pop(k))
-
-    def _unhold(self, i: int) -> None:  # noqa: D401 - free one hold entry
-        self._holds[i] = -1
-        self._free_holds.append(i)
-
     def lookup(self, keys: Sequence[bytes]) -> int:
         # Keys we lease already are known hits: only our own stores may evict them, and
         # prepare_store drops the leases of what it evicted. A scheduler re-asks the same
         # prefixes every step, so this is the common path.
-        leases = self._leases
+        leases = self._h.leases
         n = len(keys)
         held = 0
         for k in keys:
@@ -297,12 +138,18 @@ class SharedManager(OffloadingManager):
             klen = len(keys[0])
             joined = b"".join(keys)
             if len(joined) == n * klen and all(len(k) == klen for k in keys):
-                return self._lookup_many(keys, np.frombuffer(joined, np.uint8).reshape(n, klen))
+                karr = np.frombuffer(joined, np.uint8).reshape(n, klen)
+                blocks, states = self.index.find_prefix(keys, karr)
+                ready = states == L.READY
+                hits = n if ready.all() else int(np.argmin(ready))
+                hits = self._h.lease_many(keys, karr, blocks, hits)
+                self._count_lookup(n, hits)
+                return hits
         hits = 0
-        find = self.index.find
+        find, lease = self.index.find, self._h.lease
         for k in keys:
             block, state = find(k)
-            if state != L.READY or not self._lease(k, block):
+            if state != L.READY or not lease(k, block):
                 break
             hits += 1
         self._count_lookup(n, hits)
@@ -312,114 +159,76 @@ class SharedManager(OffloadingManager):
         self._ctr[0] += hits + (hits < n)  # keys examined: the hits and the first miss
         self._ctr[1] += hits
 
-    def _lookup_many(self, keys: Sequence[bytes], karr: np.ndarray) -> int:
-        """Vectorised prefix lookup + leasing: one fence for the whole batch."""
-        blocks, states = self.index.find_prefix(keys, karr)
-        ready = states == L.READY
-        hits = len(keys) if ready.all() else int(np.argmin(ready))
-        leases = self._leases
-        for i in range(hits):  # drop stale leases (our own store evicted the block since)
-            j = leases.get(keys[i])
-            if j is not None and L.held_block(int(self._holds[j])) != int(blocks[i]):
-                self._unhold(leases.pop(keys[i]))
-        new = [i for i in range(hits) if keys[i] not in leases]
-        room = max(0, min(len(self._free_holds), self._lease_limit - len(leases)))
-        if len(new) > room:
-            hits, new = new[room], new[:room]
-        if new:
-            idx = np.array(self._free_holds[-len(new):][::-1], np.intp)
-            del self._free_holds[-len(new):]
-            sel = np.array(new, np.intp)
-            self._holds[idx] = L.lease_code(blocks[sel])
-            full_fence()  # our holds before our re-check: the owner fences the other way
-            ok = self.table.states_if_keys(blocks[sel], karr[sel]) == L.READY
-            if not ok.all():
-                bad = int(np.argmin(ok))
-                hits = min(hits, new[bad])
-                self._holds[idx[bad:]] = -1
-                self._free_holds.extend(idx[bad:].tolist())
-                idx, new = idx[:bad], new[:bad]
-            leases.update(zip((keys[i] for i in new), idx.tolist()))
-        self._count_lookup(len(keys), hits)
-        return hits
-
     def key_status(self, key: bytes) -> LookupResult:
         self._ctr[0] += 1
-        i = self._leases.get(key)  # a lease is only as good as the block it still names
-        if i is not None and self.table.state_if_key(L.held_block(int(self._holds[i])),
-                                                     key) == L.READY:
+        if self._h.leased_ready(key):  # a lease is only as good as the block it still names
             self._ctr[1] += 1
             return LookupResult.HIT
         block, state = self.index.find(key)
-        if state == L.READY and self._lease(key, block):
+        if state == L.READY and self._h.lease(key, block):
             self._ctr[1] += 1
             return LookupResult.HIT
         return LookupResult.PENDING if state == L.WRITING else LookupResult.MISS
 
     def release(self, keys: Sequence[bytes] | None = None) -> None:
         """Drop the lookup leases of ``keys`` (all leases if None); pins are unaffected."""
-        for k in list(self._leases) if keys is None else keys:
-            i = self._leases.pop(k, None)
-            if i is not None:
-                self._unhold(i)
+        self._h.release(keys)
 
     def prepare_load(self, keys: Sequence[bytes]) -> list[int]:
+        h = self._h
         taken: list[tuple[bytes, int]] = []
         blocks = []
         try:
             for k in keys:
                 L.check_key(k)
-                i = self._leases.pop(k, None)
+                i = h.leases.pop(k, None)
                 if i is None:
                     block, state = self.index.find(k)
                     if state == L.WRITING:
                         raise BlockStateError(f"key {k.hex()[:16]}… is still being stored; "
                                               "retry later")
-                    if state == L.READY and not self._free_holds:
+                    if state == L.READY and not h.free:
                         raise CacheFullError(
-                            f"this client holds {len(self._holds)} blocks already (its "
+                            f"this client holds {len(h.holds)} blocks already (its "
                             "hold_capacity); complete_load or release() some first")
-                    if state != L.READY or not self._lease(k, block):
+                    if state != L.READY or not h.lease(k, block):
                         raise UnknownKeyError(f"key {k.hex()[:16]}… is not cached; lookup() "
                                               "first")
-                    i = self._leases.pop(k)
+                    i = h.leases.pop(k)
                 taken.append((k, i))
-                block = L.held_block(int(self._holds[i]))
-                if self.table.state_if_key(block, k) not in _LOADABLE:  # never half-written
+                block = h.block(i)
+                if self.table.state_if_key(block, k) not in LOADABLE:  # never half-written
                     raise UnknownKeyError(f"key {k.hex()[:16]}… is no longer cached; "
                                           "lookup() again")
-                self._holds[i] = block  # lease -> pin: now it protects against our own stores
+                h.holds[i] = block  # lease -> pin: now it protects against our own stores
                 blocks.append(block)
         except BaseException:
             for _, i in taken:
-                self._unhold(i)
+                h.unhold(i)
             raise
-        for k, i in taken:
-            self._pins.setdefault(k, []).append(i)
+        h.pin(taken)
         self._ctr[2] += 1
         self._ctr[3] += len(blocks)
         return blocks
 
     def complete_load(self, keys: Sequence[bytes]) -> None:
+        pins = self._h.pins
         need: dict[bytes, int] = {}
         for k in keys:
             L.check_key(k)
             need[k] = need.get(k, 0) + 1
-            if len(self._pins.get(k, ())) < need[k]:
+            if len(pins.get(k, ())) < need[k]:
                 if self.index.find(k)[0] < 0:
                     raise UnknownKeyError(f"complete_load of key {k.hex()[:16]}… which is "
                                           "not cached")
                 raise BlockStateError(f"complete_load of key {k.hex()[:16]}… without a "
                                       "matching prepare_load")
         for k in keys:
-            pins = self._pins[k]
-            self._unhold(pins.pop())
-            if not pins:
-                del self._pins[k]
+            self._h.unpin(k)
 
     def held_blocks(self) -> int:
         """How many holds (leases + pins) this client has."""
-        return len(self._holds) - len(self._free_holds)
+        return len(self._h)
 
     def add_bytes(self, loaded: int = 0, stored: int = 0) -> None:
         """Count bytes moved by this process's transfers (shown by kvshm-inspect)."""
@@ -430,67 +239,69 @@ class SharedManager(OffloadingManager):
     def touch(self, keys: Sequence[bytes]) -> None:
         for k in keys:
             L.check_key(k)
-        for part in self._chunks(keys):
-            self._send(P.Touch(0, part))
+        # Tail pieces first: the owner makes each touched key most recent in reverse order,
+        # so the prefix head must be touched last.
+        for part in reversed(self._chunks(keys)):
+            self._link.send(P.Touch(0, part))
 
     def _chunks(self, keys: Sequence[bytes]) -> list[list[bytes]]:
         """``keys`` in pieces whose request and reply each fit one ring frame."""
         keys, n = list(keys), self._chunk_keys
         return [keys[i:i + n] for i in range(0, len(keys), n)] or [[]]
 
-    def prepare_store(self, keys: Sequence[bytes]) -> PrepareStoreOutput | None:
-        """See ``OffloadingManager.prepare_store``. A request too large for one ring frame
-        is sent in pieces; all-or-nothing eviction then holds per piece, and if a later
-        piece finds no room the keys placed so far are returned."""
+    def prepare_store(self, keys: Iterable[bytes]) -> PrepareStoreOutput | None:
+        """See ``OffloadingManager.prepare_store``: one atomic operation however many keys
+        (a request too large for one ring frame travels in parts and runs once, whole)."""
+        keys = list(keys)
         for k in keys:
             L.check_key(k)
+        chunks = self._chunks(keys)
+        req = self._link.next_req()
+        replies = self._link.call([P.PrepareStore(req, c, i + 1 < len(chunks), i)
+                                   for i, c in enumerate(chunks)])
+        if isinstance(replies[0], P.NoRoom):
+            return None
         out = PrepareStoreOutput([], [], [])
-        for part in self._chunks(keys):
-            reply = self._call(P.PrepareStore(self._next_req(), part))
-            if isinstance(reply, P.NoRoom):
-                return out if out.keys_to_store else None
-            for k in reply.evicted:  # our own store may evict what we leased: forget those
-                i = self._leases.pop(k, None)
-                if i is not None:
-                    self._unhold(i)
-            out.keys_to_store += reply.keys
-            out.block_ids += reply.blocks
-            out.evicted_keys += reply.evicted
+        for r in replies:
+            out.keys_to_store += r.keys
+            out.block_ids += r.blocks
+            out.evicted_keys += r.evicted
+        self._h.release(out.evicted_keys)  # our own store may evict what we leased
+        crash_point("client.store.after_prepare")
         return out
 
     def complete_store(self, keys: Sequence[bytes], success: bool = True) -> None:
         for k in keys:
             L.check_key(k)
-        for part in self._chunks(keys):
-            self._call(P.CompleteStore(self._next_req(), part, success))
+        for part in self._chunks(keys):  # completing a subset is a valid completion
+            self._link.call([P.CompleteStore(self._link.next_req(), part, success)])
 
     def owner_lookup(self, keys: Sequence[bytes]) -> int:
         """``lookup`` answered by the owner (a ring round trip; no lease). For benchmarks."""
-        return self._call(P.Lookup(self._next_req(), list(keys))).value
+        return self._link.call([P.Lookup(self._link.next_req(), list(keys))])[0].value
 
     def take_events(self) -> list[OffloadingEvent]:
-        r = self._call(P.TakeEvents(self._next_req()))
+        r = self._link.call([P.TakeEvents(self._link.next_req())])[0]
         return [OffloadingEvent(k, removed=rm) for rm, k in zip(r.removed, r.keys)]
 
     def shutdown(self) -> None:
-        """Say goodbye (the owner frees our unfinished stores), drop holds, free the slot."""
+        """Say goodbye (the owner frees our unfinished stores and our slot), then unlock
+        the slot. Without an answer the owner reclaims the slot once it sees us gone."""
         if self.segment is None:
             return
         seg = self.segment
+        crash_point("client.shutdown.before_bye")
         try:
             if seg.owner_alive():
-                self._call(P.Bye(self._next_req()))
+                self._link.call([P.Bye(self._link.next_req())])
         except Exception:
             pass  # the owner reclaims a vanished client anyway
-        slots.release(seg, self.slot, self.gen)
-        for r in (self._requests, self._replies):
-            r.close()
-        self._reply_bell.close()
-        self._owner_bell.close()
+        slots.unlock(seg, self.slot)
+        self._link.close()
         self._newcomer.release()
-        del self._holds, self._ctr
-        self._leases.clear()
-        self._pins.clear()
+        del self._ctr
+        self._h.clear()
+        del self._h
         seg.close()
         self.segment = None  # type: ignore[assignment]
 
@@ -499,4 +310,3 @@ class SharedManager(OffloadingManager):
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
-

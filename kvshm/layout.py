@@ -70,12 +70,27 @@ PIN_IDLE, PIN_WAITING, PIN_RUNNING, PIN_DONE, PIN_FAILED = range(5)
 assert OFF_PINNERS + PINNER.size * MAX_PINNERS <= HEADER_BYTES
 
 # --- client slot -------------------------------------------------------------------------
-# state, pid, generation, attached_ns, name, then client-written counters
+# The slot record. Every field is stored as one aligned word (never struct.pack_into, which
+# zero-fills first), so a reader sees each field old or new, never torn or transiently 0.
 SLOT = struct.Struct("<IIQQ32s")
-SLOT_ACTIVE = 1
+SLOT_OFF_STATE = 0  # u32: FREE -> ACTIVE/CHANNEL by the claimant holding the slot lock, stored
+#                     last; ACTIVE -> FREE only by the owner (or gc holding the owner lock)
+SLOT_OFF_PID = 4  # u32: claimant's pid, for people
+SLOT_OFF_GEN = 8  # u64: claimant, before the state; +1 per claim, never reused for a slot
+SLOT_OFF_ATTACHED = 16  # u64: claimant, ns since the epoch
+SLOT_OFF_NAME = 24  # 32 bytes: claimant's program name, for people
+SLOT_FREE, SLOT_ACTIVE, SLOT_CHANNEL = 0, 1, 2
+SLOT_STATE_NAMES = {SLOT_FREE: "free", SLOT_ACTIVE: "client", SLOT_CHANNEL: "channel"}
 SLOT_COUNTERS = ("lookups", "hits", "loads", "load_blocks", "bytes_in", "bytes_out")
-SLOT_OFF_COUNTERS = 64
+SLOT_OFF_COUNTERS = 64  # u64 each, client-written
+# The served record: owner-written u64 words that make requests exactly-once (owner_link.py).
+SLOT_OFF_SERVED = 128
+SERVED_FIELDS = ("epoch",  # epoch of the owner that last wrote this record
+                 "consumed",  # last request id an owner began to execute (before any effect)
+                 "answered",  # last request id whose whole reply is on the reply ring
+                 "attempts")  # owners that began `consumed` (a request that kills owners)
 SLOT_HEAD_BYTES = 192
+assert SLOT_OFF_SERVED + 8 * len(SERVED_FIELDS) <= SLOT_HEAD_BYTES
 RING_NAMES = ("request", "reply", "peer_in", "peer_out")
 BELL_NAMES = ("reply", "peer_in", "peer_out")
 

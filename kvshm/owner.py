@@ -25,6 +25,7 @@ from . import locks
 from . import protocol as P
 from . import slots
 from .errors import KvshmError, OwnerUnavailableError
+from .crashpoints import crash_point
 from .fence import full_fence
 from .manager import LocalManager
 from .ring import Doorbell, Ring
@@ -35,10 +36,12 @@ log = logging.getLogger("kvshm.owner")
 SCAN_INTERVAL_S = 0.2  # a dead client is reclaimed within about this long
 SPIN_S = 0.005  # keep polling this long after the last frame before sleeping
 MAX_EVENTS = 10_000  # per client; older events are dropped
+FRAMES_PER_PASS = 64  # per client and pass: one busy client cannot starve the others
+MAX_ATTEMPTS = 3  # owners that may die executing one request before it is dropped
 
 
 class _Client:
-    """What the owner knows of one attached client slot."""
+    """What the owner knows of one adopted client slot (one generation of it)."""
 
     def __init__(self, seg: Segment, slot: int, gen: int, events: bool):
         self.slot, self.gen, self.events = slot, gen, events
@@ -47,8 +50,23 @@ class _Client:
         self.bell = Doorbell(slots.bell_view(seg, slot, "reply"),
                              sem_name(seg.name, f"c{slot}-reply"))
         self.holds = slots.holds(seg, slot)
+        self.served = slots.served(seg, slot)  # epoch, consumed, answered, attempts
         self.max_reply = Ring.max_payload(seg.geometry.ring_capacity)
         self.events_log: list[tuple[bool, list[bytes]]] = []
+        # Reply frames of request `unsent_req` that did not fit the reply ring yet. While any
+        # wait, the request stays at the head of the request ring and nothing else is read.
+        self.unsent: list[bytes] = []
+        self.unsent_req = 0
+        # Keys of a request arriving in several frames (`parts_req`), until its last part.
+        self.parts: list[bytes] = []
+        self.parts_req = self.parts_next = 0
+        self.parts_lost = False  # its first parts went with a dead owner: answer Retry
+        self.quarantined = False  # its ring cannot be parsed: never read again
+
+    def close(self) -> None:
+        self.bell.close()
+        self.requests.close()
+        self.replies.close()
 
 
 class Owner:
@@ -59,6 +77,7 @@ class Owner:
         self.clients: dict[int, _Client] = {}
         self.manager = LocalManager(self.seg, enable_events=True, held=self._held,
                                     writer_alive=self._writer_alive)
+        self.epoch = self.manager.epoch
         g = self.seg.geometry
         self.bell = Doorbell(self.seg.buf[L.OFF_OWNER_BELL:L.OFF_OWNER_BELL + 8],
                              sem_name(name, "owner"))
@@ -70,15 +89,13 @@ class Owner:
         self._handlers = {
             P.Hello: self._hello, P.Lookup: self._lookup, P.PrepareStore: self._prepare_store,
             P.CompleteStore: self._complete_store, P.Touch: self._touch,
-            P.TakeEvents: self._take_events, P.Bye: self._bye,
+            P.TakeEvents: self._take_events,
         }
         self._newcomer = self.seg.buf[L.OFF_NEWCOMER:L.OFF_NEWCOMER + 8].cast("Q")
         # Clients attached before a failover keep working; slots of the dead are cleared.
         self._discover()
-        for slot in range(g.max_clients):
-            if slot not in self.clients and self._slot_state(slot)[0] == L.SLOT_ACTIVE:
-                self._reclaim(slot, self._slot_state(slot)[2])
-        log.info("owner of %s (epoch %d): %s", name, self.manager.epoch, self.manager.recovered)
+        self._reclaim_unadopted()
+        log.info("owner of %s (epoch %d): %s", name, self.epoch, self.manager.recovered)
 
     # --- liveness -----------------------------------------------------------------------
     def _slot_state(self, slot: int) -> tuple:
@@ -92,9 +109,9 @@ class Owner:
             locks.is_held(self.seg.fd, L.LOCK_CLIENT_BASE + slot) and self._slot_gen(slot) == gen
 
     def _held(self, requester: int) -> set[int]:
-        """Blocks that attached clients hold (dead ones too, until reclaimed): all pins, and
-        the leases of clients other than ``requester`` — a client's own lookups do not stop
-        its own stores, exactly as in a private cache."""
+        """Blocks that adopted clients hold (dead and quarantined ones too, until reclaimed):
+        all pins, and the leases of clients other than ``requester`` — a client's own lookups
+        do not stop its own stores, exactly as in a private cache."""
         parts = []
         for c in self.clients.values():
             h = c.holds
@@ -111,10 +128,7 @@ class Owner:
         for slot, c in list(self.clients.items()):
             if not self._writer_alive(slot, c.gen):
                 self._reclaim(slot, c.gen)
-        for slot in range(self.seg.geometry.max_clients):  # job channels hold nothing of
-            state, _, gen, _, _ = self._slot_state(slot)   # ours: a dead one just goes FREE
-            if state == slots.CHANNEL:
-                slots.clear_if_dead(self.seg, slot, gen)
+        self._reclaim_unadopted()
         if not self.clients and self.idle_exit_s is not None and \
                 time.monotonic() - self._last_client > self.idle_exit_s:
             self._running = False
@@ -124,28 +138,55 @@ class Owner:
         except FileNotFoundError:
             self._running = False
 
+    def _reclaim_unadopted(self) -> None:
+        """Dead slots we never adopted (a client killed before its hello was served, a job
+        channel whose scheduler died) go back to FREE: nobody else clears them while we live."""
+        for slot in range(self.seg.geometry.max_clients):
+            if slot in self.clients:
+                continue
+            state, _, gen, _, _ = self._slot_state(slot)
+            if state == slots.CLIENT and not self._writer_alive(slot, gen):
+                self._reclaim(slot, gen)
+            elif state == slots.CHANNEL:  # holds nothing of ours: it just goes FREE
+                slots.clear_if_dead(self.seg, slot, gen)
+
     def _retire_counters(self, slot: int) -> None:
         """Fold a leaving client's own counters into the segment's totals."""
         for name, value in zip(L.SLOT_COUNTERS, slots.counters(self.seg, slot).tolist()):
             self.seg.counter_add(f"gone_{name}", value)
 
+    def _drop_client(self, slot: int) -> None:
+        c = self.clients.pop(slot, None)
+        if c is not None:
+            c.close()
+
     def _reclaim(self, slot: int, gen: int) -> None:
-        if self.clients.pop(slot, None) is not None and self._slot_gen(slot) == gen:
+        """Release everything a dead client held, then free its slot (after we stopped
+        reading its rings, so nobody can re-format them under us)."""
+        if self._slot_gen(slot) == gen:
             self._retire_counters(slot)
+        self._drop_client(slot)
         self._last_client = time.monotonic()
         freed = self.manager.reclaim_writer(slot, gen)
-        # Clients only claim FREE slots, so nobody reformats rings we might still be reading.
+        crash_point("owner.reclaim.mid")
         slots.clear_if_dead(self.seg, slot, gen)
         self.seg.counter_add("reclaimed_clients")
         self.seg.counter_add("reclaimed_blocks", freed)
         log.info("reclaimed client slot %d gen %d: %d unfinished stores freed", slot, gen, freed)
+
+    def _quarantine(self, c: _Client, why: str) -> None:
+        """Stop reading a client we cannot parse. Its holds still count while it lives."""
+        c.quarantined = True
+        c.unsent = []
+        self.seg.counter_add("errors")
+        log.warning("client slot %d gen %d quarantined: %s", c.slot, c.gen, why)
 
     # --- serving ------------------------------------------------------------------------
     def _pending(self) -> bool:
         if self._newcomer[0]:
             return True
         for c in self.clients.values():
-            if c.requests.pending():
+            if not (c.quarantined or c.unsent) and c.requests.pending():
                 return True
         return False
 
@@ -160,70 +201,149 @@ class Owner:
                 if state == L.SLOT_ACTIVE and self._writer_alive(slot, gen):
                     try:
                         self.clients[slot] = _Client(self.seg, slot, gen, False)
-                    except KvshmError as e:  # its rings are not rings: ignore that client
+                    except KvshmError as e:  # its rings are not rings: it gets no service,
                         log.warning("client slot %d: unusable rings (%s)", slot, e)
                         self.seg.counter_add("errors")
-                        continue
+                        continue  # and holds nothing we know of; reclaimed once dead
                     self._last_client = time.monotonic()
 
     def serve_once(self) -> int:
-        """Answer every frame waiting now. Returns how many were handled."""
+        """Answer what waits now, at most ``FRAMES_PER_PASS`` frames per client (so one
+        chatty client cannot starve the others). Returns how many frames were handled."""
         n = 0
         if self._newcomer[0]:
             self._discover()
         for c in list(self.clients.values()):
-            if self._slot_gen(c.slot) != c.gen:
-                # The client left without a goodbye and a new one took its slot: our ring
-                # objects are stale. Reclaim; the newcomer is discovered afresh.
-                self._reclaim(c.slot, c.gen)
+            if c.quarantined or (c.unsent and not self._flush(c)):
                 continue
-            while True:
+            for _ in range(FRAMES_PER_PASS):
                 try:
-                    frame = c.requests.try_get()
+                    view = c.requests.peek()
+                    if view is None:
+                        break
+                    frame = view.tobytes()
+                    view.release()
                 except KvshmError as e:  # the client scribbled over its own ring
-                    log.warning("client slot %d: request ring unreadable (%s); dropping "
-                                "the client", c.slot, e)
-                    self.seg.counter_add("errors")
-                    self.clients.pop(c.slot, None)
-                    break
-                if frame is None:
+                    self._quarantine(c, f"request ring unreadable ({e})")
                     break
                 n += 1
-                self._handle(c, frame)
+                self._serve_frame(c, frame)
+                if self.clients.get(c.slot) is not c or c.quarantined or c.unsent:
+                    break  # gone (goodbye), unusable, or its reply waits for room
         if n:
             self.seg.counter_add("frames", n)
         return n
 
-    def _handle(self, c: _Client, frame: bytes) -> None:
-        req = 0
+    def _serve_frame(self, c: _Client, frame: bytes) -> None:
+        """One frame, exactly once: record it consumed, execute, reply, record it answered,
+        and only then release it from the request ring (see ``owner_link.py``)."""
         try:
             msg = P.request_decoder.decode(frame)
-            req = msg.req
-            reply = self._handlers[type(msg)](c, msg)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             self.seg.counter_add("errors")
-            reply = P.Error(req, "ProtocolError", f"undecodable request frame: {e}")
+            c.requests.advance()
+            self._reply(c, 0, [P.Error(0, self.epoch, "ProtocolError",
+                                       f"undecodable request frame: {e}")])
+            return
+        req = msg.req
+        if isinstance(msg, P.Bye):
+            self._goodbye(c, msg)
+            return
+        served = c.served
+        if req and req <= served[2]:  # answered already (by a dead owner): drop the copy
+            c.requests.advance()
+            return
+        replay = bool(req) and req == served[1]
+        if isinstance(msg, P.PrepareStore) and (msg.more or msg.part):
+            keys = self._gather(c, msg)
+            if keys is None:
+                c.requests.advance()
+                return  # more parts to come; nothing executed yet
+            if not replay and c.parts_lost:  # its first parts died with an owner that
+                c.parts_lost = False         # never executed it: provably safe to resend
+                self._answer(c, req, [P.Retry(req, self.epoch)])
+                return
+            msg = msgspec.structs.replace(msg, keys=keys)
+        if req:
+            attempts = int(served[3]) + 1 if replay else 1
+            if attempts > MAX_ATTEMPTS:  # it killed every owner that began it: drop it
+                self._answer(c, req, [P.Error(req, self.epoch, "ProtocolError",
+                                              f"request {req} was in progress when "
+                                              f"{MAX_ATTEMPTS} owners died; it was dropped")])
+                return
+            served[0], served[3] = self.epoch, attempts
+            served[1] = req  # consumed: from here on a successor replays instead of executing
+            crash_point("owner.request.after_consume")
+        replies = self._execute(c, msg, replay)
+        crash_point("owner.request.after_execute")
+        if req:
+            self._answer(c, req, replies)
+        else:
+            c.requests.advance()
+
+    def _gather(self, c: _Client, msg: P.PrepareStore) -> list[bytes] | None:
+        """Collect the parts of a request sent in several frames: its keys once the last
+        part is in, else None. ``c.parts_lost`` says whether a part never reached us."""
+        if c.parts_req != msg.req:
+            c.parts, c.parts_req, c.parts_lost = [], msg.req, msg.part != 0
+        elif c.parts_next != msg.part:
+            c.parts_lost = True
+        c.parts.extend(msg.keys)
+        c.parts_next = msg.part + 1
+        if msg.more:
+            return None
+        keys, c.parts, c.parts_req = c.parts, [], 0
+        return keys
+
+    def _execute(self, c: _Client, msg: P._Msg, replay: bool) -> list[P._Msg]:
+        req = msg.req
+        try:
+            return self._handlers[type(msg)](c, msg, replay)
         except KvshmError as e:
             self.seg.counter_add("errors")
-            reply = P.error_reply(req, e)
+            return [P.error_reply(req, self.epoch, e)]
         except Exception as e:  # never let a bad request take the owner down
             log.exception("request failed")
             self.seg.counter_add("errors")
-            reply = P.Error(req, "ProtocolError", f"owner could not apply request: {e!r}")
-        if reply is None or not (req or isinstance(reply, P.Error)):
-            return
-        try:
-            frame = P.reply_encoder.encode(reply)
+            return [P.Error(req, self.epoch, "ProtocolError",
+                            f"owner could not apply request: {e!r}")]
+
+    def _answer(self, c: _Client, req: int, replies: list[P._Msg]) -> None:
+        c.unsent_req = req
+        self._reply(c, req, replies)
+
+    def _reply(self, c: _Client, req: int, replies: list[P._Msg]) -> None:
+        frames = []
+        for r in replies:
+            frame = P.reply_encoder.encode(r)
             if len(frame) > c.max_reply:
                 self.seg.counter_add("errors")
                 frame = P.reply_encoder.encode(P.Error(
-                    req, "FrameTooLargeError", f"the reply ({len(frame)} bytes) exceeds the "
-                    "ring's frame size; send fewer keys per request"))
-            c.replies.put(frame, timeout=5.0)
-            c.bell.ring()
-        except KvshmError as e:  # a client that stopped draining its replies: drop it
-            self.seg.counter_add("errors")
-            log.warning("client slot %d: reply dropped: %s", c.slot, e)
+                    req, self.epoch, "FrameTooLargeError", f"a reply part ({len(frame)} "
+                    "bytes) exceeds the ring's frame size; send fewer keys per request"))
+            frames.append(frame)
+        c.unsent = frames
+        self._flush(c)
+
+    def _flush(self, c: _Client) -> bool:
+        """Put what waits for ``c``'s reply ring; never blocks. True once all is out, the
+        request is recorded answered and released from the request ring."""
+        try:
+            while c.unsent:
+                if not c.replies.try_put(c.unsent[0]):
+                    c.bell.ring()
+                    return False  # it does not drain its replies: try again next pass
+                c.unsent.pop(0)
+        except KvshmError as e:
+            self._quarantine(c, f"reply ring unusable ({e})")
+            return False
+        c.bell.ring()
+        if c.unsent_req:
+            crash_point("owner.request.after_reply")
+            c.served[2] = c.unsent_req  # answered
+            c.requests.advance()
+            c.unsent_req = 0
+        return True
 
     def run(self) -> None:
         next_scan = 0.0
@@ -247,54 +367,70 @@ class Owner:
     def close(self) -> None:
         self.manager.shutdown()
         for c in self.clients.values():
-            c.bell.close()
+            c.close()
         self.bell.close()
         self._newcomer.release()
         self.seg.close()
 
-    # --- handlers -----------------------------------------------------------------------
-    def _hello(self, c: _Client, m: P.Hello) -> P.Reply:
+    # --- handlers: (client, message, replay) -> reply parts -----------------------------
+    # ``replay``: a dead owner began this request. Answer from the record (the table and
+    # the keys it still has pending for this client), never execute it a second time.
+    def _hello(self, c: _Client, m: P.Hello, replay: bool) -> list[P._Msg]:
         if (m.slot, m.gen) != (c.slot, c.gen):
-            return P.Error(m.req, "ProtocolError",
-                           f"hello names slot {m.slot} gen {m.gen} but came on slot {c.slot} "
-                           f"gen {c.gen}")
+            return [P.Error(m.req, self.epoch, "ProtocolError",
+                            f"hello names slot {m.slot} gen {m.gen} but came on slot {c.slot} "
+                            f"gen {c.gen}")]
         c.events = m.events
-        return P.Ok(m.req, self.manager.epoch)
+        return [P.Ok(m.req, self.epoch, self.epoch)]
 
-    def _lookup(self, c: _Client, m: P.Lookup) -> P.Reply:
+    def _lookup(self, c: _Client, m: P.Lookup, replay: bool) -> list[P._Msg]:
         self.seg.counter_add("lookups_owner")
-        return P.Ok(m.req, self.manager.lookup(m.keys))
+        return [P.Ok(m.req, self.epoch, self.manager.lookup(m.keys))]
 
-    def _prepare_store(self, c: _Client, m: P.PrepareStore) -> P.Reply:
+    def _prepare_store(self, c: _Client, m: P.PrepareStore, replay: bool) -> list[P._Msg]:
         writer = (c.slot, c.gen, m.req)
-        if m.replay:  # the dead owner may have placed some keys: answer with those too
+        if replay:  # what the dead owner granted, and nothing more: evictions are unknown
             done = self.manager.pending_of(writer, m.req)
-            if done:
-                rest = [k for k in m.keys if self.manager.block_of(k) is None]
-                out = self.manager.prepare_store(rest, writer) if rest else None
-                keys, blocks = [k for k, _ in done], [b for _, b in done]
-                if out is not None:
-                    keys, blocks = keys + out.keys_to_store, blocks + out.block_ids
-                self._fan_out()
-                return P.Prepared(m.req, keys, blocks, out.evicted_keys if out else [])
+            return self._prepared(m.req, [k for k, _ in done], [b for _, b in done], [], True)
         out = self.manager.prepare_store(m.keys, writer)
         self._fan_out()
         if out is None:
-            return P.NoRoom(m.req)
-        return P.Prepared(m.req, out.keys_to_store, out.block_ids, out.evicted_keys)
+            return [P.NoRoom(m.req, self.epoch)]
+        return self._prepared(m.req, out.keys_to_store, out.block_ids, out.evicted_keys, False)
 
-    def _complete_store(self, c: _Client, m: P.CompleteStore) -> P.Reply:
-        self.manager.complete_store(m.keys, m.success, (c.slot, c.gen, m.req))
+    def _prepared(self, req: int, keys: list[bytes], blocks: list[int], evicted: list[bytes],
+                  replayed: bool) -> list[P._Msg]:
+        """A Prepared reply, in as many frames as it needs."""
+        n = max(1, (Ring.max_payload(self.seg.geometry.ring_capacity) - 64)
+                // (L.MAX_KEY_BYTES + 16))
+        parts, i, j = [], 0, 0
+        while True:
+            k, e = keys[i:i + n], evicted[j:j + max(0, n - len(keys[i:i + n]))]
+            i, j = i + len(k), j + len(e)
+            more = i < len(keys) or j < len(evicted)
+            parts.append(P.Prepared(req, self.epoch, k, blocks[i - len(k):i], e, more,
+                                    len(parts), replayed))
+            if not more:
+                return parts
+
+    def _complete_store(self, c: _Client, m: P.CompleteStore, replay: bool) -> list[P._Msg]:
+        writer = (c.slot, c.gen, m.req)
+        if replay or m.of_req:  # apply only to what is still ours (of that request)
+            mine = {k for k, _ in self.manager.pending_of(writer, m.of_req or None)}
+            self.manager.complete_store([k for k in m.keys if k in mine], m.success, writer)
+        else:
+            self.manager.complete_store(m.keys, m.success, writer)
         self._fan_out()
-        return P.Ok(m.req)
+        return [P.Ok(m.req, self.epoch)]
 
-    def _touch(self, c: _Client, m: P.Touch) -> P.Reply:
+    def _touch(self, c: _Client, m: P.Touch, replay: bool) -> list[P._Msg]:
         self.manager.touch(m.keys)
         self.seg.counter_add("touches")
-        return P.Ok(m.req)
+        return [P.Ok(m.req, self.epoch)]
 
-    def _take_events(self, c: _Client, m: P.TakeEvents) -> P.Reply:
-        # As many events as fit one reply frame; the rest wait for the next call.
+    def _take_events(self, c: _Client, m: P.TakeEvents, replay: bool) -> list[P._Msg]:
+        # As many events as fit one reply frame; the rest wait for the next call. (A replay
+        # finds an empty log: the events died with the owner that recorded them.)
         room, n = c.max_reply // 2, 0
         for n, (_, keys) in enumerate(c.events_log):
             room -= sum(len(k) + 3 for k in keys) + 8
@@ -302,15 +438,27 @@ class Owner:
                 break
         else:
             n = len(c.events_log)
-        log, c.events_log = c.events_log[:n], c.events_log[n:]
-        return P.Events(m.req, [rm for rm, _ in log], [k for _, k in log])
+        log_, c.events_log = c.events_log[:n], c.events_log[n:]
+        return [P.Events(m.req, self.epoch, [rm for rm, _ in log_], [k for _, k in log_])]
 
-    def _bye(self, c: _Client, m: P.Bye) -> P.Reply | None:
+    def _goodbye(self, c: _Client, m: P.Bye) -> None:
+        """Free the client's unfinished stores and its slot. The request frame is released
+        and the client forgotten *before* the reply: once the client reads it, it unlocks
+        its slot and a newcomer may re-format the rings, which we must never touch again."""
         self.manager.reclaim_writer(c.slot, c.gen)
         self._retire_counters(c.slot)
+        c.requests.advance()
+        replies, bell = c.replies, c.bell
         self.clients.pop(c.slot, None)
+        slots.clear(self.seg, c.slot, c.gen)
         self._last_client = time.monotonic()
-        return P.Ok(m.req) if m.req else None
+        if m.req:
+            try:
+                replies.try_put(P.reply_encoder.encode(P.Ok(m.req, self.epoch)))
+            except KvshmError:
+                pass  # it gives up waiting and unlocks all the same
+            bell.ring()
+        c.close()
 
     def _fan_out(self) -> None:
         """Every client that asked for events sees every change of the shared cache."""

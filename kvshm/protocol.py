@@ -4,9 +4,13 @@ This module owns the message types (one tagged union per direction) and their re
 encoder/decoders. Frames are msgpack arrays (``array_like``) so a 32-key request costs about
 a microsecond to encode and decode. It never touches shared memory or manager state.
 
-Every request carries ``req``, the client's request number; the reply echoes it. ``req == 0``
-marks a one-way request (no reply). ``replay`` marks a request resent after an owner died
-having consumed it without answering; the owner then answers from what it already did.
+Every request carries ``req``, the client's request number (u64, increasing per slot
+generation); every reply echoes it and carries the epoch of the owner that wrote it. ``req == 0``
+marks a one-way request (no reply). A ``PrepareStore`` too large for one frame travels as
+several frames with the same ``req`` (``part`` 0, 1, ...; all but the last with ``more``): the
+owner executes it once, whole, when the last part arrives, and answers in parts the same way.
+Other requests that are too large are split by the client into independent requests. Why a request
+is executed at most once whatever dies is told in ``owner_link.py``.
 """
 from __future__ import annotations
 
@@ -35,16 +39,18 @@ class Lookup(_Msg):  # owner-side lookup; clients normally read the segment inst
     keys: list[bytes]
 
 
-class PrepareStore(_Msg):
+class PrepareStore(_Msg):  # one atomic operation, however many frames it takes
     req: int
     keys: list[bytes]
-    replay: bool = False
+    more: bool = False  # more parts of this request follow
+    part: int = 0  # index of this part
 
 
 class CompleteStore(_Msg):
     req: int
     keys: list[bytes]
     success: bool = True
+    of_req: int = 0  # only the keys granted by this earlier request (an undo), if non-zero
 
 
 class Touch(_Msg):
@@ -66,33 +72,48 @@ Request = Union[Hello, Lookup, PrepareStore, CompleteStore, Touch, TakeEvents, B
 # --- owner -> client ---------------------------------------------------------------------
 class Ok(_Msg):
     req: int
+    epoch: int
     value: int = 0
 
 
 class Prepared(_Msg):
     req: int
+    epoch: int
     keys: list[bytes]
     blocks: list[int]
     evicted: list[bytes]
+    more: bool = False  # more parts of this reply follow
+    part: int = 0  # 0 starts a reply afresh (a successor's replay restarts a partial one)
+    replayed: bool = False  # answered from the record by a successor: evictions are unknown
 
 
 class NoRoom(_Msg):
     req: int
+    epoch: int
 
 
 class Events(_Msg):
     req: int
+    epoch: int
     removed: list[bool]  # per event, in the order they happened
     keys: list[list[bytes]]
 
 
+class Retry(_Msg):
+    """The request was provably not executed (its parts were lost with a dead owner):
+    send it again under a new request id."""
+    req: int
+    epoch: int
+
+
 class Error(_Msg):
     req: int
+    epoch: int
     kind: str  # name of a class in kvshm.errors
     message: str
 
 
-Reply = Union[Ok, Prepared, NoRoom, Events, Error]
+Reply = Union[Ok, Prepared, NoRoom, Events, Retry, Error]
 
 request_encoder = msgspec.msgpack.Encoder()
 request_decoder = msgspec.msgpack.Decoder(Request)
@@ -100,9 +121,9 @@ reply_encoder = request_encoder
 reply_decoder = msgspec.msgpack.Decoder(Reply)
 
 
-def error_reply(req: int, exc: BaseException) -> Error:
+def error_reply(req: int, epoch: int, exc: BaseException) -> Error:
     kind = type(exc).__name__ if isinstance(exc, errors.KvshmError) else "ProtocolError"
-    return Error(req, kind, str(exc) or kind)
+    return Error(req, epoch, kind, str(exc) or kind)
 
 
 def raise_error(reply: Error) -> None:

@@ -3,8 +3,10 @@
 This module owns the life cycle of a slot. A slot belongs to whoever holds its kernel lock
 (``LOCK_CLIENT_BASE + slot``); its record says what it is (free, a manager client, or a job
 channel between an engine's scheduler and a worker). Only slots whose record is FREE are
-claimed, so nobody reformats rings that an owner may still be reading: a dead client's slot
-is cleared (under its lock) by the owner or ``kvshm-inspect gc`` first.
+claimed, so nobody reformats rings that an owner may still be reading. A client slot goes back
+to FREE only through the owner (after a goodbye, or when it sees the holder dead, adopted or
+not), or through ``kvshm-inspect gc`` while it holds the owner lock: the one process that may
+be reading a slot's rings is the one that clears it.
 It never talks to the owner and never imports torch.
 """
 from __future__ import annotations
@@ -23,7 +25,7 @@ from .fence import full_fence
 from .ring import Ring
 from .segment import Segment
 
-FREE, CLIENT, CHANNEL = 0, L.SLOT_ACTIVE, 2
+FREE, CLIENT, CHANNEL = L.SLOT_FREE, L.SLOT_ACTIVE, L.SLOT_CHANNEL
 
 
 def record(seg: Segment, slot: int) -> tuple[int, int, int, int, bytes]:
@@ -53,36 +55,60 @@ def claim(seg: Segment, wait_for_reclaim: Callable[[], None] | None = None,
         if not dirty or wait_for_reclaim is None or time.monotonic() > deadline:
             raise ClientSlotsExhaustedError(
                 f"all {g.max_clients} client slots of segment {seg.name!r} are in use"
-                + (" or wait to be reclaimed (run 'kvshm-inspect gc')" if dirty else "")
+                + (" or belong to dead clients not yet reclaimed (a live owner reclaims them "
+                   "within a second; with none, 'kvshm-inspect gc' does)" if dirty else "")
                 + "; close unused clients or create the segment with more max_clients")
         wait_for_reclaim()
         time.sleep(0.05)  # polling the owner's reclaim, bounded by the deadline
 
 
+def _words(seg: Segment, slot: int) -> memoryview:
+    off = seg.geometry.slot_offset(slot)
+    return seg.buf[off:off + L.SLOT_HEAD_BYTES]
+
+
+def _store(seg: Segment, slot: int, off: int, value: int, fmt: str = "Q") -> None:
+    """One aligned word store into the slot record (readers see old or new, never torn)."""
+    with _words(seg, slot)[off:off + 8 if fmt == "Q" else off + 4].cast(fmt) as w:
+        w[0] = value
+
+
 def activate(seg: Segment, slot: int, gen: int, state: int = CLIENT) -> None:
-    """Reset a claimed slot (holds, counters, rings) and publish its record."""
-    g, buf = seg.geometry, seg.buf
-    base = g.slot_offset(slot)
+    """Reset a claimed slot (holds, counters, served record, rings) and publish its record."""
+    g = seg.geometry
     holds(seg, slot)[:] = -1
     counters(seg, slot)[:] = 0
+    served(seg, slot)[:] = 0
     for name in L.RING_NAMES:
         Ring.format(ring_view(seg, slot, name), g.ring_capacity)
     name = os.path.basename(sys.argv[0] or "python")[:32].encode()
-    full_fence()
-    L.SLOT.pack_into(buf, base, state, os.getpid(), gen, time.time_ns(), name)
+    head = _words(seg, slot)
+    head[L.SLOT_OFF_NAME:L.SLOT_OFF_NAME + 32] = name.ljust(32, b"\0")
+    _store(seg, slot, L.SLOT_OFF_PID, os.getpid(), "I")
+    _store(seg, slot, L.SLOT_OFF_ATTACHED, time.time_ns())
+    _store(seg, slot, L.SLOT_OFF_GEN, gen)
+    full_fence()  # everything above before the state that publishes it
+    _store(seg, slot, L.SLOT_OFF_STATE, state, "I")
     full_fence()
 
 
 def release(seg: Segment, slot: int, gen: int) -> None:
-    """Clear a slot we hold and unlock it."""
+    """Clear a slot we hold and unlock it. Only for slots no owner reads (job channels)."""
     clear(seg, slot, gen)
+    unlock(seg, slot)
+
+
+def unlock(seg: Segment, slot: int) -> None:
+    """Give up our hold of ``slot``; its record stays for the owner to reclaim."""
     locks.unlock(seg.fd, L.LOCK_CLIENT_BASE + slot)
 
 
 def clear(seg: Segment, slot: int, gen: int) -> None:
-    """Mark ``slot`` FREE (caller holds its lock), keeping the generation count."""
+    """Mark ``slot`` FREE, keeping the generation count. The caller holds its lock, or is
+    the owner, which alone clears client slots (it stops reading their rings first)."""
     holds(seg, slot)[:] = -1
-    L.SLOT.pack_into(seg.buf, seg.geometry.slot_offset(slot), FREE, 0, gen, 0, b"")
+    _store(seg, slot, L.SLOT_OFF_STATE, FREE, "I")
+    _store(seg, slot, L.SLOT_OFF_PID, 0, "I")
 
 
 def clear_if_dead(seg: Segment, slot: int, gen: int) -> bool:
@@ -96,6 +122,12 @@ def clear_if_dead(seg: Segment, slot: int, gen: int) -> bool:
         return True
     finally:
         locks.unlock(seg.fd, L.LOCK_CLIENT_BASE + slot)
+
+
+def served(seg: Segment, slot: int) -> np.ndarray:
+    """The slot's served record (``layout.SERVED_FIELDS``), u64 words the owner writes."""
+    return np.frombuffer(seg.buf, np.uint64, len(L.SERVED_FIELDS),
+                         seg.geometry.slot_offset(slot) + L.SLOT_OFF_SERVED)
 
 
 def holds(seg: Segment, slot: int) -> np.ndarray:

@@ -42,10 +42,14 @@ class OwnerFuzz(RuleBasedStateMachine):
         self.name = unique_name()
         self.a = connect(self.name, TEST_LAYOUT, num_blocks=6, **SMALL_GEOMETRY)
         self.b = connect(self.name)
+        # Raw frames go on a third client's ring: a client that breaks the protocol (ids out
+        # of order, garbage) may lose its own service, never anyone else's.
+        self.hostile = connect(self.name)
         self.owner = self.a.segment.owner_record()[0]
 
     def teardown(self):
-        for m in (getattr(self, "b", None), getattr(self, "a", None)):
+        for m in (getattr(self, "hostile", None), getattr(self, "b", None),
+                  getattr(self, "a", None)):
             if m is not None:
                 m.shutdown()
         if getattr(self, "owner", 0):
@@ -93,13 +97,13 @@ class OwnerFuzz(RuleBasedStateMachine):
         self._raw(_mangle(P.request_encoder.encode(msg), how, cut))
 
     def _raw(self, frame: bytes):
-        """Send a frame on client a's ring and read whatever the owner answers."""
-        m = self.a
-        m._requests.put(frame, timeout=5)
-        m._owner_bell.ring()
+        """Send a frame on the hostile client's ring and read whatever the owner answers."""
+        m = self.hostile
+        m._link.requests.put(frame, timeout=5)
+        m._link.owner_bell.ring()
         # A frame that decodes as a valid one-way Touch gets no reply; anything else does.
-        if m._reply_bell.wait(0.5, m._replies.pending, 0.001):
-            reply = P.reply_decoder.decode(m._replies.try_get())
+        if m._link.reply_bell.wait(0.5, m._link.replies.pending, 0.001):
+            reply = P.reply_decoder.decode(m._link.replies.try_get())
             assert isinstance(reply, P._Msg)
 
     @invariant()

@@ -200,10 +200,10 @@ def test_four_clients_random_traffic_keep_every_invariant(seg_name):
 # --- bad frames --------------------------------------------------------------------------
 def _raw_call(mgr, frame: bytes):
     """Put raw bytes on ``mgr``'s request ring and return the decoded reply."""
-    mgr._requests.put(frame, timeout=5)
-    mgr._owner_bell.ring()
-    assert mgr._reply_bell.wait(10, mgr._replies.pending, 0.001)
-    return P.reply_decoder.decode(mgr._replies.try_get())
+    mgr._link.requests.put(frame, timeout=5)
+    mgr._link.owner_bell.ring()
+    assert mgr._link.reply_bell.wait(10, mgr._link.replies.pending, 0.001)
+    return P.reply_decoder.decode(mgr._link.replies.try_get())
 
 
 @pytest.mark.parametrize("frame", [
@@ -227,7 +227,7 @@ def test_bad_arguments_get_typed_errors_from_the_owner(cache):
     with pytest.raises(UnknownKeyError):
         cache.complete_store([b"never-prepared"])
     cache.prepare_store([b"mine"])
-    reply = _raw_call(cache, P.request_encoder.encode(P.CompleteStore(99, [b"zzz"])))
+    reply = _raw_call(cache, P.request_encoder.encode(P.CompleteStore(cache._link.next_req(), [b"zzz"])))
     assert reply.kind == "UnknownKeyError"
     with pytest.raises(BlockStateError):
         cache.complete_load([b"mine"])

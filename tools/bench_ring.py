@@ -89,22 +89,22 @@ class _Apply:
             t = type(msg)
             if t is P.Lookup:
                 self.seg.counter_add("lookups_owner")
-                reply = P.Ok(req, m.lookup(msg.keys))
+                reply = P.Ok(req, 1, m.lookup(msg.keys))
             elif t is P.PrepareStore:
                 out = m.prepare_store(msg.keys)
                 m.take_events()
-                reply = P.NoRoom(req) if out is None else \
-                    P.Prepared(req, out.keys_to_store, out.block_ids, out.evicted_keys)
+                reply = P.NoRoom(req, 1) if out is None else \
+                    P.Prepared(req, 1, out.keys_to_store, out.block_ids, out.evicted_keys)
             elif t is P.CompleteStore:
                 m.complete_store(msg.keys, msg.success)
                 m.take_events()
-                reply = P.Ok(req)
+                reply = P.Ok(req, 1)
             elif t is P.Bye:
-                return P.reply_encoder.encode(P.Ok(req)), True
+                return P.reply_encoder.encode(P.Ok(req, 1)), True
             else:
-                reply = P.Error(req, "ProtocolError", f"unsupported {t.__name__}")
+                reply = P.Error(req, 1, "ProtocolError", f"unsupported {t.__name__}")
         except Exception as e:  # noqa: BLE001 - report, like the owner does
-            reply = P.error_reply(req, e)
+            reply = P.error_reply(req, 1, e)
         return P.reply_encoder.encode(reply), False
 
     def close(self) -> None:
@@ -370,7 +370,7 @@ def run(iterations: int, warmup: int, local_iterations: int, idle_s: float,
         codec = []
         for i in range(2000):
             t0 = time.perf_counter_ns()
-            drep(enc(P.Ok(dreq(enc(P.Lookup(i + 1, lookup_keys))).req, 32)))
+            drep(enc(P.Ok(dreq(enc(P.Lookup(i + 1, lookup_keys))).req, 1, 32)))
             codec.append(time.perf_counter_ns() - t0)
         result["codec_lookup32_p50_us"] = _pct(sorted(codec), 50)
 
