@@ -180,6 +180,10 @@ class Ring:
             self._tail_seen = self._w[_TAIL]
             if head == self._tail_seen:
                 return None
+            if not 0 < self._tail_seen - head <= self._cap:  # a scribbled tail: never trust it
+                raise ProtocolError(f"ring tail {self._tail_seen} is not within capacity "
+                                    f"{self._cap} of head {head}: the producer overwrote "
+                                    "the ring's header")
             if _WEAK_ORDER:
                 memory_fence()  # tail read before the payload it covers
         pos = head % self._cap

@@ -122,3 +122,50 @@ def store_then_hang(name: str, conn, layout, num_blocks: int, ready: list[bytes]
     out = mgr.prepare_store(writing)
     conn.send({"owner": mgr.segment.owner_record()[0], "writing": out.block_ids})
     conn.recv()  # SIGKILLed here, with its owner
+
+
+def cont_when_stopped(pid: int, stall_s: float) -> None:
+    """Wait until ``pid`` stopped itself (a crash point with SIGSTOP), keep it stopped for
+    ``stall_s`` — the stall is the scenario (an owner slower than a client's patience), not
+    synchronisation — then let it go on."""
+    import signal
+    import time
+    deadline = time.monotonic() + 30
+    while _proc_state(pid) != "T":
+        if time.monotonic() > deadline:
+            return
+        time.sleep(0.005)  # polling the process state, bounded by the deadline
+    time.sleep(stall_s)
+    os.kill(pid, signal.SIGCONT)
+
+
+def _proc_state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return ""
+
+
+def poison_request(name: str, conn) -> None:
+    """Make every owner that begins our next request die there; report what the call says."""
+    import signal
+    from kvshm.errors import KvshmError
+    mgr = connect(name)
+    store(mgr, [b"poison-0"])
+    os.environ["KVSHM_CRASH_AT"] = "owner.request.after_consume"  # owners we start inherit it
+    os.kill(mgr.segment.owner_record()[0], signal.SIGKILL)
+    try:
+        mgr.prepare_store([b"poison-1"])
+        conn.send({"error": None, "message": ""})
+    except KvshmError as e:
+        conn.send({"error": type(e).__name__, "message": str(e)})
+    del os.environ["KVSHM_CRASH_AT"]
+
+
+def reconnect_loop(name: str, cycles: int) -> None:
+    """connect, one lookup, shutdown — again and again, as fast as possible."""
+    for _ in range(cycles):
+        mgr = connect(name, timeout=10.0)
+        mgr.lookup([b"reconnect-probe"])
+        mgr.shutdown()

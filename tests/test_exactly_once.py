@@ -1,0 +1,264 @@
+"""The control plane under an adversary: exactly-once requests, an owner no client can stall,
+slots that always come back.
+
+Owners are started by the test (``owner_proc``) so that a crash point (``kvshm/crashpoints.py``)
+can stop one at an exact step; successors are started by the clients, without crash points.
+Child processes are spawned and driven through pipes; waiting polls a condition with a
+deadline that bounds a hang (it is not what a test asserts).
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from kvshm import layout as L
+from kvshm import protocol as P
+from kvshm import slots
+from kvshm.client import connect
+from kvshm.errors import ProtocolError, ReplyTimeoutError
+from kvshm.segment import Segment
+from kvshm.snapshot import verify
+
+import procs
+from conftest import SMALL_GEOMETRY, TEST_LAYOUT, stop_owner
+from test_shared import states, wait_for
+
+CTX = mp.get_context("spawn")
+KEYS = [b"once-key-%03d" % i for i in range(400)]
+
+
+def owner_proc(name: str, crash_at: str | None = None, signal_name: str = "KILL"):
+    """Start an owner for ``name``, optionally armed to stop at crash point ``crash_at``."""
+    env = dict(os.environ)
+    env.pop("KVSHM_CRASH_AT", None)
+    if crash_at:
+        env.update(KVSHM_CRASH_AT=crash_at, KVSHM_CRASH_SIGNAL=signal_name)
+    p = subprocess.Popen([sys.executable, "-m", "kvshm.owner", name], env=env,
+                         stdin=subprocess.DEVNULL)
+    seg = Segment.attach(name)
+    try:
+        wait_for(lambda: seg.owner_record()[0] == p.pid, "the owner to start and rebuild")
+    finally:
+        seg.close()
+    return p
+
+
+@pytest.fixture
+def seg(seg_name):
+    s = Segment.create(seg_name, TEST_LAYOUT, 16, **SMALL_GEOMETRY)
+    yield s
+    pid = s.owner_record()[0]
+    s.close()
+    if pid:
+        stop_owner(pid)
+
+
+def _writing_blocks(seg: Segment) -> int:
+    return states(seg).count(L.WRITING)
+
+
+# --- exactly-once --------------------------------------------------------------------------
+def test_owner_dying_after_executing_a_store_grants_its_blocks_once(seg):
+    first = owner_proc(seg.name, "owner.request.after_execute:2")  # hello is request 1
+    mgr = connect(seg.name)
+    out = mgr.prepare_store(KEYS[:4])  # executed by the first owner, answered by the next
+    first.wait()
+    assert first.returncode == -signal.SIGKILL
+    assert sorted(out.keys_to_store) == sorted(KEYS[:4]) and len(set(out.block_ids)) == 4
+    assert _writing_blocks(seg) == 4  # granted once: a second grant would show 8
+    planes = seg.planes()
+    for k, b in zip(out.keys_to_store, out.block_ids):
+        procs.fill(planes, b, k)
+    mgr.complete_store(out.keys_to_store)
+    assert mgr.lookup(KEYS[:4]) == 4
+    blocks = mgr.prepare_load(KEYS[:4])
+    assert all(procs.check(planes, b, k) for b, k in zip(blocks, KEYS[:4]))
+    mgr.complete_load(KEYS[:4])
+    mgr.shutdown()
+
+
+def test_a_slow_owner_is_waited_for_not_sent_the_request_again(seg):
+    # A failover first, so the client has seen two epochs; then an owner that stalls right
+    # after consuming a store. The client must wait, not resend: a resend was executed as
+    # a second grant of the same blocks.
+    mgr = connect(seg.name)
+    procs.store(mgr, KEYS[:2])
+    stop_owner(seg.owner_record()[0])
+    slow = owner_proc(seg.name, "owner.request.after_consume", "STOP")
+    assert mgr.lookup(KEYS[:2]) == 2
+    waiter = CTX.Process(target=procs.cont_when_stopped, args=(slow.pid, 1.0), daemon=True)
+    waiter.start()
+    out = mgr.prepare_store(KEYS[2:6])
+    waiter.join()
+    assert len(set(out.block_ids)) == 4 and _writing_blocks(seg) == 4
+    mgr.complete_store(out.keys_to_store)
+    assert _writing_blocks(seg) == 0 and verify(seg) == []
+    mgr.shutdown()
+    slow.kill()
+    slow.wait()
+
+
+def test_owner_dying_after_its_reply_is_answered_once(seg):
+    first = owner_proc(seg.name, "owner.request.after_reply:2")
+    mgr = connect(seg.name)
+    out = mgr.prepare_store(KEYS[:3])
+    first.wait()
+    # The successor replays the request whose reply was already out; its second reply is
+    # dropped by the client, and no block is granted twice.
+    mgr.complete_store(out.keys_to_store)
+    assert mgr.lookup(KEYS[:3]) == 3
+    assert _writing_blocks(seg) == 0 and verify(seg) == []
+    mgr.shutdown()
+
+
+def test_a_request_that_kills_every_owner_fails_instead_of_looping(seg_name):
+    Segment.create(seg_name, TEST_LAYOUT, 16, **SMALL_GEOMETRY).close()
+    parent, child = CTX.Pipe()
+    p = CTX.Process(target=procs.poison_request, args=(seg_name, child), daemon=True)
+    p.start()
+    result = parent.recv()
+    p.join()
+    assert result["error"] == "ProtocolError" and "owners died" in result["message"]
+    seg = Segment.attach(seg_name)
+    try:
+        assert seg.owner_alive()  # the owner that refused it serves on
+        mgr = connect(seg_name)
+        assert procs.store(mgr, KEYS[:2]) == KEYS[:2]
+        mgr.shutdown()
+    finally:
+        stop_owner(seg.owner_record()[0])
+        seg.close()
+
+
+def test_event_subscription_survives_an_owner_death(seg):
+    mgr = connect(seg.name, events=True)
+    procs.store(mgr, KEYS[:2])
+    assert [e.keys for e in mgr.take_events()] == [KEYS[:2]]
+    stop_owner(seg.owner_record()[0])
+    procs.store(mgr, KEYS[2:4])  # the reply of a new owner: the client subscribes again
+    procs.store(mgr, KEYS[4:6])
+    assert KEYS[4:6] in [e.keys for e in mgr.take_events()]
+    mgr.shutdown()
+
+
+def test_request_ids_past_32_bits_work(seg):
+    mgr = connect(seg.name)
+    mgr._link._req = 2**32 - 2
+    out = mgr.prepare_store(KEYS[:3])
+    mgr.complete_store(out.keys_to_store)
+    assert mgr.lookup(KEYS[:3]) == 3 and verify(seg) == []
+    mgr.shutdown()
+
+
+def test_a_prepare_store_larger_than_a_frame_is_one_atomic_operation(seg_name):
+    # 300 keys do not fit one frame of this ring. Keys offered in one call are never chosen
+    # as victims of that call; when the parts ran separately, the part with the new keys
+    # evicted the cached keys an earlier part had offered.
+    mgr = connect(seg_name, TEST_LAYOUT, num_blocks=200, ring_capacity=8192)
+    try:
+        cached = [b"cached-%054d" % i for i in range(200)]
+        fresh = [b"fresh--%054d" % i for i in range(150)]
+        assert procs.store(mgr, cached) == cached  # the cache is full
+        assert mgr.prepare_store(cached[:150] + fresh) is None  # 50 evictable, 150 needed
+        assert mgr.lookup(cached) == 200
+        mgr.release()
+        out = mgr.prepare_store(cached[:50] + fresh)  # 150 evictable: all of them go
+        assert sorted(out.keys_to_store) == sorted(fresh) and len(set(out.block_ids)) == 150
+        assert sorted(out.evicted_keys) == sorted(cached[50:])
+        mgr.complete_store(out.keys_to_store)
+        assert mgr.lookup(cached[:50]) == 50 and mgr.lookup(fresh) == 150
+    finally:
+        pid = mgr.segment.owner_record()[0]
+        mgr.shutdown()
+        stop_owner(pid)
+
+
+# --- an owner no client can stall ------------------------------------------------------------
+def test_a_client_that_never_reads_its_replies_does_not_slow_the_others(seg):
+    mute = connect(seg.name)
+    other = connect(seg.name, timeout=5.0)
+    for _ in range(5000):  # far more replies than its rings hold, none of them read
+        if not mute._link.requests.try_put(P.request_encoder.encode(
+                P.TakeEvents(mute._link.next_req()))):
+            break
+        mute._link.owner_bell.ring()
+    for i in range(20):  # each would have waited 5 s behind a blocked reply
+        assert procs.store(other, KEYS[2 * i:2 * i + 2]) == KEYS[2 * i:2 * i + 2]
+    other.shutdown()
+    mute.shutdown()
+
+
+def test_a_client_with_a_scribbled_ring_is_quarantined_and_keeps_its_leases(seg):
+    writer = connect(seg.name)
+    procs.store(writer, KEYS[:16])  # the cache is full
+    bad = connect(seg.name)
+    assert bad.lookup(KEYS[:2]) == 2  # leased: nobody else may evict these two
+    from kvshm.ring import _TAIL
+    bad._link.requests._w[_TAIL] = 1 << 62  # its request ring's tail word now lies
+    bad._link.owner_bell.ring()
+    out = writer.prepare_store(KEYS[16:30])  # the owner keeps serving, and spares the leases
+    assert out is not None and not set(out.evicted_keys) & set(KEYS[:2])
+    assert writer.prepare_store(KEYS[30:32]) is None  # only the leased blocks are left
+    assert seg.counter("errors") >= 1
+    writer.shutdown()
+    bad._link.close()  # it cannot say goodbye on a broken ring: it just goes
+    slots.unlock(bad.segment, bad.slot)
+    wait_for(lambda: slots.record(seg, bad.slot)[0] == slots.FREE, "its slot to be reclaimed")
+
+
+def test_reconnecting_in_a_loop_never_wedges_the_owner(seg):
+    kids = [CTX.Process(target=procs.reconnect_loop, args=(seg.name, 100), daemon=True)
+            for _ in range(2)]
+    for k in kids:
+        k.start()
+    procs.reconnect_loop(seg.name, 100)
+    for k in kids:
+        k.join()
+        assert k.exitcode == 0
+    mgr = connect(seg.name, timeout=5.0)
+    assert procs.store(mgr, KEYS[:4]) == KEYS[:4]
+    assert seg.counter("errors") == 0
+    mgr.shutdown()
+
+
+# --- slots always come back ------------------------------------------------------------------
+def test_a_client_killed_before_its_owner_adopted_it_gets_its_slot_back(seg):
+    mgr = connect(seg.name)  # an owner runs
+    env = dict(os.environ, KVSHM_CRASH_AT="client.connect.after_activate")
+    p = subprocess.Popen([sys.executable, "-c", "import kvshm, sys; kvshm.connect(sys.argv[1])",
+                          seg.name], env=env)
+    assert p.wait() == -signal.SIGKILL
+    wait_for(lambda: all(slots.record(seg, s)[0] == slots.FREE
+                         for s in range(seg.geometry.max_clients) if s != mgr.slot),
+             "the owner to reclaim the slot of the dead newcomer")
+    mgr.shutdown()
+
+
+def test_timed_out_connects_leave_no_slot_behind(seg):
+    mgr = connect(seg.name)
+    owner = seg.owner_record()[0]
+    os.kill(owner, signal.SIGSTOP)
+    try:
+        for _ in range(10):
+            with pytest.raises(ReplyTimeoutError):
+                connect(seg.name, timeout=0.3)
+    finally:
+        os.kill(owner, signal.SIGCONT)
+    wait_for(lambda: sum(slots.record(seg, s)[0] != slots.FREE
+                         for s in range(seg.geometry.max_clients)) == 1,
+             "the owner to reclaim the slots of timed-out connects")
+    mgr.shutdown()
+
+
+def test_gc_with_a_live_owner_says_the_owner_reclaims(seg):
+    mgr = connect(seg.name)
+    r = subprocess.run([sys.executable, "-m", "kvshm.inspect_cli", "gc", seg.name],
+                       capture_output=True, text=True)
+    assert r.returncode == 0 and "owner" in r.stdout + r.stderr
+    mgr.shutdown()
