@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections import deque
 from typing import Callable, Sequence
 
 from . import layout as L
@@ -56,7 +57,10 @@ class LocalManager(OffloadingManager):
         self._ready: dict[bytes, bool] = {}
         self._pins: dict[int, int] = {}
         self._pending: dict[tuple[int, int], set[bytes]] = {}  # writer (slot, gen) -> keys
-        self._free: list[int] = []
+        # Free blocks, granted oldest-freed first (popleft) and freed at the tail (append). A
+        # late writer still copying into a block freed under it (its store was failed or
+        # reclaimed) then lands in the block least likely to have been granted again.
+        self._free: deque[int] = deque()
         pid, epoch, _, tick = segment.owner_record()
         self.epoch = epoch + 1
         self.tick = tick
@@ -106,7 +110,7 @@ class LocalManager(OffloadingManager):
                 self.table.reset_ready(b)
             self._adopt(b, key, True)
             self.tick = max(self.tick, last_use)
-        self._free = sorted(free, reverse=True)  # pop() hands out low block ids first
+        self._free = deque(sorted(free))  # low block ids first, like vLLM's CPU backend
         return {"ready": len(ready), "pending": kept, "freed": freed, "torn": torn_keys}
 
     def _adopt(self, block: int, key: bytes, ready: bool) -> None:
@@ -196,7 +200,7 @@ class LocalManager(OffloadingManager):
         slot, gen, req = writer
         blocks = []
         for k in new:
-            b = self._free.pop()
+            b = self._free.popleft()
             self.table.write(b, L.WRITING, k, slot, gen, req, self.tick)
             self._adopt(b, k, False)
             blocks.append(b)

@@ -4,7 +4,8 @@ An owner SIGKILLed while it rewrites an entry leaves the sequence number odd and
 half copied. The next owner settles such an entry and keeps it only if the key checksum
 stored with the key still verifies: a READY entry whose key was cut short must be freed, not
 published (else a lookup of the cut-short key is served another key's bytes). Also: reads of
-an entry left odd are bounded, and writer request ids are 64-bit.
+an entry left odd are bounded, writer request ids are 64-bit, and freed blocks are reused
+oldest-freed first.
 
 Crashes are real: a spawned child owns the segment with ``KVSHM_CRASH_AT`` set and SIGKILLs
 itself inside ``BlockTable.write``; the test then takes over as the next owner.
@@ -192,3 +193,14 @@ def test_writer_request_id_above_2_32_round_trips_through_the_entry(make_segment
         assert m.pending_of((3, 5, 0), request=7) == []
     finally:
         m.shutdown()
+
+
+# --- the free list -------------------------------------------------------------------------
+def test_freed_blocks_are_reused_oldest_freed_first(new_manager):
+    m, _ = new_manager(num_blocks=6)
+    a, b, c, d = KEYS[:4]
+    assert m.prepare_store([a, b, c, d]).block_ids == [0, 1, 2, 3]  # 4 and 5 stay free
+    for key in (b, d, a):  # freed in this order: blocks 1, 3, 0
+        m.complete_store([key], success=False)
+    out = m.prepare_store(KEYS[4:] + [b"late-1", b"late-2", b"late-3"])
+    assert out.block_ids == [4, 5, 1, 3, 0]
