@@ -280,8 +280,10 @@ _COMMANDS: dict[str, tuple[Callable[[Args], int], str, str]] = {
                "--limit caps the rows (0 = all)."
                "\n\nexample: kvshm-inspect blocks llama8b --state writing --limit 20"),
     "verify": (cmd_verify, "check the invariants the segment can show; exit 1 if violated",
-               "Header; key index vs block table; pins only on ready blocks; live clients hold\n"
-               "only ready blocks; no block held or being written by a dead process.\n\n"
+               "Header; no entry left mid-rewrite; every used entry's key matches its key\n"
+               "checksum (a torn key); key index vs block table; pins only on ready blocks;\n"
+               "live clients hold only ready blocks; no block held or being written by a dead\n"
+               "process.\n\n"
                "example: kvshm-inspect verify llama8b || kvshm-inspect gc llama8b"),
     "metrics": (cmd_metrics, "Prometheus text exposition of counters and gauges",
                 "kvshm_* metrics (after vLLM's vllm:kv_offload_*) with a segment label.\n\n"

@@ -4,11 +4,11 @@ This module owns every offset and struct format of the shared segment, so that t
 the owner, the clients and ``kvshm-inspect`` agree on them. It computes; it never maps memory,
 never locks and never imports torch.
 
-Segment (format version 1)::
+Segment (format version 2)::
 
     header (4 KiB)        magic, version, geometry, offsets, owner record, counters, pinners
     client slots          max_clients x (slot record | holds | 4 rings | doorbell flags)
-    block table           num_blocks x 128-byte entries (state, key, last use, writer, ...)
+    block table           num_blocks x 128-byte entries (seq, state, key + checksum, writer, ...)
     key index             open-addressing hash table: slot -> (crc32 tag, block id)
     data (2 MiB aligned)  num_planes planes, each (num_blocks, page_bytes[p]), 2 MiB aligned
 """
@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
+import zlib
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Sequence
@@ -24,7 +25,7 @@ from typing import Any, Sequence
 from .errors import InvalidArgumentError
 
 MAGIC = b"KVSHM\x00\x00\x01"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: 64-bit writer_req, keysum in every table entry
 HEADER_BYTES = 4096
 DATA_ALIGN = 2 << 20
 MAX_PLANES = 32
@@ -106,20 +107,62 @@ def held_block(code: int) -> int:
 
 
 # --- block table -------------------------------------------------------------------------
-# One entry per block, then the key. The one definition that table.py (writer/reader) and
-# snapshot.py (numpy view) derive their offsets from.
-ENTRY_FIELDS = (("seq", "I"),  # seqlock: odd while the owner rewrites the entry
-                ("state", "B"), ("keylen", "B"), ("writer", "h"), ("writer_gen", "I"),
-                ("writer_req", "I"), ("last_use", "Q"), ("stored_ns", "Q"), ("pins", "Q"))
+# One 128-byte entry per block, the one definition that table.py (writer and reader),
+# snapshot.py (numpy view) and the tests derive every offset from. Only the owner writes an
+# entry; any process reads it. Who writes each field, and what it guarantees:
+ENTRY_FIELDS = (
+    # seqlock word, written alone as one aligned 32-bit store: odd while the owner changes
+    # the entry. A dead owner can leave it odd; only the next owner's rebuild settles it.
+    ("seq", "I"),
+    # FREE/WRITING/READY/EVICTING. Changed by a lone byte store (set_state, publish) or
+    # with the body; a reader trusts it only under an even, unchanged seq.
+    ("state", "B"),
+    # length of the key, 0 for FREE. Written only with the key, in one body copy.
+    ("keylen", "B"),
+    # client slot storing into the block, -1 for none (the owner's own store, or ready).
+    ("writer", "h"),
+    # generation of that slot when the store was granted (a reused slot is another writer).
+    ("writer_gen", "I"),
+    # key_checksum(key): written with the key, in the same body copy, never on its own.
+    # A rebuild (and verify) recomputes it: a mismatch means the key bytes were left half
+    # rewritten (or damaged), and the block is freed instead of published.
+    ("keysum", "I"),
+    # the writer's request id: client request counters are unbounded, so 64 bits.
+    ("writer_req", "Q"),
+    # eviction clock at the last touch: a lone aligned 64-bit store (readers may see old or
+    # new, both fine); the rebuild orders ready blocks by it.
+    ("last_use", "Q"),
+    # wall clock when the store completed (publish), for inspection only.
+    ("stored_ns", "Q"),
+    # load pins the owner counts on the block: a lone aligned 64-bit store.
+    ("pins", "Q"),
+)
 ENTRY_FORMAT = "<" + "".join(c for _, c in ENTRY_FIELDS)
-ENTRY_KEY_OFFSET = struct.calcsize(ENTRY_FORMAT)
+ENTRY_KEY_OFFSET = struct.calcsize(ENTRY_FORMAT)  # then MAX_KEY_BYTES of key, zero padded
 ENTRY_BYTES = 128
+# Native alignment adds no padding, so every field sits at a multiple of its own size: the
+# 64-bit words can be stored through aligned memoryview casts, the seq word likewise.
+assert struct.calcsize("@" + ENTRY_FORMAT[1:]) == ENTRY_KEY_OFFSET == 48
+assert ENTRY_KEY_OFFSET + MAX_KEY_BYTES <= ENTRY_BYTES and ENTRY_BYTES % 8 == 0
+assert ENTRY_FIELDS[0] == ("seq", "I")  # the seqlock word is word 0 of the entry
 
 
 def entry_field_offset(name: str) -> int:
     """Byte offset of field ``name`` inside an entry."""
     i = [n for n, _ in ENTRY_FIELDS].index(name)
     return struct.calcsize("<" + "".join(c for _, c in ENTRY_FIELDS[:i]))
+
+
+assert all(entry_field_offset(n) % struct.calcsize(c) == 0 for n, c in ENTRY_FIELDS)
+
+
+def key_checksum(key: bytes) -> int:
+    """The ``keysum`` of an entry holding ``key``: crc32 over the key length and the key.
+
+    It covers only what a rewrite of the same block never changes without changing the key
+    (not state, seq, clocks or pins), so word stores to those leave it valid.
+    """
+    return zlib.crc32(key, zlib.crc32(bytes((len(key),))))
 
 
 INDEX_SLOT = struct.Struct("<Ii")  # crc32 tag, block id (-1 empty)

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import os
 import time
+from collections import deque
 from typing import Callable, Sequence
 
 from . import layout as L
 from . import locks
 from .api import LookupResult, OffloadingEvent, OffloadingManager, PrepareStoreOutput
-from .errors import BlockStateError, OwnerUnavailableError, UnknownKeyError
+from .errors import (BlockStateError, InvalidArgumentError, OwnerUnavailableError,
+                     UnknownKeyError)
 from .fence import full_fence
 from .policy import CachePolicy, make_policy
 from .segment import Segment
@@ -55,7 +57,10 @@ class LocalManager(OffloadingManager):
         self._ready: dict[bytes, bool] = {}
         self._pins: dict[int, int] = {}
         self._pending: dict[tuple[int, int], set[bytes]] = {}  # writer (slot, gen) -> keys
-        self._free: list[int] = []
+        # Free blocks, granted oldest-freed first (popleft) and freed at the tail (append). A
+        # late writer still copying into a block freed under it (its store was failed or
+        # reclaimed) then lands in the block least likely to have been granted again.
+        self._free: deque[int] = deque()
         pid, epoch, _, tick = segment.owner_record()
         self.epoch = epoch + 1
         self.tick = tick
@@ -66,38 +71,47 @@ class LocalManager(OffloadingManager):
 
     # --- rebuild ------------------------------------------------------------------------
     def _rebuild(self, writer_alive: Callable[[int, int], bool]) -> dict[str, int]:
-        """Adopt the table: ready blocks stay, stores of dead writers are freed."""
-        ready, kept, freed = [], 0, 0
+        """Adopt the table: ready blocks stay, stores of dead writers and torn keys are freed.
+
+        It never rewrites a key it keeps: a kept entry only gets its state, writer and pins
+        reset by word stores (``reset_ready``), so an owner dying in here cannot tear a key.
+        """
+        ready, kept, freed, torn_keys, free = [], 0, 0, 0, []
         self.index.clear()
         for b in range(self.table.num_blocks):
-            # A dead owner may have left an entry mid-rewrite (odd seq: readers would spin
-            # forever). A torn ready entry is kept (a rewrite never changes its key, and it
-            # may be leased); a torn WRITING entry's store was never answered: free it.
+            # A dead owner may have left an entry mid-rewrite (odd seq: readers would report
+            # it torn forever). Settle it, then trust its key only if the checksum written
+            # with the key still verifies: a rewrite killed halfway may have changed any of
+            # the key bytes under an unchanged READY state.
             torn = self.table.settle(b)
             e = self.table.read(b)
-            if e.state in (L.READY, L.EVICTING) and e.key:
-                ready.append((e.last_use, b, e.key))
+            if e.state != L.FREE and (e.torn or not e.key_ok):
+                torn_keys += 1  # never published: its key is neither the old nor the new one
+            elif e.state in (L.READY, L.EVICTING) and e.key:
+                ready.append((e.last_use, b, e.key, e))
+                continue
             elif e.state == L.WRITING and not torn and e.writer >= 0 and \
                     writer_alive(e.writer, e.writer_gen):
                 self._adopt(b, e.key, False)
                 self._pending.setdefault((e.writer, e.writer_gen), set()).add(e.key)
                 kept += 1
-            else:
-                if e.state != L.FREE or torn:
-                    self.table.write(b, L.FREE, b"")
-                    freed += e.state != L.FREE
-                self._free.append(b)
-        for last_use, b, key in sorted(ready):  # oldest first: recency survives failover
+                continue
+            # a torn WRITING entry's store was never answered, a dead writer's never ends
+            if e.state != L.FREE or torn:
+                self.table.write(b, L.FREE, b"")
+                freed += e.state != L.FREE
+            free.append(b)
+        for last_use, b, key, e in sorted(ready):  # oldest first: recency survives failover
             if key in self._blocks:  # a duplicate can only come from a damaged table
                 self.table.write(b, L.FREE, b"")
-                self._free.append(b)
+                free.append(b)
                 continue
-            self.table.write(b, L.READY, key, last_use=last_use,
-                             stored_ns=self.table.read(b).stored_ns)
+            if e.state != L.READY or e.writer != -1 or e.pins:
+                self.table.reset_ready(b)
             self._adopt(b, key, True)
             self.tick = max(self.tick, last_use)
-        self._free.reverse()  # hand out low block ids first, like vLLM's CPU backend
-        return {"ready": len(ready), "pending": kept, "freed": freed}
+        self._free = deque(sorted(free))  # low block ids first, like vLLM's CPU backend
+        return {"ready": len(ready), "pending": kept, "freed": freed, "torn": torn_keys}
 
     def _adopt(self, block: int, key: bytes, ready: bool) -> None:
         self._blocks[key] = block
@@ -171,6 +185,8 @@ class LocalManager(OffloadingManager):
                       ) -> PrepareStoreOutput | None:
         for k in keys:
             L.check_key(k)
+        if not 0 <= writer[2] < 2**64:  # checked before anything changes (entry: u64)
+            raise InvalidArgumentError(f"request id {writer[2]} is outside 0..2**64-1")
         new = list(dict.fromkeys(k for k in keys if k not in self._blocks))
         need = len(new) - len(self._free)
         evicted: list[bytes] = []
@@ -184,7 +200,7 @@ class LocalManager(OffloadingManager):
         slot, gen, req = writer
         blocks = []
         for k in new:
-            b = self._free.pop()
+            b = self._free.popleft()
             self.table.write(b, L.WRITING, k, slot, gen, req, self.tick)
             self._adopt(b, k, False)
             blocks.append(b)
@@ -197,7 +213,12 @@ class LocalManager(OffloadingManager):
         out = []
         for k in self._pending.get(writer[:2], ()):
             b = self._blocks[k]
-            if request is None or self.table.read(b).writer_req == request:
+            e = self.table.read(b) if request is not None else None
+            # A torn read (only damage can cause one: we are the entry's only writer, and the
+            # rebuild settled what a dead owner left) cannot name its request; the key is this
+            # writer's either way, so granting it again to the same writer is harmless while
+            # leaving it out would strand the store until the writer goes.
+            if e is None or e.torn or e.writer_req == request:
                 out.append((k, b))
         return out
 

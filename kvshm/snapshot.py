@@ -27,6 +27,8 @@ _ENTRY_DT = np.dtype({"names": [n for n, _ in L.ENTRY_FIELDS],
                       "offsets": [L.entry_field_offset(n) for n, _ in L.ENTRY_FIELDS],
                       "itemsize": L.ENTRY_BYTES})
 _KEY_OFF = L.ENTRY_KEY_OFFSET
+# Entry fields a ``blocks`` row shows (docs/inspect.md); seq and keysum are checked by verify.
+_ROW_FIELDS = ("writer", "writer_gen", "writer_req", "last_use", "stored_ns", "pins")
 _INDEX_DT = np.dtype([("tag", "<u4"), ("block", "<i4")])
 _GEOMETRY = ("num_blocks max_clients ring_capacity hold_capacity index_slots slot_bytes "
              "table_offset index_offset data_offset data_bytes total_bytes").split()
@@ -182,7 +184,7 @@ def block_rows(seg: Segment, states: set[str], limit: int) -> tuple[int, list[di
         e = m.e[b]
         rows.append({"block": b, "state": L.STATE_NAMES.get(int(e["state"]), "invalid"),
                      "key": m.key(b).hex(), "pinned_by": by.get(("pinned", b), []),
-                     "leased_by": by.get(("leased", b), []), **{k: int(e[k]) for k, _ in L.ENTRY_FIELDS[3:]}})
+                     "leased_by": by.get(("leased", b), []), **{k: int(e[k]) for k in _ROW_FIELDS}})
     return len(chosen), rows
 
 
@@ -233,11 +235,15 @@ def _verify_once(seg: Segment) -> list[str]:
         seen.setdefault(b, j)
     owners: dict[bytes, int] = {}
     used = np.nonzero(st != L.FREE)[0]
-    for b, s, w, gen, keylen in zip(used.tolist(), *(m.e[k][used].tolist() for k in (
-            "state", "writer", "writer_gen", "keylen"))):
+    for b, s, w, gen, keylen, keysum in zip(used.tolist(), *(m.e[k][used].tolist() for k in (
+            "state", "writer", "writer_gen", "keylen", "keysum"))):
         key, name = m.key(b, keylen), L.STATE_NAMES.get(s, f"in unknown state {s}")
         if not 1 <= keylen <= L.MAX_KEY_BYTES:
             out.append(f"block {b} is {name} with key length {keylen}")
+        elif L.key_checksum(key) != keysum:  # the next owner frees it instead of adopting it
+            out.append(f"block {b} is {name} but its key {key.hex()[:16]} does not match the "
+                       f"key checksum {keysum:#010x} (key torn by a rewrite cut short, or "
+                       "damaged)")
         elif key in owners:
             out.append(f"blocks {owners[key]} and {b} both hold key {key.hex()[:16]}")
         elif m.find(key)[0] != b:

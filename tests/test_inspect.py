@@ -237,7 +237,8 @@ def seg_bytes(name: str) -> bytes:
 def test_ls_live(live, capsys):
     n, _ = live
     rc, out, _ = run(capsys, "ls")
-    assert rc == 0 and re.search(rf"^{re.escape(n)}\s+\S+ MiB\s+8/32\s+2\s+alive\s+1\s", out, re.M)
+    assert rc == 0 and re.search(
+        rf"^{re.escape(n)}\s+\S+ MiB\s+8/32\s+2\s+alive\s+{L.FORMAT_VERSION}\s", out, re.M)
     rc, data = run_json(capsys, "ls")
     row = next(r for r in data["segments"] if r["name"] == n)
     assert (row["blocks_used"], row["clients_alive"], row["owner_alive"], row["error"]) == \

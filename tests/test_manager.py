@@ -694,7 +694,7 @@ def test_local_rebuild_keeps_ready_and_frees_unfinished_stores(local_seg, local_
     assert local_view.block_state(pending.block_ids[0]) == L.WRITING  # until the next owner
     m2 = local(local_seg)
     try:
-        assert m2.recovered == {"ready": 2, "pending": 0, "freed": 1}
+        assert m2.recovered == {"ready": 2, "pending": 0, "freed": 1, "torn": 0}
         assert m2.lookup([A, B]) == 2 and m2.key_status(C) is MISS
         assert m2.prepare_load([A, B]) == out.block_ids
         m2.complete_load([A, B])
@@ -737,7 +737,7 @@ def test_local_rebuild_keeps_store_of_live_writer(local_seg, local_view):
     m.shutdown()
     m2 = local(local_seg, writer_alive=lambda slot, gen: (slot, gen) == (3, 7))
     try:
-        assert m2.recovered == {"ready": 0, "pending": 1, "freed": 1}
+        assert m2.recovered == {"ready": 0, "pending": 1, "freed": 1, "torn": 0}
         assert m2.key_status(A) is PENDING and m2.key_status(B) is MISS
         m2.complete_store([A], writer=(3, 7, 1))
         assert m2.lookup([A]) == 1
@@ -800,7 +800,7 @@ def test_local_rebuild_settles_entries_a_dead_owner_left_mid_rewrite(local_seg):
     got = in_child(_child_rebuild, local_seg.name, local_seg.test_policy, {(3, 7)})
     assert got["status"] == {A: "hit", B: "hit", C: "miss", D: "pending"}
     assert got["contents"][A] == (a, L.READY)
-    assert got["recovered"] == {"ready": 2, "pending": 1, "freed": 1}
+    assert got["recovered"] == {"ready": 2, "pending": 1, "freed": 1, "torn": 0}
     assert got["free"] == 1
 
 
@@ -821,7 +821,7 @@ def test_local_rebuild_cleans_a_torn_free_entry(local_seg):
     _tear(local_seg, 3, state=L.FREE, key=b"junk")
     got = in_child(_child_rebuild, local_seg.name, local_seg.test_policy, set())
     assert got["status"] == {A: "hit", B: "miss", C: "miss", D: "miss"}
-    assert got["recovered"] == {"ready": 1, "pending": 0, "freed": 0}
+    assert got["recovered"] == {"ready": 1, "pending": 0, "freed": 0, "torn": 0}
     with TableView(local_seg.name) as v:
         assert v.table.read(3)[1:3] == (L.FREE, b"")
 
@@ -981,7 +981,7 @@ def test_local_owner_lock_is_released_when_the_owner_process_dies(local_seg):
     m = local(local_seg)
     try:
         assert m.lookup([A, B]) == 2 and m.key_status(C) is MISS
-        assert m.recovered == {"ready": 2, "pending": 0, "freed": 1}
+        assert m.recovered == {"ready": 2, "pending": 0, "freed": 1, "torn": 0}
     finally:
         m.shutdown()
 
