@@ -16,6 +16,7 @@ from typing import Callable, Sequence
 
 from . import layout as L
 from . import locks
+from .crashpoints import crash_point
 from .api import LookupResult, OffloadingEvent, OffloadingManager, PrepareStoreOutput
 from .errors import (BlockStateError, InvalidArgumentError, OwnerUnavailableError,
                      UnknownKeyError)
@@ -108,6 +109,8 @@ class LocalManager(OffloadingManager):
                 continue
             if e.state != L.READY or e.writer != -1 or e.pins:
                 self.table.reset_ready(b)
+            if len(self._blocks) == len(ready) // 2:
+                crash_point("owner.rebuild.mid")
             self._adopt(b, key, True)
             self.tick = max(self.tick, last_use)
         self._free = deque(sorted(free))  # low block ids first, like vLLM's CPU backend
@@ -293,6 +296,7 @@ class LocalManager(OffloadingManager):
                 return None
         for k in victims:
             self._drop(k)
+        crash_point("owner.evict.after_drop")
         self.segment.counter_add("evictions", len(victims))
         if self.enable_events:
             self._events.append(OffloadingEvent(victims, removed=True))
@@ -309,6 +313,7 @@ class LocalManager(OffloadingManager):
         """
         for k in victims:
             self.table.set_state(self._blocks[k], L.EVICTING)
+        crash_point("owner.evict.after_mark")
         full_fence()
         held = self._held(requester)
         lost = [k for k in victims if self._blocks[k] in held]

@@ -169,3 +169,48 @@ def reconnect_loop(name: str, cycles: int) -> None:
         mgr = connect(name, timeout=10.0)
         mgr.lookup([b"reconnect-probe"])
         mgr.shutdown()
+
+
+def crash_traffic(name: str, conn, seed: int, ops: int, nkeys: int) -> None:
+    """Random stores, loads and touches over a shared key space with checksummed contents.
+
+    Survivors of a crash report ``errors`` (any kvshm error: a survivor must see none, only
+    delays) and ``corrupt`` (a loaded block that does not hold its key's bytes). The crash
+    points of the data copy live here, where this engine copies.
+    """
+    from kvshm.crashpoints import crash_point
+    from kvshm.errors import KvshmError
+    rng = random.Random(seed)
+    mgr = connect(name)
+    planes = mgr.segment.planes()
+    keys = [b"walk-%04d" % i for i in range(nkeys)]
+    stats = {"stores": 0, "loads": 0, "corrupt": 0, "errors": [], "refused": 0}
+    for _ in range(ops):
+        ks = rng.sample(keys, rng.randint(1, 4))
+        try:
+            if rng.random() < 0.5:
+                out = mgr.prepare_store(ks)
+                if out is None:
+                    stats["refused"] += 1
+                    continue
+                for k, b in zip(out.keys_to_store, out.block_ids):
+                    fill(planes, b, k)
+                crash_point("client.store.after_copy")
+                mgr.complete_store(out.keys_to_store)
+                stats["stores"] += 1
+            else:
+                n = mgr.lookup(ks)
+                if n:
+                    blocks = mgr.prepare_load(ks[:n])
+                    crash_point("client.load.after_pin")
+                    stats["corrupt"] += sum(not check(planes, b, k)
+                                            for b, k in zip(blocks, ks[:n]))
+                    mgr.complete_load(ks[:n])
+                    stats["loads"] += 1
+                mgr.touch(ks)
+                mgr.release()
+        except KvshmError as e:
+            stats["errors"].append(f"{type(e).__name__}: {e}")
+    mgr.release()
+    conn.send(stats)
+    mgr.shutdown()

@@ -1,0 +1,162 @@
+"""Walk every named crash point: a process dies (or freezes) at that exact step, and the cache
+still never serves wrong bytes, leaks no block or slot, and every survivor keeps working.
+
+For an owner point, the first owner is started armed (``KVSHM_CRASH_AT``) and dies at that
+step while three client processes run checksummed random traffic; the clients start its
+successor. For a client point, one extra client process is armed and dies or freezes there
+(SIGKILL or SIGSTOP) while the others run. Afterwards every READY block is checked byte for
+byte against its key, ``verify`` must be clean, and once everyone left no block is WRITING
+and every slot is FREE. A frozen owner is not walked: it holds the owner lock, so by design
+everyone waits for it (``kvshm-inspect show`` names it) — it is a stall, not a crash.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from kvshm import layout as L
+from kvshm import slots
+from kvshm.crashpoints import POINTS
+from kvshm.segment import Segment
+from kvshm.snapshot import verify
+from kvshm.table import BlockTable
+
+import procs
+from conftest import SMALL_GEOMETRY, TEST_LAYOUT, stop_owner
+from test_exactly_once import owner_proc
+from test_shared import wait_for
+
+CTX = mp.get_context("spawn")
+NKEYS, OPS, SURVIVORS = 40, 120, 3
+
+# Owner points and the hit at which the owner dies: late enough that the cache is full and
+# evicting, early enough that every workload reaches it.
+OWNER_POINTS = {
+    "owner.request.after_consume": 30, "owner.request.after_execute": 30,
+    "owner.request.after_reply": 30, "owner.evict.after_mark": 3,
+    "owner.evict.after_drop": 3, "table.write.odd": 40, "owner.reclaim.mid": 1,
+}
+CLIENT_POINTS = {
+    "client.connect.after_activate": 1, "client.store.after_prepare": 5,
+    "client.store.after_copy": 5, "client.load.after_pin": 2,
+    "client.shutdown.before_bye": 1,
+}
+# Walked by the tests of their own module (copy workers, segment creation).
+WALKED_ELSEWHERE = {"worker.store.mid_copy", "segment.create.after_open",
+                    "segment.create.after_reserve"}
+
+
+def test_every_crash_point_is_walked():
+    walked = set(OWNER_POINTS) | set(CLIENT_POINTS) | {"owner.rebuild.mid"}
+    assert set(POINTS) - WALKED_ELSEWHERE == walked
+
+
+def _run_clients(name: str, n: int, seed: int) -> list[tuple]:
+    kids = []
+    for i in range(n):
+        parent, child = CTX.Pipe()
+        p = CTX.Process(target=procs.crash_traffic,
+                        args=(name, child, seed + i, OPS, NKEYS), daemon=True)
+        p.start()
+        kids.append((p, parent))
+    return kids
+
+
+def _collect(kids) -> list[dict]:
+    out = [conn.recv() for _, conn in kids]
+    for p, _ in kids:
+        p.join()
+    return out
+
+
+def _armed_client(name: str, point: str, hit: int, sig: str) -> subprocess.Popen:
+    env = dict(os.environ, KVSHM_CRASH_AT=f"{point}:{hit}", KVSHM_CRASH_SIGNAL=sig)
+    code = ("import sys, multiprocessing as mp; sys.path.insert(0, sys.argv[2]); import procs; "
+            "a, b = mp.Pipe(); procs.crash_traffic(sys.argv[1], b, 99, 400, %d)" % NKEYS)
+    return subprocess.Popen([sys.executable, "-c", code, name, os.path.dirname(__file__)],
+                            env=env, stdout=subprocess.DEVNULL)
+
+
+def _check_cache(seg: Segment, stats: list[dict]) -> None:
+    assert [s["errors"] for s in stats] == [[]] * len(stats), "a survivor saw an error"
+    assert sum(s["corrupt"] for s in stats) == 0, "a load returned another key's bytes"
+    assert sum(s["stores"] for s in stats) > 0 and sum(s["loads"] for s in stats) > 0
+    t = BlockTable(seg.buf, seg.geometry)
+    planes = seg.planes()
+    try:
+        wait_for(lambda: all(t.read(b).state != L.WRITING
+                             for b in range(seg.geometry.num_blocks)),
+                 "every unfinished store to be freed", timeout=20)
+        wait_for(lambda: all(slots.record(seg, s)[0] == slots.FREE
+                             for s in range(seg.geometry.max_clients)),
+                 "every slot to come back", timeout=20)
+        for b in range(seg.geometry.num_blocks):
+            e = t.read(b)
+            if e.state == L.READY:
+                assert procs.check(planes, b, e.key), f"READY block {b} holds wrong bytes"
+        assert verify(seg) == []
+    finally:
+        t.close()
+
+
+@pytest.fixture
+def walk_seg(seg_name):
+    seg = Segment.create(seg_name, TEST_LAYOUT, 16, **SMALL_GEOMETRY)
+    yield seg
+    pid = seg.owner_record()[0]
+    seg.close()
+    if pid:
+        stop_owner(pid)
+
+
+@pytest.mark.parametrize("point", sorted(OWNER_POINTS))
+def test_owner_dying_at_the_point_loses_nothing(walk_seg, point):
+    owner = owner_proc(walk_seg.name, f"{point}:{OWNER_POINTS[point]}")
+    victim = None
+    if point == "owner.reclaim.mid":  # needs a client death to reclaim
+        victim = _armed_client(walk_seg.name, "client.store.after_prepare", 3, "KILL")
+    kids = _run_clients(walk_seg.name, SURVIVORS, seed=len(point))
+    if victim is not None:
+        assert victim.wait() == -signal.SIGKILL
+    stats = _collect(kids)
+    owner.wait()
+    assert owner.returncode == -signal.SIGKILL, f"the owner never reached {point}"
+    _check_cache(walk_seg, stats)
+
+
+def test_owner_dying_mid_rebuild_loses_nothing(walk_seg):
+    owner = owner_proc(walk_seg.name)
+    stats = _collect(_run_clients(walk_seg.name, SURVIVORS, seed=7))
+    owner.kill()
+    owner.wait()
+    second = owner_proc_no_wait(walk_seg.name, "owner.rebuild.mid")
+    assert second.wait() == -signal.SIGKILL
+    stats += _collect(_run_clients(walk_seg.name, SURVIVORS, seed=8))
+    _check_cache(walk_seg, stats)
+
+
+def owner_proc_no_wait(name: str, crash_at: str) -> subprocess.Popen:
+    env = dict(os.environ, KVSHM_CRASH_AT=crash_at)
+    return subprocess.Popen([sys.executable, "-m", "kvshm.owner", name], env=env,
+                            stdin=subprocess.DEVNULL)
+
+
+@pytest.mark.parametrize("sig", ["KILL", "STOP"])
+@pytest.mark.parametrize("point", sorted(CLIENT_POINTS))
+def test_client_dying_or_freezing_at_the_point_disturbs_nobody(walk_seg, point, sig):
+    owner = owner_proc(walk_seg.name)
+    victim = _armed_client(walk_seg.name, point, CLIENT_POINTS[point], sig)
+    if sig == "STOP":
+        wait_for(lambda: procs._proc_state(victim.pid) == "T", f"the victim to freeze at {point}")
+    kids = _run_clients(walk_seg.name, SURVIVORS, seed=len(point))
+    stats = _collect(kids)  # the others finish while it is frozen or dead
+    if sig == "STOP":
+        os.kill(victim.pid, signal.SIGKILL)
+    assert victim.wait() == -signal.SIGKILL
+    _check_cache(walk_seg, stats)
+    assert owner.poll() is None  # the owner never died
