@@ -45,11 +45,16 @@ class _Client:
 
     def __init__(self, seg: Segment, slot: int, gen: int, events: bool):
         self.slot, self.gen, self.events = slot, gen, events
-        self.requests = Ring(slots.ring_view(seg, slot, "request"))
-        self.replies = Ring(slots.ring_view(seg, slot, "reply"))
+        self.holds = slots.holds(seg, slot)
+        self.quarantined = False  # its rings cannot be parsed: never read again
+        self.requests = self.replies = None
+        try:
+            self.requests = Ring(slots.ring_view(seg, slot, "request"))
+            self.replies = Ring(slots.ring_view(seg, slot, "reply"))
+        except KvshmError as e:  # no service; its holds still count while it lives
+            self.quarantined, self.why = True, f"unusable rings ({e})"
         self.bell = Doorbell(slots.bell_view(seg, slot, "reply"),
                              sem_name(seg.name, f"c{slot}-reply"))
-        self.holds = slots.holds(seg, slot)
         self.served = slots.served(seg, slot)  # epoch, consumed, answered, attempts
         self.max_reply = Ring.max_payload(seg.geometry.ring_capacity)
         self.events_log: list[tuple[bool, list[bytes]]] = []
@@ -61,12 +66,12 @@ class _Client:
         self.parts: list[bytes] = []
         self.parts_req = self.parts_next = 0
         self.parts_lost = False  # its first parts went with a dead owner: answer Retry
-        self.quarantined = False  # its ring cannot be parsed: never read again
 
     def close(self) -> None:
         self.bell.close()
-        self.requests.close()
-        self.replies.close()
+        for r in (self.requests, self.replies):
+            if r is not None:
+                r.close()
 
 
 class Owner:
@@ -199,12 +204,9 @@ class Owner:
             if slot not in self.clients:
                 state, _, gen, _, _ = self._slot_state(slot)
                 if state == L.SLOT_ACTIVE and self._writer_alive(slot, gen):
-                    try:
-                        self.clients[slot] = _Client(self.seg, slot, gen, False)
-                    except KvshmError as e:  # its rings are not rings: it gets no service,
-                        log.warning("client slot %d: unusable rings (%s)", slot, e)
-                        self.seg.counter_add("errors")
-                        continue  # and holds nothing we know of; reclaimed once dead
+                    c = self.clients[slot] = _Client(self.seg, slot, gen, False)
+                    if c.quarantined:
+                        self._quarantine(c, c.why)
                     self._last_client = time.monotonic()
 
     def serve_once(self) -> int:
@@ -443,22 +445,23 @@ class Owner:
 
     def _goodbye(self, c: _Client, m: P.Bye) -> None:
         """Free the client's unfinished stores and its slot. The request frame is released
-        and the client forgotten *before* the reply: once the client reads it, it unlocks
-        its slot and a newcomer may re-format the rings, which we must never touch again."""
+        before the reply (once the client reads it, it is gone), and the slot is cleared
+        after it: a newcomer may claim and re-format it only then."""
         self.manager.reclaim_writer(c.slot, c.gen)
         self._retire_counters(c.slot)
         c.requests.advance()
-        replies, bell = c.replies, c.bell
         self.clients.pop(c.slot, None)
-        slots.clear(self.seg, c.slot, c.gen)
         self._last_client = time.monotonic()
         if m.req:
             try:
-                replies.try_put(P.reply_encoder.encode(P.Ok(m.req, self.epoch)))
+                c.replies.try_put(P.reply_encoder.encode(P.Ok(m.req, self.epoch)))
             except KvshmError:
                 pass  # it gives up waiting and unlocks all the same
-            bell.ring()
+            c.bell.ring()
         c.close()
+        # Last: while the record says ACTIVE nobody may claim the slot, so the reply above
+        # cannot land in a newcomer's freshly formatted ring.
+        slots.clear(self.seg, c.slot, c.gen)
 
     def _fan_out(self) -> None:
         """Every client that asked for events sees every change of the shared cache."""

@@ -81,9 +81,12 @@ def start_owner(segment: Segment) -> subprocess.Popen | None:
         [sys.executable, "-m", "kvshm.owner", segment.name, "--idle-exit",
          str(OWNER_IDLE_EXIT_S)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
         stderr=err, start_new_session=True, close_fds=True)
+    epoch = segment.owner_record()[1]
     deadline = time.monotonic() + OWNER_START_TIMEOUT_S
     while not segment.owner_alive():
         rc = proc.poll()
+        if rc not in (None, 0) and segment.owner_record()[1] != epoch:
+            break  # it owned the segment and died already: the caller notices and goes on
         if rc not in (None, 0) or time.monotonic() > deadline:
             err.seek(0)
             why = err.read().decode(errors="replace").strip().splitlines()[-3:]
