@@ -45,7 +45,7 @@ class _Client:
         self.requests = Ring(slots.ring_view(seg, slot, "request"))
         self.replies = Ring(slots.ring_view(seg, slot, "reply"))
         self.bell = Doorbell(slots.bell_view(seg, slot, "reply"),
-                             sem_name(seg.name, f"c{slot}-reply"))
+                             sem_name(seg.name, f"c{slot}-reply"), like_fd=seg.fd)
         self.holds = slots.holds(seg, slot)
         self.max_reply = Ring.max_payload(seg.geometry.ring_capacity)
         self.events_log: list[tuple[bool, list[bytes]]] = []
@@ -61,7 +61,7 @@ class Owner:
                                     writer_alive=self._writer_alive)
         g = self.seg.geometry
         self.bell = Doorbell(self.seg.buf[L.OFF_OWNER_BELL:L.OFF_OWNER_BELL + 8],
-                             sem_name(name, "owner"))
+                             sem_name(name, "owner"), like_fd=self.seg.fd)
         self.bell.drain()  # a predecessor that died asleep leaves stale posts behind
         self.idle_exit_s = idle_exit_s
         self._inode = os.fstat(self.seg.fd).st_ino
