@@ -111,9 +111,10 @@ class SharedManager(OffloadingManager):
         self._free_holds = list(range(g.hold_capacity - 1, -1, -1))
         self._ctr = slots.counters(segment, self.slot)
         self._reply_bell = Doorbell(slots.bell_view(segment, self.slot, "reply"),
-                                    sem_name(segment.name, f"c{self.slot}-reply"))
+                                    sem_name(segment.name, f"c{self.slot}-reply"),
+                                    like_fd=segment.fd)
         self._owner_bell = Doorbell(segment.buf[L.OFF_OWNER_BELL:L.OFF_OWNER_BELL + 8],
-                                    sem_name(segment.name, "owner"))
+                                    sem_name(segment.name, "owner"), like_fd=segment.fd)
         self._newcomer = segment.buf[L.OFF_NEWCOMER:L.OFF_NEWCOMER + 8].cast("Q")
         slots.activate(segment, self.slot, self.gen)
         self._requests = Ring(slots.ring_view(segment, self.slot, "request"))
@@ -277,6 +278,19 @@ class SharedManager(OffloadingManager):
         self._free_holds.append(i)
 
     def lookup(self, keys: Sequence[bytes]) -> int:
+        """See ``OffloadingManager.lookup``. Bad input is refused with InvalidArgumentError
+        (``layout.key_seq``/``check_key``): items are checked where lookup examines them
+        (the first miss, anything unhashable), so a list of bytes costs no extra pass."""
+        if type(keys) is not list and type(keys) is not tuple:
+            keys = L.key_seq(keys)
+        try:
+            return self._lookup(keys)
+        except TypeError:  # an unhashable or unjoinable item (bytearray, list, str)
+            for k in keys:
+                L.check_key(k)
+            raise
+
+    def _lookup(self, keys: Sequence[bytes]) -> int:
         # Keys we lease already are known hits: only our own stores may evict them, and
         # prepare_store drops the leases of what it evicted. A scheduler re-asks the same
         # prefixes every step, so this is the common path.
@@ -292,15 +306,18 @@ class SharedManager(OffloadingManager):
             return n
         if held:
             self._count_lookup(held, held)
-            return held + self.lookup(keys[held:])
+            return held + self._lookup(keys[held:])
         if n >= 64:  # measured: below this the per-key loop is cheaper than numpy's setup
             klen = len(keys[0])
             joined = b"".join(keys)
-            if len(joined) == n * klen and all(len(k) == klen for k in keys):
+            if len(joined) == n * klen and all(type(k) is bytes and len(k) == klen
+                                               for k in keys):
                 return self._lookup_many(keys, np.frombuffer(joined, np.uint8).reshape(n, klen))
         hits = 0
         find = self.index.find
         for k in keys:
+            if type(k) is not bytes:  # never lease under a str or a caller's buffer
+                L.check_key(k)
             block, state = find(k)
             if state != L.READY or not self._lease(k, block):
                 break
@@ -344,6 +361,8 @@ class SharedManager(OffloadingManager):
         return hits
 
     def key_status(self, key: bytes) -> LookupResult:
+        if type(key) is not bytes:
+            L.check_key(key)
         self._ctr[0] += 1
         i = self._leases.get(key)  # a lease is only as good as the block it still names
         if i is not None and self.table.state_if_key(L.held_block(int(self._holds[i])),
@@ -364,6 +383,8 @@ class SharedManager(OffloadingManager):
                 self._unhold(i)
 
     def prepare_load(self, keys: Sequence[bytes]) -> list[int]:
+        if type(keys) is not list and type(keys) is not tuple:
+            keys = L.key_seq(keys)
         taken: list[tuple[bytes, int]] = []
         blocks = []
         try:
@@ -401,6 +422,8 @@ class SharedManager(OffloadingManager):
         return blocks
 
     def complete_load(self, keys: Sequence[bytes]) -> None:
+        if type(keys) is not list and type(keys) is not tuple:
+            keys = L.key_seq(keys)
         need: dict[bytes, int] = {}
         for k in keys:
             L.check_key(k)
@@ -428,6 +451,8 @@ class SharedManager(OffloadingManager):
 
     # --- owner round trips --------------------------------------------------------------
     def touch(self, keys: Sequence[bytes]) -> None:
+        if type(keys) is not list and type(keys) is not tuple:
+            keys = L.key_seq(keys)
         for k in keys:
             L.check_key(k)
         for part in self._chunks(keys):
@@ -442,6 +467,8 @@ class SharedManager(OffloadingManager):
         """See ``OffloadingManager.prepare_store``. A request too large for one ring frame
         is sent in pieces; all-or-nothing eviction then holds per piece, and if a later
         piece finds no room the keys placed so far are returned."""
+        if type(keys) is not list and type(keys) is not tuple:
+            keys = L.key_seq(keys)
         for k in keys:
             L.check_key(k)
         out = PrepareStoreOutput([], [], [])
@@ -459,6 +486,8 @@ class SharedManager(OffloadingManager):
         return out
 
     def complete_store(self, keys: Sequence[bytes], success: bool = True) -> None:
+        if type(keys) is not list and type(keys) is not tuple:
+            keys = L.key_seq(keys)
         for k in keys:
             L.check_key(k)
         for part in self._chunks(keys):
