@@ -288,7 +288,7 @@ def check_key(key: bytes) -> None:
     if not isinstance(key, bytes) or not 1 <= len(key) <= MAX_KEY_BYTES:
         hint = "; pass bytes(key)" if isinstance(key, (bytearray, memoryview)) else ""
         raise InvalidArgumentError(
-            f"keys are bytes of length 1..{MAX_KEY_BYTES} (vLLM offload keys are 36); got "
+            f"keys are 1..{MAX_KEY_BYTES} bytes, of type bytes (vLLM offload keys are 36); got "
             f"{type(key).__name__} of length {len(key) if hasattr(key, '__len__') else '?'}"
             f"{hint}")
 
