@@ -77,9 +77,9 @@ class _Ends:
         self.jobs = Ring(slots.ring_view(seg, slot, "peer_in"))
         self.done = Ring(slots.ring_view(seg, slot, "peer_out"))
         self.jobs_bell = Doorbell(slots.bell_view(seg, slot, "peer_in"),
-                                  sem_name(seg.name, f"c{slot}-peer_in"))
+                                  sem_name(seg.name, f"c{slot}-peer_in"), like_fd=seg.fd)
         self.done_bell = Doorbell(slots.bell_view(seg, slot, "peer_out"),
-                                  sem_name(seg.name, f"c{slot}-peer_out"))
+                                  sem_name(seg.name, f"c{slot}-peer_out"), like_fd=seg.fd)
 
     def close(self) -> None:
         for r in (self.jobs, self.done):

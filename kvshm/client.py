@@ -118,6 +118,19 @@ class SharedManager(OffloadingManager):
 
     # --- reads and holds ----------------------------------------------------------------
     def lookup(self, keys: Sequence[bytes]) -> int:
+        """See ``OffloadingManager.lookup``. Bad input is refused with InvalidArgumentError
+        (``layout.key_seq``/``check_key``): items are checked where lookup examines them
+        (the first miss, anything unhashable), so a list of bytes costs no extra pass."""
+        if type(keys) is not list and type(keys) is not tuple:
+            keys = L.key_seq(keys)
+        try:
+            return self._lookup(keys)
+        except TypeError:  # an unhashable or unjoinable item (bytearray, list, str)
+            for k in keys:
+                L.check_key(k)
+            raise
+
+    def _lookup(self, keys: Sequence[bytes]) -> int:
         # Keys we lease already are known hits: only our own stores may evict them, and
         # prepare_store drops the leases of what it evicted. A scheduler re-asks the same
         # prefixes every step, so this is the common path.
@@ -133,11 +146,12 @@ class SharedManager(OffloadingManager):
             return n
         if held:
             self._count_lookup(held, held)
-            return held + self.lookup(keys[held:])
+            return held + self._lookup(keys[held:])
         if n >= 64:  # measured: below this the per-key loop is cheaper than numpy's setup
             klen = len(keys[0])
             joined = b"".join(keys)
-            if len(joined) == n * klen and all(len(k) == klen for k in keys):
+            if len(joined) == n * klen and all(type(k) is bytes and len(k) == klen
+                                               for k in keys):
                 karr = np.frombuffer(joined, np.uint8).reshape(n, klen)
                 blocks, states = self.index.find_prefix(keys, karr)
                 ready = states == L.READY
@@ -150,6 +164,8 @@ class SharedManager(OffloadingManager):
         for k in keys:
             block, state = find(k)
             if state != L.READY or not lease(k, block):
+                if type(k) is not bytes:  # never lease under a str or a caller's buffer
+                    L.check_key(k)
                 break
             hits += 1
         self._count_lookup(n, hits)
@@ -160,6 +176,8 @@ class SharedManager(OffloadingManager):
         self._ctr[1] += hits
 
     def key_status(self, key: bytes) -> LookupResult:
+        if type(key) is not bytes:
+            L.check_key(key)
         self._ctr[0] += 1
         if self._h.leased_ready(key):  # a lease is only as good as the block it still names
             self._ctr[1] += 1
@@ -175,6 +193,8 @@ class SharedManager(OffloadingManager):
         self._h.release(keys)
 
     def prepare_load(self, keys: Sequence[bytes]) -> list[int]:
+        if type(keys) is not list and type(keys) is not tuple:
+            keys = L.key_seq(keys)
         h = self._h
         taken: list[tuple[bytes, int]] = []
         blocks = []
@@ -212,6 +232,8 @@ class SharedManager(OffloadingManager):
         return blocks
 
     def complete_load(self, keys: Sequence[bytes]) -> None:
+        if type(keys) is not list and type(keys) is not tuple:
+            keys = L.key_seq(keys)
         pins = self._h.pins
         need: dict[bytes, int] = {}
         for k in keys:
@@ -237,6 +259,8 @@ class SharedManager(OffloadingManager):
 
     # --- owner round trips --------------------------------------------------------------
     def touch(self, keys: Sequence[bytes]) -> None:
+        if type(keys) is not list and type(keys) is not tuple:
+            keys = L.key_seq(keys)
         for k in keys:
             L.check_key(k)
         # Tail pieces first: the owner makes each touched key most recent in reverse order,
@@ -252,7 +276,8 @@ class SharedManager(OffloadingManager):
     def prepare_store(self, keys: Iterable[bytes]) -> PrepareStoreOutput | None:
         """See ``OffloadingManager.prepare_store``: one atomic operation however many keys
         (a request too large for one ring frame travels in parts and runs once, whole)."""
-        keys = list(keys)
+        if type(keys) is not list and type(keys) is not tuple:
+            keys = L.key_seq(keys)
         for k in keys:
             L.check_key(k)
         chunks = self._chunks(keys)
@@ -271,6 +296,8 @@ class SharedManager(OffloadingManager):
         return out
 
     def complete_store(self, keys: Sequence[bytes], success: bool = True) -> None:
+        if type(keys) is not list and type(keys) is not tuple:
+            keys = L.key_seq(keys)
         for k in keys:
             L.check_key(k)
         for part in self._chunks(keys):  # completing a subset is a valid completion

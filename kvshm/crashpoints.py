@@ -39,6 +39,10 @@ POINTS = (
     "client.store.after_copy",  # blocks copied, complete_store not sent
     "client.load.after_pin",  # blocks pinned, not yet copied out
     "client.shutdown.before_bye",  # about to say goodbye
+    # segment creation
+    "segment.create.after_open",  # object exists (exclusive open), creation lock not taken
+    "segment.create.after_lock",  # creation lock held, nothing reserved
+    "segment.create.after_reserve",  # space reserved, header (magic) not written
     # copy workers
     "worker.store.mid_copy",  # a store job half copied into the segment
 )

@@ -24,6 +24,10 @@ class NotAKvshmSegmentError(KvshmError):
     """The shared-memory object exists but is not a kvshm segment (bad magic or too small)."""
 
 
+class CreationStalledError(KvshmError, TimeoutError):
+    """A live process holds the segment's creation lock but has stopped making progress."""
+
+
 class FormatVersionError(KvshmError):
     """The segment was written by an incompatible kvshm format version."""
 

@@ -49,6 +49,17 @@ LOCK_CLIENT_BASE = 64
 # magic, version, header_bytes, total_size, created_ns, num_blocks, tokens_per_block,
 # num_planes, max_clients, ring_capacity, hold_capacity, index_slots, fingerprint
 HEADER = struct.Struct("<8sIIQQQIIIIIQ32s")
+# sha256 (first 16 bytes) of the header after the magic: a field edited after creation, even
+# one whose change the 2 MiB rounding of total_size would hide, is caught at attach.
+OFF_HEADER_SUM = 104
+assert HEADER.size <= OFF_HEADER_SUM
+
+
+def header_sum(head: bytes) -> bytes:
+    """The checksum stored at ``OFF_HEADER_SUM`` for packed header ``head``."""
+    return hashlib.sha256(head[8:HEADER.size]).digest()[:16]
+
+
 OFF_LAYOUT_DESC = 128  # utf-8 JSON of the layout, NUL padded, for error messages
 OFF_PAGE_BYTES = OFF_LAYOUT_DESC + LAYOUT_DESC_BYTES  # MAX_PLANES x u64
 OFF_OWNER = OFF_PAGE_BYTES + 8 * MAX_PLANES  # owner record
@@ -328,12 +339,37 @@ def blocks_for_bytes(layout: Layout, nbytes: int) -> int:
 
 
 def check_key(key: bytes) -> None:
+    """Refuse anything but ``bytes`` of 1..MAX_KEY_BYTES (a ``bytearray`` or ``memoryview``
+    is refused, not converted: it would be stored under a copy the caller never looks up)."""
     if type(key) is bytes and 0 < len(key) <= MAX_KEY_BYTES:
         return  # the hot path: one type check and one length check
-    if not isinstance(key, (bytes, bytearray)) or not 1 <= len(key) <= MAX_KEY_BYTES:
+    if not isinstance(key, bytes) or not 1 <= len(key) <= MAX_KEY_BYTES:
+        hint = "; pass bytes(key)" if isinstance(key, (bytearray, memoryview)) else ""
         raise InvalidArgumentError(
-            f"keys are 1..{MAX_KEY_BYTES} bytes (vLLM offload keys are 36); got "
-            f"{type(key).__name__} of length {len(key) if hasattr(key, '__len__') else '?'}")
+            f"keys are 1..{MAX_KEY_BYTES} bytes, of type bytes (vLLM offload keys are 36); got "
+            f"{type(key).__name__} of length {len(key) if hasattr(key, '__len__') else '?'}"
+            f"{hint}")
+
+
+def key_seq(keys: Any) -> Sequence[bytes]:
+    """The ``keys`` argument of a manager call as a list or tuple.
+
+    Callers test ``type(keys) is list or tuple`` first (the hot path costs nothing). Other
+    iterables (generators, ranges, dict views) are materialised once, so a call that walks
+    the keys twice (validate, then act) sees them all. A single key, a str, None or a
+    number is refused: it is a caller's mistake, not a sequence of keys. Items are checked
+    by ``check_key`` where the call uses them.
+    """
+    if type(keys) is list or type(keys) is tuple:
+        return keys
+    if keys is None or isinstance(keys, (str, bytes, bytearray, memoryview, int, float,
+                                         set, frozenset)) or not hasattr(keys, "__iter__"):
+        hint = " (one key? wrap it in a list)" if isinstance(
+            keys, (bytes, bytearray, memoryview)) else ""
+        raise InvalidArgumentError(
+            f"keys must be a sequence (list or tuple) of bytes keys; got "
+            f"{type(keys).__name__}{hint}")
+    return list(keys)
 
 
 def plane_pages(values: Sequence[int]) -> bytes:

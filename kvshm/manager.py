@@ -124,14 +124,28 @@ class LocalManager(OffloadingManager):
 
     # --- reads --------------------------------------------------------------------------
     def lookup(self, keys: Sequence[bytes]) -> int:
+        """See ``OffloadingManager.lookup``. Bad input is refused with InvalidArgumentError
+        (``layout.key_seq``/``check_key``): items are checked where lookup examines them
+        (the first miss, anything unhashable), so a list of bytes costs no extra pass."""
+        if type(keys) is not list and type(keys) is not tuple:
+            keys = L.key_seq(keys)
         n = 0
-        for k in keys:
-            if not self._ready.get(k):
-                break
-            n += 1
+        try:
+            for k in keys:
+                if not self._ready.get(k):
+                    break
+                n += 1
+        except TypeError:  # an unhashable item (bytearray, list): refuse it by name
+            for k in keys:
+                L.check_key(k)
+            raise
+        if n < len(keys):
+            L.check_key(keys[n])  # a str/int/None item is a caller's mistake, not a miss
         return n
 
     def key_status(self, key: bytes) -> LookupResult:
+        if type(key) is not bytes:
+            L.check_key(key)
         r = self._ready.get(key)
         return LookupResult.MISS if r is None else LookupResult.HIT if r else LookupResult.PENDING
 
@@ -147,6 +161,8 @@ class LocalManager(OffloadingManager):
 
     # --- loads --------------------------------------------------------------------------
     def prepare_load(self, keys: Sequence[bytes]) -> list[int]:
+        if type(keys) is not list and type(keys) is not tuple:
+            keys = L.key_seq(keys)
         for k in keys:
             L.check_key(k)
             self._require_ready(k)
@@ -157,6 +173,8 @@ class LocalManager(OffloadingManager):
         return blocks
 
     def complete_load(self, keys: Sequence[bytes]) -> None:
+        if type(keys) is not list and type(keys) is not tuple:
+            keys = L.key_seq(keys)
         need: dict[int, int] = {}
         for k in keys:
             L.check_key(k)
@@ -176,6 +194,10 @@ class LocalManager(OffloadingManager):
             self.table.set_pins(b, left)
 
     def touch(self, keys: Sequence[bytes]) -> None:
+        if type(keys) is not list and type(keys) is not tuple:
+            keys = L.key_seq(keys)
+        for k in keys:
+            L.check_key(k)
         self.tick += 1
         for k in reversed(keys):  # the prefix head ends up most recent: tails go first
             b = self._blocks.get(k)
@@ -186,6 +208,8 @@ class LocalManager(OffloadingManager):
     # --- stores -------------------------------------------------------------------------
     def prepare_store(self, keys: Sequence[bytes], writer: Writer = LOCAL_WRITER
                       ) -> PrepareStoreOutput | None:
+        if type(keys) is not list and type(keys) is not tuple:
+            keys = L.key_seq(keys)
         for k in keys:
             L.check_key(k)
         if not 0 <= writer[2] < 2**64:  # checked before anything changes (entry: u64)
@@ -233,6 +257,8 @@ class LocalManager(OffloadingManager):
         valid ones are applied first, then the first problem is raised, so one lost key
         never strands the rest of a batch in WRITING.
         """
+        if type(keys) is not list and type(keys) is not tuple:
+            keys = L.key_seq(keys)
         mine = self._pending.get(writer[:2], set())
         todo, problem = [], None
         for k in keys:

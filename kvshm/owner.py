@@ -54,7 +54,7 @@ class _Client:
         except KvshmError as e:  # no service; its holds still count while it lives
             self.quarantined, self.why = True, f"unusable rings ({e})"
         self.bell = Doorbell(slots.bell_view(seg, slot, "reply"),
-                             sem_name(seg.name, f"c{slot}-reply"))
+                             sem_name(seg.name, f"c{slot}-reply"), like_fd=seg.fd)
         self.served = slots.served(seg, slot)  # epoch, consumed, answered, attempts
         self.max_reply = Ring.max_payload(seg.geometry.ring_capacity)
         self.events_log: list[tuple[bool, list[bytes]]] = []
@@ -85,7 +85,7 @@ class Owner:
         self.epoch = self.manager.epoch
         g = self.seg.geometry
         self.bell = Doorbell(self.seg.buf[L.OFF_OWNER_BELL:L.OFF_OWNER_BELL + 8],
-                             sem_name(name, "owner"))
+                             sem_name(name, "owner"), like_fd=self.seg.fd)
         self.bell.drain()  # a predecessor that died asleep leaves stale posts behind
         self.idle_exit_s = idle_exit_s
         self._inode = os.fstat(self.seg.fd).st_ino

@@ -117,9 +117,9 @@ class OwnerLink:
         self._req = 0
         self._abandoned: set[int] = set()  # requests given up on: undo what they did
         self.reply_bell = Doorbell(slots.bell_view(segment, slot, "reply"),
-                                    sem_name(segment.name, f"c{slot}-reply"))
+                                   sem_name(segment.name, f"c{slot}-reply"), like_fd=segment.fd)
         self.owner_bell = Doorbell(segment.buf[L.OFF_OWNER_BELL:L.OFF_OWNER_BELL + 8],
-                                    sem_name(segment.name, "owner"))
+                                   sem_name(segment.name, "owner"), like_fd=segment.fd)
         self.requests = Ring(slots.ring_view(segment, slot, "request"))
         self.replies = Ring(slots.ring_view(segment, slot, "reply"))
         self.max_frame = Ring.max_payload(segment.geometry.ring_capacity)

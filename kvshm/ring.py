@@ -2,7 +2,8 @@
 
 This module owns the ring's byte layout (header, frame format, wrap marker), the ordering of
 its publications across processes, the producer's backoff when full, and the Doorbell that
-wakes a sleeping consumer. It must never decode frames (payloads are opaque bytes; msgspec
+wakes a sleeping consumer (its named semaphore gets the segment's permission bits and group,
+so group sharing works). It must never decode frames (payloads are opaque bytes; msgspec
 lives with the protocol), never allocate or name shared memory itself (callers hand it a
 writable buffer carved from the segment), never take locks shared between processes, and
 never import torch.
@@ -33,16 +34,19 @@ it always fences.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import platform
+import stat
 import time
 from typing import Callable
 
 import posix_ipc
 
 from kvshm.fence import full_fence
-from kvshm.errors import FrameTooLargeError, InvalidArgumentError, ProtocolError, RingFullError
+from kvshm.errors import (FrameTooLargeError, InvalidArgumentError, ProtocolError,
+                          RingFullError, SegmentPermissionError)
 
 __all__ = ["Ring", "Doorbell", "memory_fence"]
 
@@ -233,6 +237,55 @@ class Ring:
             view.release()
 
 
+def _open_semaphore(name: str, like_fd: int | None) -> posix_ipc.Semaphore:
+    """Open (creating if needed) semaphore ``name`` with the access of file ``like_fd``.
+
+    sem_open applies the umask, so the creator chmods the file right after creating it. A
+    process that opens it in between may be refused: while the file's mode is not yet the
+    wanted one that is that window, polled for a short while; after it, a refusal is real
+    and becomes ``SegmentPermissionError``.
+    """
+    mode, gid = 0o600, -1
+    if like_fd is not None:
+        st = os.fstat(like_fd)
+        mode, gid = stat.S_IMODE(st.st_mode), st.st_gid
+    path = "/dev/shm/sem." + name.lstrip("/")
+    deadline = time.monotonic() + 5.0
+    while True:
+        try:
+            sem = posix_ipc.Semaphore(name, posix_ipc.O_CREX, mode=mode, initial_value=0)
+        except posix_ipc.ExistentialError:
+            pass  # somebody else created it: open theirs below
+        except posix_ipc.PermissionsError as e:
+            raise _sem_denied(name, e) from None
+        else:
+            with contextlib.suppress(OSError):  # mode/group are best effort for the creator
+                os.chmod(path, mode)
+                if gid >= 0 and os.stat(path).st_gid != gid:
+                    os.chown(path, -1, gid)
+            return sem
+        try:
+            return posix_ipc.Semaphore(name)
+        except posix_ipc.ExistentialError:
+            continue  # removed between our two opens: create it
+        except posix_ipc.PermissionsError as e:
+            try:
+                pending = stat.S_IMODE(os.stat(path).st_mode) != mode
+            except OSError:
+                pending = True
+            if not pending or time.monotonic() > deadline:
+                raise _sem_denied(name, e) from None
+            time.sleep(0.001)  # polling for the creator's chmod
+
+
+def _sem_denied(name: str, e: Exception) -> SegmentPermissionError:
+    return SegmentPermissionError(
+        f"permission denied opening semaphore {name} ({e}); every process sharing a segment "
+        "must be able to open its semaphores: create the segment with a group mode such as "
+        "mode=0o660 and run the processes in that group, or remove stale semaphores with "
+        "'kvshm-inspect rm NAME'")
+
+
 class Doorbell:
     """Wakes one consumer (that may serve many rings) from producers in other processes.
 
@@ -240,9 +293,12 @@ class Doorbell:
     while the flag is set, so a spinning consumer costs them no syscall per frame.
     """
 
-    def __init__(self, flag_buf: memoryview, sem_name: str) -> None:
+    def __init__(self, flag_buf: memoryview, sem_name: str, *,
+                 like_fd: int | None = None) -> None:
+        """``like_fd``: the segment's descriptor; the semaphore gets that file's permission
+        bits and group, so whoever may open the segment may ring its bells (else 0600)."""
         self._flag = _view(flag_buf, 8, "Doorbell").cast("Q")
-        self._sem = posix_ipc.Semaphore(sem_name, posix_ipc.O_CREAT, initial_value=0)
+        self._sem = _open_semaphore(sem_name, like_fd)
         self.name = sem_name
 
     @staticmethod

@@ -8,6 +8,7 @@ block states (see ``table.py``) and imports torch only inside ``torch_planes``.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import mmap
 import os
 import re
@@ -19,7 +20,8 @@ import posix_ipc
 
 from . import layout as L
 from . import locks
-from .errors import (FormatVersionError, InsufficientSpaceError, InvalidArgumentError,
+from .crashpoints import crash_point
+from .errors import (CreationStalledError, FormatVersionError, InsufficientSpaceError, InvalidArgumentError,
                      LayoutMismatchError, NotAKvshmSegmentError, SegmentExistsError,
                      SegmentNotFoundError, SegmentPermissionError)
 from .layout import Geometry, Layout
@@ -29,21 +31,32 @@ if TYPE_CHECKING:
 
 SHM_DIR = "/dev/shm"
 PREFIX = "kvshm-"
-_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
-_INIT_WAIT_S = 10.0
-_CREATE_GRACE_S = 0.5
+_NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,128}")  # fullmatch: "$" would admit a final newline
+# An attacher gives up on a creator that holds the creation lock but has not grown the
+# object for this long (fallocate keeps growing it; only a stopped or hung creator stalls).
+_STALL_S = 60.0
+_RETRIES = 100  # create/attach rounds lost to racing removals before giving up
 
 
 def shm_name(name: str) -> str:
     """The POSIX name of segment ``name`` (``/kvshm-<name>``)."""
-    if not _NAME_RE.match(name or ""):
+    if not isinstance(name, str) or not _NAME_RE.fullmatch(name) or not name.strip("."):
         raise InvalidArgumentError(
-            f"segment names are 1-128 characters of letters, digits, '_', '.', '-'; got {name!r}")
+            f"segment names are 1-128 characters of letters, digits, '_', '.', '-', not only "
+            f"dots; got {name!r}")
     return "/" + PREFIX + name
 
 
 def sem_name(name: str, what: str) -> str:
     return f"{shm_name(name)}-{what}"
+
+
+class _Gone(Exception):
+    """Internal: the object under the name is absent, or was removed while we looked."""
+
+    def __init__(self, why: str, absent: bool = False):
+        super().__init__(why)
+        self.absent = absent
 
 
 def _free_bytes() -> int:
@@ -85,6 +98,30 @@ class Segment:
         self._counters = self.buf[L.OFF_COUNTERS:L.OFF_COUNTERS + 8 * 32].cast("Q")
 
     # --- lifecycle ----------------------------------------------------------------------
+    # Creation protocol (why a dead creator can never block anyone):
+    #
+    # * A creator opens the name with O_CREAT|O_EXCL, takes the kernel-released LOCK_INIT on
+    #   it, checks that its object is still linked, and holds the lock until the magic is
+    #   written (or, on failure, until it has unlinked its object). The magic goes last.
+    # * Only a LOCK_INIT holder ever removes an object without magic (``kvshm-inspect rm`` is
+    #   the one manual exception). An attacher that finds no magic waits while LOCK_INIT is
+    #   held; once it is free it takes the lock itself and re-reads: magic -> attach; an
+    #   all-zero magic -> the leftover of a creator that died half-way, which it unlinks
+    #   (still the same inode: nobody else may unlink while it holds the lock); anything else
+    #   is a foreign object, left alone.
+    # * POSIX shm has no link/rename, so a creator cannot appear fully formed: there is a
+    #   window between its exclusive open and its lock. An attacher in that window judges
+    #   the object a leftover and unlinks it. That is safe by construction, not by a grace
+    #   period: the creator blocks on the lock the attacher holds, then finds its object
+    #   unlinked (st_nlink == 0) and starts over (and with ``exist_ok`` attaches whatever
+    #   was created meanwhile).
+    # * A creator that fails unlinks its object before its lock falls, so racers find the
+    #   object unlinked: to them the segment does not exist (an attacher re-opens the name,
+    #   a create-racer creates afresh) -- never "remove it".
+    # * An attacher waits for a live creator as long as the object keeps growing (fallocate
+    #   of a large segment takes seconds to tens of seconds). A creator that holds the lock
+    #   and makes no progress for _STALL_S (stopped with SIGSTOP, hung) gets
+    #   ``CreationStalledError``.
     @classmethod
     def create(cls, name: str, layout: Layout, num_blocks: int, *, mode: int = 0o600,
                max_clients: int = 32, ring_capacity: int = 128 << 10,
@@ -93,63 +130,102 @@ class Segment:
         """Create segment ``name`` holding ``num_blocks`` blocks of ``layout``.
 
         With ``exist_ok`` an existing segment is attached instead (and validated against
-        ``layout``). ``policy`` ("lru" or "arc") is the eviction policy every owner of this
-        segment will use. Space is reserved now: too little room raises
-        :class:`InsufficientSpaceError` and leaves nothing behind.
+        ``layout``); a half-created one whose creator died is removed and created afresh.
+        ``policy`` ("lru" or "arc") is the eviction policy every owner of this segment will
+        use. Space is reserved now: too little room raises :class:`InsufficientSpaceError`
+        and leaves nothing behind. See the creation protocol above.
         """
         geo = Geometry(int(num_blocks), layout.page_bytes, max_clients, ring_capacity,
                        hold_capacity)
         from .policy import make_policy
         policy = make_policy(policy, 1).name  # validate before touching /dev/shm
         posix = shm_name(name)
-        try:
-            shm = posix_ipc.SharedMemory(posix, posix_ipc.O_CREX, mode=mode, size=0)
-        except posix_ipc.ExistentialError:
-            if exist_ok:
-                return cls.attach(name, layout)
-            raise SegmentExistsError(
-                f"segment {name!r} already exists; attach to it, or remove it with "
-                f"'kvshm-inspect rm {name}'") from None
-        except posix_ipc.PermissionsError as e:
-            raise SegmentPermissionError(
-                f"cannot create segment {name!r} in {SHM_DIR}: {e}") from None
-        try:
-            locks.try_lock(shm.fd, L.LOCK_INIT)
-            os.fchmod(shm.fd, mode)  # shm_open applies the umask; the caller asked for `mode`
-            need, free = geo.total_bytes, _free_bytes()
-            if need > free:
-                raise InsufficientSpaceError(
-                    f"segment {name!r} needs {need} bytes ({need / 2**30:.2f} GiB) but "
-                    f"{SHM_DIR} has {free} bytes free; give it fewer blocks, or enlarge "
-                    f"{SHM_DIR} (docker: --shm-size or --ipc=host)")
+        why = ""
+        for _ in range(_RETRIES):
             try:
-                os.posix_fallocate(shm.fd, 0, need)
-            except OSError as e:
-                raise InsufficientSpaceError(
-                    f"reserving {need} bytes for segment {name!r} in {SHM_DIR} failed ({e}); "
-                    f"free space or enlarge {SHM_DIR}") from None
-            mm = mmap.mmap(shm.fd, need)
-            seg = cls(name, shm, mm, layout, geo, time.time_ns())
-            seg._write_header(policy)
-            locks.unlock(shm.fd, L.LOCK_INIT)
-            return seg
-        except BaseException:
-            with contextlib.suppress(Exception):
+                shm = posix_ipc.SharedMemory(posix, posix_ipc.O_CREX, mode=mode, size=0)
+            except posix_ipc.ExistentialError:
+                if not exist_ok:
+                    raise SegmentExistsError(
+                        f"segment {name!r} already exists; attach to it, or remove it with "
+                        f"'kvshm-inspect rm {name}'") from None
+                try:
+                    return cls._attach_once(name, layout)
+                except _Gone as gone:  # removed under us: create it ourselves
+                    why = str(gone)
+                    continue
+            except posix_ipc.PermissionsError as e:
+                raise SegmentPermissionError(
+                    f"cannot create segment {name!r} in {SHM_DIR}: {e}; run as a user who "
+                    f"may write {SHM_DIR}") from None
+            crash_point("segment.create.after_open")
+            # An attacher that found us before we locked may hold the lock (for an instant)
+            # and unlink us; then we start over. Bounded only against a stopped attacher.
+            if not locks.lock(shm.fd, L.LOCK_INIT, timeout=_STALL_S) or \
+                    os.fstat(shm.fd).st_nlink == 0:
                 shm.close_fd()
-            with contextlib.suppress(Exception):
-                posix_ipc.unlink_shared_memory(posix)
-            raise
+                why = "an attacher removed it before it was locked"
+                continue
+            crash_point("segment.create.after_lock")
+            try:
+                os.fchmod(shm.fd, mode)  # shm_open applies the umask; the caller asked for `mode`
+                need, free = geo.total_bytes, _free_bytes()
+                if need > free:
+                    raise InsufficientSpaceError(
+                        f"segment {name!r} needs {need} bytes ({need / 2**30:.2f} GiB) but "
+                        f"{SHM_DIR} has {free} bytes free; give it fewer blocks, or enlarge "
+                        f"{SHM_DIR} (docker: --shm-size or --ipc=host)")
+                try:
+                    os.posix_fallocate(shm.fd, 0, need)
+                except OSError as e:
+                    raise InsufficientSpaceError(
+                        f"reserving {need} bytes for segment {name!r} in {SHM_DIR} failed "
+                        f"({e}); free space or enlarge {SHM_DIR}") from None
+                crash_point("segment.create.after_reserve")
+                mm = mmap.mmap(shm.fd, need)
+                seg = cls(name, shm, mm, layout, geo, time.time_ns())
+                seg._write_header(policy)
+                locks.unlock(shm.fd, L.LOCK_INIT)
+                return seg
+            except BaseException:
+                # Unlink before the lock falls (it falls with the descriptor): racers must
+                # find the object gone, never a headerless one to be told to remove.
+                with contextlib.suppress(Exception):
+                    posix_ipc.unlink_shared_memory(posix)
+                with contextlib.suppress(Exception):
+                    shm.close_fd()
+                raise
+        raise SegmentExistsError(
+            f"segment {name!r} could not be created or attached after {_RETRIES} attempts "
+            f"(last: {why}); other processes keep creating and removing it")
 
     @classmethod
     def attach(cls, name: str, layout: Layout | None = None) -> "Segment":
-        """Attach existing segment ``name``; if ``layout`` is given it must match."""
+        """Attach existing segment ``name``; if ``layout`` is given it must match.
+
+        Waits for a creator that is still creating it (see the creation protocol above).
+        """
+        why = ""
+        for _ in range(_RETRIES):
+            try:
+                return cls._attach_once(name, layout)
+            except _Gone as gone:
+                if gone.absent:
+                    break
+                why = str(gone)
+        raise SegmentNotFoundError(
+            f"no kvshm segment named {name!r} (no {SHM_DIR}{shm_name(name)}"
+            f"{'; ' + why if why else ''}); create it first, or list segments with "
+            "'kvshm-inspect ls'")
+
+    @classmethod
+    def _attach_once(cls, name: str, layout: Layout | None) -> "Segment":
+        """Open and validate; ``_Gone`` if there is no object or it was removed meanwhile."""
         posix = shm_name(name)
         try:
             shm = posix_ipc.SharedMemory(posix)
         except posix_ipc.ExistentialError:
-            raise SegmentNotFoundError(
-                f"no kvshm segment named {name!r} (no {SHM_DIR}{posix}); create it first, "
-                "or list segments with 'kvshm-inspect ls'") from None
+            raise _Gone("absent", absent=True) from None
         except posix_ipc.PermissionsError:
             raise SegmentPermissionError(
                 f"permission denied opening segment {name!r} ({SHM_DIR}{posix}); run as its "
@@ -160,54 +236,110 @@ class Segment:
             shm.close_fd()
             raise
 
+    @staticmethod
+    def _wait_for_header(name: str, shm: posix_ipc.SharedMemory) -> tuple[bytes, int]:
+        """The header bytes and file size once a creator has finished (see the protocol)."""
+        fd = shm.fd
+        progress, since, delay = None, time.monotonic(), 1e-4
+        while True:
+            if locks.is_held(fd, L.LOCK_INIT):  # a live creator: wait while it progresses
+                st = os.fstat(fd)
+                now = time.monotonic()
+                if (st.st_size, st.st_blocks) != progress:
+                    progress, since = (st.st_size, st.st_blocks), now
+                elif now - since > _STALL_S:
+                    raise CreationStalledError(
+                        f"segment {name!r} is still being created, but its creator (alive: it "
+                        f"holds the creation lock) has made no progress for {_STALL_S:.0f} s; "
+                        f"find it with 'fuser {SHM_DIR}{shm.name}' and resume or stop it")
+                time.sleep(delay)  # polling the creator's progress
+                delay = min(delay * 2, 0.01)
+                continue
+            # Decide with the lock in hand: no creator can start or finish underneath.
+            if not locks.try_lock(fd, L.LOCK_INIT):
+                continue
+            try:
+                st = os.fstat(fd)
+                if st.st_nlink == 0:
+                    raise _Gone("its creator failed and removed it")
+                head = os.pread(fd, L.HEADER.size, 0)
+                if head[:8] == L.MAGIC and st.st_size >= L.HEADER_BYTES:
+                    return head, st.st_size
+                if any(head[:8]):
+                    raise NotAKvshmSegmentError(
+                        f"{SHM_DIR}{shm.name} is not a kvshm segment (size {st.st_size}, no "
+                        f"kvshm header); if it is a leftover, remove it with "
+                        f"'kvshm-inspect rm {name}'")
+                # No magic and nobody creating: a creator died half-way (or is between its
+                # exclusive open and its lock, and will start over when it finds itself
+                # unlinked). Remove it only if the name still denotes this very object.
+                with contextlib.suppress(FileNotFoundError, posix_ipc.ExistentialError):
+                    if os.stat(SHM_DIR + shm.name).st_ino == st.st_ino:
+                        posix_ipc.unlink_shared_memory(shm.name)
+                raise _Gone("a creator died half-way; its leftover was removed")
+            finally:
+                locks.unlock(fd, L.LOCK_INIT)
+
     @classmethod
     def _validate(cls, name: str, shm: posix_ipc.SharedMemory,
                   expected: Layout | None) -> "Segment":
-        start = time.monotonic()
-        deadline = start + _INIT_WAIT_S
-        while True:  # a creator may still be writing the header; it holds LOCK_INIT meanwhile
-            size = os.fstat(shm.fd).st_size
-            if size >= L.HEADER_BYTES:
-                with open(f"{SHM_DIR}{shm.name}", "rb") as f:
-                    head = f.read(L.HEADER.size)
-                if head[:8] == L.MAGIC:
-                    break
-            # A creator takes LOCK_INIT just after its exclusive open: an object younger than
-            # the grace period may not be locked yet.
-            creating = locks.is_held(shm.fd, L.LOCK_INIT) or \
-                time.monotonic() - start < _CREATE_GRACE_S
-            if not creating or time.monotonic() > deadline:
-                raise NotAKvshmSegmentError(
-                    f"{SHM_DIR}{shm.name} is not a kvshm segment (size {size}, no kvshm "
-                    f"header); if it is a leftover, remove it with 'kvshm-inspect rm {name}'")
-            time.sleep(0.001)  # polling the creator's progress, bounded by the deadline
-        fields = L.HEADER.unpack(head)
-        _, version, _, total, created, nblocks, tpb, nplanes, maxc, ringcap, holdcap, _, fp = \
-            fields
+        head, size = cls._wait_for_header(name, shm)
+        _, version, hbytes, total, created, nblocks, tpb, nplanes, maxc, ringcap, holdcap, \
+            islots, fp = L.HEADER.unpack(head)
         if version != L.FORMAT_VERSION:
             raise FormatVersionError(
                 f"segment {name!r} has format version {version}, this kvshm reads version "
                 f"{L.FORMAT_VERSION}; use a matching kvshm, or remove the segment")
+
+        def damaged(what: str) -> NotAKvshmSegmentError:
+            return NotAKvshmSegmentError(
+                f"segment {name!r} is damaged: {what}; remove it with "
+                f"'kvshm-inspect rm {name}' and create it again")
+
+        if hbytes != L.HEADER_BYTES:
+            raise damaged(f"header_bytes is {hbytes}, expected {L.HEADER_BYTES}")
         if total != size:
-            raise NotAKvshmSegmentError(
-                f"segment {name!r} is {size} bytes but its header says {total}; it is "
-                f"damaged — remove it with 'kvshm-inspect rm {name}'")
-        mm = mmap.mmap(shm.fd, total)
-        desc = bytes(mm[L.OFF_LAYOUT_DESC:L.OFF_LAYOUT_DESC + L.LAYOUT_DESC_BYTES])
+            raise damaged(f"it is {size} bytes but its header says total_size {total}")
+        # Everything below is read through pread, never through a mapping sized by fields
+        # not yet cross-checked (a mapping past the end of the file would SIGBUS).
+        desc = os.pread(shm.fd, L.LAYOUT_DESC_BYTES, L.OFF_LAYOUT_DESC).rstrip(b"\0")
+        if hashlib.sha256(desc).digest() != fp:
+            raise damaged("the layout description does not match the header's layout "
+                          "fingerprint")
         try:
-            found = Layout.from_description(desc.rstrip(b"\0").decode())
+            found = Layout.from_description(desc.decode())
         except (ValueError, KeyError, TypeError) as e:  # JSON/UTF-8 errors are ValueErrors
-            mm.close()
-            raise NotAKvshmSegmentError(
-                f"segment {name!r} has a damaged layout description ({e!r}); remove it "
-                f"with 'kvshm-inspect rm {name}'") from None
+            raise damaged(f"layout description unreadable ({e!r})") from None
+        if found.fingerprint() != fp:
+            raise damaged("the layout description is not in canonical form")
+        if nplanes != len(found.page_bytes):
+            raise damaged(f"num_planes is {nplanes} but the layout has "
+                          f"{len(found.page_bytes)} planes")
+        pages = os.pread(shm.fd, 8 * L.MAX_PLANES, L.OFF_PAGE_BYTES)
+        if pages != L.plane_pages(found.page_bytes):
+            raise damaged("the page_bytes array disagrees with the layout's page sizes")
+        if tpb != found.tokens_per_block:
+            raise damaged(f"tokens_per_block is {tpb} but the layout says "
+                          f"{found.tokens_per_block}")
+        try:
+            geo = Geometry(nblocks, found.page_bytes, maxc, ringcap, holdcap)
+        except InvalidArgumentError as e:  # names the field that is out of range
+            raise damaged(f"header field out of range ({e})") from None
+        if geo.total_bytes != total:
+            raise damaged(f"total_size {total} disagrees with the geometry (num_blocks, "
+                          f"max_clients, ring_capacity, hold_capacity give "
+                          f"{geo.total_bytes})")
+        if geo.index_slots != islots:
+            raise damaged(f"index_slots is {islots}, the geometry gives {geo.index_slots}")
+        if os.pread(shm.fd, 16, L.OFF_HEADER_SUM) != L.header_sum(head):
+            raise damaged("the header fields (num_blocks, max_clients, ring_capacity, "
+                          "hold_capacity, ...) disagree with the header checksum")
         if expected is not None and expected.fingerprint() != fp:
-            mm.close()
             raise LayoutMismatchError(
                 f"segment {name!r} holds layout {found.describe()} but this process has "
                 f"{expected.describe()}; use another segment name for this model, or make "
                 "the layouts (model, page sizes, tokens per block) agree")
-        geo = Geometry(nblocks, found.page_bytes, maxc, ringcap, holdcap)
+        mm = mmap.mmap(shm.fd, total)
         return cls(name, shm, mm, found, geo, created)
 
     def _write_header(self, policy: str) -> None:
@@ -229,6 +361,7 @@ class Segment:
                            self.created_ns, g.num_blocks, lay.tokens_per_block,
                            len(lay.page_bytes), g.max_clients, g.ring_capacity,
                            g.hold_capacity, g.index_slots, lay.fingerprint())
+        b[L.OFF_HEADER_SUM:L.OFF_HEADER_SUM + 16] = L.header_sum(bytes(b[:L.HEADER.size]))
         b[0:8] = L.MAGIC
 
     def close(self) -> None:

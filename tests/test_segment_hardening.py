@@ -1,0 +1,262 @@
+"""Data-plane hardening: attach checks fingerprinted, cross-checked fields only; a dead or
+failing creator never blocks anyone; group mode reaches the semaphores; bad manager input
+gets a typed error. Creators run in real processes that SIGKILL/SIGSTOP themselves at named
+crash points (``KVSHM_CRASH_AT``)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import struct
+import subprocess
+import sys
+import time
+
+import posix_ipc
+import pytest
+
+from kvshm import layout as L
+from kvshm.errors import (InsufficientSpaceError, InvalidArgumentError, KvshmError,
+                          NotAKvshmSegmentError, SegmentNotFoundError)
+from kvshm.layout import Layout
+from kvshm.segment import Segment, shm_name
+
+from conftest import SMALL_GEOMETRY, TEST_LAYOUT
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEADLINE_S = 60  # a guard against a hung process, never synchronisation
+TWO_PAGES = Layout((4096, 8192), 16, "hardening")
+
+
+def path(name: str) -> str:
+    return "/dev/shm/kvshm-" + name
+
+
+def creator(name: str, crash_at: str | None, num_blocks: int = 8, signal_: str = "KILL",
+            exist_ok: bool = False) -> subprocess.Popen:
+    """A process that creates ``name`` (stopping at ``crash_at``) and prints the outcome."""
+    code = ("import sys, json; from kvshm.segment import Segment; from kvshm.layout import "
+            "Layout\ntry:\n s = Segment.create(sys.argv[1], Layout((4096, 4096), 16, 'test'),"
+            f" {num_blocks}, ring_capacity=8192, hold_capacity=64, exist_ok={exist_ok})\n"
+            " print(json.dumps(['ok', s.geometry.total_bytes]))\n"
+            "except Exception as e:\n print(json.dumps([type(e).__name__, str(e)]))\n")
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    env.pop("KVSHM_CRASH_AT", None)
+    if crash_at:
+        env.update(KVSHM_CRASH_AT=crash_at, KVSHM_CRASH_SIGNAL=signal_)
+    return subprocess.Popen([sys.executable, "-c", code, name], env=env,
+                            stdout=subprocess.PIPE, text=True)
+
+
+def attacher(name: str, create: bool) -> subprocess.Popen:
+    return creator(name, None, exist_ok=True) if create else subprocess.Popen(
+        [sys.executable, "-c", "import sys, json; from kvshm.segment import Segment\ntry:\n"
+         " s = Segment.attach(sys.argv[1]); print(json.dumps(['ok', 0]))\n"
+         "except Exception as e:\n print(json.dumps([type(e).__name__, str(e)]))\n", name],
+        env=dict(os.environ, PYTHONPATH=ROOT), stdout=subprocess.PIPE, text=True)
+
+
+def outcome(p: subprocess.Popen) -> list:
+    out, _ = p.communicate(timeout=DEADLINE_S)
+    return json.loads(out)
+
+
+def poll(cond, what: str) -> None:
+    deadline = time.monotonic() + DEADLINE_S
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.005)
+
+
+def stopped(p: subprocess.Popen) -> bool:
+    with open(f"/proc/{p.pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "T"
+
+
+def has_open(p: subprocess.Popen, file: str) -> bool:
+    fds = f"/proc/{p.pid}/fd"
+    try:
+        return any(os.readlink(f"{fds}/{fd}").startswith(file) for fd in os.listdir(fds))
+    except FileNotFoundError:
+        return False
+
+
+# --- 3: attach trusts only checked fields ------------------------------------------------------
+def _dead_segment(name: str, layout: Layout = TWO_PAGES) -> None:
+    """A segment whose creator process has exited."""
+    code = ("import sys; from kvshm.segment import Segment; from kvshm.layout import Layout\n"
+            f"Segment.create(sys.argv[1], Layout({layout.page_bytes!r}, 16, {layout.model!r}),"
+            " 8, ring_capacity=8192, hold_capacity=64).close()")
+    subprocess.run([sys.executable, "-c", code, name], check=True, timeout=DEADLINE_S,
+                   env=dict(os.environ, PYTHONPATH=ROOT))
+
+
+def _patch(name: str, offset: int, data: bytes) -> None:
+    fd = os.open(path(name), os.O_RDWR)
+    try:
+        os.pwrite(fd, data, offset)
+    finally:
+        os.close(fd)
+
+
+def test_attach_refuses_swapped_page_sizes_in_the_description(seg_name):
+    _dead_segment(seg_name)
+    desc = TWO_PAGES.describe().replace('"page_bytes":[4096,8192]', '"page_bytes":[8192,4096]')
+    json.loads(desc)  # still valid JSON
+    _patch(seg_name, L.OFF_LAYOUT_DESC, desc.encode().ljust(L.LAYOUT_DESC_BYTES, b"\0"))
+    with pytest.raises(NotAKvshmSegmentError) as e:
+        Segment.attach(seg_name)
+    assert "fingerprint" in str(e.value) and f"kvshm-inspect rm {seg_name}" in str(e.value)
+
+
+@pytest.mark.parametrize("field,value", [("max_clients", 31), ("ring_capacity", 16384),
+                                         ("hold_capacity", 4096), ("num_blocks", 2**40),
+                                         ("num_blocks", 0), ("index_slots", 4)])
+def test_attach_refuses_a_header_field_that_disagrees_with_the_geometry(seg_name, field, value):
+    _dead_segment(seg_name)
+    names = ["magic", "version", "header_bytes", "total_size", "created_ns", "num_blocks",
+             "tokens_per_block", "num_planes", "max_clients", "ring_capacity",
+             "hold_capacity", "index_slots"]
+    codes = L.HEADER.format.lstrip("<")  # one code per field, the fingerprint last
+    i = names.index(field)
+    _patch(seg_name, struct.calcsize("<" + codes[:i]), struct.pack("<" + codes[i], value))
+    with pytest.raises(NotAKvshmSegmentError) as e:
+        Segment.attach(seg_name)
+    assert f"kvshm-inspect rm {seg_name}" in str(e.value)
+    assert not isinstance(e.value, InvalidArgumentError)
+
+
+# --- 4: creation races -------------------------------------------------------------------------
+@pytest.mark.parametrize("point", ["segment.create.after_open", "segment.create.after_lock",
+                                   "segment.create.after_reserve"])
+def test_a_creator_killed_mid_creation_blocks_nobody(seg_name, point):
+    p = creator(seg_name, point)
+    p.wait(DEADLINE_S)
+    assert p.returncode == -signal.SIGKILL and os.path.exists(path(seg_name))
+    with pytest.raises(SegmentNotFoundError) as e:  # attach-only: the leftover is gone
+        Segment.attach(seg_name)
+    assert "died half-way" in str(e.value)
+    seg = Segment.create(seg_name, TEST_LAYOUT, 8, exist_ok=True, **SMALL_GEOMETRY)
+    seg.close()
+    Segment.attach(seg_name).close()
+
+
+def test_attacher_waits_for_a_stopped_creator_past_the_old_ten_second_bound(seg_name):
+    p = creator(seg_name, "segment.create.after_reserve", signal_="STOP")
+    try:
+        poll(lambda: stopped(p), "the creator to stop")
+        a = attacher(seg_name, create=False)
+        poll(lambda: has_open(a, path(seg_name)), "the attacher to open the object")
+        end = time.monotonic() + 12  # the behaviour under test: still waiting after 10 s
+        while time.monotonic() < end:
+            assert a.poll() is None, outcome(a)
+            time.sleep(0.05)
+    finally:
+        os.kill(p.pid, signal.SIGCONT)
+    assert outcome(p)[0] == "ok" and outcome(a) == ["ok", 0]
+
+
+@pytest.mark.parametrize("create", [False, True], ids=["attach", "create"])
+def test_racers_beside_a_failing_creator_see_no_segment_never_remove_it(seg_name, create):
+    p = creator(seg_name, "segment.create.after_lock", num_blocks=2**31 - 1, signal_="STOP")
+    poll(lambda: stopped(p), "the creator to stop")
+    a = attacher(seg_name, create=create)
+    try:
+        poll(lambda: has_open(a, path(seg_name)), "the racer to open the object")
+    finally:
+        os.kill(p.pid, signal.SIGCONT)
+    assert outcome(p)[0] == "InsufficientSpaceError"
+    kind, msg = outcome(a)
+    assert "remove it" not in str(msg)
+    assert kind == ("ok" if create else "SegmentNotFoundError"), msg
+
+
+def test_a_creator_stopped_before_its_lock_starts_over_when_removed(seg_name):
+    p = creator(seg_name, "segment.create.after_open", signal_="STOP", exist_ok=True)
+    poll(lambda: stopped(p), "the creator to stop")
+    seg = Segment.create(seg_name, TEST_LAYOUT, 8, exist_ok=True, **SMALL_GEOMETRY)
+    os.kill(p.pid, signal.SIGCONT)
+    assert outcome(p) == ["ok", seg.geometry.total_bytes]
+    seg.close()
+    assert Segment.attach(seg_name).geometry.num_blocks == 8
+
+
+# --- 5: group mode -----------------------------------------------------------------------------
+def _sem_files(name: str) -> list[str]:
+    return [e for e in os.listdir("/dev/shm") if e.startswith(f"sem.kvshm-{name}-")]
+
+
+def test_semaphores_get_the_segments_group_mode(seg_name):
+    from kvshm.client import connect
+    mgr = connect(seg_name, TEST_LAYOUT, num_blocks=8, mode=0o660, **SMALL_GEOMETRY)
+    try:
+        mgr.prepare_store([b"k" * 36])
+        files = _sem_files(seg_name)
+        assert files
+        assert {stat.S_IMODE(os.stat("/dev/shm/" + f).st_mode) for f in files} == {0o660}
+    finally:
+        pid = mgr.segment.owner_record()[0]
+        mgr.shutdown()
+        from conftest import stop_owner
+        stop_owner(pid)
+
+
+def _child_ring_as_nobody(name: str, sem: str) -> str:
+    os.setgid(65534)
+    os.setuid(65534)
+    from kvshm.ring import Doorbell
+    try:
+        with Segment.attach(name) as seg:
+            Doorbell(seg.buf[L.OFF_OWNER_BELL:L.OFF_OWNER_BELL + 8], sem, like_fd=seg.fd)
+    except KvshmError as e:
+        return type(e).__name__
+    return "ok"
+
+
+def test_a_group_member_opens_the_semaphores_of_a_0660_segment(make_segment):
+    from multiprocessing import get_context
+    from kvshm.ring import Doorbell
+    from kvshm.segment import sem_name
+    seg = make_segment(mode=0o660)
+    os.chown(path(seg.name), -1, 65534)  # the group both users share
+    sem = sem_name(seg.name, "owner")
+    Doorbell(seg.buf[L.OFF_OWNER_BELL:L.OFF_OWNER_BELL + 8], sem, like_fd=seg.fd)
+    with get_context("spawn").Pool(1) as pool:
+        assert pool.apply(_child_ring_as_nobody, (seg.name, sem)) == "ok"
+
+
+# --- 7: bad input ------------------------------------------------------------------------------
+@pytest.mark.parametrize("bad", ["abc", 5, None, b"k" * 36, bytearray(b"k" * 36)])
+def test_lookup_of_a_non_sequence_raises_invalid_argument(manager, bad):
+    with pytest.raises(InvalidArgumentError):
+        manager.lookup(bad)
+
+
+@pytest.mark.parametrize("bad", ["abc", 5, None, bytearray(b"k" * 36)])
+def test_key_status_and_lookup_of_a_bad_key_raise_invalid_argument(manager, bad):
+    with pytest.raises(InvalidArgumentError):
+        manager.key_status(bad)
+    with pytest.raises(InvalidArgumentError):
+        manager.lookup([bad])
+
+
+def test_bytearray_keys_are_refused_and_leave_the_cache_unchanged(manager):
+    with pytest.raises(InvalidArgumentError) as e:
+        manager.prepare_store([bytearray(b"k" * 36)])
+    assert "bytes(key)" in str(e.value)
+    assert manager.prepare_store([b"k" * 36]).keys_to_store == [b"k" * 36]
+
+
+def test_prepare_store_of_a_generator_stores_every_key(manager):
+    keys = [bytes([i]) * 36 for i in range(3)]
+    out = manager.prepare_store(k for k in keys)
+    assert out.keys_to_store == keys
+    manager.complete_store(iter(keys))
+    assert manager.lookup(iter(keys)) == 3
+
+
+@pytest.mark.parametrize("name", [".", "..", "...", "ok\n"])
+def test_dot_names_and_trailing_newline_are_refused(name):
+    with pytest.raises(InvalidArgumentError):
+        shm_name(name)
