@@ -1,4 +1,5 @@
-"""The fault-injection soak (tools/soak.py) passes for 30 s with client and owner kills."""
+"""The fault-injection soak (tools/soak.py) passes for 30 s with client and owner kills,
+client freezes and a reconnect loop."""
 from __future__ import annotations
 
 import json
@@ -9,16 +10,25 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_soak_with_client_and_owner_kills_keeps_every_invariant():
+def test_soak_with_kills_freezes_and_reconnects_keeps_every_invariant():
     seconds = os.environ.get("KVSHM_SOAK_SECONDS", "30")
     out = subprocess.run(
         [sys.executable, os.path.join(ROOT, "tools", "soak.py"), "--seconds", seconds,
-         "--kill-owner", "--json"], capture_output=True, text=True, timeout=300)
+         "--kill-owner", "--reconnectors", "1", "--max-freeze", "1.5", "--json"],
+        capture_output=True, text=True, timeout=300)
     report = json.loads(out.stdout)
-    assert report["corrupt_loads"] == 0
-    assert report["leaked_blocks"] == 0
-    assert report["client_crashes"] == 0
-    assert report["violations"] == []
+    diag = json.dumps({k: report[k] for k in ("wedge_detail", "leaked_slot_detail",
+                                              "corrupt_detail", "error_samples")},
+                      indent=1) + "\n" + out.stderr[-4000:]
+    assert report["corrupt_loads"] == 0, diag
+    assert report["leaked_blocks"] == 0, diag
+    assert report["leaked_slots"] == 0, diag
+    assert report["wedges"] == 0, diag
+    assert report["client_errors"] == 0, diag
+    assert report["client_crashes"] == 0, diag
+    assert report["violations"] == [], diag
     assert report["kills"]["clients"] > 0 and report["kills"]["owner"] > 0
+    assert report["freezes"] > 0
+    assert report["reconnects"] > 0
     assert report["loaded_blocks"] > 0
-    assert out.returncode == 0 and report["ok"]
+    assert out.returncode == 0 and report["ok"], diag
