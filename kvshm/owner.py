@@ -24,6 +24,7 @@ from . import layout as L
 from . import locks
 from . import protocol as P
 from . import slots
+from . import writers  # [writers]
 from .errors import KvshmError, OwnerUnavailableError
 from .fence import full_fence
 from .manager import LocalManager
@@ -57,8 +58,10 @@ class Owner:
     def __init__(self, name: str, *, idle_exit_s: float | None = None):
         self.seg = Segment.attach(name)
         self.clients: dict[int, _Client] = {}
+        # [writers] a rebuild keeps a dead client's stores while a registered copier lives
         self.manager = LocalManager(self.seg, enable_events=True, held=self._held,
-                                    writer_alive=self._writer_alive)
+                                    writer_alive=lambda s, g: self._writer_alive(s, g)
+                                    or writers.alive(self.seg, s, g))
         g = self.seg.geometry
         self.bell = Doorbell(self.seg.buf[L.OFF_OWNER_BELL:L.OFF_OWNER_BELL + 8],
                              sem_name(name, "owner"))
@@ -111,6 +114,9 @@ class Owner:
         for slot, c in list(self.clients.items()):
             if not self._writer_alive(slot, c.gen):
                 self._reclaim(slot, c.gen)
+        # [writers] free quarantined stores whose copiers are gone
+        self.seg.counter_add("reclaimed_blocks",
+                             self.manager.reclaim_dead_writers(self._writer_alive))
         for slot in range(self.seg.geometry.max_clients):  # job channels hold nothing of
             state, _, gen, _, _ = self._slot_state(slot)   # ours: a dead one just goes FREE
             if state == slots.CHANNEL:
