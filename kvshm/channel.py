@@ -9,6 +9,8 @@ Liveness is the kernel's, as everywhere in kvshm: the scheduler holds the slot's
 worker holds ``WORKER_LOCK_BASE + slot``. Once the worker was seen alive, a free worker lock
 means it died: every job outstanding on the channel is reported failed, so the scheduler
 connector frees the stores and releases the loads. A worker whose scheduler died exits.
+Every job frame names the scheduler's manager slot and generation: the worker refuses a job
+of a generation that is dead, even one still queued here (see ``kvshm.writers``).
 When the scheduler dies, the owner reclaims the slot (clears it to FREE).
 
 It owns the frames (msgspec, tagged, array_like) and nothing about what jobs mean; it never
@@ -43,11 +45,14 @@ class JobFrame(_Frame, tag="Job"):
     segment: list[int]
     last: bool = True  # False: more ids of this job follow in the next frame
     skip: int | None = None  # TransferSpec.skip
+    writer_slot: int = -1  # Job.writer: the scheduler's manager slot (-1: none) ...
+    writer_gen: int = 0  # ... and its generation; the worker refuses a dead generation's job
 
     def to_job(self):
         from .connector import Job
+        writer = (self.writer_slot, self.writer_gen) if self.writer_slot >= 0 else None
         return Job(self.job_id, "", TransferSpec(self.kind, self.device, self.segment,
-                                                 self.skip))
+                                                 self.skip), writer)
 
 
 class Flush(_Frame):
@@ -184,11 +189,12 @@ class SchedulerChannel:
             spec: TransferSpec = job.spec
             dev, seg = list(spec.device_block_ids), list(spec.segment_block_ids)
             self._outstanding[job.job_id] = spec.kind
+            wslot, wgen = getattr(job, "writer", None) or (-1, 0)
             parts = max(1, -(-max(len(dev), len(seg)) // MAX_IDS_PER_FRAME))
             for i in range(parts):
                 sl = slice(i * MAX_IDS_PER_FRAME, (i + 1) * MAX_IDS_PER_FRAME)
                 if not self._send(JobFrame(job.job_id, spec.kind, dev[sl], seg[sl],
-                                           i == parts - 1, spec.skip)):
+                                           i == parts - 1, spec.skip, wslot, wgen)):
                     break  # the worker is gone: the job is already reported failed
 
     def flush(self, job_ids: Iterable[int]) -> None:
@@ -304,8 +310,8 @@ class WorkerChannel:
                 if not m.last:
                     continue
                 del self._pending[m.job_id]
-                m = JobFrame(m.job_id, m.kind, [d for p in parts for d in p.device],
-                             [s for p in parts for s in p.segment], True, m.skip)
+                m = msgspec.structs.replace(m, device=[d for p in parts for d in p.device],
+                                            segment=[s for p in parts for s in p.segment])
             out.append(m)
         return out
 

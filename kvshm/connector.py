@@ -42,6 +42,9 @@ class Job:
     job_id: int
     req_id: str
     spec: TransferSpec
+    # (manager slot, generation) of the scheduler the job copies for, when its manager is a
+    # SharedManager: a worker refuses the job once that generation is dead (kvshm.writers).
+    writer: tuple[int, int] | None = None
 
 
 @dataclass
@@ -252,7 +255,10 @@ class SchedulerConnector:
         self._reqs[req_id].jobs.add(job_id)
         for b in set(dev):
             self._block_jobs.setdefault(b, set()).add(job_id)
-        return Job(job_id, req_id, TransferSpec(kind, dev, tuple(int(s) for s in segment_ids)))
+        slot, gen = getattr(self.manager, "slot", None), getattr(self.manager, "gen", None)
+        writer = (slot, gen) if isinstance(slot, int) and isinstance(gen, int) else None
+        return Job(job_id, req_id, TransferSpec(kind, dev, tuple(int(s) for s in segment_ids)),
+                   writer)
 
     # --- completions -------------------------------------------------------------------
     def jobs_finished(self, results: Iterable[Any]) -> Completions:

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Iterable, Sequence
 
 import numpy as np
 
+from . import crashpoints
 from .errors import InvalidArgumentError, TransferError
 from .transfer import (KINDS, BlockPlan, Geometry, TransferHandler, TransferResult,
                        TransferSpec, build_geometry, job_runs, plan_transfer)
@@ -170,6 +171,12 @@ class CpuTransferHandler(TransferHandler):
         # a second thread cannot share (the GIL) — measured: 16 KiB runs got slower split.
         big = total >= self._split_min and total >= self._split_min_run * nb.size
         parts = self._threads if self._helpers is not None and big else 1
+        if crashpoints.ARMED and job.plan.kind == "store":  # tests: freeze a store half-done
+            half = nb // 2
+            self._copy_runs(dst, src, half)
+            crashpoints.crash_point("worker.store.mid_copy")
+            self._copy_runs(dst + half, src + half, nb - half)
+            return total
         if parts == 1 or nb.size < 2:
             self._copy_runs(dst, src, nb)
             return total

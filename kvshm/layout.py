@@ -8,6 +8,7 @@ Segment (format version 2)::
 
     header (4 KiB)        magic, version, geometry, offsets, owner record, counters, pinners
     client slots          max_clients x (slot record | holds | 4 rings | doorbell flags)
+    writer registry       writer_records x 32-byte records: who copies for which scheduler
     block table           num_blocks x 128-byte entries (seq, state, key + checksum, writer, ...)
     key index             open-addressing hash table: slot -> (crc32 tag, block id)
     data (2 MiB aligned)  num_planes planes, each (num_blocks, page_bytes[p]), 2 MiB aligned
@@ -44,6 +45,9 @@ LOCK_OWNER = 0
 LOCK_INIT = 1
 LOCK_PIN_TURN = 2
 LOCK_CLIENT_BASE = 64
+# + record: held by a registered writer (kvshm.writers). Past the client slots' bytes
+# (LOCK_CLIENT_BASE + slot) and the job-channel workers' (LOCK_CLIENT_BASE + 1024 + slot).
+LOCK_WRITER_BASE = LOCK_CLIENT_BASE + 2048
 
 # --- header ------------------------------------------------------------------------------
 # magic, version, header_bytes, total_size, created_ns, num_blocks, tokens_per_block,
@@ -72,6 +76,8 @@ COUNTER_NAMES = (
     "stores", "store_blocks", "store_failed_blocks", "prepare_store_refused", "evictions",
     "lookups_owner", "touches", "errors", "failovers", "reclaimed_clients",
     "reclaimed_blocks", "frames",
+    # Blocks of dead clients kept back while a process copying for them still lived.
+    "quarantined_blocks",
     # Counters of clients that have left, folded in by the owner so totals survive them.
     "gone_lookups", "gone_hits", "gone_loads", "gone_load_blocks", "gone_bytes_in",
     "gone_bytes_out",
@@ -177,6 +183,24 @@ def key_checksum(key: bytes) -> int:
 
 
 INDEX_SLOT = struct.Struct("<Ii")  # crc32 tag, block id (-1 empty)
+
+# --- writer registry ---------------------------------------------------------------------
+# One record per registration of a process that copies blocks on behalf of a scheduler's
+# manager slot (its channel worker, an engine's worker processes). Only the registrant
+# writes a record, and only while it holds lock byte LOCK_WRITER_BASE + record; a record
+# whose lock is free is dead whatever it says (the kernel drops the lock with the process).
+# The owner reads records to decide whether a dead client's WRITING blocks may be reused.
+WRITER_FIELDS = (("slot", "i"),      # scheduler's manager slot; -1 once unregistered
+                 ("pid", "I"),       # registrant's pid: for kvshm-inspect only, never liveness
+                 ("gen", "Q"),       # that slot's client generation the registrant copies for
+                 ("since_ns", "Q"))  # time.time_ns() at registration, for kvshm-inspect
+WRITER = struct.Struct("<" + "".join(c for _, c in WRITER_FIELDS))
+WRITER_BYTES = 32
+
+
+def writer_records(max_clients: int) -> int:
+    """Registry records of a segment: room for 8 copying processes per client slot."""
+    return max(64, 8 * max_clients)
 
 
 def _round_up(n: int, align: int) -> int:
@@ -284,8 +308,16 @@ class Geometry:
         return HEADER_BYTES
 
     @cached_property
-    def table_offset(self) -> int:
+    def writers_offset(self) -> int:
         return self.clients_offset + self.max_clients * self.slot_bytes
+
+    @cached_property
+    def writer_records(self) -> int:
+        return writer_records(self.max_clients)
+
+    @cached_property
+    def table_offset(self) -> int:
+        return _round_up(self.writers_offset + self.writer_records * WRITER_BYTES, 4096)
 
     @cached_property
     def index_slots(self) -> int:

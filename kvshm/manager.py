@@ -16,6 +16,7 @@ from typing import Callable, Sequence
 
 from . import layout as L
 from . import locks
+from . import writers
 from .crashpoints import crash_point
 from .api import LookupResult, OffloadingEvent, OffloadingManager, PrepareStoreOutput
 from .errors import (BlockStateError, InvalidArgumentError, OwnerUnavailableError,
@@ -62,6 +63,8 @@ class LocalManager(OffloadingManager):
         # late writer still copying into a block freed under it (its store was failed or
         # reclaimed) then lands in the block least likely to have been granted again.
         self._free: deque[int] = deque()
+        # Dead writers (slot, gen) whose stores wait for their registered copying processes.
+        self.quarantined: set[tuple[int, int]] = set()
         pid, epoch, _, tick = segment.owner_record()
         self.epoch = epoch + 1
         self.tick = tick
@@ -298,11 +301,30 @@ class LocalManager(OffloadingManager):
             raise problem
 
     def reclaim_writer(self, slot: int, gen: int) -> int:
-        """Free every unfinished store of a writer that died. Returns the block count."""
+        """Free every unfinished store of a writer that died. Returns the block count.
+
+        Not while a process registered to copy for that writer generation lives (its late
+        copy would land in whoever gets the blocks next): the stores are then quarantined,
+        and a later call frees them once the last such process is gone.
+        """
+        # Quarantine: keep the blocks while a registered copier of (slot, gen) lives
+        if self._pending.get((slot, gen)) and writers.alive(self.segment, slot, gen):
+            if (slot, gen) not in self.quarantined:
+                self.quarantined.add((slot, gen))
+                self.segment.counter_add("quarantined_blocks", len(self._pending[(slot, gen)]))
+            return 0
+        self.quarantined.discard((slot, gen))
         keys = self._pending.pop((slot, gen), set())
         for k in keys:
             self._drop(k)
         return len(keys)
+
+    # The owner's periodic retry of quarantined (and rebuilt orphan) stores
+    def reclaim_dead_writers(self, client_alive: Callable[[int, int], bool]) -> int:
+        """``reclaim_writer`` for every pending writer whose client is gone (quarantined ones,
+        and those a rebuild kept for a registered copier). Returns the blocks freed."""
+        return sum(self.reclaim_writer(slot, gen) for slot, gen in list(self._pending)
+                   if slot >= 0 and not client_alive(slot, gen))
 
     # --- eviction -----------------------------------------------------------------------
     def _evict(self, n: int, protected: set[bytes], requester: int) -> list[bytes] | None:

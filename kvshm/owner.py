@@ -24,6 +24,7 @@ from . import layout as L
 from . import locks
 from . import protocol as P
 from . import slots
+from . import writers
 from .errors import KvshmError, OwnerUnavailableError
 from .crashpoints import crash_point
 from .fence import full_fence
@@ -80,8 +81,10 @@ class Owner:
     def __init__(self, name: str, *, idle_exit_s: float | None = None):
         self.seg = Segment.attach(name)
         self.clients: dict[int, _Client] = {}
+        # A rebuild keeps a dead client's stores while a registered copier lives
         self.manager = LocalManager(self.seg, enable_events=True, held=self._held,
-                                    writer_alive=self._writer_alive)
+                                    writer_alive=lambda s, g: self._writer_alive(s, g)
+                                    or writers.alive(self.seg, s, g))
         self.epoch = self.manager.epoch
         g = self.seg.geometry
         self.bell = Doorbell(self.seg.buf[L.OFF_OWNER_BELL:L.OFF_OWNER_BELL + 8],
@@ -133,6 +136,9 @@ class Owner:
         for slot, c in list(self.clients.items()):
             if not self._writer_alive(slot, c.gen):
                 self._reclaim(slot, c.gen)
+        # Free quarantined stores whose copiers are gone.
+        self.seg.counter_add("reclaimed_blocks",
+                             self.manager.reclaim_dead_writers(self._writer_alive))
         self._reclaim_unadopted()
         if not self.clients and self.idle_exit_s is not None and \
                 time.monotonic() - self._last_client > self.idle_exit_s:

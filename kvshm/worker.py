@@ -9,6 +9,13 @@ Stores are submitted when they arrive. The scheduler side sends a step's stores 
 that step's KV was written (the ordering vLLM gets by deferring stores to the next step); on
 CUDA the handler additionally orders each store after the submitting thread's current stream.
 
+A worker may outlive its scheduler. When it knows the segment (``segment=`` or the channel's),
+it copies for a scheduler's manager slot only while registered under that slot and generation
+(``kvshm.writers``): it registers before admitting the first job of a generation, refuses
+(reports failed, copies nothing) any job of a generation that is dead, stays registered while
+that generation's copies are in flight, and unregisters once the generation is dead and its
+copies finished. Meanwhile the owner keeps the dead scheduler's WRITING blocks out of reach.
+
 It never talks to the manager (the scheduler completes jobs there) and imports torch only
 through the handler it is given.
 """
@@ -19,11 +26,13 @@ import queue
 import threading
 from typing import TYPE_CHECKING, Iterable
 
+from . import writers
 from .errors import KvshmError
 from .transfer import TransferHandler, TransferResult
 
 if TYPE_CHECKING:
     from .channel import WorkerChannel
+    from .segment import Segment
     from .connector import Job
 
 log = logging.getLogger(__name__)
@@ -32,17 +41,39 @@ log = logging.getLogger(__name__)
 class WorkerConnector:
     """One worker's job runner over one transfer handler."""
 
-    def __init__(self, handler: TransferHandler, channel: "WorkerChannel | None" = None) -> None:
+    def __init__(self, handler: TransferHandler, channel: "WorkerChannel | None" = None, *,
+                 segment: "Segment | None" = None) -> None:
         self.handler = handler
         self.channel = channel
         self._lock = threading.Lock()
         self._failed: list[TransferResult] = []
+        seg = segment if segment is not None else channel.segment if channel else None
+        # Without the segment (a worker inside its scheduler's process) jobs are not
+        # checked: such a worker cannot outlive its scheduler.
+        self._writers = writers.Registrations(seg) if seg is not None else None
+        self._inflight: dict[int, tuple[int, int]] = {}  # job id -> writer it copies for
         # kind -> [jobs, failed jobs, bytes, seconds], for the engine's statistics
         self.stats: dict[str, list[float]] = {"load": [0, 0, 0, 0.0], "store": [0, 0, 0, 0.0]}
 
     def submit(self, jobs: Iterable["Job"]) -> None:
         """Queue jobs on the handler; one it rejects is reported failed by the next poll."""
         for job in jobs:
+            writer = getattr(job, "writer", None)
+            if writer is not None and self._writers is not None:
+                # Admit and count the job in one step under the lock: retire() must never
+                # unregister a generation between its admission and its copy.
+                with self._lock:
+                    ok = self._writers.admit(*writer)
+                    if ok:
+                        self._inflight[job.job_id] = writer
+                if not ok:
+                    log.warning("kvshm worker: job %d (%s) refused: its scheduler (client "
+                                "slot %d generation %d) is gone", job.job_id, job.spec.kind,
+                                *writer)
+                    with self._lock:
+                        self._failed.append(
+                            TransferResult(job.job_id, False, 0, 0.0, job.spec.kind))
+                    continue
             try:
                 ok = self.handler.transfer_async(job.job_id, job.spec)
             except KvshmError as e:  # bad ids, duplicate job, handler shut down
@@ -50,6 +81,7 @@ class WorkerConnector:
                 ok = False
             if not ok:
                 with self._lock:
+                    self._inflight.pop(job.job_id, None)
                     self._failed.append(TransferResult(job.job_id, False, 0, 0.0, job.spec.kind))
 
     def flush(self, job_ids: Iterable[int]) -> None:
@@ -61,6 +93,11 @@ class WorkerConnector:
         with self._lock:
             out, self._failed = self._failed, []
         out += self.handler.get_finished()
+        if self._writers is not None:
+            with self._lock:  # finished copies no longer write: their writers may retire
+                for r in out:
+                    self._inflight.pop(r.job_id, None)
+                self._writers.retire(set(self._inflight.values()))
         for r in out:
             s = self.stats.setdefault(r.kind, [0, 0, 0, 0.0])
             s[0] += 1
@@ -68,6 +105,22 @@ class WorkerConnector:
             s[2] += r.nbytes
             s[3] += r.seconds
         return out
+
+    def retire(self) -> None:
+        """Unregister from dead schedulers whose copies are done (the serve loop calls this)."""
+        if self._writers is not None:
+            with self._lock:
+                self._writers.retire(set(self._inflight.values()))
+
+    def close(self) -> None:
+        """Wait for every admitted copy, then drop every registration."""
+        if self._writers is not None:
+            with self._lock:
+                ids = list(self._inflight)
+            self.handler.wait(ids)  # nothing may still write once we unregister
+            with self._lock:
+                self._inflight.clear()
+                self._writers.close()
 
     def poll(self) -> list[tuple[int, bool]]:
         """``(job_id, success)`` of every job finished since the last call."""
@@ -85,6 +138,8 @@ class WorkerConnector:
         channel = channel or self.channel
         if channel is None:
             raise KvshmError("serve() needs a WorkerChannel")
+        if self._writers is None:
+            self._writers = writers.Registrations(channel.segment)
         todo: queue.SimpleQueue = queue.SimpleQueue()
         reporter = threading.Thread(target=self._report, args=(channel, todo),
                                     name="kvshm-worker-report", daemon=True)
@@ -102,11 +157,13 @@ class WorkerConnector:
                     if isinstance(m, Flush):
                         self.flush(m.job_ids)  # before any later job touches those blocks
                     elif isinstance(m, JobFrame):
-                        self.submit([m.to_job()])
+                        self.submit([m.to_job()])  # refused if its scheduler is dead
                         todo.put(m.job_id)
+                self.retire()
         finally:
             todo.put(None)
             reporter.join()
+            self.close()  # the reporter may have stopped early: wait for the copies here
 
     def _report(self, channel: "WorkerChannel", todo: queue.SimpleQueue) -> None:
         while True:

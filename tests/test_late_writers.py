@@ -1,0 +1,282 @@
+"""Late writers: a process still copying for a dead scheduler never writes into reused blocks.
+
+The test process is another client of the cache (and watches the segment). A spawned
+scheduler process (SharedManager + SchedulerConnector + SchedulerChannel) sends store jobs to
+a spawned worker process (WorkerChannel + WorkerConnector + CPU handler). The worker is frozen
+half-way through a store by the ``worker.store.mid_copy`` crash point with SIGSTOP; then the
+scheduler is SIGKILLed. While the worker lives, the dead scheduler's WRITING blocks must not
+be handed to anyone (they are quarantined, across an owner failover too); its queued jobs
+must be refused; once the worker is gone, the blocks come back. Contents are checksummed per
+key (``procs.fill``/``check``): no READY block may hold another key's bytes.
+"""
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+import procs
+from kvshm import layout as L
+from kvshm import slots, writers
+from kvshm.channel import SchedulerChannel, WorkerChannel
+from kvshm.client import connect
+from kvshm.connector import SchedulerConnector
+from kvshm.hashing import block_hashes, offload_key
+from kvshm.segment import Segment
+from kvshm.table import BlockTable
+from kvshm.transfer import make_handler
+from kvshm.worker import WorkerConnector
+
+from conftest import SMALL_GEOMETRY
+from test_connector import BT, PAGE, layout, prompt
+
+CTX = mp.get_context("spawn")
+NUM_BLOCKS = 12
+JOB_BLOCKS = 4
+
+
+# --- child processes ---------------------------------------------------------------------
+def _scheduler(name: str, conn, dev: list) -> None:
+    """Scheduler: one store job of JOB_BLOCKS blocks per "store" command, then report."""
+    mgr = connect(name)
+    sched = SchedulerConnector(mgr, device_block_tokens=BT)
+    chan = SchedulerChannel(name)
+    conn.send(chan.address)
+    chan.wait_worker(timeout=120)
+    n = 0
+    while conn.recv() == "store":  # the test SIGKILLs us while we wait here
+        req, toks = f"r{n}", prompt(500 + n, JOB_BLOCKS * BT)
+        blocks = list(range(n * JOB_BLOCKS, (n + 1) * JOB_BLOCKS))
+        hashes = block_hashes(toks, BT)
+        sched.get_num_new_matched_tokens(req, hashes, 0)
+        sched.update_state_after_alloc(req, blocks, 0)
+        keys = [offload_key(h) for h in hashes]
+        planes = [d.numpy() for d in dev]
+        for b, k in zip(blocks, keys):  # device KV = the key's checksummed content
+            procs.fill(planes, b, k)
+        jobs = sched.build_jobs({req: (JOB_BLOCKS * BT, blocks)})
+        chan.send(jobs.stores)
+        conn.send({"slot": mgr.slot, "gen": mgr.gen, "keys": keys,
+                   "blocks": list(jobs.stores[0].spec.segment_block_ids)})
+        n += 1
+
+
+def _worker(name: str, conn, slot: int, dev: list) -> None:
+    """Worker: serve the channel until its scheduler is gone, then say so."""
+    # A group of its own: when the test's process group counts as orphaned, a dying member
+    # makes the kernel SIGCONT the group's stopped members, and this one must stay frozen.
+    os.setsid()
+    wc = WorkerChannel(name, slot)
+    handler = make_handler(dev, wc.segment.torch_planes())
+    WorkerConnector(handler).serve(wc)
+    handler.shutdown()
+    wc.close()
+    conn.send("exited")
+    conn.recv()
+
+
+def _spawn(target, name: str, *args, env: dict[str, str] | None = None):
+    parent, child = CTX.Pipe()
+    p = CTX.Process(target=target, args=(name, child, *args), daemon=True)
+    saved = {k: os.environ.get(k) for k in env or {}}
+    os.environ.update(env or {})
+    try:
+        p.start()  # a spawned child takes os.environ as it is now
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return p, parent
+
+
+# --- helpers -----------------------------------------------------------------------------
+def wait_for(cond, what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.005)  # polling a state; the assertion is on the state
+
+
+def stopped(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] in "Tt"
+
+
+def table(seg: Segment) -> list:
+    t = BlockTable(seg.buf, seg.geometry)
+    out = [t.read(b) for b in range(seg.geometry.num_blocks)]
+    t.close()
+    return out
+
+
+def wrong_ready_blocks(seg: Segment) -> list[int]:
+    """READY blocks whose bytes are not their own key's."""
+    planes = seg.planes()
+    return [b for b, e in enumerate(table(seg))
+            if e.state == L.READY and not procs.check(planes, b, e.key)]
+
+
+class Rig:
+    """This process as a client, a scheduler process and its worker frozen mid-store."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.client = connect(name, layout(1), num_blocks=NUM_BLOCKS, **SMALL_GEOMETRY)
+        self.seg = self.client.segment
+        self.dev = [torch.zeros(NUM_BLOCKS, PAGE, dtype=torch.uint8).share_memory_()
+                    for _ in range(2)]
+        self.sched, self.sched_pipe = _spawn(_scheduler, name, self.dev)
+        _, slot = self.sched_pipe.recv()
+        self.worker, self.worker_pipe = _spawn(
+            _worker, name, slot, self.dev,
+            env={"KVSHM_CRASH_AT": "worker.store.mid_copy", "KVSHM_CRASH_SIGNAL": "STOP"})
+
+    def store_job(self) -> dict:
+        self.sched_pipe.send("store")
+        return self.sched_pipe.recv()
+
+    def freeze_worker_mid_store(self) -> dict:
+        job = self.store_job()
+        wait_for(lambda: stopped(self.worker.pid), "the worker to freeze mid-copy")
+        return job
+
+    def kill_scheduler(self, slot: int) -> None:
+        self.sched.kill()
+        self.sched.join()
+        wait_for(lambda: slots.record(self.seg, slot)[0] == slots.FREE,
+                 "the owner to reclaim the dead scheduler's slot")
+
+    def resume_worker(self) -> None:
+        """Let the worker run until it exits (re-continued if it freezes again)."""
+        deadline = time.monotonic() + 60
+        while not self.worker_pipe.poll(0.01):
+            assert time.monotonic() < deadline, "the worker never exited"
+            if stopped(self.worker.pid):
+                os.kill(self.worker.pid, signal.SIGCONT)
+        assert self.worker_pipe.recv() == "exited"
+        self.worker_pipe.send("bye")
+        self.worker.join(30)
+
+    def blocks_in(self, state: int) -> set[int]:
+        return {b for b, e in enumerate(table(self.seg)) if e.state == state}
+
+    def close(self) -> None:
+        for p in (self.sched, self.worker):
+            if p.is_alive():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signal.SIGKILL)
+                    os.kill(p.pid, signal.SIGCONT)
+                p.join()
+        owner = self.seg.owner_record()[0]
+        self.client.shutdown()
+        with contextlib.suppress(ProcessLookupError):
+            if owner:
+                os.kill(owner, signal.SIGKILL)
+
+
+@pytest.fixture
+def rig(seg_name):
+    r = Rig(seg_name)
+    yield r
+    r.close()
+
+
+def store_keys(mgr, keys: list[bytes]) -> list[int]:
+    """Store ``keys`` (checksummed), return the blocks they got."""
+    out = mgr.prepare_store(keys)
+    assert out is not None
+    planes = mgr.segment.planes()
+    for k, b in zip(out.keys_to_store, out.block_ids):
+        procs.fill(planes, b, k)
+    mgr.complete_store(out.keys_to_store)
+    return list(out.block_ids)
+
+
+# --- tests -------------------------------------------------------------------------------
+def test_a_dead_schedulers_blocks_are_not_reused_while_its_worker_still_copies(rig):
+    job = rig.freeze_worker_mid_store()
+    rig.kill_scheduler(job["slot"])
+    assert set(job["blocks"]) <= rig.blocks_in(L.WRITING)  # quarantined, not freed
+    granted = []
+    for i in range(3):  # more than the free blocks: the rest evicts our own stores
+        granted += store_keys(rig.client, [b"other-%d-%d" % (i, j) for j in range(4)])
+    assert not set(granted) & set(job["blocks"])
+    rig.resume_worker()
+    assert wrong_ready_blocks(rig.seg) == []
+    # The worker is gone: the quarantined blocks come back, nothing leaks.
+    wait_for(lambda: not rig.blocks_in(L.WRITING), "the quarantined blocks to be freed")
+    assert rig.seg.counters()["quarantined_blocks"] == JOB_BLOCKS
+    assert len(store_keys(rig.client, [b"after-%d" % i for i in range(NUM_BLOCKS)])) \
+        == NUM_BLOCKS
+    assert wrong_ready_blocks(rig.seg) == []
+
+
+def test_a_dead_schedulers_queued_jobs_are_refused_by_its_worker(rig):
+    first = rig.freeze_worker_mid_store()
+    queued = rig.store_job()  # sits in the channel while the worker is frozen
+    rig.kill_scheduler(first["slot"])
+    rig.resume_worker()
+    planes = rig.seg.planes()
+    copied = [b for b, k in zip(queued["blocks"], queued["keys"]) if procs.check(planes, b, k)]
+    assert copied == []
+    wait_for(lambda: not rig.blocks_in(L.WRITING), "the quarantined blocks to be freed")
+    assert rig.blocks_in(L.FREE) == set(range(NUM_BLOCKS))
+
+
+def test_an_owner_failover_keeps_quarantined_blocks_quarantined(rig):
+    job = rig.freeze_worker_mid_store()
+    rig.kill_scheduler(job["slot"])
+    owner = rig.seg.owner_record()[0]
+    os.kill(owner, signal.SIGKILL)
+    wait_for(lambda: not rig.seg.owner_alive(), "the owner to die")
+    granted = []
+    for i in range(3):  # the first one starts a new owner, which rebuilds the index
+        granted += store_keys(rig.client, [b"other-%d-%d" % (i, j) for j in range(4)])
+    assert rig.seg.owner_record()[0] != owner
+    assert not set(granted) & set(job["blocks"])
+    assert set(job["blocks"]) <= rig.blocks_in(L.WRITING)
+    rig.resume_worker()
+    assert wrong_ready_blocks(rig.seg) == []
+    wait_for(lambda: not rig.blocks_in(L.WRITING), "the new owner to free the blocks")
+
+
+def test_a_killed_worker_releases_the_quarantined_blocks(rig):
+    job = rig.freeze_worker_mid_store()
+    rig.kill_scheduler(job["slot"])
+    assert set(job["blocks"]) <= rig.blocks_in(L.WRITING)
+    rig.worker.kill()  # its registration goes with its kernel lock
+    rig.worker.join()
+    wait_for(lambda: not rig.blocks_in(L.WRITING), "the quarantined blocks to be freed")
+
+
+# --- the registry on its own -------------------------------------------------------------
+def test_a_registration_is_alive_only_for_its_generation_and_while_its_lock_is_held(
+        make_segment):
+    seg = make_segment()
+    other = Segment.attach(seg.name)  # a second open file description: another "process"
+    try:
+        reg = writers.Registrations(other)
+        assert not writers.alive(seg, 3, 7)
+        assert reg.register(3, 7)
+        assert writers.alive(seg, 3, 7)
+        assert not writers.alive(seg, 3, 8) and not writers.alive(seg, 4, 7)
+        assert reg.register(3, 8)  # the slot's next client: a record of its own
+        reg.unregister(3, 7)
+        assert not writers.alive(seg, 3, 7) and writers.alive(seg, 3, 8)
+        reg.close()
+        assert not writers.alive(seg, 3, 8)
+    finally:
+        other.close()
+
+
+def test_writer_lock_bytes_overlap_no_client_or_channel_lock():
+    from kvshm.channel import WORKER_LOCK_BASE
+    last_client_byte = max(L.LOCK_CLIENT_BASE, WORKER_LOCK_BASE) + 1024
+    assert L.LOCK_WRITER_BASE >= last_client_byte
