@@ -46,7 +46,7 @@ Also measured: the client-side lock-free paths, which need no round trip:
   op it also reports, from schedstat, how much of the time server and client were on a CPU
   and how much they were runnable but waiting for one (a loaded host shows up there).
 
-Targets (issue 3): ring p50 >= 10x faster than zmq; >= 1,000,000 client-side lookup keys/s;
+Targets: ring p50 >= 10x faster than zmq; >= 1,000,000 client-side lookup keys/s;
 key_status p50 <= 5 us; idle owner and idle client < 1% CPU.
 """
 

@@ -3,7 +3,7 @@
 Importing this module does NOT import vllm (so test modules can import it and skip when
 vLLM is missing); vllm is imported inside the helpers.
 
-In-process (recommended CI mode, see /work/shared/reference/vllm-cpu-engine.md §5):
+In-process (recommended CI mode, see the shared reference vllm-cpu-engine.md §5):
 single process (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` + ``distributed_executor_backend="uni"``),
 so the scheduler-side and worker-side spec objects live in the calling process.
 
@@ -25,8 +25,8 @@ Subprocess (one engine per OS process, e.g. two engines sharing one segment):
 Steps let subprocesses rendezvous through files:
   {"op": "generate", "tag": "A1", "prompts": [[ids...]], "max_tokens": 8,
    "skip_prefix_cache": false}                     # true: compute alone, no cache hits
-  {"op": "touch", "path": "/tmp/x/a_stored"}
-  {"op": "wait_file", "path": "/tmp/x/a_stored", "timeout": 120}
+  {"op": "touch", "path": "OUTDIR/a_stored"}
+  {"op": "wait_file", "path": "OUTDIR/a_stored", "timeout": 120}
   {"op": "metrics", "tag": "m1"}
   {"op": "sleep", "seconds": 0.5}
   {"op": "call", "tag": "x", "fn": "pkg.mod:func", "args": [...]}   # result kept under tag

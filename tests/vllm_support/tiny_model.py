@@ -1,6 +1,6 @@
 """Build a tiny random-weight Llama + byte-level BPE tokenizer, fully offline.
 
-Used by the vLLM end-to-end tests (see /work/shared/reference/vllm-cpu-engine.md §3).
+Used by the vLLM end-to-end tests (see the shared reference vllm-cpu-engine.md §3).
 No vllm / pytest import here; torch, transformers and tokenizers are imported lazily
 inside ``build_tiny_model`` (they live in the vLLM venv, ``.venv-vllm``).
 
