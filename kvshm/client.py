@@ -26,8 +26,9 @@ from . import slots
 from . import protocol as P
 from .api import LookupResult, OffloadingEvent, OffloadingManager, PrepareStoreOutput
 from .crashpoints import crash_point
+from .fence import full_fence
 from .errors import BlockStateError, CacheFullError, UnknownKeyError
-from .holds import LOADABLE, HoldTable
+from .holds import HoldTable
 from .layout import Layout
 from .owner_link import OwnerLink, start_owner
 from .ring import Ring
@@ -61,6 +62,9 @@ def connect(name: str, layout: Layout | None = None, *, num_blocks: int | None =
     except BaseException:
         seg.close()
         raise
+
+
+_EVICTING_SPINS = 10_000  # an owner decides an eviction in microseconds; past this it died
 
 
 class SharedManager(OffloadingManager):
@@ -217,10 +221,14 @@ class SharedManager(OffloadingManager):
                     i = h.leases.pop(k)
                 taken.append((k, i))
                 block = h.block(i)
-                if self.table.state_if_key(block, k) not in LOADABLE:  # never half-written
+                # Lease -> pin: a pin protects against our own stores too, which a lease
+                # does not. Pin, fence, re-check, as a lease is taken: an eviction of ours
+                # that read our holds before the pin shows as EVICTING (or the key gone).
+                h.holds[i] = block
+                full_fence()
+                if not self._settled_ready(block, k):  # never half-written, never reused
                     raise UnknownKeyError(f"key {k.hex()[:16]}… is no longer cached; "
                                           "lookup() again")
-                h.holds[i] = block  # lease -> pin: now it protects against our own stores
                 blocks.append(block)
         except BaseException:
             for _, i in taken:
@@ -230,6 +238,16 @@ class SharedManager(OffloadingManager):
         self._ctr[2] += 1
         self._ctr[3] += len(blocks)
         return blocks
+
+    def _settled_ready(self, block: int, key: bytes) -> bool:
+        """Whether ``block`` holds ``key`` READY once an eviction in flight has decided
+        (EVICTING lasts while an owner re-reads holds; one that died there is a miss)."""
+        for _ in range(_EVICTING_SPINS):
+            state = self.table.state_if_key(block, key)
+            if state != L.EVICTING:
+                return state == L.READY
+            os.sched_yield()
+        return False
 
     def complete_load(self, keys: Sequence[bytes]) -> None:
         if type(keys) is not list and type(keys) is not tuple:

@@ -67,6 +67,7 @@ class _Client:
         self.parts: list[bytes] = []
         self.parts_req = self.parts_next = 0
         self.parts_lost = False  # its first parts went with a dead owner: answer Retry
+        self.parts_over = False  # it sent more keys than one request may hold
 
     def close(self) -> None:
         self.bell.close()
@@ -86,6 +87,7 @@ class Owner:
                                     writer_alive=lambda s, g: self._writer_alive(s, g)
                                     or writers.alive(self.seg, s, g))
         self.epoch = self.manager.epoch
+        self._max_keys = 4 * self.seg.geometry.num_blocks + 65536  # per request
         g = self.seg.geometry
         self.bell = Doorbell(self.seg.buf[L.OFF_OWNER_BELL:L.OFF_OWNER_BELL + 8],
                              sem_name(name, "owner"), like_fd=self.seg.fd)
@@ -163,8 +165,10 @@ class Owner:
 
     def _retire_counters(self, slot: int) -> None:
         """Fold a leaving client's own counters into the segment's totals."""
-        for name, value in zip(L.SLOT_COUNTERS, slots.counters(self.seg, slot).tolist()):
+        ctr = slots.counters(self.seg, slot)
+        for name, value in zip(L.SLOT_COUNTERS, ctr.tolist()):
             self.seg.counter_add(f"gone_{name}", value)
+        ctr[:] = 0  # folded once, whoever retires it again
 
     def _drop_client(self, slot: int) -> None:
         c = self.clients.pop(slot, None)
@@ -254,12 +258,15 @@ class Owner:
                                        f"undecodable request frame: {e}")])
             return
         req = msg.req
-        if isinstance(msg, P.Bye):
-            self._goodbye(c, msg)
-            return
         served = c.served
         if req and req <= served[2]:  # answered already (by a dead owner): drop the copy
             c.requests.advance()
+            return
+        if not req and not isinstance(msg, P.Touch):  # only hints may go unanswered
+            self.seg.counter_add("errors")
+            c.requests.advance()
+            self._reply(c, 0, [P.Error(0, self.epoch, "ProtocolError",
+                                       f"{type(msg).__name__} needs a request id")])
             return
         replay = bool(req) and req == served[1]
         if isinstance(msg, P.PrepareStore) and (msg.more or msg.part):
@@ -267,6 +274,12 @@ class Owner:
             if keys is None:
                 c.requests.advance()
                 return  # more parts to come; nothing executed yet
+            if c.parts_over:
+                c.parts_over = False
+                self._answer(c, req, [P.Error(req, self.epoch, "InvalidArgumentError",
+                                              f"a prepare_store of more than {self._max_keys} "
+                                              "keys; store fewer keys per call")])
+                return
             if not replay and c.parts_lost:  # its first parts died with an owner that
                 c.parts_lost = False         # never executed it: provably safe to resend
                 self._answer(c, req, [P.Retry(req, self.epoch)])
@@ -274,7 +287,11 @@ class Owner:
             msg = msgspec.structs.replace(msg, keys=keys)
         if req:
             attempts = int(served[3]) + 1 if replay else 1
-            if attempts > MAX_ATTEMPTS:  # it killed every owner that began it: drop it
+            if attempts > MAX_ATTEMPTS:  # it killed every owner that began it: drop it,
+                writer = (c.slot, c.gen, req)  # and whatever those owners granted for it
+                granted = [k for k, _ in self.manager.pending_of(writer, req)]
+                if granted:
+                    self.manager.complete_store(granted, False, writer)
                 self._answer(c, req, [P.Error(req, self.epoch, "ProtocolError",
                                               f"request {req} was in progress when "
                                               f"{MAX_ATTEMPTS} owners died; it was dropped")])
@@ -282,6 +299,9 @@ class Owner:
             served[0], served[3] = self.epoch, attempts
             served[1] = req  # consumed: from here on a successor replays instead of executing
             crash_point("owner.request.after_consume")
+        if isinstance(msg, P.Bye):
+            self._goodbye(c, msg)
+            return
         replies = self._execute(c, msg, replay)
         crash_point("owner.request.after_execute")
         if req:
@@ -294,9 +314,13 @@ class Owner:
         part is in, else None. ``c.parts_lost`` says whether a part never reached us."""
         if c.parts_req != msg.req:
             c.parts, c.parts_req, c.parts_lost = [], msg.req, msg.part != 0
+            c.parts_over = False
         elif c.parts_next != msg.part:
             c.parts_lost = True
-        c.parts.extend(msg.keys)
+        if len(c.parts) + len(msg.keys) > self._max_keys:
+            c.parts_over = True  # a client that never ends a request must not fill our memory
+        else:
+            c.parts.extend(msg.keys)
         c.parts_next = msg.part + 1
         if msg.more:
             return None
@@ -450,23 +474,15 @@ class Owner:
         return [P.Events(m.req, self.epoch, [rm for rm, _ in log_], [k for _, k in log_])]
 
     def _goodbye(self, c: _Client, m: P.Bye) -> None:
-        """Free the client's unfinished stores and its slot. The request frame is released
-        before the reply (once the client reads it, it is gone), and the slot is cleared
-        after it: a newcomer may claim and re-format it only then."""
+        """Free the client's unfinished stores, answer, forget it and free its slot — in
+        that order. Recorded like any request, so a successor finishes a goodbye its
+        predecessor died in. The slot is cleared last: while the record says ACTIVE nobody
+        may claim it, so the reply cannot land in a newcomer's freshly formatted ring."""
         self.manager.reclaim_writer(c.slot, c.gen)
         self._retire_counters(c.slot)
-        c.requests.advance()
-        self.clients.pop(c.slot, None)
+        self._answer(c, m.req, [P.Ok(m.req, self.epoch)])  # if it does not fit, the client
+        self._drop_client(c.slot)                          # times out and goes all the same
         self._last_client = time.monotonic()
-        if m.req:
-            try:
-                c.replies.try_put(P.reply_encoder.encode(P.Ok(m.req, self.epoch)))
-            except KvshmError:
-                pass  # it gives up waiting and unlocks all the same
-            c.bell.ring()
-        c.close()
-        # Last: while the record says ACTIVE nobody may claim the slot, so the reply above
-        # cannot land in a newcomer's freshly formatted ring.
         slots.clear(self.seg, c.slot, c.gen)
 
     def _fan_out(self) -> None:

@@ -116,6 +116,7 @@ class OwnerLink:
         self._lock = threading.Lock()
         self._req = 0
         self._abandoned: set[int] = set()  # requests given up on: undo what they did
+        self._backlog: list[bytes] = []  # posted frames that did not fit the ring yet
         self.reply_bell = Doorbell(slots.bell_view(segment, slot, "reply"),
                                    sem_name(segment.name, f"c{slot}-reply"), like_fd=segment.fd)
         self.owner_bell = Doorbell(segment.buf[L.OFF_OWNER_BELL:L.OFF_OWNER_BELL + 8],
@@ -164,9 +165,15 @@ class OwnerLink:
 
     def post(self, msg: P._Msg) -> None:
         """A request whose reply nobody waits for (an undo, a re-subscription); its reply is
-        dropped as stray. Call with the lock held (inside a call or a failover hook)."""
-        self._put(P.request_encoder.encode(msg), time.monotonic() + self.timeout)
-        self.owner_bell.ring()
+        dropped as stray. Never blocks: while the ring is full it waits in a backlog that
+        every call sends first. Call with the lock held (inside a call or a hook)."""
+        self._backlog.append(P.request_encoder.encode(msg))
+        self._send_backlog()
+
+    def _send_backlog(self) -> None:
+        while self._backlog and self.requests.try_put(self._backlog[0]):
+            self._backlog.pop(0)
+            self.owner_bell.ring()
 
     def _exchange(self, parts: list[P._Msg], deadline: float) -> list[P._Msg]:
         req = parts[0].req
@@ -223,8 +230,14 @@ class OwnerLink:
                 self._on_failover()
 
     def _put(self, frame: bytes, deadline: float) -> None:
-        """Queue ``frame``, starting an owner if the ring stays full because none runs."""
-        while not self.requests.try_put(frame):
+        """Queue ``frame`` (after the backlog), starting an owner if the ring stays full
+        because none runs. Replies that arrive meanwhile are handled: the owner may be
+        waiting for room on our reply ring before it reads our requests again."""
+        self._send_backlog()
+        while self._backlog or not self.requests.try_put(frame):
+            while self.replies.pending():
+                self._stray(P.reply_decoder.decode(self.replies.try_get()))
+            self._send_backlog()
             if time.monotonic() > deadline:
                 raise RingFullError(
                     f"the owner of {self.segment.name!r} did not drain our requests within "

@@ -147,13 +147,14 @@ def _proc_state(pid: int) -> str:
         return ""
 
 
-def poison_request(name: str, conn) -> None:
-    """Make every owner that begins our next request die there; report what the call says."""
+def poison_request(name: str, conn, point: str) -> None:
+    """Make every owner that begins our next request die at ``point``; report what the
+    call says."""
     import signal
     from kvshm.errors import KvshmError
     mgr = connect(name)
     store(mgr, [b"poison-0"])
-    os.environ["KVSHM_CRASH_AT"] = "owner.request.after_consume"  # owners we start inherit it
+    os.environ["KVSHM_CRASH_AT"] = point  # the owners we start inherit it
     os.kill(mgr.segment.owner_record()[0], signal.SIGKILL)
     try:
         mgr.prepare_store([b"poison-1"])

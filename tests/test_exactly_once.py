@@ -117,10 +117,12 @@ def test_owner_dying_after_its_reply_is_answered_once(seg):
     mgr.shutdown()
 
 
-def test_a_request_that_kills_every_owner_fails_instead_of_looping(seg_name):
+@pytest.mark.parametrize("point", ["owner.request.after_consume",
+                                   "owner.request.after_execute"])
+def test_a_request_that_kills_every_owner_fails_instead_of_looping(seg_name, point):
     Segment.create(seg_name, TEST_LAYOUT, 16, **SMALL_GEOMETRY).close()
     parent, child = CTX.Pipe()
-    p = CTX.Process(target=procs.poison_request, args=(seg_name, child), daemon=True)
+    p = CTX.Process(target=procs.poison_request, args=(seg_name, child, point), daemon=True)
     p.start()
     result = parent.recv()
     p.join()
@@ -128,6 +130,7 @@ def test_a_request_that_kills_every_owner_fails_instead_of_looping(seg_name):
     seg = Segment.attach(seg_name)
     try:
         assert seg.owner_alive()  # the owner that refused it serves on
+        assert states(seg).count(L.WRITING) == 0  # what the dead owners granted is freed
         mgr = connect(seg_name)
         assert procs.store(mgr, KEYS[:2]) == KEYS[:2]
         mgr.shutdown()
@@ -177,6 +180,18 @@ def test_a_prepare_store_larger_than_a_frame_is_one_atomic_operation(seg_name):
         pid = mgr.segment.owner_record()[0]
         mgr.shutdown()
         stop_owner(pid)
+
+
+def test_a_store_without_a_request_id_is_refused_not_granted(seg):
+    mgr = connect(seg.name)
+    mgr._link.requests.put(P.request_encoder.encode(P.PrepareStore(0, KEYS[:3])), timeout=5)
+    mgr._link.owner_bell.ring()
+    assert mgr._link.reply_bell.wait(10, mgr._link.replies.pending, 0.001)
+    reply = P.reply_decoder.decode(mgr._link.replies.try_get())
+    assert isinstance(reply, P.Error) and reply.kind == "ProtocolError"
+    assert _writing_blocks(seg) == 0  # a grant nobody hears of would leak until we exit
+    assert procs.store(mgr, KEYS[:3]) == KEYS[:3]
+    mgr.shutdown()
 
 
 # --- an owner no client can stall ------------------------------------------------------------
