@@ -25,10 +25,10 @@ from typing import Any
 import numpy as np
 
 import kvshm
-from kvshm.channel import SchedulerChannel, WorkerChannel
-from kvshm.connector import SchedulerConnector
-from kvshm.hashing import block_hashes
-from kvshm.worker import WorkerConnector
+from kvshm.engine.channel import SchedulerChannel, WorkerChannel
+from kvshm.engine.connector import SchedulerConnector
+from kvshm.engine.hashing import block_hashes
+from kvshm.engine.worker import WorkerConnector
 
 from mini_model import kv, next_token
 from mini_pool import BlockPool

@@ -14,17 +14,17 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 _PUBLIC = {
-    "connect": "client", "SharedManager": "client",
-    "LocalManager": "manager",
-    "Segment": "segment", "list_segments": "segment",
-    "Layout": "layout",
-    "OffloadingManager": "api", "PrepareStoreOutput": "api", "OffloadingEvent": "api",
-    "LookupResult": "api",
-    "TransferSpec": "transfer", "TransferResult": "transfer", "TransferHandler": "transfer",
-    "make_handler": "transfer",
-    "SchedulerConnector": "connector", "WorkerConnector": "worker",
-    "SchedulerChannel": "channel", "WorkerChannel": "channel",
-    "block_hashes": "hashing", "offload_key": "hashing",
+    "connect": "index.client", "SharedManager": "index.client",
+    "LocalManager": "index.manager",
+    "Segment": "shm.segment", "list_segments": "shm.segment",
+    "Layout": "shm.layout",
+    "OffloadingManager": "index.api", "PrepareStoreOutput": "index.api", "OffloadingEvent": "index.api",
+    "LookupResult": "index.api",
+    "TransferSpec": "transfer.spec", "TransferResult": "transfer.spec", "TransferHandler": "transfer.spec",
+    "make_handler": "transfer.spec",
+    "SchedulerConnector": "engine.connector", "WorkerConnector": "engine.worker",
+    "SchedulerChannel": "engine.channel", "WorkerChannel": "engine.channel",
+    "block_hashes": "engine.hashing", "offload_key": "engine.hashing",
     "KvshmError": "errors",
 }
 __all__ = sorted(_PUBLIC) + ["errors"]
@@ -42,14 +42,14 @@ def __getattr__(name: str) -> Any:
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs only
-    from .api import LookupResult, OffloadingEvent, OffloadingManager, PrepareStoreOutput
-    from .channel import SchedulerChannel, WorkerChannel
-    from .client import SharedManager, connect
-    from .connector import SchedulerConnector
-    from .errors import KvshmError
-    from .hashing import block_hashes, offload_key
-    from .layout import Layout
-    from .manager import LocalManager
-    from .segment import Segment, list_segments
-    from .transfer import TransferHandler, TransferResult, TransferSpec, make_handler
-    from .worker import WorkerConnector
+    from kvshm.index.api import LookupResult, OffloadingEvent, OffloadingManager, PrepareStoreOutput
+    from kvshm.engine.channel import SchedulerChannel, WorkerChannel
+    from kvshm.index.client import SharedManager, connect
+    from kvshm.engine.connector import SchedulerConnector
+    from kvshm.errors import KvshmError
+    from kvshm.engine.hashing import block_hashes, offload_key
+    from kvshm.shm.layout import Layout
+    from kvshm.index.manager import LocalManager
+    from kvshm.shm.segment import Segment, list_segments
+    from kvshm.transfer.spec import TransferHandler, TransferResult, TransferSpec, make_handler
+    from kvshm.engine.worker import WorkerConnector

@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("name", help="segment name (the one engines pass to kvshm.connect)")
     serve.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     args = ap.parse_args(argv)
-    from .owner import main as owner_main
+    from kvshm.index.owner import main as owner_main
     return owner_main([args.name, "--log-level", args.log_level])
 
 

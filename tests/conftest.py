@@ -23,9 +23,9 @@ settings.register_profile("ci", phases=[Phase.explicit, Phase.reuse, Phase.gener
 settings.register_profile("dev", deadline=None)
 settings.load_profile("ci" if os.environ.get("CI") else "dev")
 
-from kvshm.api import OffloadingManager
-from kvshm.layout import Layout
-from kvshm.segment import Segment
+from kvshm.index.api import OffloadingManager
+from kvshm.shm.layout import Layout
+from kvshm.shm.segment import Segment
 
 # Session-unique: names must be [A-Za-z0-9_.-]; every name is PREFIX + "-" + 8 hex, so no
 # name is a prefix of another (Segment.unlink removes semaphores by name prefix).
@@ -52,10 +52,10 @@ def make_manager(kind: str, segment: Segment, policy: str,
     start an owner process read it from there).
     """
     if kind == "local":
-        from kvshm.manager import LocalManager
+        from kvshm.index.manager import LocalManager
         return LocalManager(segment, policy, enable_events=enable_events)
     if kind == "shared":  # a proxy to an owner process it starts; the policy is the segment's
-        from kvshm.client import SharedManager
+        from kvshm.index.client import SharedManager
         return SharedManager(Segment.attach(segment.name), events=enable_events)
     raise ValueError(f"unknown manager kind {kind!r}; known: {MANAGER_KINDS}")
 

@@ -12,7 +12,7 @@ import zlib
 
 import numpy as np
 
-from kvshm.client import connect
+from kvshm.index.client import connect
 
 
 def fill(planes: list[np.ndarray], block: int, key: bytes) -> None:

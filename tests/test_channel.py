@@ -18,17 +18,17 @@ import numpy as np
 import pytest
 import torch
 
-from kvshm import channel as ch
-from kvshm import layout as L
-from kvshm import slots
-from kvshm.channel import SchedulerChannel, WorkerChannel
-from kvshm.client import connect
-from kvshm.connector import SchedulerConnector
+from kvshm.engine import channel as ch
+from kvshm.shm import layout as L
+from kvshm.shm import slots
+from kvshm.engine.channel import SchedulerChannel, WorkerChannel
+from kvshm.index.client import connect
+from kvshm.engine.connector import SchedulerConnector
 from kvshm.errors import InvalidArgumentError
-from kvshm.hashing import block_hashes, offload_key
-from kvshm.table import BlockTable
-from kvshm.transfer import TransferHandler, make_handler
-from kvshm.worker import WorkerConnector
+from kvshm.engine.hashing import block_hashes, offload_key
+from kvshm.shm.table import BlockTable
+from kvshm.transfer.spec import TransferHandler, make_handler
+from kvshm.engine.worker import WorkerConnector
 
 from conftest import SMALL_GEOMETRY
 from test_connector import BT, PAGE, kv, layout, prompt
@@ -291,8 +291,8 @@ def test_a_channel_has_one_worker_and_only_channel_slots_attach(seg_name):
 
 
 def test_frames_carry_the_whole_spec_across_several_frames(seg_name, monkeypatch):
-    from kvshm.connector import Job
-    from kvshm.transfer import TransferSpec
+    from kvshm.engine.connector import Job
+    from kvshm.transfer.spec import TransferSpec
     mgr = connect(seg_name, layout(1), num_blocks=8, **SMALL_GEOMETRY)
     sc = SchedulerChannel(seg_name)
     w = WorkerChannel(*sc.address)

@@ -17,14 +17,14 @@ import numpy as np
 import pytest
 import torch
 
-from kvshm.client import connect
-from kvshm.connector import SchedulerConnector
-from kvshm.hashing import ROOT, block_hashes, offload_key
-from kvshm.layout import Layout
-from kvshm.manager import LocalManager
-from kvshm.segment import Segment
-from kvshm.transfer import make_handler
-from kvshm.worker import WorkerConnector
+from kvshm.index.client import connect
+from kvshm.engine.connector import SchedulerConnector
+from kvshm.engine.hashing import ROOT, block_hashes, offload_key
+from kvshm.shm.layout import Layout
+from kvshm.index.manager import LocalManager
+from kvshm.shm.segment import Segment
+from kvshm.transfer.spec import make_handler
+from kvshm.engine.worker import WorkerConnector
 
 from conftest import SMALL_GEOMETRY
 

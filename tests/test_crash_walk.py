@@ -19,12 +19,12 @@ import sys
 
 import pytest
 
-from kvshm import layout as L
-from kvshm import slots
+from kvshm.shm import layout as L
+from kvshm.shm import slots
 from kvshm.crashpoints import POINTS
-from kvshm.segment import Segment
-from kvshm.snapshot import verify
-from kvshm.table import BlockTable
+from kvshm.shm.segment import Segment
+from kvshm.inspect.snapshot import verify
+from kvshm.shm.table import BlockTable
 
 import procs
 from conftest import SMALL_GEOMETRY, TEST_LAYOUT, stop_owner
@@ -87,7 +87,7 @@ def _check_cache(seg: Segment, stats: list[dict]) -> None:
     assert sum(s["corrupt"] for s in stats) == 0, "a load returned another key's bytes"
     assert sum(s["stores"] for s in stats) > 0 and sum(s["loads"] for s in stats) > 0
     if not seg.owner_alive():  # it died after the last call: the next client brings one
-        from kvshm.client import connect
+        from kvshm.index.client import connect
         connect(seg.name).shutdown()
     t = BlockTable(seg.buf, seg.geometry)
     planes = seg.planes()
@@ -145,7 +145,7 @@ def test_owner_dying_mid_rebuild_loses_nothing(walk_seg):
 
 def owner_proc_no_wait(name: str, crash_at: str) -> subprocess.Popen:
     env = dict(os.environ, KVSHM_CRASH_AT=crash_at)
-    return subprocess.Popen([sys.executable, "-m", "kvshm.owner", name], env=env,
+    return subprocess.Popen([sys.executable, "-m", "kvshm.index.owner", name], env=env,
                             stdin=subprocess.DEVNULL)
 
 

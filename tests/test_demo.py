@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from kvshm.segment import Segment
+from kvshm.shm.segment import Segment
 
 from conftest import unique_name
 

@@ -17,13 +17,13 @@ import time
 
 import pytest
 
-from kvshm import layout as L
-from kvshm import protocol as P
-from kvshm import slots
-from kvshm.client import connect
+from kvshm.shm import layout as L
+from kvshm.index import protocol as P
+from kvshm.shm import slots
+from kvshm.index.client import connect
 from kvshm.errors import ProtocolError, ReplyTimeoutError
-from kvshm.segment import Segment
-from kvshm.snapshot import verify
+from kvshm.shm.segment import Segment
+from kvshm.inspect.snapshot import verify
 
 import procs
 from conftest import SMALL_GEOMETRY, TEST_LAYOUT, stop_owner
@@ -39,7 +39,7 @@ def owner_proc(name: str, crash_at: str | None = None, signal_name: str = "KILL"
     env.pop("KVSHM_CRASH_AT", None)
     if crash_at:
         env.update(KVSHM_CRASH_AT=crash_at, KVSHM_CRASH_SIGNAL=signal_name)
-    p = subprocess.Popen([sys.executable, "-m", "kvshm.owner", name], env=env,
+    p = subprocess.Popen([sys.executable, "-m", "kvshm.index.owner", name], env=env,
                          stdin=subprocess.DEVNULL)
     seg = Segment.attach(name)
     try:
@@ -214,7 +214,7 @@ def test_a_client_with_a_scribbled_ring_is_quarantined_and_keeps_its_leases(seg)
     procs.store(writer, KEYS[:16])  # the cache is full
     bad = connect(seg.name)
     assert bad.lookup(KEYS[:2]) == 2  # leased: nobody else may evict these two
-    from kvshm.ring import _TAIL
+    from kvshm.shm.ring import _TAIL
     bad._link.requests._w[_TAIL] = 1 << 62  # its request ring's tail word now lies
     bad._link.owner_bell.ring()
     out = writer.prepare_store(KEYS[16:30])  # the owner keeps serving, and spares the leases
@@ -273,7 +273,7 @@ def test_timed_out_connects_leave_no_slot_behind(seg):
 
 def test_gc_with_a_live_owner_says_the_owner_reclaims(seg):
     mgr = connect(seg.name)
-    r = subprocess.run([sys.executable, "-m", "kvshm.inspect_cli", "gc", seg.name],
+    r = subprocess.run([sys.executable, "-m", "kvshm.inspect.cli", "gc", seg.name],
                        capture_output=True, text=True)
     assert r.returncode == 0 and "owner" in r.stdout + r.stderr
     mgr.shutdown()

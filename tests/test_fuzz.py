@@ -13,13 +13,13 @@ import hypothesis.strategies as st
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from kvshm import protocol as P
-from kvshm.client import connect
+from kvshm.index import protocol as P
+from kvshm.index.client import connect
 from kvshm.errors import KvshmError
-from kvshm.snapshot import verify
+from kvshm.inspect.snapshot import verify
 
 from conftest import SMALL_GEOMETRY, TEST_LAYOUT, stop_owner, unique_name
-from kvshm.segment import Segment
+from kvshm.shm.segment import Segment
 
 KEYS = [b"fz-%d" % i for i in range(10)] + [b"x" * 64]
 keys_st = st.lists(st.sampled_from(KEYS), min_size=1, max_size=5)

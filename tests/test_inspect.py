@@ -23,13 +23,13 @@ from pathlib import Path
 import posix_ipc
 import pytest
 
-from kvshm import layout as L
-from kvshm import snapshot as S
-from kvshm.inspect_cli import main
-from kvshm.layout import Layout
-from kvshm.manager import LocalManager
-from kvshm.segment import Segment
-from kvshm.table import BlockTable, KeyIndex
+from kvshm.shm import layout as L
+from kvshm.inspect import snapshot as S
+from kvshm.inspect.cli import main
+from kvshm.shm.layout import Layout
+from kvshm.index.manager import LocalManager
+from kvshm.shm.segment import Segment
+from kvshm.shm.table import BlockTable, KeyIndex
 
 from conftest import unique_name
 
@@ -99,13 +99,14 @@ def check_schema(obj: object, schema: object, path: str = "$") -> None:
 # --- simulated processes -----------------------------------------------------------------
 CHILD = textwrap.dedent("""
     import json, os, struct, sys, time
-    from kvshm import layout as L, locks
-    from kvshm.segment import Segment
+    from kvshm.shm import layout as L
+    from kvshm.shm import locks
+    from kvshm.shm.segment import Segment
     spec = json.loads(sys.argv[1])
     seg = Segment.attach(spec["name"])
     g, out = seg.geometry, {}
     if spec["role"] == "engine":  # a real client: connect() starts an owner process
-        from kvshm.client import connect
+        from kvshm.index.client import connect
         mgr = connect(spec["name"])
         keys = [b"E%035d" % i for i in range(4)]
         mgr.prepare_store(keys); mgr.complete_store(keys)
@@ -114,7 +115,7 @@ CHILD = textwrap.dedent("""
         mgr.prepare_store([b"F%035d" % i for i in range(2)])  # never completed
         out = {"slot": mgr.slot, "owner": seg.owner_record()[0]}
     elif spec["role"] == "owner":
-        from kvshm.manager import LocalManager
+        from kvshm.index.manager import LocalManager
         mgr = LocalManager(seg, writer_alive=lambda s, gen: True)
         ready = [b"R%035d" % i for i in range(spec["ready"])]
         mgr.prepare_store(ready); mgr.complete_store(ready)
@@ -124,7 +125,7 @@ CHILD = textwrap.dedent("""
         mgr.prepare_load(ready[:spec["pins"]])
         out = {"ready": [mgr.block_of(k) for k in ready]}
     else:
-        from kvshm.ring import Ring
+        from kvshm.shm.ring import Ring
         i = spec["slot"]
         assert locks.try_lock(seg.fd, L.LOCK_CLIENT_BASE + i)
         o = g.slot_offset(i)
@@ -339,7 +340,7 @@ def test_watch_live(live, capsys):
 
 def test_watch_stops_on_interrupt(live):
     n, _ = live
-    p = subprocess.Popen([sys.executable, "-m", "kvshm.inspect_cli", "watch", n], env=ENV,
+    p = subprocess.Popen([sys.executable, "-m", "kvshm.inspect.cli", "watch", n], env=ENV,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert "fake-engine" in "".join(p.stdout.readline() for _ in range(10))
     p.send_signal(signal.SIGINT)
@@ -562,7 +563,7 @@ def assert_one_line_error(rc: int, out: str, err: str, *needles: str) -> None:
 
 
 def cli(*argv: str, prefix: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
-    return subprocess.run([*prefix, sys.executable, "-m", "kvshm.inspect_cli", *argv], env=ENV,
+    return subprocess.run([*prefix, sys.executable, "-m", "kvshm.inspect.cli", *argv], env=ENV,
                           capture_output=True, text=True, timeout=60)
 
 
@@ -630,10 +631,10 @@ def test_subprocess_json_without_torch(live):
     p = cli("show", n, "--json")
     assert p.returncode == 0
     check_schema(json.loads(p.stdout), SCHEMAS["show"])
-    script = ("import sys; from kvshm.inspect_cli import main\n"
+    script = ("import sys; from kvshm.inspect.cli import main\n"
               f"for a in (['ls'], ['show', {n!r}], ['blocks', {n!r}], ['verify', {n!r}], "
               f"['metrics', {n!r}], ['gc', {n!r}]):\n    main(a)\n"
-              "import kvshm.manager  # what gc imports when it acts\n"
+              "import kvshm.index.manager  # what gc imports when it acts\n"
               "assert 'torch' not in sys.modules, 'torch imported'\n"
               "print('NO-TORCH')")
     p = subprocess.run([sys.executable, "-c", script], env=ENV, capture_output=True, text=True)

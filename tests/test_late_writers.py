@@ -21,16 +21,17 @@ import pytest
 import torch
 
 import procs
-from kvshm import layout as L
-from kvshm import slots, writers
-from kvshm.channel import SchedulerChannel, WorkerChannel
-from kvshm.client import connect
-from kvshm.connector import SchedulerConnector
-from kvshm.hashing import block_hashes, offload_key
-from kvshm.segment import Segment
-from kvshm.table import BlockTable
-from kvshm.transfer import make_handler
-from kvshm.worker import WorkerConnector
+from kvshm.shm import layout as L
+from kvshm.shm import slots
+from kvshm.shm import writers
+from kvshm.engine.channel import SchedulerChannel, WorkerChannel
+from kvshm.index.client import connect
+from kvshm.engine.connector import SchedulerConnector
+from kvshm.engine.hashing import block_hashes, offload_key
+from kvshm.shm.segment import Segment
+from kvshm.shm.table import BlockTable
+from kvshm.transfer.spec import make_handler
+from kvshm.engine.worker import WorkerConnector
 
 from conftest import SMALL_GEOMETRY
 from test_connector import BT, PAGE, layout, prompt
@@ -277,6 +278,6 @@ def test_a_registration_is_alive_only_for_its_generation_and_while_its_lock_is_h
 
 
 def test_writer_lock_bytes_overlap_no_client_or_channel_lock():
-    from kvshm.channel import WORKER_LOCK_BASE
+    from kvshm.engine.channel import WORKER_LOCK_BASE
     last_client_byte = max(L.LOCK_CLIENT_BASE, WORKER_LOCK_BASE) + 1024
     assert L.LOCK_WRITER_BASE >= last_client_byte

@@ -13,13 +13,13 @@ import traceback
 
 import pytest
 
-from kvshm import layout as L
-from kvshm.api import LookupResult, OffloadingEvent, PrepareStoreOutput
+from kvshm.shm import layout as L
+from kvshm.index.api import LookupResult, OffloadingEvent, PrepareStoreOutput
 from kvshm.errors import (BlockStateError, InvalidArgumentError, KvshmError,
                           OwnerUnavailableError, UnknownKeyError)
-from kvshm.manager import LocalManager
-from kvshm.segment import Segment
-from kvshm.table import BlockTable, KeyIndex
+from kvshm.index.manager import LocalManager
+from kvshm.shm.segment import Segment
+from kvshm.shm.table import BlockTable, KeyIndex
 
 HIT, MISS, PENDING = LookupResult.HIT, LookupResult.MISS, LookupResult.PENDING
 CTX = mp.get_context("spawn")

@@ -20,13 +20,13 @@ from hypothesis import strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, invariant, precondition, rule,
                                  run_state_machine_as_test)
 
-from kvshm import layout as L
-from kvshm.api import LookupResult, OffloadingEvent
+from kvshm.shm import layout as L
+from kvshm.index.api import LookupResult, OffloadingEvent
 from kvshm.errors import BlockStateError, UnknownKeyError
-from kvshm.layout import Layout
-from kvshm.manager import LOCAL_WRITER, LocalManager
-from kvshm.segment import Segment
-from kvshm.table import BlockTable, KeyIndex
+from kvshm.shm.layout import Layout
+from kvshm.index.manager import LOCAL_WRITER, LocalManager
+from kvshm.shm.segment import Segment
+from kvshm.shm.table import BlockTable, KeyIndex
 
 NUM_BLOCKS = 8
 # Chosen so that their home slots in the 16-slot key index collide (4 keys at slot 15, 3 at

@@ -14,9 +14,9 @@ import threading
 import pytest
 import torch
 
-from kvshm import pinning
+from kvshm.transfer.spec import pinning
 from kvshm.errors import InvalidArgumentError, PinningError
-from kvshm.pinning import PAGE, pin_in_background, pin_region, plan_chunks, prefault
+from kvshm.transfer.pinning import PAGE, pin_in_background, pin_region, plan_chunks, prefault
 
 BASE = 1 << 40  # a page-aligned fake address: the fake backend never touches memory
 

@@ -1,4 +1,4 @@
-"""Tests for kvshm.ring: frame ring semantics, wrap-around, backpressure, cross-process
+"""Tests for kvshm.shm.ring: frame ring semantics, wrap-around, backpressure, cross-process
 delivery, and the Doorbell's wake-up. No sleeps as synchronisation, no timing thresholds."""
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvshm import ring as ring_mod
+from kvshm.shm import ring as ring_mod
 from kvshm.errors import FrameTooLargeError, InvalidArgumentError, ProtocolError, RingFullError
-from kvshm.ring import Doorbell, Ring
+from kvshm.shm.ring import Doorbell, Ring
 
 SPAWN = mp.get_context("spawn")  # children attach by name, like a real engine process
 XCAP = 4096  # cross-process ring: small, so 100k frames wrap and fill it many times

@@ -1,4 +1,4 @@
-"""Tests for kvshm.segment: create/attach across processes, views, validation, space,
+"""Tests for kvshm.shm.segment: create/attach across processes, views, validation, space,
 permissions, unlink. One behaviour per test; cross-process tests use real processes."""
 from __future__ import annotations
 
@@ -14,13 +14,13 @@ import numpy as np
 import posix_ipc
 import pytest
 
-import kvshm.segment as segment_mod
-from kvshm import layout as L
+import kvshm.shm.segment as segment_mod
+from kvshm.shm import layout as L
 from kvshm.errors import (FormatVersionError, InsufficientSpaceError, InvalidArgumentError,
                           KvshmError, LayoutMismatchError, NotAKvshmSegmentError,
                           SegmentExistsError, SegmentNotFoundError, SegmentPermissionError)
-from kvshm.layout import Layout
-from kvshm.segment import Segment, list_segments, sem_name, shm_name
+from kvshm.shm.layout import Layout
+from kvshm.shm.segment import Segment, list_segments, sem_name, shm_name
 
 LAYOUT = Layout((4096, 4096), 16, "test")
 SMALL = dict(ring_capacity=8192, hold_capacity=64)
@@ -152,7 +152,7 @@ def test_create_records_geometry_in_the_header(make_segment):
 
 
 def test_fresh_block_table_is_all_free(make_segment):
-    from kvshm.table import BlockTable, KeyIndex
+    from kvshm.shm.table import BlockTable, KeyIndex
     seg = make_segment(num_blocks=6)
     table = BlockTable(seg.buf, seg.geometry)
     index = KeyIndex(seg.buf, seg.geometry, table)

@@ -16,11 +16,11 @@ import time
 import posix_ipc
 import pytest
 
-from kvshm import layout as L
+from kvshm.shm import layout as L
 from kvshm.errors import (InsufficientSpaceError, InvalidArgumentError, KvshmError,
                           NotAKvshmSegmentError, SegmentNotFoundError)
-from kvshm.layout import Layout
-from kvshm.segment import Segment, shm_name
+from kvshm.shm.layout import Layout
+from kvshm.shm.segment import Segment, shm_name
 
 from conftest import SMALL_GEOMETRY, TEST_LAYOUT
 
@@ -36,7 +36,7 @@ def path(name: str) -> str:
 def creator(name: str, crash_at: str | None, num_blocks: int = 8, signal_: str = "KILL",
             exist_ok: bool = False) -> subprocess.Popen:
     """A process that creates ``name`` (stopping at ``crash_at``) and prints the outcome."""
-    code = ("import sys, json; from kvshm.segment import Segment; from kvshm.layout import "
+    code = ("import sys, json; from kvshm.shm.segment import Segment; from kvshm.shm.layout import "
             "Layout\ntry:\n s = Segment.create(sys.argv[1], Layout((4096, 4096), 16, 'test'),"
             f" {num_blocks}, ring_capacity=8192, hold_capacity=64, exist_ok={exist_ok})\n"
             " print(json.dumps(['ok', s.geometry.total_bytes]))\n"
@@ -51,7 +51,7 @@ def creator(name: str, crash_at: str | None, num_blocks: int = 8, signal_: str =
 
 def attacher(name: str, create: bool) -> subprocess.Popen:
     return creator(name, None, exist_ok=True) if create else subprocess.Popen(
-        [sys.executable, "-c", "import sys, json; from kvshm.segment import Segment\ntry:\n"
+        [sys.executable, "-c", "import sys, json; from kvshm.shm.segment import Segment\ntry:\n"
          " s = Segment.attach(sys.argv[1]); print(json.dumps(['ok', 0]))\n"
          "except Exception as e:\n print(json.dumps([type(e).__name__, str(e)]))\n", name],
         env=dict(os.environ, PYTHONPATH=ROOT), stdout=subprocess.PIPE, text=True)
@@ -85,7 +85,7 @@ def has_open(p: subprocess.Popen, file: str) -> bool:
 # --- 3: attach trusts only checked fields ------------------------------------------------------
 def _dead_segment(name: str, layout: Layout = TWO_PAGES) -> None:
     """A segment whose creator process has exited."""
-    code = ("import sys; from kvshm.segment import Segment; from kvshm.layout import Layout\n"
+    code = ("import sys; from kvshm.shm.segment import Segment; from kvshm.shm.layout import Layout\n"
             f"Segment.create(sys.argv[1], Layout({layout.page_bytes!r}, 16, {layout.model!r}),"
             " 8, ring_capacity=8192, hold_capacity=64).close()")
     subprocess.run([sys.executable, "-c", code, name], check=True, timeout=DEADLINE_S,
@@ -188,7 +188,7 @@ def _sem_files(name: str) -> list[str]:
 
 
 def test_semaphores_get_the_segments_group_mode(seg_name):
-    from kvshm.client import connect
+    from kvshm.index.client import connect
     mgr = connect(seg_name, TEST_LAYOUT, num_blocks=8, mode=0o660, **SMALL_GEOMETRY)
     try:
         mgr.prepare_store([b"k" * 36])
@@ -205,7 +205,7 @@ def test_semaphores_get_the_segments_group_mode(seg_name):
 def _child_ring_as_nobody(name: str, sem: str) -> str:
     os.setgid(65534)
     os.setuid(65534)
-    from kvshm.ring import Doorbell
+    from kvshm.shm.ring import Doorbell
     try:
         with Segment.attach(name) as seg:
             Doorbell(seg.buf[L.OFF_OWNER_BELL:L.OFF_OWNER_BELL + 8], sem, like_fd=seg.fd)
@@ -216,8 +216,8 @@ def _child_ring_as_nobody(name: str, sem: str) -> str:
 
 def test_a_group_member_opens_the_semaphores_of_a_0660_segment(make_segment):
     from multiprocessing import get_context
-    from kvshm.ring import Doorbell
-    from kvshm.segment import sem_name
+    from kvshm.shm.ring import Doorbell
+    from kvshm.shm.segment import sem_name
     seg = make_segment(mode=0o660)
     os.chown(path(seg.name), -1, 65534)  # the group both users share
     sem = sem_name(seg.name, "owner")

@@ -13,12 +13,12 @@ import time
 
 import pytest
 
-from kvshm import layout as L
-from kvshm import protocol as P
-from kvshm.client import connect
+from kvshm.shm import layout as L
+from kvshm.index import protocol as P
+from kvshm.index.client import connect
 from kvshm.errors import ProtocolError
-from kvshm.segment import Segment
-from kvshm.table import BlockTable
+from kvshm.shm.segment import Segment
+from kvshm.shm.table import BlockTable
 
 import procs
 from conftest import SMALL_GEOMETRY, TEST_LAYOUT, stop_owner
@@ -189,7 +189,7 @@ def test_four_clients_random_traffic_keep_every_invariant(seg_name):
         assert sum(s["corrupt"] for s in stats) == 0
         assert sum(s["loads"] for s in stats) > 0
         wait_for(lambda: L.WRITING not in states(seg), "stores to settle")
-        from kvshm.snapshot import verify
+        from kvshm.inspect.snapshot import verify
         assert verify(seg) == []
     finally:
         pid = seg.owner_record()[0]

@@ -17,11 +17,11 @@ import os
 import signal
 import struct
 
-from kvshm import layout as L
-from kvshm.inspect_cli import main as inspect_main
-from kvshm.manager import LocalManager
-from kvshm.segment import Segment
-from kvshm.table import BlockTable, KeyIndex
+from kvshm.shm import layout as L
+from kvshm.inspect.cli import main as inspect_main
+from kvshm.index.manager import LocalManager
+from kvshm.shm.segment import Segment
+from kvshm.shm.table import BlockTable, KeyIndex
 
 import procs
 

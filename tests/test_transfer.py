@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from kvshm.errors import InvalidArgumentError, TransferError
-from kvshm.transfer import (BlockPlan, TransferSpec, coalesce, expand_block_ids,
+from kvshm.transfer.spec import (BlockPlan, TransferSpec, coalesce, expand_block_ids,
                             make_handler)
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -59,7 +59,7 @@ class Rig:
             out.append(torch.as_strided(buf, (rows, rb), (rb + pad, 1), off))
             off += size
         if self.device == "cuda" and self.method != "unpinned":
-            from kvshm.pinning import pin_region
+            from kvshm.transfer.pinning import pin_region
             region = pin_region(buf.data_ptr(), buf.numel())
             assert region is not None, "the test could not pin its planes"
             self.regions.append(region)
@@ -457,14 +457,14 @@ def test_planes_that_do_not_fit_the_device_tensors_are_refused(devs, planes, kw,
 
 
 def test_make_handler_gives_the_cpu_handler_for_cpu_tensors():
-    from kvshm.cpu_copy import CpuTransferHandler
+    from kvshm.transfer.cpu_copy import CpuTransferHandler
     h = make_handler([torch.zeros(4, 8)], [torch.zeros(4, 32, dtype=torch.uint8)])
     assert isinstance(h, CpuTransferHandler)
     h.shutdown()
 
 
 def test_importing_kvshm_transfer_does_not_import_torch():
-    code = "import sys, kvshm.transfer; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, kvshm.transfer.spec; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -518,7 +518,7 @@ def test_both_cpu_copiers_copy_the_same_bytes(copier):
 
 
 def test_vm_copier_cuts_long_runs_and_groups_calls():
-    from kvshm import cpu_copy
+    from kvshm.transfer.spec import cpu_copy
     src = np.arange(50_000, dtype=np.uint8)
     dst = np.zeros_like(src)
     base_s, base_d = src.ctypes.data, dst.ctypes.data
@@ -533,7 +533,7 @@ def test_vm_copier_cuts_long_runs_and_groups_calls():
 
 
 def test_cpu_handler_falls_back_to_memmove_where_process_vm_readv_is_refused(monkeypatch):
-    from kvshm import cpu_copy
+    from kvshm.transfer.spec import cpu_copy
 
     def refuse(*args):
         ctypes.set_errno(errno.EPERM)
@@ -595,7 +595,7 @@ def test_a_store_waits_for_the_compute_stream_that_wrote_the_kv():
 
 @CUDA
 def test_the_handler_releases_the_pin_it_was_given_at_shutdown():
-    from kvshm.pinning import pin_in_background
+    from kvshm.transfer.pinning import pin_in_background
     rig = Rig("cuda-unpinned")
     planes = rig.planes(8, [256])
     base = planes[0]
@@ -611,7 +611,7 @@ def test_the_handler_releases_the_pin_it_was_given_at_shutdown():
 def test_explicit_skip_allows_a_job_that_ends_inside_its_last_segment_block():
     """vLLM loads may start and end mid-chunk: 4 device blocks from sub-blocks 1..4 of 2x3."""
     torch = pytest.importorskip("torch")
-    from kvshm.transfer import TransferSpec, make_handler
+    from kvshm.transfer.spec import TransferSpec, make_handler
     dev = torch.zeros(8, 16, dtype=torch.uint8)
     plane = torch.arange(4 * 48, dtype=torch.int64).remainder(251).to(torch.uint8).reshape(4, 48)
     h = make_handler([dev], [plane], block_size_factor=3)
@@ -629,7 +629,7 @@ def test_explicit_skip_allows_a_job_that_ends_inside_its_last_segment_block():
 def test_skip_that_leaves_a_whole_segment_block_unused_is_refused():
     torch = pytest.importorskip("torch")
     from kvshm.errors import InvalidArgumentError
-    from kvshm.transfer import TransferSpec, make_handler
+    from kvshm.transfer.spec import TransferSpec, make_handler
     h = make_handler([torch.zeros(8, 16, dtype=torch.uint8)],
                      [torch.zeros(4, 48, dtype=torch.uint8)], block_size_factor=3)
     try:

@@ -18,15 +18,15 @@ from types import SimpleNamespace as NS
 import pytest
 import torch
 
-from kvshm import slots
-from kvshm.api import LookupResult
-from kvshm.client import connect
+from kvshm.shm import slots
+from kvshm.index.api import LookupResult
+from kvshm.index.client import connect
 from kvshm.errors import InvalidArgumentError, KvshmError, LayoutMismatchError
-from kvshm.integrations.vllm_core import KvshmOptions, ManagerCore, layout_for, open_segment
-from kvshm.integrations.vllm_jobs import WorkerCore, split_job
-from kvshm.layout import Layout
-from kvshm.segment import Segment
-from kvshm.transfer import make_handler
+from kvshm.integrations.vllm.core import KvshmOptions, ManagerCore, layout_for, open_segment
+from kvshm.integrations.vllm.jobs import WorkerCore, split_job
+from kvshm.shm.layout import Layout
+from kvshm.shm.segment import Segment
+from kvshm.transfer.spec import make_handler
 
 from conftest import unique_name
 
@@ -205,7 +205,7 @@ def test_import_kvshm_never_imports_the_integration():
                     reason="vLLM is installed in this interpreter")
 def test_without_vllm_the_compat_module_names_the_supported_version():
     with pytest.raises(ImportError, match=r"supports vLLM 0\.32\.x"):
-        import kvshm.integrations.vllm_compat  # noqa: F401
+        import kvshm.integrations.vllm.compat  # noqa: F401
 
 
 # --- end to end with real vLLM engines ------------------------------------------------------

@@ -11,9 +11,9 @@ import multiprocessing as mp
 import os
 import signal
 
-from kvshm import layout as L
-from kvshm.client import connect
-from kvshm.table import BlockTable
+from kvshm.shm import layout as L
+from kvshm.index.client import connect
+from kvshm.shm.table import BlockTable
 
 import procs
 from conftest import TEST_LAYOUT, stop_owner

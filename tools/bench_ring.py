@@ -33,7 +33,7 @@ Transports (one client: this process; one server process each):
   zmq      pyzmq REQ/REP over ipc:// in a temp dir, msgspec frames.
   pipe     multiprocessing.Pipe, send_bytes/recv_bytes, msgspec frames.
 Every server does the same real work: it owns a kvshm LocalManager on its own segment and
-decodes/applies/encodes the very kvshm.protocol frames the owner handles. Transports run
+decodes/applies/encodes the very kvshm.index.protocol frames the owner handles. Transports run
 interleaved in rounds so that noise from other load on the host hits them alike; ratios
 (baseline p50 / ring p50) are computed within the run.
 
@@ -57,7 +57,7 @@ PAGE_BYTES = (256,)  # block data is never touched: keep the segments small
 
 
 def _layout():
-    from kvshm.layout import Layout
+    from kvshm.shm.layout import Layout
     return Layout(PAGE_BYTES, 16, "bench_ring")
 
 
@@ -71,9 +71,9 @@ class _Apply:
     """What the kvshm owner does with a request frame, on a LocalManager of its own."""
 
     def __init__(self, seg_name: str, num_blocks: int, ring_capacity: int):
-        from kvshm import protocol as P
-        from kvshm.manager import LocalManager
-        from kvshm.segment import Segment
+        from kvshm.index import protocol as P
+        from kvshm.index.manager import LocalManager
+        from kvshm.shm.segment import Segment
         self.P = P
         self.seg = Segment.create(seg_name, _layout(), num_blocks, ring_capacity=ring_capacity)
         # enable_events like the owner's manager (the owner drains them after every store)
@@ -108,7 +108,7 @@ class _Apply:
         return P.reply_encoder.encode(reply), False
 
     def close(self) -> None:
-        from kvshm.segment import Segment
+        from kvshm.shm.segment import Segment
         self.manager.shutdown()
         self.seg.close()
         Segment.unlink(self.seg.name)
@@ -195,7 +195,7 @@ class _MsgTransport(_Transport):
 
     def __init__(self, kind: str, tmpdir: str, seg_name: str, num_blocks: int,
                  ring_capacity: int, ctx: Any):
-        from kvshm import protocol as P
+        from kvshm.index import protocol as P
         self.P, self.name, self._req = P, kind, 0
         self._enc, self._dec = P.request_encoder.encode, P.reply_decoder.decode
         ready_r, ready_w = ctx.Pipe(duplex=False)
@@ -334,8 +334,8 @@ def _machine() -> dict[str, Any]:
 # --- the benchmark -------------------------------------------------------------------------
 def run(iterations: int, warmup: int, local_iterations: int, idle_s: float,
         num_blocks: int | None, ring_capacity: int, log: Callable[[str], None]) -> dict:
-    from kvshm import protocol as P
-    from kvshm.segment import Segment
+    from kvshm.index import protocol as P
+    from kvshm.shm.segment import Segment
 
     rng_keys = lambda n: [os.urandom(KEY_BYTES) for _ in range(n)]  # noqa: E731
     lookup_keys = rng_keys(KEYS_PER_OP)

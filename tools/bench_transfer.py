@@ -15,7 +15,7 @@ interleaved rep by rep so that machine noise hits every column alike, it times:
 
 and prints GB/s (10^9 bytes/s, median of --reps) and the ratios kvshm/contiguous, kvshm/loop.
 The CPU path always runs; the CUDA path runs when a GPU is visible (its name is recorded), with
-the segment plane pinned by kvshm.pinning, once per copy method (auto, copy, batch, kernel).
+the segment plane pinned by kvshm.transfer.pinning, once per copy method (auto, copy, batch, kernel).
 
 Reading the numbers: compare ratios within one run, never GB/s across runs or machines (a
 shared box moves every column together). Targets: CPU path >= 80% of contiguous for blocks
@@ -45,7 +45,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from kvshm.errors import TransferError  # noqa: E402
-from kvshm.transfer import TransferSpec, make_handler  # noqa: E402
+from kvshm.transfer.spec import TransferSpec, make_handler  # noqa: E402
 
 CUDA_METHODS = ("auto", "copy", "batch", "kernel")
 
@@ -152,7 +152,7 @@ def bench_cpu(page: int, blocks: int, reps: int, ids: str, threads: int | None,
 def bench_cuda(page: int, blocks: int, reps: int, ids: str, methods: list[str],
                budget_s: float) -> dict:
     import torch
-    from kvshm.pinning import pin_region
+    from kvshm.transfer.pinning import pin_region
     dev = torch.empty(blocks, page, dtype=torch.uint8, device="cuda").fill_(1)
     plane = torch.empty(blocks, page, dtype=torch.uint8).fill_(2)
     region = pin_region(plane.data_ptr(), plane.nbytes)

@@ -54,14 +54,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvshm import layout as L
-from kvshm import slots
-from kvshm.client import connect
+from kvshm.shm import layout as L
+from kvshm.shm import slots
+from kvshm.index.client import connect
 from kvshm.errors import KvshmError
-from kvshm.layout import Layout
-from kvshm.segment import Segment
-from kvshm.snapshot import verify
-from kvshm.table import BlockTable
+from kvshm.shm.layout import Layout
+from kvshm.shm.segment import Segment
+from kvshm.inspect.snapshot import verify
+from kvshm.shm.table import BlockTable
 
 LAYOUT = Layout((4096, 2048), 16, "soak")
 INJECTIONS = ("early-ready",)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pickle
 from typing import Any
 
-from kvshm.segment import Segment
+from kvshm.shm.segment import Segment
 
 
 def segment_info(name: str) -> dict[str, Any]:

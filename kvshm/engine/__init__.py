@@ -1,0 +1,1 @@
+"""The engine-side flow: hashing, scheduler connector, workers, job channel."""

@@ -1,0 +1,336 @@
+"""Job channel between an engine's scheduler and one of its worker processes, on kvshm rings.
+
+For engines whose scheduler and workers are separate processes and that have no channel of
+their own. The scheduler claims a client slot of the segment and marks it CHANNEL; that slot's
+``peer_in`` ring carries jobs (scheduler produces), ``peer_out`` carries completions (worker
+produces), each with a doorbell. The worker attaches by (segment name, slot).
+
+Liveness is the kernel's, as everywhere in kvshm: the scheduler holds the slot's lock, the
+worker holds ``WORKER_LOCK_BASE + slot``. Once the worker was seen alive, a free worker lock
+means it died: every job outstanding on the channel is reported failed, so the scheduler
+connector frees the stores and releases the loads. A worker whose scheduler died exits.
+Every job frame names the scheduler's manager slot and generation: the worker refuses a job
+of a generation that is dead, even one still queued here (see ``kvshm.shm.writers``).
+When the scheduler dies, the owner reclaims the slot (clears it to FREE).
+
+It owns the frames (msgspec, tagged, array_like) and nothing about what jobs mean; it never
+imports torch.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, Iterable, Sequence, Union
+
+import msgspec
+
+from kvshm.shm import layout as L
+from kvshm.shm import locks
+from kvshm.shm import slots
+from kvshm.errors import ClientSlotsExhaustedError, InvalidArgumentError, TransferError
+from kvshm.shm.ring import Doorbell, Ring
+from kvshm.shm.segment import Segment, sem_name
+from kvshm.transfer.spec import TransferResult, TransferSpec
+
+WORKER_LOCK_BASE = L.LOCK_CLIENT_BASE + 1024  # + slot: held by the channel's worker
+MAX_IDS_PER_FRAME = 2048  # bigger jobs travel in several frames (a frame must fit the ring)
+
+
+class _Frame(msgspec.Struct, tag=True, array_like=True, frozen=True):
+    pass
+
+
+class JobFrame(_Frame, tag="Job"):
+    job_id: int
+    kind: str
+    device: list[int]
+    segment: list[int]
+    last: bool = True  # False: more ids of this job follow in the next frame
+    skip: int | None = None  # TransferSpec.skip
+    writer_slot: int = -1  # Job.writer: the scheduler's manager slot (-1: none) ...
+    writer_gen: int = 0  # ... and its generation; the worker refuses a dead generation's job
+
+    def to_job(self):
+        from kvshm.engine.connector import Job
+        writer = (self.writer_slot, self.writer_gen) if self.writer_slot >= 0 else None
+        return Job(self.job_id, "", TransferSpec(self.kind, self.device, self.segment,
+                                                 self.skip), writer)
+
+
+class Flush(_Frame):
+    job_ids: list[int]
+
+
+class Stop(_Frame):
+    pass
+
+
+class Done(_Frame):
+    job_id: int
+    success: bool
+    nbytes: int = 0
+    seconds: float = 0.0
+
+
+_encoder = msgspec.msgpack.Encoder()
+_to_worker = msgspec.msgpack.Decoder(Union[JobFrame, Flush, Stop])
+_to_scheduler = msgspec.msgpack.Decoder(Done)
+
+
+class _Ends:
+    """The two rings and doorbells of a channel slot, as seen from one side."""
+
+    def __init__(self, seg: Segment, slot: int):
+        self.jobs = Ring(slots.ring_view(seg, slot, "peer_in"))
+        self.done = Ring(slots.ring_view(seg, slot, "peer_out"))
+        self.jobs_bell = Doorbell(slots.bell_view(seg, slot, "peer_in"),
+                                  sem_name(seg.name, f"c{slot}-peer_in"), like_fd=seg.fd)
+        self.done_bell = Doorbell(slots.bell_view(seg, slot, "peer_out"),
+                                  sem_name(seg.name, f"c{slot}-peer_out"), like_fd=seg.fd)
+
+    def close(self) -> None:
+        for r in (self.jobs, self.done):
+            r.close()
+        self.jobs_bell.close()
+        self.done_bell.close()
+
+
+def _put(ring: Ring, frame: bytes, alive, drain=None, timeout: float = 30.0) -> bool:
+    """Put ``frame``, waiting for room while the peer lives. False if the peer is gone."""
+    deadline = time.monotonic() + timeout
+    delay = 1e-5
+    while not ring.try_put(frame):
+        if drain is not None:
+            drain()  # our peer may be blocked on our other ring: keep it moving
+        if not alive():
+            return False
+        if time.monotonic() > deadline:
+            raise TransferError(f"job channel ring stayed full for {timeout:g}s; its consumer "
+                                "is alive but not draining it")
+        time.sleep(delay)  # backoff while the consumer drains, bounded by the deadline
+        delay = min(2 * delay, 1e-3)
+    return True
+
+
+class SchedulerChannel:
+    """The scheduler's end: send jobs, receive completions, notice a dead worker."""
+
+    def __init__(self, segment_name: str, *, timeout: float = 30.0) -> None:
+        self.seg = Segment.attach(segment_name)
+        self.timeout = timeout
+        try:
+            self.slot, self.gen = self._claim(timeout)
+        except BaseException:
+            self.seg.close()
+            raise
+        slots.activate(self.seg, self.slot, self.gen, state=slots.CHANNEL)
+        self._ends = _Ends(self.seg, self.slot)
+        self._outstanding: dict[int, str] = {}  # job id -> kind
+        self._received: list[Done] = []
+        self._worker_seen = False
+        self._worker_lost = False
+
+    def _claim(self, timeout: float) -> tuple[int, int]:
+        """``slots.claim``, but skipping slots whose previous worker still holds on: it may
+        still be draining completions into that slot's rings."""
+        g, fd = self.seg.geometry, self.seg.fd
+        deadline = time.monotonic() + timeout
+        while True:
+            for slot in range(g.max_clients):
+                if locks.is_held(fd, WORKER_LOCK_BASE + slot) or \
+                        not locks.try_lock(fd, L.LOCK_CLIENT_BASE + slot):
+                    continue
+                state, _, gen, _, _ = slots.record(self.seg, slot)
+                if state == slots.FREE:
+                    return slot, gen + 1
+                locks.unlock(fd, L.LOCK_CLIENT_BASE + slot)
+            if time.monotonic() > deadline:
+                raise ClientSlotsExhaustedError(
+                    f"no free client slot in segment {self.seg.name!r} for a job channel; "
+                    "close unused clients or create the segment with more max_clients")
+            time.sleep(0.05)  # dead clients' slots go FREE when the owner reclaims them
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """What a worker passes to ``WorkerChannel``: (segment name, slot)."""
+        return self.seg.name, self.slot
+
+    # --- liveness ----------------------------------------------------------------------
+    def worker_alive(self) -> bool:
+        alive = locks.is_held(self.seg.fd, WORKER_LOCK_BASE + self.slot)
+        self._worker_seen |= alive
+        return alive
+
+    def wait_worker(self, timeout: float = 60.0,
+                    starting: Callable[[], bool] = lambda: True) -> None:
+        """Return once a worker attached. Raises TransferError after ``timeout``, or as soon
+        as ``starting()`` (e.g. the worker process's ``is_alive``) turns False."""
+        deadline = time.monotonic() + timeout
+        while not self.worker_alive():
+            if not starting() or time.monotonic() > deadline:
+                raise TransferError(f"no worker attached to job channel {self.address} "
+                                    f"({'it exited' if not starting() else f'{timeout:g}s'}); "
+                                    "check the worker process's output")
+            time.sleep(0.005)  # polling a kernel lock while the worker starts, bounded
+
+    def _check_worker(self) -> bool:
+        """False once a worker that was alive is gone (then every outstanding job fails)."""
+        if not self._worker_lost:
+            if self.worker_alive() or not self._worker_seen:
+                return True
+            self._drain()  # completions it published before dying still count
+            self._worker_lost = True
+        self._received += [Done(j, False) for j in self._outstanding]
+        self._outstanding.clear()
+        return False
+
+    # --- sending -------------------------------------------------------------------------
+    def send(self, jobs: Iterable) -> None:
+        """Send ``Job``s (from the scheduler connector); after the worker died they fail."""
+        for job in jobs:
+            spec: TransferSpec = job.spec
+            dev, seg = list(spec.device_block_ids), list(spec.segment_block_ids)
+            self._outstanding[job.job_id] = spec.kind
+            wslot, wgen = getattr(job, "writer", None) or (-1, 0)
+            parts = max(1, -(-max(len(dev), len(seg)) // MAX_IDS_PER_FRAME))
+            for i in range(parts):
+                sl = slice(i * MAX_IDS_PER_FRAME, (i + 1) * MAX_IDS_PER_FRAME)
+                if not self._send(JobFrame(job.job_id, spec.kind, dev[sl], seg[sl],
+                                           i == parts - 1, spec.skip, wslot, wgen)):
+                    break  # the worker is gone: the job is already reported failed
+
+    def flush(self, job_ids: Iterable[int]) -> None:
+        """Ask the worker to finish these jobs before it takes any later one."""
+        ids = [j for j in job_ids if j in self._outstanding]
+        if ids:
+            self._send(Flush(ids))
+
+    def stop(self) -> None:
+        """Tell the worker to finish what it has and exit."""
+        self._send(Stop())
+
+    def _send(self, frame: _Frame) -> bool:
+        if not self._check_worker():
+            return False
+        ok = _put(self._ends.jobs, _encoder.encode(frame), self._check_worker, self._drain,
+                  self.timeout)
+        self._ends.jobs_bell.ring()
+        return ok
+
+    # --- receiving -----------------------------------------------------------------------
+    def _drain(self) -> None:
+        ring = self._ends.done
+        while (frame := ring.try_get()) is not None:
+            d = _to_scheduler.decode(frame)
+            if self._outstanding.pop(d.job_id, None) is not None:
+                self._received.append(d)
+
+    def poll(self) -> list[Done]:
+        """Completions since the last call (failed ones for a worker that died)."""
+        self._drain()
+        self._check_worker()
+        out, self._received = self._received, []
+        return out
+
+    def wait(self, job_ids: Iterable[int], timeout: float | None = None) -> list[Done]:
+        """Block until ``job_ids`` are complete; returns every completion received meanwhile."""
+        want = set(job_ids)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        got: list[Done] = []
+        while True:
+            got += self.poll()
+            if not want & self._outstanding.keys():
+                return got
+            if deadline is not None and time.monotonic() > deadline:
+                raise TransferError(f"jobs {sorted(want & self._outstanding.keys())} not done "
+                                    f"within {timeout:g}s")
+            self._ends.done_bell.wait(0.1, self._ends.done.pending)
+
+    def outstanding(self) -> dict[int, str]:
+        return dict(self._outstanding)
+
+    def close(self) -> None:
+        """Give the slot back (the worker notices and exits)."""
+        if self.seg is None:
+            return
+        self._ends.close()
+        slots.release(self.seg, self.slot, self.gen)
+        self.seg.close()
+        self.seg = None  # type: ignore[assignment]
+
+    def __enter__(self) -> "SchedulerChannel":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class WorkerChannel:
+    """The worker's end: receive jobs, publish completions, notice a dead scheduler."""
+
+    def __init__(self, segment_name: str, slot: int) -> None:
+        self.seg = Segment.attach(segment_name)
+        self.slot = slot
+        try:
+            if not 0 <= slot < self.seg.geometry.max_clients:
+                raise InvalidArgumentError(f"slot {slot} is out of range")
+            state, _, self.gen, _, _ = slots.record(self.seg, slot)
+            if state != slots.CHANNEL:
+                raise InvalidArgumentError(
+                    f"slot {slot} of segment {segment_name!r} is not a job channel (state "
+                    f"{state}); pass the address SchedulerChannel.address gave")
+            if not locks.try_lock(self.seg.fd, WORKER_LOCK_BASE + slot):
+                raise InvalidArgumentError(f"job channel {slot} already has a worker")
+        except BaseException:
+            self.seg.close()
+            raise
+        self._ends = _Ends(self.seg, slot)
+        self._ends.jobs_bell.drain()
+        self._pending: dict[int, list[JobFrame]] = {}  # partial multi-frame jobs
+
+    @property
+    def segment(self) -> Segment:
+        """The mapped segment (its planes are what the worker's handler copies to)."""
+        return self.seg
+
+    def scheduler_alive(self) -> bool:
+        state, _, gen, _, _ = slots.record(self.seg, self.slot)
+        return state == slots.CHANNEL and gen == self.gen and \
+            locks.is_held(self.seg.fd, L.LOCK_CLIENT_BASE + self.slot)
+
+    def recv(self, timeout: float) -> list[_Frame] | None:
+        """Frames waiting now (after up to ``timeout`` s); None once the scheduler is gone."""
+        ends = self._ends
+        if not ends.jobs_bell.wait(timeout, ends.jobs.pending, spin_s=50e-6):
+            return [] if self.scheduler_alive() else None
+        out: list[_Frame] = []
+        while (frame := ends.jobs.try_get()) is not None:
+            m = _to_worker.decode(frame)
+            if isinstance(m, JobFrame) and (not m.last or m.job_id in self._pending):
+                parts = self._pending.setdefault(m.job_id, [])
+                parts.append(m)
+                if not m.last:
+                    continue
+                del self._pending[m.job_id]
+                m = msgspec.structs.replace(m, device=[d for p in parts for d in p.device],
+                                            segment=[s for p in parts for s in p.segment])
+            out.append(m)
+        return out
+
+    def send_done(self, results: Sequence[TransferResult]) -> bool:
+        """Publish completions; False if the scheduler is gone."""
+        if not self.scheduler_alive():
+            return False  # its slot may be someone else's soon: write nothing more
+        for r in results:
+            frame = _encoder.encode(Done(r.job_id, r.success, r.nbytes, r.seconds))
+            if not _put(self._ends.done, frame, self.scheduler_alive, timeout=3600.0):
+                return False
+        self._ends.done_bell.ring()
+        return True
+
+    def close(self) -> None:
+        if self.seg is None:
+            return
+        self._ends.close()
+        locks.unlock(self.seg.fd, WORKER_LOCK_BASE + self.slot)
+        self.seg.close()
+        self.seg = None  # type: ignore[assignment]

@@ -1,0 +1,1 @@
+"""The index: manager semantics, the owner process and its clients."""

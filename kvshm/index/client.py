@@ -1,0 +1,357 @@
+"""Engine-side access to a shared segment: ``connect()`` and the ``SharedManager`` proxy.
+
+This module owns the manager API of a client process and its lock-free reads. It composes a
+client slot (claimed with a kernel-released lock, ``slots.py``), the link to the owner
+(``owner_link.py``: calls, exactly-once, failover) and the hold table (``holds.py``: leases
+and pins). Reads never go through the owner:
+
+* ``lookup``/``key_status`` read the key index and block table in the segment directly; a hit
+  is *leased* (``holds.py``) so no other client can evict it before ``prepare_load``.
+* ``prepare_load``/``complete_load`` only change holds; ``touch`` is a one-way frame.
+* Stores go through the owner: ``prepare_store`` (one atomic operation, in as many frames as
+  it needs) and ``complete_store`` are round trips.
+
+When the owner dies mid-call, the client starts another and the successor finishes the call:
+callers see a delay, not an error. It never copies block data and never imports torch.
+"""
+from __future__ import annotations
+
+import os
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from kvshm.shm import layout as L
+from kvshm.shm import slots
+from kvshm.index import protocol as P
+from kvshm.index.api import LookupResult, OffloadingEvent, OffloadingManager, PrepareStoreOutput
+from kvshm.crashpoints import crash_point
+from kvshm.shm.fence import full_fence
+from kvshm.errors import BlockStateError, CacheFullError, UnknownKeyError
+from kvshm.index.holds import HoldTable
+from kvshm.shm.layout import Layout
+from kvshm.index.owner_link import OwnerLink, start_owner
+from kvshm.shm.ring import Ring
+from kvshm.shm.segment import Segment
+from kvshm.shm.table import BlockTable, KeyIndex
+
+
+def connect(name: str, layout: Layout | None = None, *, num_blocks: int | None = None,
+            nbytes: int | None = None, policy: str = "lru", mode: int = 0o600,
+            events: bool = False, timeout: float = 30.0, **create_kw: int) -> "SharedManager":
+    """Attach this process to shared cache ``name`` and return its manager.
+
+    Give ``num_blocks`` or ``nbytes`` (with ``layout``) to create the segment if it does not
+    exist yet; without them the segment must exist. ``layout``, when given, must match the
+    segment's. An owner process is started if none is serving. ``events=True`` makes
+    ``take_events`` report every store and eviction in the shared cache.
+    """
+    if num_blocks is None and nbytes is not None:
+        if layout is None:
+            raise TypeError("connect(nbytes=...) needs the layout to size blocks")
+        num_blocks = L.blocks_for_bytes(layout, nbytes)
+    if num_blocks is not None:
+        if layout is None:
+            raise TypeError("connect(num_blocks=...) needs the layout of the blocks")
+        seg = Segment.create(name, layout, num_blocks, mode=mode, policy=policy,
+                             exist_ok=True, **create_kw)
+    else:
+        seg = Segment.attach(name, layout)
+    try:
+        return SharedManager(seg, events=events, timeout=timeout)
+    except BaseException:
+        seg.close()
+        raise
+
+
+_EVICTING_SPINS = 10_000  # an owner decides an eviction in microseconds; past this it died
+
+
+class SharedManager(OffloadingManager):
+    """The manager proxy of one client process. Same semantics as ``LocalManager``.
+
+    Not for concurrent use from several threads without external locking of the read path
+    (calls to the owner are serialised internally).
+    """
+
+    def __init__(self, segment: Segment, *, events: bool = False, timeout: float = 30.0):
+        self.segment = segment
+        self.timeout = timeout
+        g = segment.geometry
+        self.table = BlockTable(segment.buf, g)
+        self.index = KeyIndex(segment.buf, g, self.table)
+        self._events = events
+        # A prepare_store reply part carries keys and block ids; requests are cut to match.
+        self._chunk_keys = max(1, (Ring.max_payload(g.ring_capacity) - 64) // (L.MAX_KEY_BYTES + 16))
+        self.slot, self.gen = slots.claim(segment, lambda: start_owner(segment))
+        try:
+            self._ctr = slots.counters(segment, self.slot)
+            self._h = HoldTable(slots.holds(segment, self.slot), self.table)
+            slots.activate(segment, self.slot, self.gen)
+            self._link = OwnerLink(segment, self.slot, self.gen, timeout,
+                                   self._after_failover, self._abandoned)
+            self._newcomer = segment.buf[L.OFF_NEWCOMER:L.OFF_NEWCOMER + 8].cast("Q")
+            self._newcomer[0] = 1  # after ACTIVE is visible: the owner clears, fences, scans
+            crash_point("client.connect.after_activate")
+            self._link.ensure_owner()
+            self._link.ring_owner()
+            self._link.call([P.Hello(self._link.next_req(), self.slot, self.gen, os.getpid(),
+                                     events)])
+        except BaseException:
+            # Leave the slot ACTIVE and unlocked: the owner (or gc) reclaims it, and it is
+            # the only one that may, since it may have adopted it already.
+            slots.unlock(segment, self.slot)
+            raise
+
+    @property
+    def _owner_proc(self):  # the owner this client started, if any (tests stop it)
+        return self._link.owner_proc
+
+    # --- owner link hooks ---------------------------------------------------------------
+    def _after_failover(self) -> None:
+        """A new owner serves us: repair what the old one's death may have hidden."""
+        self._h.revalidate()
+        if self._events:  # the new owner does not know we subscribed
+            self._link.post(P.Hello(self._link.next_req(), self.slot, self.gen, os.getpid(),
+                                    True))
+
+    def _abandoned(self, reply: P._Msg) -> None:
+        """A reply to a request we gave up on: forget leases its evictions took away."""
+        if isinstance(reply, P.Prepared):
+            self._h.release(reply.evicted)
+
+    # --- reads and holds ----------------------------------------------------------------
+    def lookup(self, keys: Sequence[bytes]) -> int:
+        """See ``OffloadingManager.lookup``. Bad input is refused with InvalidArgumentError
+        (``layout.key_seq``/``check_key``): items are checked where lookup examines them
+        (the first miss, anything unhashable), so a list of bytes costs no extra pass."""
+        if type(keys) is not list and type(keys) is not tuple:
+            keys = L.key_seq(keys)
+        try:
+            return self._lookup(keys)
+        except TypeError:  # an unhashable or unjoinable item (bytearray, list, str)
+            for k in keys:
+                L.check_key(k)
+            raise
+
+    def _lookup(self, keys: Sequence[bytes]) -> int:
+        # Keys we lease already are known hits: only our own stores may evict them, and
+        # prepare_store drops the leases of what it evicted. A scheduler re-asks the same
+        # prefixes every step, so this is the common path.
+        leases = self._h.leases
+        n = len(keys)
+        held = 0
+        for k in keys:
+            if k not in leases:
+                break
+            held += 1
+        if held == n:
+            self._count_lookup(n, n)
+            return n
+        if held:
+            self._count_lookup(held, held)
+            return held + self._lookup(keys[held:])
+        if n >= 64:  # measured: below this the per-key loop is cheaper than numpy's setup
+            klen = len(keys[0])
+            joined = b"".join(keys)
+            if len(joined) == n * klen and all(type(k) is bytes and len(k) == klen
+                                               for k in keys):
+                karr = np.frombuffer(joined, np.uint8).reshape(n, klen)
+                blocks, states = self.index.find_prefix(keys, karr)
+                ready = states == L.READY
+                hits = n if ready.all() else int(np.argmin(ready))
+                hits = self._h.lease_many(keys, karr, blocks, hits)
+                self._count_lookup(n, hits)
+                return hits
+        hits = 0
+        find, lease = self.index.find, self._h.lease
+        for k in keys:
+            block, state = find(k)
+            if state != L.READY or not lease(k, block):
+                if type(k) is not bytes:  # never lease under a str or a caller's buffer
+                    L.check_key(k)
+                break
+            hits += 1
+        self._count_lookup(n, hits)
+        return hits
+
+    def _count_lookup(self, n: int, hits: int) -> None:
+        self._ctr[0] += hits + (hits < n)  # keys examined: the hits and the first miss
+        self._ctr[1] += hits
+
+    def key_status(self, key: bytes) -> LookupResult:
+        if type(key) is not bytes:
+            L.check_key(key)
+        self._ctr[0] += 1
+        if self._h.leased_ready(key):  # a lease is only as good as the block it still names
+            self._ctr[1] += 1
+            return LookupResult.HIT
+        block, state = self.index.find(key)
+        if state == L.READY and self._h.lease(key, block):
+            self._ctr[1] += 1
+            return LookupResult.HIT
+        return LookupResult.PENDING if state == L.WRITING else LookupResult.MISS
+
+    def release(self, keys: Sequence[bytes] | None = None) -> None:
+        """Drop the lookup leases of ``keys`` (all leases if None); pins are unaffected."""
+        self._h.release(keys)
+
+    def prepare_load(self, keys: Sequence[bytes]) -> list[int]:
+        if type(keys) is not list and type(keys) is not tuple:
+            keys = L.key_seq(keys)
+        h = self._h
+        taken: list[tuple[bytes, int]] = []
+        blocks = []
+        try:
+            for k in keys:
+                L.check_key(k)
+                i = h.leases.pop(k, None)
+                if i is None:
+                    block, state = self.index.find(k)
+                    if state == L.WRITING:
+                        raise BlockStateError(f"key {k.hex()[:16]}… is still being stored; "
+                                              "retry later")
+                    if state == L.READY and not h.free:
+                        raise CacheFullError(
+                            f"this client holds {len(h.holds)} blocks already (its "
+                            "hold_capacity); complete_load or release() some first")
+                    if state != L.READY or not h.lease(k, block):
+                        raise UnknownKeyError(f"key {k.hex()[:16]}… is not cached; lookup() "
+                                              "first")
+                    i = h.leases.pop(k)
+                taken.append((k, i))
+                block = h.block(i)
+                # Lease -> pin: a pin protects against our own stores too, which a lease
+                # does not. Pin, fence, re-check, as a lease is taken: an eviction of ours
+                # that read our holds before the pin shows as EVICTING (or the key gone).
+                h.holds[i] = block
+                full_fence()
+                if not self._settled_ready(block, k):  # never half-written, never reused
+                    raise UnknownKeyError(f"key {k.hex()[:16]}… is no longer cached; "
+                                          "lookup() again")
+                blocks.append(block)
+        except BaseException:
+            for _, i in taken:
+                h.unhold(i)
+            raise
+        h.pin(taken)
+        self._ctr[2] += 1
+        self._ctr[3] += len(blocks)
+        return blocks
+
+    def _settled_ready(self, block: int, key: bytes) -> bool:
+        """Whether ``block`` holds ``key`` READY once an eviction in flight has decided
+        (EVICTING lasts while an owner re-reads holds; one that died there is a miss)."""
+        for _ in range(_EVICTING_SPINS):
+            state = self.table.state_if_key(block, key)
+            if state != L.EVICTING:
+                return state == L.READY
+            os.sched_yield()
+        return False
+
+    def complete_load(self, keys: Sequence[bytes]) -> None:
+        if type(keys) is not list and type(keys) is not tuple:
+            keys = L.key_seq(keys)
+        pins = self._h.pins
+        need: dict[bytes, int] = {}
+        for k in keys:
+            L.check_key(k)
+            need[k] = need.get(k, 0) + 1
+            if len(pins.get(k, ())) < need[k]:
+                if self.index.find(k)[0] < 0:
+                    raise UnknownKeyError(f"complete_load of key {k.hex()[:16]}… which is "
+                                          "not cached")
+                raise BlockStateError(f"complete_load of key {k.hex()[:16]}… without a "
+                                      "matching prepare_load")
+        for k in keys:
+            self._h.unpin(k)
+
+    def held_blocks(self) -> int:
+        """How many holds (leases + pins) this client has."""
+        return len(self._h)
+
+    def add_bytes(self, loaded: int = 0, stored: int = 0) -> None:
+        """Count bytes moved by this process's transfers (shown by kvshm-inspect)."""
+        self._ctr[4] += loaded
+        self._ctr[5] += stored
+
+    # --- owner round trips --------------------------------------------------------------
+    def touch(self, keys: Sequence[bytes]) -> None:
+        if type(keys) is not list and type(keys) is not tuple:
+            keys = L.key_seq(keys)
+        for k in keys:
+            L.check_key(k)
+        # Tail pieces first: the owner makes each touched key most recent in reverse order,
+        # so the prefix head must be touched last.
+        for part in reversed(self._chunks(keys)):
+            self._link.send(P.Touch(0, part))
+
+    def _chunks(self, keys: Sequence[bytes]) -> list[list[bytes]]:
+        """``keys`` in pieces whose request and reply each fit one ring frame."""
+        keys, n = list(keys), self._chunk_keys
+        return [keys[i:i + n] for i in range(0, len(keys), n)] or [[]]
+
+    def prepare_store(self, keys: Iterable[bytes]) -> PrepareStoreOutput | None:
+        """See ``OffloadingManager.prepare_store``: one atomic operation however many keys
+        (a request too large for one ring frame travels in parts and runs once, whole)."""
+        if type(keys) is not list and type(keys) is not tuple:
+            keys = L.key_seq(keys)
+        for k in keys:
+            L.check_key(k)
+        chunks = self._chunks(keys)
+        req = self._link.next_req()
+        replies = self._link.call([P.PrepareStore(req, c, i + 1 < len(chunks), i)
+                                   for i, c in enumerate(chunks)])
+        if isinstance(replies[0], P.NoRoom):
+            return None
+        out = PrepareStoreOutput([], [], [])
+        for r in replies:
+            out.keys_to_store += r.keys
+            out.block_ids += r.blocks
+            out.evicted_keys += r.evicted
+        self._h.release(out.evicted_keys)  # our own store may evict what we leased
+        crash_point("client.store.after_prepare")
+        return out
+
+    def complete_store(self, keys: Sequence[bytes], success: bool = True) -> None:
+        if type(keys) is not list and type(keys) is not tuple:
+            keys = L.key_seq(keys)
+        for k in keys:
+            L.check_key(k)
+        for part in self._chunks(keys):  # completing a subset is a valid completion
+            self._link.call([P.CompleteStore(self._link.next_req(), part, success)])
+
+    def owner_lookup(self, keys: Sequence[bytes]) -> int:
+        """``lookup`` answered by the owner (a ring round trip; no lease). For benchmarks."""
+        return self._link.call([P.Lookup(self._link.next_req(), list(keys))])[0].value
+
+    def take_events(self) -> list[OffloadingEvent]:
+        r = self._link.call([P.TakeEvents(self._link.next_req())])[0]
+        return [OffloadingEvent(k, removed=rm) for rm, k in zip(r.removed, r.keys)]
+
+    def shutdown(self) -> None:
+        """Say goodbye (the owner frees our unfinished stores and our slot), then unlock
+        the slot. Without an answer the owner reclaims the slot once it sees us gone."""
+        if self.segment is None:
+            return
+        seg = self.segment
+        crash_point("client.shutdown.before_bye")
+        try:
+            if seg.owner_alive():
+                self._link.call([P.Bye(self._link.next_req())])
+        except Exception:
+            pass  # the owner reclaims a vanished client anyway
+        slots.unlock(seg, self.slot)
+        self._link.close()
+        self._newcomer.release()
+        del self._ctr
+        self._h.clear()
+        del self._h
+        seg.close()
+        self.segment = None  # type: ignore[assignment]
+
+    def __enter__(self) -> "SharedManager":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

@@ -1,0 +1,129 @@
+"""A client's hold table: the blocks it leased by a lookup or pinned for a load.
+
+This module owns the client side of the lease handshake and the client's hold array in its
+slot (``hold_capacity`` int32 entries the owner reads before it evicts). A hold entry is -1
+(empty), a block id (a load pin, which protects the block from everyone's stores) or
+``layout.lease_code(block)`` (a lookup lease, which protects it from *other* clients' stores).
+
+Leasing: write the lease into the hold array, full fence, re-check that the block still holds
+the key and is READY. The owner marks a victim EVICTING, fences, then reads every client's
+holds and spares held blocks (``LocalManager._fence_victims``), so one of the two always sees
+the other: a leased hit stays loadable until it is pinned or released. A client holds at most
+``hold_capacity // 2`` leases; past that lookups report misses (always safe).
+It never talks to the owner, never writes the block table and never imports torch.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from kvshm.shm import layout as L
+from kvshm.shm.fence import full_fence
+from kvshm.shm.table import BlockTable
+
+# A held block is READY, or EVICTING for the instant an eviction honours our hold.
+LOADABLE = (L.READY, L.EVICTING)
+
+
+class HoldTable:
+    """Leases (key -> hold index) and pins (key -> hold indexes) over a slot's hold array."""
+
+    def __init__(self, holds: np.ndarray, table: BlockTable):
+        self.holds = holds
+        self.table = table
+        self.free = list(range(len(holds) - 1, -1, -1))
+        self.leases: dict[bytes, int] = {}
+        self.pins: dict[bytes, list[int]] = {}
+        self.lease_limit = len(holds) // 2
+
+    def __len__(self) -> int:
+        """How many holds (leases + pins) are taken."""
+        return len(self.holds) - len(self.free)
+
+    def block(self, i: int) -> int:
+        return L.held_block(int(self.holds[i]))
+
+    def unhold(self, i: int) -> None:
+        self.holds[i] = -1
+        self.free.append(i)
+
+    def lease(self, key: bytes, block: int) -> bool:
+        """Lease ``block`` for ``key`` if it still holds it READY. False: treat as a miss."""
+        i = self.leases.get(key)
+        if i is not None:
+            if self.block(i) == block:
+                return True
+            self.unhold(self.leases.pop(key))  # stale: our own store evicted it since
+        if not self.free or len(self.leases) >= self.lease_limit:
+            return False  # a miss is always safe; a hit we could not keep would not be
+        i = self.free.pop()
+        self.holds[i] = L.lease_code(block)
+        full_fence()  # our hold before our re-check: the owner fences the other way round
+        if self.table.state_if_key(block, key) != L.READY:
+            self.unhold(i)
+            return False
+        self.leases[key] = i
+        return True
+
+    def lease_many(self, keys: Sequence[bytes], karr: np.ndarray, blocks: np.ndarray,
+                   hits: int) -> int:
+        """Vectorised ``lease`` of the first ``hits`` keys (found READY at ``blocks``): one
+        fence for the batch. Returns how many leading keys are leased hits."""
+        leases = self.leases
+        for i in range(hits):  # drop stale leases (our own store evicted the block since)
+            j = leases.get(keys[i])
+            if j is not None and self.block(j) != int(blocks[i]):
+                self.unhold(leases.pop(keys[i]))
+        new = [i for i in range(hits) if keys[i] not in leases]
+        room = max(0, min(len(self.free), self.lease_limit - len(leases)))
+        if len(new) > room:
+            hits, new = new[room], new[:room]
+        if new:
+            idx = np.array(self.free[-len(new):][::-1], np.intp)
+            del self.free[-len(new):]
+            sel = np.array(new, np.intp)
+            self.holds[idx] = L.lease_code(blocks[sel])
+            full_fence()  # our holds before our re-check: the owner fences the other way
+            ok = self.table.states_if_keys(blocks[sel], karr[sel]) == L.READY
+            if not ok.all():
+                bad = int(np.argmin(ok))
+                hits = min(hits, new[bad])
+                self.holds[idx[bad:]] = -1
+                self.free.extend(idx[bad:].tolist())
+                idx, new = idx[:bad], new[:bad]
+            leases.update(zip((keys[i] for i in new), idx.tolist()))
+        return hits
+
+    def leased_ready(self, key: bytes) -> bool:
+        """Whether ``key`` is leased and its block still holds it READY."""
+        i = self.leases.get(key)
+        return i is not None and self.table.state_if_key(self.block(i), key) == L.READY
+
+    def release(self, keys: Sequence[bytes] | None = None) -> None:
+        """Drop the leases of ``keys`` (all if None); pins are unaffected."""
+        for k in list(self.leases) if keys is None else keys:
+            i = self.leases.pop(k, None)
+            if i is not None:
+                self.unhold(i)
+
+    def revalidate(self) -> None:
+        """After an owner failover: drop leases whose block no longer holds their key (a
+        replayed store cannot say what its dead owner evicted)."""
+        for k, i in list(self.leases.items()):
+            if self.table.state_if_key(self.block(i), k) not in LOADABLE:
+                self.unhold(self.leases.pop(k))
+
+    def pin(self, taken: list[tuple[bytes, int]]) -> None:
+        for k, i in taken:
+            self.pins.setdefault(k, []).append(i)
+
+    def unpin(self, key: bytes) -> None:
+        pins = self.pins[key]
+        self.unhold(pins.pop())
+        if not pins:
+            del self.pins[key]
+
+    def clear(self) -> None:
+        self.leases.clear()
+        self.pins.clear()

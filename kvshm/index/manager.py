@@ -1,0 +1,417 @@
+"""The authoritative index of one segment: ``LocalManager``.
+
+This module owns the index (key -> block, free list, pins, pending stores by writer) and
+applies vLLM's v1 offload semantics to it, mirroring every block's durable state into the
+segment's block table and key index so that other processes can read it and a successor can
+rebuild it. Exactly one LocalManager exists per segment: it holds the segment's owner lock.
+The owner process wraps it; single-process users may use it directly.
+It never copies block data and never imports torch.
+"""
+from __future__ import annotations
+
+import os
+import time
+from collections import deque
+from typing import Callable, Sequence
+
+from kvshm.shm import layout as L
+from kvshm.shm import locks
+from kvshm.shm import writers
+from kvshm.crashpoints import crash_point
+from kvshm.index.api import LookupResult, OffloadingEvent, OffloadingManager, PrepareStoreOutput
+from kvshm.errors import (BlockStateError, InvalidArgumentError, OwnerUnavailableError,
+                     UnknownKeyError)
+from kvshm.shm.fence import full_fence
+from kvshm.index.policy import CachePolicy, make_policy
+from kvshm.shm.segment import Segment
+from kvshm.shm.table import BlockTable, KeyIndex
+
+Writer = tuple[int, int, int]  # (client slot, client generation, request id)
+LOCAL_WRITER: Writer = (-1, 0, 0)
+
+
+class LocalManager(OffloadingManager):
+    """In-process manager over a segment. Thread-unsafe: one caller (the owner loop).
+
+    ``held(requester_slot)`` returns the blocks that clients hold against a store of that
+    requester (lookup leases and load pins live in the clients' slots, not here); those are
+    never evicted. ``writer_alive`` decides, when the
+    index is rebuilt from the table, whether a half-finished store still has its writer.
+    """
+
+    def __init__(self, segment: Segment, policy: str | None = None, *,
+                 enable_events: bool = False,
+                 held: Callable[[int], set[int]] | None = None,
+                 writer_alive: Callable[[int, int], bool] | None = None):
+        if not locks.try_lock(segment.fd, L.LOCK_OWNER):
+            raise OwnerUnavailableError(
+                f"segment {segment.name!r} already has an owner (pid "
+                f"{segment.owner_record()[0]}); use kvshm.connect() to share it")
+        self.segment = segment
+        self.table = BlockTable(segment.buf, segment.geometry)
+        self.index = KeyIndex(segment.buf, segment.geometry, self.table)
+        self.policy: CachePolicy = make_policy(policy or segment.policy,
+                                               segment.geometry.num_blocks)
+        self.enable_events = enable_events
+        self._held = held
+        self._events: list[OffloadingEvent] = []
+        self._blocks: dict[bytes, int] = {}
+        self._ready: dict[bytes, bool] = {}
+        self._pins: dict[int, int] = {}
+        self._pending: dict[tuple[int, int], set[bytes]] = {}  # writer (slot, gen) -> keys
+        # Free blocks, granted oldest-freed first (popleft) and freed at the tail (append). A
+        # late writer still copying into a block freed under it (its store was failed or
+        # reclaimed) then lands in the block least likely to have been granted again.
+        self._free: deque[int] = deque()
+        # Dead writers (slot, gen) whose stores wait for their registered copying processes.
+        self.quarantined: set[tuple[int, int]] = set()
+        pid, epoch, _, tick = segment.owner_record()
+        self.epoch = epoch + 1
+        self.tick = tick
+        self.recovered = self._rebuild(writer_alive or (lambda slot, gen: False))
+        segment.write_owner_record(os.getpid(), self.epoch, time.time_ns(), self.tick)
+        if epoch:
+            segment.counter_add("failovers")
+
+    # --- rebuild ------------------------------------------------------------------------
+    def _rebuild(self, writer_alive: Callable[[int, int], bool]) -> dict[str, int]:
+        """Adopt the table: ready blocks stay, stores of dead writers and torn keys are freed.
+
+        It never rewrites a key it keeps: a kept entry only gets its state, writer and pins
+        reset by word stores (``reset_ready``), so an owner dying in here cannot tear a key.
+        """
+        ready, kept, freed, torn_keys, free = [], 0, 0, 0, []
+        self.index.clear()
+        for b in range(self.table.num_blocks):
+            # A dead owner may have left an entry mid-rewrite (odd seq: readers would report
+            # it torn forever). Settle it, then trust its key only if the checksum written
+            # with the key still verifies: a rewrite killed halfway may have changed any of
+            # the key bytes under an unchanged READY state.
+            torn = self.table.settle(b)
+            e = self.table.read(b)
+            if e.state != L.FREE and (e.torn or not e.key_ok):
+                torn_keys += 1  # never published: its key is neither the old nor the new one
+            elif e.state in (L.READY, L.EVICTING) and e.key:
+                ready.append((e.last_use, b, e.key, e))
+                continue
+            elif e.state == L.WRITING and not torn and e.writer >= 0 and \
+                    writer_alive(e.writer, e.writer_gen):
+                self._adopt(b, e.key, False)
+                self._pending.setdefault((e.writer, e.writer_gen), set()).add(e.key)
+                kept += 1
+                continue
+            # a torn WRITING entry's store was never answered, a dead writer's never ends
+            if e.state != L.FREE or torn:
+                self.table.write(b, L.FREE, b"")
+                freed += e.state != L.FREE
+            free.append(b)
+        for last_use, b, key, e in sorted(ready):  # oldest first: recency survives failover
+            if key in self._blocks:  # a duplicate can only come from a damaged table
+                self.table.write(b, L.FREE, b"")
+                free.append(b)
+                continue
+            if e.state != L.READY or e.writer != -1 or e.pins:
+                self.table.reset_ready(b)
+            if len(self._blocks) == len(ready) // 2:
+                crash_point("owner.rebuild.mid")
+            self._adopt(b, key, True)
+            self.tick = max(self.tick, last_use)
+        self._free = deque(sorted(free))  # low block ids first, like vLLM's CPU backend
+        return {"ready": len(ready), "pending": kept, "freed": freed, "torn": torn_keys}
+
+    def _adopt(self, block: int, key: bytes, ready: bool) -> None:
+        self._blocks[key] = block
+        self._ready[key] = ready
+        self.policy.insert(key)
+        self.index.insert(key, block)
+
+    # --- reads --------------------------------------------------------------------------
+    def lookup(self, keys: Sequence[bytes]) -> int:
+        """See ``OffloadingManager.lookup``. Bad input is refused with InvalidArgumentError
+        (``layout.key_seq``/``check_key``): items are checked where lookup examines them
+        (the first miss, anything unhashable), so a list of bytes costs no extra pass."""
+        if type(keys) is not list and type(keys) is not tuple:
+            keys = L.key_seq(keys)
+        n = 0
+        try:
+            for k in keys:
+                if not self._ready.get(k):
+                    break
+                n += 1
+        except TypeError:  # an unhashable item (bytearray, list): refuse it by name
+            for k in keys:
+                L.check_key(k)
+            raise
+        if n < len(keys):
+            L.check_key(keys[n])  # a str/int/None item is a caller's mistake, not a miss
+        return n
+
+    def key_status(self, key: bytes) -> LookupResult:
+        if type(key) is not bytes:
+            L.check_key(key)
+        r = self._ready.get(key)
+        return LookupResult.MISS if r is None else LookupResult.HIT if r else LookupResult.PENDING
+
+    def block_of(self, key: bytes) -> int | None:
+        return self._blocks.get(key)
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    # --- loads --------------------------------------------------------------------------
+    def prepare_load(self, keys: Sequence[bytes]) -> list[int]:
+        if type(keys) is not list and type(keys) is not tuple:
+            keys = L.key_seq(keys)
+        for k in keys:
+            L.check_key(k)
+            self._require_ready(k)
+        blocks = [self._blocks[k] for k in keys]
+        for b in blocks:
+            self._pins[b] = self._pins.get(b, 0) + 1
+            self.table.set_pins(b, self._pins[b])
+        return blocks
+
+    def complete_load(self, keys: Sequence[bytes]) -> None:
+        if type(keys) is not list and type(keys) is not tuple:
+            keys = L.key_seq(keys)
+        need: dict[int, int] = {}
+        for k in keys:
+            L.check_key(k)
+            b = self._blocks.get(k)
+            if b is None:
+                raise UnknownKeyError(f"complete_load of key {k.hex()[:16]}… which is not cached")
+            need[b] = need.get(b, 0) + 1
+            if self._pins.get(b, 0) < need[b]:
+                raise BlockStateError(
+                    f"complete_load of key {k.hex()[:16]}… without a matching prepare_load")
+        for b, n in need.items():
+            left = self._pins[b] - n
+            if left:
+                self._pins[b] = left
+            else:
+                del self._pins[b]
+            self.table.set_pins(b, left)
+
+    def touch(self, keys: Sequence[bytes]) -> None:
+        if type(keys) is not list and type(keys) is not tuple:
+            keys = L.key_seq(keys)
+        for k in keys:
+            L.check_key(k)
+        self.tick += 1
+        for k in reversed(keys):  # the prefix head ends up most recent: tails go first
+            b = self._blocks.get(k)
+            if b is not None:
+                self.policy.touch(k, self._ready[k])
+                self.table.set_last_use(b, self.tick)
+
+    # --- stores -------------------------------------------------------------------------
+    def prepare_store(self, keys: Sequence[bytes], writer: Writer = LOCAL_WRITER
+                      ) -> PrepareStoreOutput | None:
+        if type(keys) is not list and type(keys) is not tuple:
+            keys = L.key_seq(keys)
+        for k in keys:
+            L.check_key(k)
+        if not 0 <= writer[2] < 2**64:  # checked before anything changes (entry: u64)
+            raise InvalidArgumentError(f"request id {writer[2]} is outside 0..2**64-1")
+        new = list(dict.fromkeys(k for k in keys if k not in self._blocks))
+        need = len(new) - len(self._free)
+        evicted: list[bytes] = []
+        if need > 0:
+            victims = self._evict(need, set(keys), writer[0])
+            if victims is None:
+                self.segment.counter_add("prepare_store_refused")
+                return None
+            evicted = victims
+        self.tick += 1
+        slot, gen, req = writer
+        blocks = []
+        for k in new:
+            b = self._free.popleft()
+            self.table.write(b, L.WRITING, k, slot, gen, req, self.tick)
+            self._adopt(b, k, False)
+            blocks.append(b)
+        if new:
+            self._pending.setdefault((slot, gen), set()).update(new)
+        return PrepareStoreOutput(new, blocks, evicted)
+
+    def pending_of(self, writer: Writer, request: int | None = None) -> list[tuple[bytes, int]]:
+        """(key, block) of ``writer``'s unfinished stores, optionally of one request only."""
+        out = []
+        for k in self._pending.get(writer[:2], ()):
+            b = self._blocks[k]
+            e = self.table.read(b) if request is not None else None
+            # A torn read (only damage can cause one: we are the entry's only writer, and the
+            # rebuild settled what a dead owner left) cannot name its request; the key is this
+            # writer's either way, so granting it again to the same writer is harmless while
+            # leaving it out would strand the store until the writer goes.
+            if e is None or e.torn or e.writer_req == request:
+                out.append((k, b))
+        return out
+
+    def complete_store(self, keys: Sequence[bytes], success: bool = True,
+                       writer: Writer = LOCAL_WRITER) -> None:
+        """Publish (or free) this writer's stores of ``keys``; keys already ready are left.
+
+        Keys that are unknown or belong to another writer do not hold back the others: the
+        valid ones are applied first, then the first problem is raised, so one lost key
+        never strands the rest of a batch in WRITING.
+        """
+        if type(keys) is not list and type(keys) is not tuple:
+            keys = L.key_seq(keys)
+        mine = self._pending.get(writer[:2], set())
+        todo, problem = [], None
+        for k in keys:
+            L.check_key(k)
+            if k not in self._blocks:
+                problem = problem or UnknownKeyError(
+                    f"complete_store of key {k.hex()[:16]}… which is not cached (never "
+                    "prepared, or freed after its writer or the owner died)")
+            elif not self._ready[k]:
+                if k in mine:
+                    todo.append(k)
+                else:
+                    problem = problem or BlockStateError(
+                        f"complete_store of key {k.hex()[:16]}… whose store belongs to "
+                        "another writer")
+        now = time.time_ns()
+        done = []
+        for k in dict.fromkeys(todo):
+            b = self._blocks[k]
+            mine.discard(k)
+            if success:
+                self._ready[k] = True
+                self.table.publish(b, self.tick, now)
+                done.append(k)
+            else:
+                self._drop(k)
+        if not mine:
+            self._pending.pop(writer[:2], None)
+        if success:
+            self.segment.counter_add("stores")
+            self.segment.counter_add("store_blocks", len(done))
+            if self.enable_events and done:
+                self._events.append(OffloadingEvent(done, removed=False))
+        else:
+            self.segment.counter_add("store_failed_blocks", len(todo))
+        if problem is not None:
+            raise problem
+
+    def reclaim_writer(self, slot: int, gen: int) -> int:
+        """Free every unfinished store of a writer that died. Returns the block count.
+
+        Not while a process registered to copy for that writer generation lives (its late
+        copy would land in whoever gets the blocks next): the stores are then quarantined,
+        and a later call frees them once the last such process is gone.
+        """
+        # Quarantine: keep the blocks while a registered copier of (slot, gen) lives
+        if self._pending.get((slot, gen)) and writers.alive(self.segment, slot, gen):
+            if (slot, gen) not in self.quarantined:
+                self.quarantined.add((slot, gen))
+                self.segment.counter_add("quarantined_blocks", len(self._pending[(slot, gen)]))
+            return 0
+        self.quarantined.discard((slot, gen))
+        keys = self._pending.pop((slot, gen), set())
+        for k in keys:
+            self._drop(k)
+        return len(keys)
+
+    # The owner's periodic retry of quarantined (and rebuilt orphan) stores
+    def reclaim_dead_writers(self, client_alive: Callable[[int, int], bool]) -> int:
+        """``reclaim_writer`` for every pending writer whose client is gone (quarantined ones,
+        and those a rebuild kept for a registered copier). Returns the blocks freed."""
+        return sum(self.reclaim_writer(slot, gen) for slot, gen in list(self._pending)
+                   if slot >= 0 and not client_alive(slot, gen))
+
+    # --- eviction -----------------------------------------------------------------------
+    def _evict(self, n: int, protected: set[bytes], requester: int) -> list[bytes] | None:
+        held = self._held(requester) if self._held else set()
+        blocks, ready, pins = self._blocks, self._ready, self._pins
+
+        def can_evict(k: bytes) -> bool:
+            b = blocks[k]
+            return ready[k] and b not in pins and b not in held and k not in protected
+
+        victims = self.policy.evict(n, can_evict)
+        if victims is None:
+            return None
+        if self._held:
+            victims = self._fence_victims(victims, can_evict, requester)
+            if victims is None:
+                return None
+        for k in victims:
+            self._drop(k)
+        crash_point("owner.evict.after_drop")
+        self.segment.counter_add("evictions", len(victims))
+        if self.enable_events:
+            self._events.append(OffloadingEvent(victims, removed=True))
+        return victims
+
+    def _fence_victims(self, victims: list[bytes], can_evict: Callable[[bytes], bool],
+                       requester: int) -> list[bytes] | None:
+        """The eviction half of the lease handshake with lock-free client lookups.
+
+        A client writes its lease, fences, then re-reads the block's state; we mark victims
+        EVICTING, fence, then re-read the leases. Whatever the interleaving, one side sees
+        the other: either the client sees EVICTING and reports a miss, or we see the lease
+        and keep the block. Blocks that got leased meanwhile go back into the cache.
+        """
+        for k in victims:
+            self.table.set_state(self._blocks[k], L.EVICTING)
+        crash_point("owner.evict.after_mark")
+        full_fence()
+        held = self._held(requester)
+        lost = [k for k in victims if self._blocks[k] in held]
+        if not lost:
+            return victims
+        for k in lost:
+            self.table.set_state(self._blocks[k], L.READY)
+            self.policy.insert(k)  # it is being read: most recent is right
+        keep = [k for k in victims if k not in lost]
+        more = self._evict_more(len(lost), can_evict, held, requester)
+        if more is None:
+            for k in keep:
+                self.table.set_state(self._blocks[k], L.READY)
+                self.policy.insert(k)
+            return None
+        return keep + more
+
+    def _evict_more(self, n: int, can_evict: Callable[[bytes], bool], held: set[int],
+                    requester: int) -> list[bytes] | None:
+        victims = self.policy.evict(n, lambda k: can_evict(k) and self._blocks[k] not in held)
+        if victims is None:
+            return None
+        return self._fence_victims(victims, can_evict, requester)
+
+    def _drop(self, key: bytes) -> None:
+        """Forget ``key`` and free its block (no eviction bookkeeping)."""
+        b = self._blocks.pop(key)
+        del self._ready[key]
+        if key in self.policy:
+            self.policy.remove(key)
+        self.index.remove(key, b)
+        self.table.write(b, L.FREE, b"")
+        self._free.append(b)
+
+    def _require_ready(self, key: bytes) -> None:
+        r = self._ready.get(key)
+        if r is None:
+            raise UnknownKeyError(f"key {key.hex()[:16]}… is not cached; lookup() first")
+        if not r:
+            raise BlockStateError(f"key {key.hex()[:16]}… is still being stored; retry later")
+
+    # --- events and shutdown ------------------------------------------------------------
+    def take_events(self) -> list[OffloadingEvent]:
+        ev, self._events = self._events, []
+        return ev
+
+    def shutdown(self) -> None:
+        """Give up ownership; the table keeps the cache for the next owner."""
+        if self.segment is None:
+            return
+        self.segment.write_owner_record(0, self.epoch, time.time_ns(), self.tick)
+        locks.unlock(self.segment.fd, L.LOCK_OWNER)
+        self.segment = None  # type: ignore[assignment]

@@ -1,0 +1,261 @@
+"""A client's link to the owner: calls on the request ring, replies, failover, exactly-once.
+
+This module owns how a client talks to the owner of its segment: it starts an owner when none
+serves, puts request frames on the client slot's request ring, waits for the replies on the
+reply ring, and rides out owner deaths. It never reads or writes the block table, never
+holds blocks (``holds.py``) and never imports torch.
+
+The protocol: every request is executed at most once
+--------------------------------------------------------
+Each client slot has a request ring, a reply ring, and a *served record* of u64 words that
+only owners write (``layout.SERVED_FIELDS``): ``consumed`` (the last request id an owner began
+to execute), ``answered`` (the last request id whose whole reply is on the reply ring),
+``attempts`` and ``epoch``. Request ids increase per slot generation (u64, never wrap).
+
+Owner, for the frame at the head of a client's request ring (``Owner._serve_frame``):
+
+1. ``req <= answered``: a copy of a request already answered -> release it, no reply.
+2. ``req == consumed``: a dead owner began it -> *replay*: answer from the record only (what
+   the table shows was granted to ``(slot, gen, req)``; a completion is re-applied to the
+   keys the client still has pending), never execute it afresh.
+3. otherwise: write ``consumed = req``, execute, put the reply, write ``answered = req``, and
+   only then release the frame from the request ring (advance its head).
+
+The frame leaves the ring only after its reply is out, so a successor always finds a request
+its predecessor did not finish, and the record tells it whether execution began. A death
+
+* before step 3's ``consumed`` store: the successor executes the request (nothing happened);
+* after it, before the reply: the successor replays it (the table holds what was done);
+* after the reply, before ``answered``: the successor replays and the client receives a
+  second reply with the same id, which it ignores (it only accepts the id it waits for);
+* after ``answered``, before the release: rule 1 drops the copy.
+
+A ``PrepareStore`` too large for a frame is sent in parts; the owner executes it when the
+last part arrives (step 3 starts there). If a successor finds a last part whose first parts
+died with its predecessor and ``consumed`` is not that id, nothing was executed: it answers
+``Retry`` and the client sends the request again under a new id. A request that ``MAX_ATTEMPTS``
+owners died executing is answered with an error instead of killing owners forever.
+
+Client (this module): it never resends a request on its own. While waiting it checks that an
+owner lives (the kernel-released owner lock) and starts one if not; the successor finds the
+request in the ring. Every reply carries its owner's epoch: a changed epoch tells the client
+a failover happened, so it revalidates its leases (a replayed ``PrepareStore`` cannot list
+the victims the dead owner evicted) and subscribes to events again. A call's deadline is set
+once, before the first frame, and holds across failovers. A reply to a request the client
+gave up on (its deadline passed) is undone: blocks it granted are freed at once.
+
+The owner never blocks on a client: a reply that does not fit the reply ring waits in the
+owner's memory (and the request stays at the head of the ring), a ring it cannot parse gets
+its client quarantined (no more service, but its holds are honoured while it lives).
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Callable
+
+from kvshm.shm import layout as L
+from kvshm.index import protocol as P
+from kvshm.shm import slots
+from kvshm.errors import OwnerUnavailableError, ReplyTimeoutError, RingFullError
+from kvshm.shm.ring import Doorbell, Ring
+from kvshm.shm.segment import Segment, sem_name
+
+# Spin this long for a reply before sleeping on the semaphore: long enough for a lookup or
+# a small store round trip, short enough not to steal the owner's CPU on a busy host.
+REPLY_SPIN_S = 200e-6
+OWNER_START_TIMEOUT_S = 20.0
+OWNER_IDLE_EXIT_S = 10.0
+_CHECK_OWNER_S = 0.1  # while waiting, look whether the owner still lives this often
+
+
+def start_owner(segment: Segment) -> subprocess.Popen | None:
+    """Make sure an owner serves ``segment``: start one if nobody holds the owner lock."""
+    if segment.owner_alive():
+        return None
+    err = tempfile.TemporaryFile()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvshm.index.owner", segment.name, "--idle-exit",
+         str(OWNER_IDLE_EXIT_S)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+        stderr=err, start_new_session=True, close_fds=True)
+    epoch = segment.owner_record()[1]
+    deadline = time.monotonic() + OWNER_START_TIMEOUT_S
+    while not segment.owner_alive():
+        rc = proc.poll()
+        if rc not in (None, 0) and segment.owner_record()[1] != epoch:
+            break  # it owned the segment and died already: the caller notices and goes on
+        if rc not in (None, 0) or time.monotonic() > deadline:
+            err.seek(0)
+            why = err.read().decode(errors="replace").strip().splitlines()[-3:]
+            raise OwnerUnavailableError(
+                f"could not start an owner for segment {segment.name!r} (exit "
+                f"{rc}): {' | '.join(why) or 'no output'}; run 'kvshm serve "
+                f"{segment.name}' to see why")
+        time.sleep(0.005)  # polling the child's start, bounded by the deadline
+    return proc
+
+
+class OwnerLink:
+    """Request/reply calls from one client slot (``slot``, ``gen``) to the segment's owner.
+
+    ``on_failover`` runs (inside the call that noticed it, before it returns) when a reply
+    comes from another owner than the last one; ``on_abandoned`` gets each reply part of a
+    request the client gave up on. Calls are serialised by a lock.
+    """
+
+    def __init__(self, segment: Segment, slot: int, gen: int, timeout: float,
+                 on_failover: Callable[[], None],
+                 on_abandoned: Callable[[P._Msg], None] = lambda reply: None):
+        self.segment, self.slot, self.gen, self.timeout = segment, slot, gen, timeout
+        self.epoch = 0  # of the owner that sent the last reply (0: none yet)
+        self._on_failover = on_failover
+        self._on_abandoned = on_abandoned
+        self._lock = threading.Lock()
+        self._req = 0
+        self._abandoned: set[int] = set()  # requests given up on: undo what they did
+        self._backlog: list[bytes] = []  # posted frames that did not fit the ring yet
+        self.reply_bell = Doorbell(slots.bell_view(segment, slot, "reply"),
+                                   sem_name(segment.name, f"c{slot}-reply"), like_fd=segment.fd)
+        self.owner_bell = Doorbell(segment.buf[L.OFF_OWNER_BELL:L.OFF_OWNER_BELL + 8],
+                                   sem_name(segment.name, "owner"), like_fd=segment.fd)
+        self.requests = Ring(slots.ring_view(segment, slot, "request"))
+        self.replies = Ring(slots.ring_view(segment, slot, "reply"))
+        self.max_frame = Ring.max_payload(segment.geometry.ring_capacity)
+        self.owner_proc: subprocess.Popen | None = None
+
+    def next_req(self) -> int:
+        self._req += 1
+        return self._req
+
+    def ensure_owner(self) -> None:
+        proc = start_owner(self.segment)
+        if proc is not None:
+            self.owner_proc = proc
+
+    def ring_owner(self) -> None:
+        self.owner_bell.ring()
+
+    # --- calls --------------------------------------------------------------------------
+    def call(self, parts: list[P._Msg]) -> list[P._Msg]:
+        """Send one request (one frame, or several parts with the same id) and return its
+        reply parts. Raises the owner's typed error, or ``ReplyTimeoutError``."""
+        with self._lock:
+            deadline = time.monotonic() + self.timeout
+            while True:
+                replies = self._exchange(parts, deadline)
+                if not isinstance(replies[-1], P.Retry):
+                    break
+                req = self.next_req()  # provably never executed: send it again, new id
+                parts = [type(p)(**{**_fields(p), "req": req}) for p in parts]
+            if isinstance(replies[-1], P.Error):
+                P.raise_error(replies[-1])
+            return replies
+
+    def send(self, msg: P._Msg) -> None:
+        """One-way request (``req == 0``): no reply. Dropped if the ring is full — only
+        recency hints travel this way, and an engine must never block on them."""
+        with self._lock:
+            if self.requests.try_put(P.request_encoder.encode(msg)):
+                self.owner_bell.ring()
+            elif not self.segment.owner_alive():
+                self.ensure_owner()
+
+    def post(self, msg: P._Msg) -> None:
+        """A request whose reply nobody waits for (an undo, a re-subscription); its reply is
+        dropped as stray. Never blocks: while the ring is full it waits in a backlog that
+        every call sends first. Call with the lock held (inside a call or a hook)."""
+        self._backlog.append(P.request_encoder.encode(msg))
+        self._send_backlog()
+
+    def _send_backlog(self) -> None:
+        while self._backlog and self.requests.try_put(self._backlog[0]):
+            self._backlog.pop(0)
+            self.owner_bell.ring()
+
+    def _exchange(self, parts: list[P._Msg], deadline: float) -> list[P._Msg]:
+        req = parts[0].req
+        for p in parts:
+            self._put(P.request_encoder.encode(p), deadline)
+            self.owner_bell.ring()
+        got: list[P._Msg] = []
+        next_check = time.monotonic() + _CHECK_OWNER_S
+        while True:
+            if self.reply_bell.wait(_CHECK_OWNER_S, self.replies.pending, REPLY_SPIN_S):
+                reply = P.reply_decoder.decode(self.replies.try_get())
+                if reply.req != req:
+                    self._stray(reply)
+                    continue
+                self._saw_epoch(reply.epoch)
+                if isinstance(reply, P.Prepared):
+                    if reply.part == 0:
+                        got = []  # a successor's replay restarts a reply cut short
+                    got.append(reply)
+                    if reply.more:
+                        continue
+                else:
+                    got = [reply]
+                return got
+            now = time.monotonic()
+            if now > deadline:
+                self._abandoned.add(req)
+                raise ReplyTimeoutError(
+                    f"no reply from the owner of {self.segment.name!r} within "
+                    f"{self.timeout:g}s; check 'kvshm-inspect show {self.segment.name}'")
+            if now >= next_check:
+                next_check = now + _CHECK_OWNER_S
+                if not self.segment.owner_alive():
+                    self.ensure_owner()  # the successor finds our request in the ring
+                self.owner_bell.ring()
+
+    def _stray(self, reply: P._Msg) -> None:
+        """A reply we are not waiting for: to a post, a duplicate, or an abandoned request."""
+        self._saw_epoch(reply.epoch)
+        if reply.req not in self._abandoned:
+            return
+        if not getattr(reply, "more", False):
+            self._abandoned.discard(reply.req)  # a later duplicate is ignored
+        if isinstance(reply, P.Prepared) and reply.keys:
+            # Nobody will write these blocks: free them rather than strand them. ``of_req``
+            # limits the undo to blocks granted by that request, whatever arrives twice.
+            self.post(P.CompleteStore(self.next_req(), reply.keys, False, reply.req))
+        self._on_abandoned(reply)
+
+    def _saw_epoch(self, epoch: int) -> None:
+        if epoch != self.epoch:
+            known, self.epoch = self.epoch, epoch
+            if known:
+                self._on_failover()
+
+    def _put(self, frame: bytes, deadline: float) -> None:
+        """Queue ``frame`` (after the backlog), starting an owner if the ring stays full
+        because none runs. Replies that arrive meanwhile are handled: the owner may be
+        waiting for room on our reply ring before it reads our requests again."""
+        self._send_backlog()
+        while self._backlog or not self.requests.try_put(frame):
+            while self.replies.pending():
+                self._stray(P.reply_decoder.decode(self.replies.try_get()))
+            self._send_backlog()
+            if time.monotonic() > deadline:
+                raise RingFullError(
+                    f"the owner of {self.segment.name!r} did not drain our requests within "
+                    f"{self.timeout:g}s; check 'kvshm-inspect show {self.segment.name}'")
+            if not self.segment.owner_alive():
+                self.ensure_owner()
+            self.owner_bell.ring()
+            self.reply_bell.wait(0.01, self._requests_drained, 0.0)
+
+    def _requests_drained(self) -> bool:
+        return not self.requests.pending()
+
+    def close(self) -> None:
+        for r in (self.requests, self.replies):
+            r.close()
+        self.reply_bell.close()
+        self.owner_bell.close()
+
+
+def _fields(msg: P._Msg) -> dict:
+    return {f: getattr(msg, f) for f in msg.__struct_fields__}

@@ -1,0 +1,237 @@
+"""Eviction-order policies (LRU and ARC) for the owner's block index.
+
+This module owns one thing: the order in which cached keys become eviction victims, plus
+ARC's ghost lists and adaptive target. Keys are opaque ``bytes``. It must never know about
+block ids, block state, shared memory, rings or torch: the manager owns state (ready,
+writing, pinned) and tells the policy through ``touch(key, ready)`` and the ``can_evict``
+callback. Semantics follow vLLM's v1 KV-offload ``LRUOffloadingManager`` and
+``ARCCachePolicy`` (0.20+: atomic eviction; 0.33: ARC falls back to T1 when T2 has nothing).
+
+Not thread-safe: only the owner's single loop calls it.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+
+from kvshm.errors import InvalidArgumentError
+
+CanEvict = Callable[[bytes], bool]
+
+from kvshm.shm.layout import POLICY_NAMES  # recorded in the segment header, so defined there
+
+
+def _no_victims(n: int) -> list[bytes]:
+    # A negative count is a manager bug; failing loudly beats evicting nothing silently.
+    if n < 0:
+        raise InvalidArgumentError(f"evict needs a block count >= 0, got {n}")
+    return []
+
+
+class CachePolicy(ABC):
+    """Eviction order over cached keys. ``can_evict`` must not call back into the policy."""
+
+    name: str
+
+    @abstractmethod
+    def insert(self, key: bytes) -> None:
+        """A key was just allocated (store in flight). Caller guarantees it is not cached."""
+
+    @abstractmethod
+    def remove(self, key: bytes) -> None:
+        """Drop a key without evicting it (failed store): no ghost. Unknown key: no-op."""
+
+    @abstractmethod
+    def touch(self, key: bytes, ready: bool) -> None:
+        """Recency hit on one key. Unknown key: no-op."""
+
+    @abstractmethod
+    def evict(self, n: int, can_evict: CanEvict) -> list[bytes] | None:
+        """Remove and return exactly ``n`` evictable victims, or return None and change nothing."""
+
+    @abstractmethod
+    def order(self) -> list[bytes]:
+        """Cached keys, next victim first (as if every key were evictable)."""
+
+    @abstractmethod
+    def __contains__(self, key: object) -> bool: ...
+
+    @abstractmethod
+    def __len__(self) -> int: ...
+
+
+class LRUPolicy(CachePolicy):
+    """One OrderedDict, LRU first. Eviction scans from the LRU end, skipping pinned keys."""
+
+    name = "lru"
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity  # unused by LRU; kept so both policies build the same way
+        self._keys: OrderedDict[bytes, None] = OrderedDict()
+
+    def insert(self, key: bytes) -> None:
+        self._keys[key] = None
+
+    def remove(self, key: bytes) -> None:
+        self._keys.pop(key, None)
+
+    def touch(self, key: bytes, ready: bool) -> None:
+        try:
+            self._keys.move_to_end(key)
+        except KeyError:
+            pass  # a key evicted between lookup and touch is not an error
+
+    def evict(self, n: int, can_evict: CanEvict) -> list[bytes] | None:
+        if n <= 0:
+            return _no_victims(n)
+        victims: list[bytes] = []
+        for key in self._keys:  # select first, mutate after: all-or-nothing for free
+            if can_evict(key):
+                victims.append(key)
+                if len(victims) == n:
+                    break
+        else:
+            return None
+        for key in victims:
+            del self._keys[key]
+        return victims
+
+    def order(self) -> list[bytes]:
+        return list(self._keys)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._keys
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+
+class ARCPolicy(CachePolicy):
+    """Adaptive Replacement Cache: T1 (seen once), T2 (seen again), ghosts B1/B2 (keys only).
+
+    ``target`` is the adaptive size goal for T1: a hit in B1 says T1 was evicted too eagerly
+    (grow it), a hit in B2 says T2 was (shrink it).
+    """
+
+    name = "arc"
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._target: float = 0.0
+        self._t1: OrderedDict[bytes, None] = OrderedDict()
+        self._t2: OrderedDict[bytes, None] = OrderedDict()
+        self._b1: OrderedDict[bytes, None] = OrderedDict()
+        self._b2: OrderedDict[bytes, None] = OrderedDict()
+
+    @property
+    def target(self) -> float:
+        return self._target
+
+    def lists(self) -> dict[str, list[bytes]]:
+        """Copies of T1, T2, B1, B2 (LRU first), for inspection and tests."""
+        return {n: list(d) for n, d in (("t1", self._t1), ("t2", self._t2),
+                                        ("b1", self._b1), ("b2", self._b2))}
+
+    def insert(self, key: bytes) -> None:
+        self._t1[key] = None
+        self._b1.pop(key, None)
+        self._b2.pop(key, None)
+
+    def remove(self, key: bytes) -> None:
+        # No ghost entry: a failed store says nothing about the access pattern.
+        if key in self._t1:
+            del self._t1[key]
+        else:
+            self._t2.pop(key, None)
+
+    def touch(self, key: bytes, ready: bool) -> None:
+        if key in self._t1:
+            if ready:
+                del self._t1[key]
+                self._t2[key] = None
+            else:
+                # Just prepared for store, not "seen twice": refresh recency only.
+                self._t1.move_to_end(key)
+        elif key in self._t2:
+            self._t2.move_to_end(key)
+        elif key in self._b1:
+            delta = max(1.0, len(self._b2) / len(self._b1))
+            self._target = min(self._target + delta, float(self.capacity))
+            self._b1.move_to_end(key)  # keep a repeatedly-missed ghost fresh, as vLLM does
+        elif key in self._b2:
+            delta = max(1.0, len(self._b1) / len(self._b2))
+            self._target = max(self._target - delta, 0.0)
+            self._b2.move_to_end(key)
+
+    def _select(self, n: int, can_evict: CanEvict) -> list[tuple[bytes, bool]] | None:
+        """Choose n victims as (key, from_t1) without mutating anything.
+
+        Lazy cursors over T1 and T2 make this O(scanned keys) and call ``can_evict`` at most
+        once per key; T1's size is simulated so each choice sees the previous ones.
+        """
+        cursors: dict[bool, Iterator[bytes]] = {
+            True: (k for k in self._t1 if can_evict(k)),
+            False: (k for k in self._t2 if can_evict(k)),
+        }
+        t1_size, target = len(self._t1), int(self._target)
+        chosen: list[tuple[bytes, bool]] = []
+        while len(chosen) < n:
+            prefer_t1 = t1_size >= target
+            for from_t1 in (prefer_t1, not prefer_t1):
+                key = next(cursors[from_t1], None)
+                if key is not None:
+                    break
+            else:
+                return None
+            if from_t1:
+                t1_size -= 1
+            chosen.append((key, from_t1))
+        return chosen
+
+    def evict(self, n: int, can_evict: CanEvict) -> list[bytes] | None:
+        if n <= 0:
+            return _no_victims(n)
+        chosen = self._select(n, can_evict)
+        if chosen is None:
+            return None
+        for key, from_t1 in chosen:
+            if from_t1:
+                del self._t1[key]
+                self._b1[key] = None
+            else:
+                del self._t2[key]
+                self._b2[key] = None
+        for ghost in (self._b1, self._b2):  # ghosts remember at most one cache's worth
+            while len(ghost) > self.capacity:
+                ghost.popitem(last=False)
+        return [key for key, _ in chosen]
+
+    def order(self) -> list[bytes]:
+        chosen = self._select(len(self), lambda _k: True)
+        assert chosen is not None  # every cached key is a candidate
+        return [key for key, _ in chosen]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._t1 or key in self._t2
+
+    def __len__(self) -> int:
+        return len(self._t1) + len(self._t2)
+
+
+_POLICIES: dict[str, type[CachePolicy]] = {"lru": LRUPolicy, "arc": ARCPolicy}
+
+
+def make_policy(name: str, capacity: int) -> CachePolicy:
+    """Build a policy by name ("lru" or "arc", any case) for a cache of ``capacity`` blocks."""
+    cls = _POLICIES.get(name.lower()) if isinstance(name, str) else None
+    if cls is None:
+        raise InvalidArgumentError(
+            f"unknown cache policy {name!r}; choose one of: {', '.join(POLICY_NAMES)}"
+        )
+    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+        raise InvalidArgumentError(
+            f"cache policy capacity must be an integer >= 1 (the number of blocks), "
+            f"got {capacity!r}"
+        )
+    return cls(capacity)

@@ -1,0 +1,1 @@
+"""Read-only views of a segment for operators: snapshot, verify, metrics, CLI."""

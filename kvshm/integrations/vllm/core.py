@@ -1,0 +1,294 @@
+"""The scheduler half and the configuration of kvshm's vLLM integration, testable without vLLM.
+
+This module owns: parsing kvshm's keys of ``kv_connector_extra_config``; the kvshm ``Layout``
+derived from vLLM's ``OffloadingConfig`` (it decides which engines may share a segment);
+creating or attaching the segment with an explanation when the layouts differ; and
+``ManagerCore``, the scheduler-side state (per-request leases, pins and stores) over a kvshm
+``SharedManager``. The worker half is ``vllm_jobs``.
+
+Inputs from vLLM are duck-typed (attributes only), so tests pass plain objects. It must never
+import vLLM or torch, and never let a per-key lookup go to the owner (a ring round trip).
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Sequence
+
+from kvshm.index.api import LookupResult, PrepareStoreOutput
+from kvshm.errors import InvalidArgumentError, KvshmError, LayoutMismatchError, SegmentNotFoundError
+from kvshm.shm.layout import Layout
+from kvshm.shm.segment import Segment
+
+logger = logging.getLogger(__name__)
+
+POLICIES = ("lru", "arc")
+RESET_GRACE_STEPS = 3  # scheduler steps after reset_cache before this engine's stale holds go
+
+
+@dataclass(frozen=True)
+class KvshmOptions:
+    """kvshm's own keys in ``kv_connector_extra_config``."""
+    segment: str                # kvshm_segment: shared by every instance that names it
+    nbytes: int | None          # cpu_bytes_to_use: data bytes, used when creating the segment
+    policy: str = "lru"         # eviction_policy, recorded in the segment at creation
+    mode: int = 0o600           # kvshm_mode: permissions of a segment this instance creates
+    model_id: str | None = None  # kvshm_model_id: overrides the model name in the layout
+    hold_capacity: int = 16384  # kvshm_hold_capacity: leases+pins per client (at creation)
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, Any]) -> "KvshmOptions":
+        seg = extra.get("kvshm_segment")
+        if not isinstance(seg, str) or not seg:
+            raise InvalidArgumentError(
+                "kv_connector_extra_config needs 'kvshm_segment': the name of the shared "
+                "segment every vLLM instance of this model should use (e.g. \"llama8b\")")
+        nbytes = extra.get("cpu_bytes_to_use")
+        if nbytes is not None:
+            try:
+                nbytes = int(nbytes)
+            except (TypeError, ValueError):
+                nbytes = -1
+            if nbytes <= 0:
+                raise InvalidArgumentError(
+                    f"cpu_bytes_to_use must be a positive number of bytes, got "
+                    f"{extra.get('cpu_bytes_to_use')!r}")
+        policy = str(extra.get("eviction_policy", "lru")).lower()
+        if policy not in POLICIES:
+            raise InvalidArgumentError(
+                f"eviction_policy must be one of {POLICIES}, got {extra.get('eviction_policy')!r}")
+        mode = extra.get("kvshm_mode", 0o600)
+        try:
+            mode = int(mode, 8) if isinstance(mode, str) else int(mode)
+        except (TypeError, ValueError):
+            mode = -1
+        if not 0 <= mode <= 0o777:
+            raise InvalidArgumentError(f"kvshm_mode must be permission bits such as \"0660\", "
+                                       f"got {extra.get('kvshm_mode')!r}")
+        model_id = extra.get("kvshm_model_id")
+        holds = extra.get("kvshm_hold_capacity", cls.hold_capacity)
+        if not isinstance(holds, int) or holds < 16:
+            raise InvalidArgumentError(f"kvshm_hold_capacity must be an int >= 16, got {holds!r}")
+        return cls(seg, nbytes, policy, mode, str(model_id) if model_id else None, holds)
+
+
+def _short(name: str, limit: int = 120) -> str:
+    """Keep the layout description small: a long model path becomes its tail plus a hash."""
+    if len(name) <= limit:
+        return name
+    return "..." + name[-(limit - 20):] + "#" + hashlib.sha256(name.encode()).hexdigest()[:12]
+
+
+def layout_for(config: Any, model_id: str | None = None) -> Layout:
+    """The kvshm layout of a vLLM ``OffloadingConfig``: one plane per worker rank.
+
+    Deterministic in everything that decides what a block's bytes mean (model, cache dtype,
+    KV cache layout, block and chunk sizes, bytes per block, parallel shape) and free of
+    anything per-engine (engine id, rank, memory sizes), so every instance of the same model
+    and configuration agrees and any other is refused by the segment's fingerprint.
+    """
+    if getattr(config, "canonical_layout", False):
+        raise InvalidArgumentError(
+            "kvshm does not support vLLM's 'canonical_layout'; remove it from "
+            "kv_connector_extra_config")
+    per_block = int(config.worker_kv_bytes_per_block)
+    if per_block <= 0:
+        raise InvalidArgumentError(
+            f"vLLM reports {per_block} KV bytes per block for this worker; kvshm needs the "
+            "KV cache to be allocated (is this a model without attention KV?)")
+    bpc = int(config.cache.blocks_per_chunk)
+    par = config.parallel
+    groups = [(int(g.tokens_per_block), len(g.layer_names)) for g in config.groups]
+    return Layout(
+        page_bytes=(per_block * bpc,) * int(par.world_size),
+        tokens_per_block=groups[0][0] * bpc if groups else int(config.cache.tokens_per_hash),
+        model=_short(model_id or str(config.model.name)),
+        extra={
+            "engine": "vllm",
+            "dtype": str(config.model.dtype),
+            "kv_cache_layout": str(getattr(config, "kv_cache_layout", None)),
+            "groups": groups,  # (tokens per block, layers) per KV cache group
+            "blocks_per_chunk": bpc,
+            "tokens_per_hash": int(config.cache.tokens_per_hash),
+            "kv_bytes_per_block": per_block,
+            "parallel": [int(par.tp_size), int(par.pp_size), int(par.pcp_size),
+                         int(par.dcp_size)],
+        })
+
+
+def num_blocks_for(layout: Layout, nbytes: int) -> int:
+    """Segment blocks (chunks) that fit ``nbytes`` of data, like vLLM's cpu_bytes_to_use."""
+    n = nbytes // layout.block_bytes
+    if n < 1:
+        raise InvalidArgumentError(
+            f"cpu_bytes_to_use={nbytes} cannot hold one chunk of {layout.block_bytes} bytes "
+            f"(all ranks); give kvshm more memory")
+    return n
+
+
+def explain_mismatch(e: LayoutMismatchError, name: str) -> LayoutMismatchError:
+    """The segment's refusal, with what it means for a vLLM instance."""
+    return LayoutMismatchError(
+        f"this vLLM instance cannot share kvshm segment {name!r}: its KV layout (model, "
+        f"dtype, block/chunk size, bytes per block, parallelism) differs from the one the "
+        f"segment was created for, so its blocks would be misread. {e}")
+
+
+def open_segment(opts: KvshmOptions, layout: Layout) -> Segment:
+    """Create-or-attach the segment for a worker (it may come up before the scheduler)."""
+    try:
+        if opts.nbytes is None:
+            return Segment.attach(opts.segment, layout)
+        return Segment.create(opts.segment, layout, num_blocks_for(layout, opts.nbytes),
+                              mode=opts.mode, policy=opts.policy,
+                              hold_capacity=opts.hold_capacity, exist_ok=True)
+    except LayoutMismatchError as e:
+        raise explain_mismatch(e, opts.segment) from None
+    except SegmentNotFoundError as e:
+        raise SegmentNotFoundError(f"{e} (or set 'cpu_bytes_to_use' so that this instance "
+                                   "creates it)") from None
+
+
+class ManagerCore:
+    """Scheduler-side state over a kvshm manager, keyed by vLLM request id.
+
+    Leases: ``lookup`` of a hit leases the block so that it stays loadable although other
+    engines evict. vLLM calls ``prepare_load`` only for keys that hit in the same scheduler
+    step, so every lease still held at the step's end (``schedule_end``) is released: a
+    waiting request never keeps blocks from being evicted. Leases are per key in the client,
+    so when one request turns a shared lease into its pin, the others get a new one.
+
+    Pending keys: a key whose store is in flight is ``PENDING`` only if this engine stores it
+    (vLLM then asks again next step); another engine's unfinished store is a ``MISS``, so a
+    slow or stuck engine never stalls this one.
+
+    After ``reset`` vLLM never completes the jobs it had in flight, so their pins and
+    unfinished stores are dropped ``RESET_GRACE_STEPS`` steps later, once the connector's
+    flush of those jobs has surely run (before that the blocks may still be read or written).
+    Completions and store refusals caused by kvshm errors are logged, not raised: an engine
+    must not die because the shared cache lost a block it was about to publish.
+    """
+
+    def __init__(self, mgr: Any):
+        self.mgr = mgr
+        self._lease_reqs: dict[bytes, set[str]] = {}  # leased key -> requests that hit it
+        self._loads: dict[str, list[list[bytes]]] = {}  # request -> its unfinished loads
+        self._store_req: dict[bytes, str] = {}  # key whose store is in flight -> request
+        self._stale: list[list[Any]] = []  # [steps left, load key lists, store key lists]
+
+    # --- loads ------------------------------------------------------------------------
+    def lookup(self, key: bytes, req_id: str) -> LookupResult:
+        status = self.mgr.key_status(key)  # lock-free read of the segment, no owner round trip
+        if status is LookupResult.HIT:
+            self._lease_reqs.setdefault(key, set()).add(req_id)
+        elif status is LookupResult.PENDING and key not in self._store_req:
+            return LookupResult.MISS  # another engine is storing it: compute, don't wait
+        return status
+
+    def prepare_load(self, keys: Sequence[bytes], req_id: str) -> list[int]:
+        keys = list(keys)
+        try:
+            blocks = self.mgr.prepare_load(keys)  # this client's leases of keys become pins
+        except KvshmError as e:
+            raise KvshmError(
+                f"kvshm lost blocks that lookup() reported as hits in this step ({e}); vLLM "
+                "0.32 cannot recover from a failed load (raise the segment's hold capacity "
+                "if a step looks up more keys than half of it)") from e
+        self._loads.setdefault(req_id, []).append(keys)
+        for k in keys:
+            others = self._lease_reqs.pop(k, set()) - {req_id}
+            if others:  # our pin consumed the shared lease: lease it again for the others
+                self._lease_reqs[k] = others
+                self.mgr.key_status(k)
+        self.mgr.touch(keys)  # loaded keys become most recent (the 0.32 connector never touches)
+        return blocks
+
+    def complete_load(self, keys: Iterable[bytes], req_id: str) -> None:
+        done = set(keys)
+        jobs = self._loads.get(req_id, [])
+        for i, job in enumerate(jobs):
+            if set(job) == done:
+                del jobs[i]
+                if not jobs:
+                    del self._loads[req_id]
+                self._quietly(self.mgr.complete_load, job)
+                self._count(loaded=len(job))
+                return
+        logger.warning("kvshm: complete_load of %d keys that request %s never prepared",
+                       len(done), req_id)
+
+    # --- stores -----------------------------------------------------------------------
+    def prepare_store(self, keys: Sequence[bytes], req_id: str) -> PrepareStoreOutput | None:
+        try:
+            out = self.mgr.prepare_store(list(keys))  # a round trip to the owner
+        except KvshmError as e:
+            logger.warning("kvshm: not storing %d chunks this step: %s", len(keys), e)
+            return None  # vLLM offers them again next step
+        if out is not None:
+            self._store_req.update(dict.fromkeys(out.keys_to_store, req_id))
+        return out
+
+    def complete_store(self, keys: Iterable[bytes], req_id: str, success: bool = True) -> None:
+        keys = list(keys)
+        for k in keys:
+            self._store_req.pop(k, None)
+        self._quietly(self.mgr.complete_store, keys, success)
+        if success:
+            self._count(stored=len(keys))
+
+    # --- life cycle -------------------------------------------------------------------
+    def schedule_end(self) -> None:
+        """A scheduler step ended: its loads are prepared, so no lease is needed any more."""
+        if self._lease_reqs:
+            self._lease_reqs.clear()
+            self.mgr.release(None)
+        if self._stale:
+            for entry in self._stale:
+                entry[0] -= 1
+            due = [e for e in self._stale if e[0] <= 0]
+            self._stale = [e for e in self._stale if e[0] > 0]
+            for _, loads, stores in due:
+                for keys in loads:
+                    self._quietly(self.mgr.complete_load, keys)
+                for keys in stores:  # never published: their bytes may be partial
+                    self._quietly(self.mgr.complete_store, keys, False)
+
+    def request_finished(self, req_id: str) -> None:
+        """Its pins and stores wait for their completions, which may still arrive."""
+        for k in [k for k, reqs in self._lease_reqs.items() if req_id in reqs]:
+            self._lease_reqs[k].discard(req_id)
+            if not self._lease_reqs[k]:
+                del self._lease_reqs[k]
+                self.mgr.release([k])
+
+    def reset(self) -> None:
+        """Forget this engine's in-flight state; data other engines stored is untouched."""
+        self.mgr.release(None)
+        self._lease_reqs.clear()
+        loads = [k for jobs in self._loads.values() for k in jobs]
+        by_req: dict[str, list[bytes]] = {}
+        for k, r in self._store_req.items():
+            by_req.setdefault(r, []).append(k)
+        if loads or by_req:
+            self._stale.append([RESET_GRACE_STEPS, loads, list(by_req.values())])
+        self._loads.clear()
+        self._store_req.clear()
+
+    def shutdown(self) -> None:
+        self.mgr.shutdown()  # the owner frees our unfinished stores; our pins go with our slot
+
+    def _count(self, loaded: int = 0, stored: int = 0) -> None:
+        """Per-client byte counters for kvshm-inspect (whole blocks: a partial first chunk
+        of a load counts whole)."""
+        add = getattr(self.mgr, "add_bytes", None)
+        if add is not None:
+            block = self.mgr.segment.layout.block_bytes
+            add(loaded=loaded * block, stored=stored * block)
+
+    @staticmethod
+    def _quietly(fn: Any, *args: Any) -> None:
+        try:
+            fn(*args)
+        except KvshmError as e:
+            logger.warning("kvshm: %s failed: %s", getattr(fn, "__name__", fn), e)

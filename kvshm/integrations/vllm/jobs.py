@@ -1,0 +1,162 @@
+"""The worker half of kvshm's vLLM integration, testable without vLLM.
+
+This module owns where each canonical KV tensor's pages lie inside this rank's segment plane,
+the translation of a vLLM GPU block spec plus segment block ids into kvshm ``TransferSpec``s
+(one per KV cache group), and ``WorkerCore``: the transfer handlers over the tensors and the
+plane, and the bookkeeping that reports a vLLM job once every part of it has finished.
+
+Inputs from vLLM are duck-typed. It must never import vLLM or import torch at module level
+(it receives tensors), and never report a job before all of its bytes are in place.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Sequence
+
+from kvshm.errors import InvalidArgumentError
+from kvshm.transfer.spec import TransferHandler, TransferSpec
+
+logger = logging.getLogger(__name__)
+
+
+def plane_columns(tensor_pages: Sequence[int], bpc: int, plane_page: int) -> list[tuple[int, int]]:
+    """(offset, width) of each canonical tensor inside a plane row.
+
+    A row is one chunk of this rank: tensor 0's ``bpc`` pages, then tensor 1's, ... (vLLM's
+    own CPU layout), so a chunk's pages of one tensor are contiguous and copies coalesce.
+    """
+    cols, at = [], 0
+    for page in tensor_pages:
+        cols.append((at, bpc * int(page)))
+        at += bpc * int(page)
+    if at > plane_page:
+        raise InvalidArgumentError(
+            f"the canonical KV tensors need {at} bytes per chunk but the layout gives this "
+            f"rank {plane_page} (worker_kv_bytes_per_block x blocks_per_chunk); this KV "
+            "cache layout is not supported by kvshm")
+    return cols
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def split_job(block_ids: Sequence[int], group_sizes: Sequence[int],
+              block_indices: Sequence[int], segment_ids: Sequence[int],
+              bpc: int) -> list[tuple[int, list[int], list[int], int]]:
+    """vLLM's GPU spec + segment chunk ids -> ``(group, device ids, segment ids, skip)``.
+
+    Device blocks of all groups are concatenated in group order, and so are the chunk ids:
+    group g uses ``cdiv(skip + size, bpc)`` chunks where ``skip = block_indices[g] % bpc``
+    (its first device block is sub-block ``skip`` of its first chunk); it may also end
+    inside its last chunk, which kvshm's explicit ``TransferSpec.skip`` expresses.
+    """
+    dev, seg = list(map(int, block_ids)), list(map(int, segment_ids))
+    if len(group_sizes) != len(block_indices) or sum(group_sizes) != len(dev):
+        raise InvalidArgumentError(
+            f"GPU spec with {len(dev)} blocks, group_sizes {list(group_sizes)} and "
+            f"block_indices {list(block_indices)} does not add up")
+    out, d, s = [], 0, 0
+    for g, (size, first) in enumerate(zip(group_sizes, block_indices)):
+        if size == 0:
+            continue
+        skip = int(first) % bpc
+        n = _cdiv(skip + size, bpc)
+        out.append((g, dev[d:d + size], seg[s:s + n], skip))
+        d, s = d + size, s + n
+    if s != len(seg):
+        raise InvalidArgumentError(
+            f"{len(seg)} segment blocks given but the GPU spec needs {s}")
+    return out
+
+
+@dataclass
+class _Job:
+    parts: set[int]
+    success: bool = True
+    nbytes: int = 0
+    seconds: float = 0.0
+
+
+class WorkerCore:
+    """Transfers of one worker rank between its canonical KV tensors and its segment plane.
+
+    One kvshm handler per distinct set of tensors that a KV cache group uses (usually one
+    handler), each pairing a tensor with its columns of the plane. A vLLM job becomes one
+    handler job per group; it is reported when all of them have finished.
+    """
+
+    def __init__(self, tensors: Sequence[Any], group_tensors: Sequence[Sequence[int]],
+                 plane: Any, bpc: int, *, make_handler: Callable[..., TransferHandler],
+                 **handler_options: Any):
+        cols = plane_columns([t.shape[1] for t in tensors], bpc, plane.shape[1])
+        self._handlers: dict[tuple[int, ...], TransferHandler] = {}
+        self._group_handler: list[TransferHandler | None] = []
+        for idxs in group_tensors:
+            key = tuple(sorted(set(idxs)))
+            if key and key not in self._handlers:
+                self._handlers[key] = make_handler(
+                    [tensors[i] for i in key],
+                    [plane[:, cols[i][0]:cols[i][0] + cols[i][1]] for i in key],
+                    block_size_factor=bpc, **handler_options)
+            self._group_handler.append(self._handlers.get(key))
+        self.bpc = bpc
+        self._next_part = 0
+        self._part_job: dict[int, tuple[int, TransferHandler]] = {}
+        self._jobs: dict[int, _Job] = {}
+        self._done: list[tuple[int, bool, int, float]] = []
+
+    def submit(self, job_id: int, kind: str, block_ids: Sequence[int],
+               group_sizes: Sequence[int], block_indices: Sequence[int],
+               segment_ids: Sequence[int]) -> bool:
+        parts = split_job(block_ids, group_sizes, block_indices, segment_ids, self.bpc)
+        if not parts:
+            self._done.append((job_id, True, 0, 0.0))
+            return True
+        job = self._jobs[job_id] = _Job(set())
+        for g, dev, seg, skip in parts:
+            handler = self._group_handler[g] if g < len(self._group_handler) else None
+            if handler is None:
+                raise InvalidArgumentError(f"job {job_id} moves blocks of KV cache group {g}, "
+                                           "which has no KV tensors in this worker")
+            part = self._next_part
+            self._next_part += 1
+            handler.transfer_async(part, TransferSpec(kind, dev, seg, skip))  # type: ignore[arg-type]
+            job.parts.add(part)
+            self._part_job[part] = (job_id, handler)
+        return True
+
+    def get_finished(self) -> list[tuple[int, bool, int, float]]:
+        """(vLLM job id, success, bytes, seconds) of every job whose parts all finished."""
+        for handler in self._handlers.values():
+            for r in handler.get_finished():
+                job_id, _ = self._part_job.pop(r.job_id)
+                job = self._jobs[job_id]
+                job.parts.discard(r.job_id)
+                job.success &= r.success
+                job.nbytes += r.nbytes
+                job.seconds += r.seconds
+                if not r.success:
+                    logger.error("kvshm: %s part of job %d failed", r.kind, job_id)
+                if not job.parts:
+                    del self._jobs[job_id]
+                    self._done.append((job_id, job.success, job.nbytes, job.seconds))
+        out, self._done = self._done, []
+        return out
+
+    def wait(self, job_ids: Iterable[int]) -> None:
+        """Block until those jobs' bytes are in place; unknown or finished ids are ignored."""
+        for job_id in job_ids:
+            job = self._jobs.get(job_id)
+            for part in list(job.parts) if job else ():
+                entry = self._part_job.get(part)
+                if entry is not None:
+                    entry[1].wait([part])
+
+    def shutdown(self) -> None:
+        for handler in self._handlers.values():  # drain everything before any pin goes away
+            handler.wait([p for p, (_, h) in self._part_job.items() if h is handler])
+        for handler in self._handlers.values():
+            handler.shutdown()
+        self._handlers.clear()

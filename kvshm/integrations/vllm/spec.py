@@ -1,0 +1,189 @@
+"""kvshm as a vLLM ``OffloadingSpec``: every vLLM instance on a host shares one CPU KV tier.
+
+Load it with ``KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",
+kv_connector_extra_config={"spec_name": "KvshmOffloadingSpec", "spec_module_path":
+"kvshm.integrations.vllm", "kvshm_segment": "NAME", "cpu_bytes_to_use": BYTES})``
+(see ``docs/vllm.md``). This module owns the three vLLM-facing classes and nothing else:
+
+* ``KvshmOffloadingSpec`` — validates the configuration and the vLLM version at
+  construction, derives the segment layout, and builds the manager or the worker lazily
+  (vLLM constructs the spec in every engine process without saying its role).
+* ``KvshmOffloadingManager`` — vLLM's scheduler-side manager over kvshm's ``SharedManager``.
+* ``KvshmOffloadingWorker`` — vLLM's worker over kvshm's transfer handlers (CUDA when the KV
+  cache is on a GPU, the CPU copy path otherwise), on this rank's plane of the segment.
+
+Version-specific vLLM names come from ``vllm_compat``; the logic lives in ``vllm_core`` and
+``vllm_jobs`` (testable without vLLM). Importing this module imports vLLM and torch; ``import kvshm``
+never imports it. It must never return False from a submit or report a failed job (vLLM 0.32
+asserts on both), and never let a lookup cost a round trip to the owner.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Collection, Iterable
+
+from kvshm.index.client import SharedManager, connect
+from kvshm.errors import LayoutMismatchError
+from kvshm.shm.segment import Segment
+from kvshm.integrations import vllm_compat as V
+from kvshm.integrations.vllm.core import (KvshmOptions, ManagerCore, explain_mismatch, layout_for, num_blocks_for,
+                        open_segment)
+from kvshm.integrations.vllm.jobs import WorkerCore
+
+logger = logging.getLogger(__name__)
+
+
+class KvshmLoadStoreSpec(V.CPULoadStoreSpec):
+    """Segment block ids (vLLM "chunk ids") in key order; small and picklable."""
+
+
+class KvshmOffloadingManager(V.OffloadingManager):
+    """Scheduler side: vLLM's per-key calls mapped onto kvshm's shared index."""
+
+    def __init__(self, shared: SharedManager, events: bool):
+        self.core = ManagerCore(shared)
+        self._events = events
+
+    def lookup(self, key: bytes, req_context: V.ReqContext) -> V.LookupResult:
+        return V.LOOKUP_FROM_KVSHM[self.core.lookup(key, req_context.req_id).value]
+
+    def get_load_source(self, key: bytes, req_context: V.ReqContext) -> V.CacheHitSource:
+        return V.HOST_SOURCE
+
+    def prepare_load(self, keys: Collection[bytes],
+                     req_context: V.ReqContext) -> KvshmLoadStoreSpec:
+        return KvshmLoadStoreSpec(self.core.prepare_load(list(keys), req_context.req_id))
+
+    def touch(self, keys: Collection[bytes], req_context: V.ReqContext) -> None:
+        self.core.mgr.touch(list(keys))
+
+    def complete_load(self, keys: Collection[bytes], req_context: V.ReqContext) -> None:
+        self.core.complete_load(keys, req_context.req_id)
+
+    def prepare_store(self, keys: Collection[bytes],
+                      req_context: V.ReqContext) -> V.PrepareStoreOutput | None:
+        out = self.core.prepare_store(list(keys), req_context.req_id)
+        if out is None:
+            return None  # vLLM counts an allocation failure and offers the chunks again
+        return V.PrepareStoreOutput(keys_to_store=out.keys_to_store,
+                                    store_spec=KvshmLoadStoreSpec(out.block_ids),
+                                    evicted_keys=out.evicted_keys)
+
+    def complete_store(self, keys: Collection[bytes], req_context: V.ReqContext,
+                       success: bool = True) -> None:
+        self.core.complete_store(keys, req_context.req_id, success)
+
+    def on_new_request(self, req_context: V.ReqContext) -> V.RequestOffloadingContext:
+        return V.RequestOffloadingContext()
+
+    def on_request_finished(self, req_context: V.ReqContext) -> None:
+        self.core.request_finished(req_context.req_id)
+
+    def on_schedule_end(self, context: V.ScheduleEndContext) -> None:
+        self.core.schedule_end()
+
+    def take_events(self) -> Iterable[V.OffloadingEvent]:
+        if not self._events:
+            return ()  # called every step: no owner round trip unless events were asked for
+        return [V.event(list(e.keys), e.removed) for e in self.core.mgr.take_events()]
+
+    def reset_cache(self) -> None:
+        self.core.reset()
+
+    def shutdown(self) -> None:
+        self.core.shutdown()
+
+
+class KvshmOffloadingWorker(V.OffloadingWorker):
+    """Worker side: vLLM jobs as kvshm transfer jobs on this rank's plane."""
+
+    def __init__(self, core: WorkerCore, segment: Segment, pin: Any = None):
+        self.core = core
+        self._segment = segment
+        self._pin = pin
+
+    @staticmethod
+    def _gpu(spec: V.GPULoadStoreSpec) -> tuple[Any, Any, Any]:
+        return spec.block_ids, spec.group_sizes, spec.block_indices
+
+    def submit_store(self, job_id: int, src_spec: V.GPULoadStoreSpec,
+                     dst_spec: V.LoadStoreSpec) -> bool:
+        return self.core.submit(job_id, "store", *self._gpu(src_spec),
+                                dst_spec.block_ids)  # type: ignore[attr-defined]
+
+    def submit_load(self, job_id: int, src_spec: V.LoadStoreSpec,
+                    dst_spec: V.GPULoadStoreSpec) -> bool:
+        return self.core.submit(job_id, "load", *self._gpu(dst_spec),
+                                src_spec.block_ids)  # type: ignore[attr-defined]
+
+    def get_finished(self) -> list[V.TransferResult]:
+        return [V.TransferResult(job_id=j, success=ok, transfer_size=n, transfer_time=s)
+                for j, ok, n, s in self.core.get_finished()]
+
+    def wait(self, job_ids: set[int]) -> None:
+        self.core.wait(job_ids)
+
+    def shutdown(self) -> None:
+        if self._segment is None:
+            return
+        self.core.shutdown()  # drains, then the handlers release the pin
+        if self._pin is not None:
+            self._pin.unregister()
+        self._segment.close()
+        self._segment = None  # type: ignore[assignment]
+
+
+class KvshmOffloadingSpec(V.OffloadingSpec):
+    """vLLM OffloadingSpec whose CPU tier is the kvshm segment named ``kvshm_segment``."""
+
+    def __init__(self, config: V.OffloadingConfig):
+        V.check_version()
+        super().__init__(config)
+        self.options = KvshmOptions.from_extra(self.extra_config)
+        self.layout = layout_for(config, self.options.model_id)
+        self._manager: KvshmOffloadingManager | None = None
+        self._worker: KvshmOffloadingWorker | None = None
+
+    def get_manager(self) -> KvshmOffloadingManager:
+        if self._manager is None:
+            o, events = self.options, bool(self.kv_events_config.enable_kv_cache_events)
+            try:
+                create = {} if o.nbytes is None else {
+                    "num_blocks": num_blocks_for(self.layout, o.nbytes),
+                    "hold_capacity": o.hold_capacity}
+                shared = connect(o.segment, self.layout, policy=o.policy, mode=o.mode,
+                                 events=events, **create)
+            except LayoutMismatchError as e:
+                raise explain_mismatch(e, o.segment) from None
+            self._manager = KvshmOffloadingManager(shared, events)
+            logger.info("kvshm: scheduler attached to segment %r (%d blocks of %d bytes)",
+                        o.segment, shared.segment.geometry.num_blocks, self.layout.block_bytes)
+        return self._manager
+
+    def get_worker(self, kv_caches: V.CanonicalKVCaches) -> KvshmOffloadingWorker:
+        if self._worker is None:
+            from kvshm.transfer.spec import make_handler
+            seg = open_segment(self.options, self.layout)
+            pin: Any = None
+            try:
+                plane = seg.torch_planes()[self.config.parallel.rank]
+                tensors = [t.tensor for t in kv_caches.tensors]
+                groups = [[r.tensor_idx for r in refs] for refs in kv_caches.group_data_refs]
+                options: dict[str, Any] = {}
+                if tensors and tensors[0].device.type == "cuda":
+                    from kvshm.transfer.pinning import pin_in_background
+                    pin = pin_in_background(plane.data_ptr(), plane.numel(),
+                                            turn=seg.pin_turn, progress=seg.pin_progress())
+                    options["pin"] = pin
+                core = WorkerCore(tensors, groups, plane, self.blocks_per_chunk,
+                                  make_handler=make_handler, **options)
+            except BaseException:
+                if pin is not None:
+                    pin.unregister()
+                seg.close()
+                raise
+            self._worker = KvshmOffloadingWorker(core, seg, pin)
+            logger.info("kvshm: worker rank %d copies KV into plane %d of segment %r",
+                        self.config.parallel.rank, self.config.parallel.rank,
+                        self.options.segment)
+        return self._worker

@@ -1,0 +1,1 @@
+"""Shared memory: the segment, its records and the primitives every layer stands on."""

@@ -1,0 +1,411 @@
+"""The byte layout of a kvshm segment: what lies where, and the model-layout fingerprint.
+
+This module owns every offset and struct format of the shared segment, so that the segment,
+the owner, the clients and ``kvshm-inspect`` agree on them. It computes; it never maps memory,
+never locks and never imports torch.
+
+Segment (format version 2)::
+
+    header (4 KiB)        magic, version, geometry, offsets, owner record, counters, pinners
+    client slots          max_clients x (slot record | holds | 4 rings | doorbell flags)
+    writer registry       writer_records x 32-byte records: who copies for which scheduler
+    block table           num_blocks x 128-byte entries (seq, state, key + checksum, writer, ...)
+    key index             open-addressing hash table: slot -> (crc32 tag, block id)
+    data (2 MiB aligned)  num_planes planes, each (num_blocks, page_bytes[p]), 2 MiB aligned
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+import zlib
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any, Sequence
+
+from kvshm.errors import InvalidArgumentError
+
+MAGIC = b"KVSHM\x00\x00\x01"
+FORMAT_VERSION = 2  # 2: 64-bit writer_req, keysum in every table entry
+HEADER_BYTES = 4096
+DATA_ALIGN = 2 << 20
+MAX_PLANES = 32
+MAX_KEY_BYTES = 64
+MAX_PINNERS = 32
+LAYOUT_DESC_BYTES = 512
+
+# Eviction policies a segment header may name (the index layer implements them).
+POLICY_NAMES = ("lru", "arc")
+
+# Block states, mirrored into the table so any process can read them.
+FREE, WRITING, READY, EVICTING = 0, 1, 2, 3
+STATE_NAMES = {FREE: "free", WRITING: "writing", READY: "ready", EVICTING: "evicting"}
+
+# Byte offsets of kernel-released (OFD) locks taken on the segment's file descriptor.
+# They lock bytes of the file *descriptor range*, not data: the kernel drops them when the
+# holder dies, which is how liveness is decided without PID files.
+LOCK_OWNER = 0
+LOCK_INIT = 1
+LOCK_PIN_TURN = 2
+LOCK_CLIENT_BASE = 64
+# + record: held by a registered writer (kvshm.shm.writers). Past the client slots' bytes
+# (LOCK_CLIENT_BASE + slot) and the job-channel workers' (LOCK_CLIENT_BASE + 1024 + slot).
+LOCK_WRITER_BASE = LOCK_CLIENT_BASE + 2048
+
+# --- header ------------------------------------------------------------------------------
+# magic, version, header_bytes, total_size, created_ns, num_blocks, tokens_per_block,
+# num_planes, max_clients, ring_capacity, hold_capacity, index_slots, fingerprint
+HEADER = struct.Struct("<8sIIQQQIIIIIQ32s")
+# sha256 (first 16 bytes) of the header after the magic: a field edited after creation, even
+# one whose change the 2 MiB rounding of total_size would hide, is caught at attach.
+OFF_HEADER_SUM = 104
+assert HEADER.size <= OFF_HEADER_SUM
+
+
+def header_sum(head: bytes) -> bytes:
+    """The checksum stored at ``OFF_HEADER_SUM`` for packed header ``head``."""
+    return hashlib.sha256(head[8:HEADER.size]).digest()[:16]
+
+
+OFF_LAYOUT_DESC = 128  # utf-8 JSON of the layout, NUL padded, for error messages
+OFF_PAGE_BYTES = OFF_LAYOUT_DESC + LAYOUT_DESC_BYTES  # MAX_PLANES x u64
+OFF_OWNER = OFF_PAGE_BYTES + 8 * MAX_PLANES  # owner record
+OWNER = struct.Struct("<IIQQ")  # pid, epoch, since_ns, tick (last-use clock)
+OFF_POLICY = OFF_OWNER + 32  # eviction policy name, 16 bytes: every owner uses the same one
+OFF_OWNER_BELL = OFF_OWNER + 64  # owner doorbell sleeper flag (own cache line)
+OFF_NEWCOMER = OFF_OWNER_BELL + 8  # set by a client that just activated its slot
+OFF_COUNTERS = OFF_OWNER_BELL + 64
+COUNTER_NAMES = (
+    "stores", "store_blocks", "store_failed_blocks", "prepare_store_refused", "evictions",
+    "lookups_owner", "touches", "errors", "failovers", "reclaimed_clients",
+    "reclaimed_blocks", "frames",
+    # Blocks of dead clients kept back while a process copying for them still lived.
+    "quarantined_blocks",
+    # Counters of clients that have left, folded in by the owner so totals survive them.
+    "gone_lookups", "gone_hits", "gone_loads", "gone_load_blocks", "gone_bytes_in",
+    "gone_bytes_out",
+)
+OFF_PINNERS = OFF_COUNTERS + 8 * 32
+PINNER = struct.Struct("<IIQQQ")  # pid, state, done_bytes, total_bytes, updated_ns
+PIN_IDLE, PIN_WAITING, PIN_RUNNING, PIN_DONE, PIN_FAILED = range(5)
+assert OFF_PINNERS + PINNER.size * MAX_PINNERS <= HEADER_BYTES
+
+# --- client slot -------------------------------------------------------------------------
+# The slot record. Every field is stored as one aligned word (never struct.pack_into, which
+# zero-fills first), so a reader sees each field old or new, never torn or transiently 0.
+SLOT = struct.Struct("<IIQQ32s")
+SLOT_OFF_STATE = 0  # u32: FREE -> ACTIVE/CHANNEL by the claimant holding the slot lock, stored
+#                     last; ACTIVE -> FREE only by the owner (or gc holding the owner lock)
+SLOT_OFF_PID = 4  # u32: claimant's pid, for people
+SLOT_OFF_GEN = 8  # u64: claimant, before the state; +1 per claim, never reused for a slot
+SLOT_OFF_ATTACHED = 16  # u64: claimant, ns since the epoch
+SLOT_OFF_NAME = 24  # 32 bytes: claimant's program name, for people
+SLOT_FREE, SLOT_ACTIVE, SLOT_CHANNEL = 0, 1, 2
+SLOT_STATE_NAMES = {SLOT_FREE: "free", SLOT_ACTIVE: "client", SLOT_CHANNEL: "channel"}
+SLOT_COUNTERS = ("lookups", "hits", "loads", "load_blocks", "bytes_in", "bytes_out")
+SLOT_OFF_COUNTERS = 64  # u64 each, client-written
+# The served record: owner-written u64 words that make requests exactly-once (owner_link.py).
+SLOT_OFF_SERVED = 128
+SERVED_FIELDS = ("epoch",  # epoch of the owner that last wrote this record
+                 "consumed",  # last request id an owner began to execute (before any effect)
+                 "answered",  # last request id whose whole reply is on the reply ring
+                 "attempts")  # owners that began `consumed` (a request that kills owners)
+SLOT_HEAD_BYTES = 192
+assert SLOT_OFF_SERVED + 8 * len(SERVED_FIELDS) <= SLOT_HEAD_BYTES
+RING_NAMES = ("request", "reply", "peer_in", "peer_out")
+BELL_NAMES = ("reply", "peer_in", "peer_out")
+
+# A hold entry is -1 (empty), a block id (a load pin) or lease_code(block) (a lookup lease).
+# Leases protect a block from *other* clients' evictions; pins from everyone's.
+def lease_code(block: int) -> int:
+    return -2 - block
+
+
+def held_block(code: int) -> int:
+    """The block an occupied hold entry refers to (pin or lease)."""
+    return code if code >= 0 else -2 - code
+
+
+# --- block table -------------------------------------------------------------------------
+# One 128-byte entry per block, the one definition that table.py (writer and reader),
+# snapshot.py (numpy view) and the tests derive every offset from. Only the owner writes an
+# entry; any process reads it. Who writes each field, and what it guarantees:
+ENTRY_FIELDS = (
+    # seqlock word, written alone as one aligned 32-bit store: odd while the owner changes
+    # the entry. A dead owner can leave it odd; only the next owner's rebuild settles it.
+    ("seq", "I"),
+    # FREE/WRITING/READY/EVICTING. Changed by a lone byte store (set_state, publish) or
+    # with the body; a reader trusts it only under an even, unchanged seq.
+    ("state", "B"),
+    # length of the key, 0 for FREE. Written only with the key, in one body copy.
+    ("keylen", "B"),
+    # client slot storing into the block, -1 for none (the owner's own store, or ready).
+    ("writer", "h"),
+    # generation of that slot when the store was granted (a reused slot is another writer).
+    ("writer_gen", "I"),
+    # key_checksum(key): written with the key, in the same body copy, never on its own.
+    # A rebuild (and verify) recomputes it: a mismatch means the key bytes were left half
+    # rewritten (or damaged), and the block is freed instead of published.
+    ("keysum", "I"),
+    # the writer's request id: client request counters are unbounded, so 64 bits.
+    ("writer_req", "Q"),
+    # eviction clock at the last touch: a lone aligned 64-bit store (readers may see old or
+    # new, both fine); the rebuild orders ready blocks by it.
+    ("last_use", "Q"),
+    # wall clock when the store completed (publish), for inspection only.
+    ("stored_ns", "Q"),
+    # load pins the owner counts on the block: a lone aligned 64-bit store.
+    ("pins", "Q"),
+)
+ENTRY_FORMAT = "<" + "".join(c for _, c in ENTRY_FIELDS)
+ENTRY_KEY_OFFSET = struct.calcsize(ENTRY_FORMAT)  # then MAX_KEY_BYTES of key, zero padded
+ENTRY_BYTES = 128
+# Native alignment adds no padding, so every field sits at a multiple of its own size: the
+# 64-bit words can be stored through aligned memoryview casts, the seq word likewise.
+assert struct.calcsize("@" + ENTRY_FORMAT[1:]) == ENTRY_KEY_OFFSET == 48
+assert ENTRY_KEY_OFFSET + MAX_KEY_BYTES <= ENTRY_BYTES and ENTRY_BYTES % 8 == 0
+assert ENTRY_FIELDS[0] == ("seq", "I")  # the seqlock word is word 0 of the entry
+
+
+def entry_field_offset(name: str) -> int:
+    """Byte offset of field ``name`` inside an entry."""
+    i = [n for n, _ in ENTRY_FIELDS].index(name)
+    return struct.calcsize("<" + "".join(c for _, c in ENTRY_FIELDS[:i]))
+
+
+assert all(entry_field_offset(n) % struct.calcsize(c) == 0 for n, c in ENTRY_FIELDS)
+
+
+def key_checksum(key: bytes) -> int:
+    """The ``keysum`` of an entry holding ``key``: crc32 over the key length and the key.
+
+    It covers only what a rewrite of the same block never changes without changing the key
+    (not state, seq, clocks or pins), so word stores to those leave it valid.
+    """
+    return zlib.crc32(key, zlib.crc32(bytes((len(key),))))
+
+
+INDEX_SLOT = struct.Struct("<Ii")  # crc32 tag, block id (-1 empty)
+
+# --- writer registry ---------------------------------------------------------------------
+# One record per registration of a process that copies blocks on behalf of a scheduler's
+# manager slot (its channel worker, an engine's worker processes). Only the registrant
+# writes a record, and only while it holds lock byte LOCK_WRITER_BASE + record; a record
+# whose lock is free is dead whatever it says (the kernel drops the lock with the process).
+# The owner reads records to decide whether a dead client's WRITING blocks may be reused.
+WRITER_FIELDS = (("slot", "i"),      # scheduler's manager slot; -1 once unregistered
+                 ("pid", "I"),       # registrant's pid: for kvshm-inspect only, never liveness
+                 ("gen", "Q"),       # that slot's client generation the registrant copies for
+                 ("since_ns", "Q"))  # time.time_ns() at registration, for kvshm-inspect
+WRITER = struct.Struct("<" + "".join(c for _, c in WRITER_FIELDS))
+WRITER_BYTES = 32
+
+
+def writer_records(max_clients: int) -> int:
+    """Registry records of a segment: room for 8 copying processes per client slot."""
+    return max(64, 8 * max_clients)
+
+
+def _round_up(n: int, align: int) -> int:
+    return (n + align - 1) // align * align
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What a segment's blocks mean: the model identity and the byte size of each plane.
+
+    A plane is one canonical KV tensor's share of a block (vLLM's ``(num_blocks, page_bytes)``
+    int8 tensors; a TP rank or a K/V half is a plane). Two processes may share a segment only
+    if their layouts are equal, which the fingerprint checks.
+    """
+
+    page_bytes: tuple[int, ...]
+    tokens_per_block: int
+    model: str = ""
+    extra: dict[str, Any] = field(default_factory=dict, hash=False, compare=True)
+
+    def __post_init__(self) -> None:
+        pages = tuple(int(p) for p in self.page_bytes)
+        object.__setattr__(self, "page_bytes", pages)
+        if not 1 <= len(pages) <= MAX_PLANES:
+            raise InvalidArgumentError(
+                f"a layout needs 1..{MAX_PLANES} planes, got {len(pages)}")
+        if any(p <= 0 for p in pages):
+            raise InvalidArgumentError(f"plane page sizes must be positive, got {pages}")
+        if self.tokens_per_block <= 0:
+            raise InvalidArgumentError(
+                f"tokens_per_block must be positive, got {self.tokens_per_block}")
+        if len(self.describe().encode()) > LAYOUT_DESC_BYTES:
+            raise InvalidArgumentError(
+                f"layout description exceeds {LAYOUT_DESC_BYTES} bytes; shorten model/extra")
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes one block occupies across all planes."""
+        return sum(self.page_bytes)
+
+    def describe(self) -> str:
+        """Canonical JSON of the layout (what the fingerprint hashes)."""
+        return json.dumps({"model": self.model, "page_bytes": list(self.page_bytes),
+                           "tokens_per_block": self.tokens_per_block, "extra": self.extra},
+                          sort_keys=True, separators=(",", ":"))
+
+    def fingerprint(self) -> bytes:
+        return hashlib.sha256(self.describe().encode()).digest()
+
+    @classmethod
+    def from_description(cls, text: str) -> "Layout":
+        d = json.loads(text)
+        return cls(tuple(d["page_bytes"]), d["tokens_per_block"], d.get("model", ""),
+                   d.get("extra", {}))
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Sizes and offsets of every region, derived from the creation parameters."""
+
+    num_blocks: int
+    page_bytes: tuple[int, ...]
+    max_clients: int
+    ring_capacity: int
+    hold_capacity: int
+
+    def __post_init__(self) -> None:
+        if self.num_blocks <= 0 or self.num_blocks >= 2**31:
+            raise InvalidArgumentError(
+                f"num_blocks must be in 1..2**31-1, got {self.num_blocks}")
+        if not 1 <= self.max_clients <= 1024:
+            raise InvalidArgumentError(f"max_clients must be in 1..1024, got {self.max_clients}")
+        if self.ring_capacity < 4096 or self.ring_capacity % 8:
+            raise InvalidArgumentError(
+                f"ring_capacity must be a multiple of 8 and >= 4096, got {self.ring_capacity}")
+        if self.hold_capacity < 16:
+            raise InvalidArgumentError(f"hold_capacity must be >= 16, got {self.hold_capacity}")
+
+    # Offsets are derived once per geometry (cached_property writes the instance dict
+    # directly, which a frozen dataclass allows). The ring's header size lives with the
+    # ring; the import is deferred so layout stays importable on its own.
+    @cached_property
+    def ring_region(self) -> int:
+        from kvshm.shm.ring import Ring
+        return _round_up(Ring.region_size(self.ring_capacity), 64)
+
+    @cached_property
+    def hold_offset(self) -> int:
+        return SLOT_HEAD_BYTES
+
+    @cached_property
+    def rings_offset(self) -> int:
+        return _round_up(SLOT_HEAD_BYTES + 4 * self.hold_capacity, 64)
+
+    @cached_property
+    def bells_offset(self) -> int:
+        return self.rings_offset + len(RING_NAMES) * self.ring_region
+
+    @cached_property
+    def slot_bytes(self) -> int:
+        return _round_up(self.bells_offset + 64 * len(BELL_NAMES), 4096)
+
+    @cached_property
+    def clients_offset(self) -> int:
+        return HEADER_BYTES
+
+    @cached_property
+    def writers_offset(self) -> int:
+        return self.clients_offset + self.max_clients * self.slot_bytes
+
+    @cached_property
+    def writer_records(self) -> int:
+        return writer_records(self.max_clients)
+
+    @cached_property
+    def table_offset(self) -> int:
+        return _round_up(self.writers_offset + self.writer_records * WRITER_BYTES, 4096)
+
+    @cached_property
+    def index_slots(self) -> int:
+        n = 1
+        while n < 2 * self.num_blocks:
+            n <<= 1
+        return n
+
+    @cached_property
+    def index_offset(self) -> int:
+        return self.table_offset + self.num_blocks * ENTRY_BYTES
+
+    @cached_property
+    def data_offset(self) -> int:
+        return _round_up(self.index_offset + self.index_slots * INDEX_SLOT.size, DATA_ALIGN)
+
+    @cached_property
+    def _plane_offsets(self) -> tuple[int, ...]:
+        offs, at = [], self.data_offset
+        for page in self.page_bytes:
+            offs.append(at)
+            at = _round_up(at + self.num_blocks * page, DATA_ALIGN)
+        return tuple(offs)
+
+    def plane_offsets(self) -> list[int]:
+        return list(self._plane_offsets)
+
+    @cached_property
+    def total_bytes(self) -> int:
+        last = self.plane_offsets()[-1]
+        return _round_up(last + self.num_blocks * self.page_bytes[-1], DATA_ALIGN)
+
+    @cached_property
+    def data_bytes(self) -> int:
+        return self.total_bytes - self.data_offset
+
+    def slot_offset(self, slot: int) -> int:
+        return self.clients_offset + slot * self.slot_bytes
+
+    def entry_offset(self, block: int) -> int:
+        return self.table_offset + block * ENTRY_BYTES
+
+
+def blocks_for_bytes(layout: Layout, nbytes: int) -> int:
+    """How many blocks of ``layout`` fit in ``nbytes`` (like vLLM's ``cpu_bytes_to_use``)."""
+    if nbytes < layout.block_bytes:
+        raise InvalidArgumentError(
+            f"{nbytes} bytes cannot hold one block of {layout.block_bytes} bytes; "
+            "give the cache more memory")
+    return nbytes // layout.block_bytes
+
+
+def check_key(key: bytes) -> None:
+    """Refuse anything but ``bytes`` of 1..MAX_KEY_BYTES (a ``bytearray`` or ``memoryview``
+    is refused, not converted: it would be stored under a copy the caller never looks up)."""
+    if type(key) is bytes and 0 < len(key) <= MAX_KEY_BYTES:
+        return  # the hot path: one type check and one length check
+    if not isinstance(key, bytes) or not 1 <= len(key) <= MAX_KEY_BYTES:
+        hint = "; pass bytes(key)" if isinstance(key, (bytearray, memoryview)) else ""
+        raise InvalidArgumentError(
+            f"keys are 1..{MAX_KEY_BYTES} bytes, of type bytes (vLLM offload keys are 36); got "
+            f"{type(key).__name__} of length {len(key) if hasattr(key, '__len__') else '?'}"
+            f"{hint}")
+
+
+def key_seq(keys: Any) -> Sequence[bytes]:
+    """The ``keys`` argument of a manager call as a list or tuple.
+
+    Callers test ``type(keys) is list or tuple`` first (the hot path costs nothing). Other
+    iterables (generators, ranges, dict views) are materialised once, so a call that walks
+    the keys twice (validate, then act) sees them all. A single key, a str, None or a
+    number is refused: it is a caller's mistake, not a sequence of keys. Items are checked
+    by ``check_key`` where the call uses them.
+    """
+    if type(keys) is list or type(keys) is tuple:
+        return keys
+    if keys is None or isinstance(keys, (str, bytes, bytearray, memoryview, int, float,
+                                         set, frozenset)) or not hasattr(keys, "__iter__"):
+        hint = " (one key? wrap it in a list)" if isinstance(
+            keys, (bytes, bytearray, memoryview)) else ""
+        raise InvalidArgumentError(
+            f"keys must be a sequence (list or tuple) of bytes keys; got "
+            f"{type(keys).__name__}{hint}")
+    return list(keys)
+
+
+def plane_pages(values: Sequence[int]) -> bytes:
+    return struct.pack(f"<{MAX_PLANES}Q", *(list(values) + [0] * (MAX_PLANES - len(values))))

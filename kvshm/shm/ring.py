@@ -1,0 +1,367 @@
+"""Single-producer/single-consumer byte-frame ring in shared memory, and its doorbell.
+
+This module owns the ring's byte layout (header, frame format, wrap marker), the ordering of
+its publications across processes, the producer's backoff when full, and the Doorbell that
+wakes a sleeping consumer (its named semaphore gets the segment's permission bits and group,
+so group sharing works). It must never decode frames (payloads are opaque bytes; msgspec
+lives with the protocol), never allocate or name shared memory itself (callers hand it a
+writable buffer carved from the segment), never take locks shared between processes, and
+never import torch.
+
+Region layout (native byte order, i.e. little-endian on x86 and ARM; it never leaves the host)::
+
+    0    magic u64 | capacity u64        (cache line 0, written once by format())
+    64   tail  u64  producer-owned       (cache line 1)
+    128  head  u64  consumer-owned       (cache line 2: no false sharing with tail)
+    192  data[capacity]                  frames: u32 length | payload | pad to 8 bytes
+
+head/tail are monotonically increasing byte counters (position = counter % capacity). A frame
+never splits across the end: the producer writes a wrap marker and continues at offset 0.
+
+Memory ordering. The producer writes the payload, THEN publishes tail; the consumer reads tail,
+THEN the payload, and only after copying it out publishes head. Counters are loaded and stored
+by indexing a memoryview cast to 'Q': CPython does that with a fixed-size 8-byte memcpy, which
+compiles to one 8-byte mov (x86-64) / ldr/str (AArch64), single-copy atomic when aligned (hence
+the alignment check), so a peer never sees a torn counter. NOT struct.pack_into: it memsets the
+field to zero before writing, so a concurrent reader can see 0 (a consumer then reads unwritten
+frames; measured: 2% of racing reads). On x86 (TSO) stores become visible in program order and
+loads are not reordered with older loads, nor stores with older loads; each Python-level access
+is a separate call into C that the compiler cannot reorder across, so the ring needs no fence.
+Weakly ordered CPUs (ARM, POWER) do reorder, so there memory_fence() runs between payload write
+and tail publish, between tail read and payload read, and between payload read and head
+publish. The Doorbell's raise-flag-then-recheck is store-then-load, which even x86 reorders, so
+it always fences.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import platform
+import stat
+import time
+from typing import Callable
+
+import posix_ipc
+
+from kvshm.shm.fence import full_fence
+from kvshm.errors import (FrameTooLargeError, InvalidArgumentError, ProtocolError,
+                          RingFullError, SegmentPermissionError)
+
+__all__ = ["Ring", "Doorbell", "memory_fence"]
+
+_MAGIC = int.from_bytes(b"KVRING01", "little")
+_CAP, _TAIL, _HEAD, _DATA = 1, 8, 16, 192  # word indexes into the 'Q' header view; data offset
+_WRAP = 0xFFFFFFFF  # length value of the wrap marker: "continue at offset 0"
+_SPIN_S, _YIELD_S, _SLEEP_MAX_S = 50e-6, 2e-3, 1e-3  # put() backoff phases when full
+
+_yield = os.sched_yield
+_WEAK_ORDER = platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686", "x86")
+# One fence for all of kvshm; see fence.py for why a lock round trip is a barrier.
+memory_fence = full_fence
+
+
+def _view(buf: memoryview, need: int, what: str, whole: bool = False) -> memoryview:
+    """A writable, 8-byte-aligned byte view of ``need`` (or all) bytes of ``buf``."""
+    mv = memoryview(buf).cast("B")
+    if mv.readonly or len(mv) < need:
+        raise InvalidArgumentError(f"{what} needs a writable buffer of >= {need} bytes, got "
+                                   f"{len(mv)}{' read-only' if mv.readonly else ''} bytes")
+    addr = ctypes.addressof(ctypes.c_char.from_buffer(mv))
+    if addr % 8:  # a misaligned counter could tear: refuse rather than corrupt silently
+        raise InvalidArgumentError(f"{what} buffer starts at address {addr:#x}, which is not "
+                                   "8-byte aligned; carve regions at multiples of 64 bytes")
+    return mv if whole else mv[:need]
+
+
+class Ring:
+    """SPSC ring of byte frames. One process produces, one consumes; any may inspect."""
+
+    __slots__ = ("_w", "_data", "_lens", "_cap", "_max_frame", "_tail", "_head_seen", "_head",
+                 "_tail_seen", "_next_head")
+
+    @staticmethod
+    def region_size(capacity: int) -> int:
+        """Bytes of shared memory a ring with ``capacity`` data bytes needs (multiple of 64)."""
+        if not isinstance(capacity, int) or capacity < 64 or capacity % 8:
+            raise InvalidArgumentError(f"ring capacity must be an int >= 64 and a multiple of 8,"
+                                       f" got {capacity!r}")
+        return _DATA + (capacity + 63) // 64 * 64
+
+    @staticmethod
+    def max_payload(capacity: int) -> int:
+        """Largest payload a ring of ``capacity`` accepts: its frame fits in half the ring, so
+        it fits an empty ring wherever the counters stand (before the end or after a wrap)."""
+        Ring.region_size(capacity)
+        return (capacity // 2 & ~7) - 4
+
+    @staticmethod
+    def format(buf: memoryview, capacity: int) -> None:
+        """Initialise an empty ring in ``buf``. Only while nobody is attached: existing Ring
+        objects cache counters and must be re-created (re-attached) afterwards."""
+        mv = _view(buf, Ring.region_size(capacity), "Ring.format")
+        mv[:_DATA] = bytes(_DATA)
+        w = mv[:_DATA].cast("Q")
+        w[_CAP] = capacity
+        memory_fence()  # magic last: an attacher that sees it sees a complete header
+        w[0] = _MAGIC
+        w.release()
+        mv.release()
+
+    def __init__(self, buf: memoryview) -> None:
+        full = _view(buf, 8, "Ring", whole=True)
+        w = full[:_DATA].cast("Q") if len(full) >= _DATA else None
+        magic, cap = (w[0], w[_CAP]) if w is not None else (0, 0)
+        if magic != _MAGIC or cap < 64 or cap % 8 or len(full) < _DATA + cap:
+            raise ProtocolError(f"buffer does not hold a kvshm ring (magic {magic:#x}, capacity "
+                                f"{cap}, {len(full)} bytes): format it with Ring.format() first "
+                                "or check the region offset the segment layout gives")
+        self._w, self._data, self._cap = w, full[_DATA:_DATA + cap], cap
+        self._lens = self._data.cast("I")  # frame lengths: positions are 8-aligned
+        self._max_frame = Ring.max_payload(cap) + 4
+        self._head = self._head_seen = w[_HEAD]
+        self._tail = self._tail_seen = w[_TAIL]
+        if not 0 <= self._tail - self._head <= cap:
+            raise ProtocolError(f"ring counters are inconsistent (head {self._head}, tail "
+                                f"{self._tail}, capacity {cap}): the region was overwritten; "
+                                "re-create the segment")
+        self._next_head = -1
+
+    # --- producer -----------------------------------------------------------------------
+    def try_put(self, payload: bytes | memoryview) -> bool:
+        """Append one frame; False if there is no room now. Never blocks."""
+        if type(payload) is not bytes:
+            payload = memoryview(payload).cast("B")  # count bytes, not items
+        n = len(payload)
+        size = (n + 11) & ~7  # u32 length + payload, padded to 8
+        if size > self._max_frame:
+            raise FrameTooLargeError(
+                f"frame of {n} bytes exceeds this ring's limit of {self._max_frame - 4} bytes "
+                f"(capacity {self._cap}): send less per frame or give the ring >= {2 * size} bytes")
+        cap, tail = self._cap, self._tail
+        pos = tail % cap
+        skip = cap - pos if size > cap - pos else 0  # unusable end of the data area: wrap
+        end = tail + skip + size
+        if end - self._head_seen > cap:  # our cached head may be stale (too low): re-read
+            self._head_seen = self._w[_HEAD]
+            if end - self._head_seen > cap:
+                return False
+            if _WEAK_ORDER:
+                memory_fence()  # the consumer's reads of that space precede our overwrite
+        if skip:
+            self._lens[pos >> 2] = _WRAP
+            pos = 0
+        self._lens[pos >> 2] = n
+        self._data[pos + 4:pos + 4 + n] = payload
+        if _WEAK_ORDER:
+            memory_fence()  # payload visible before the tail that publishes it
+        self._tail = self._w[_TAIL] = end
+        return True
+
+    def put(self, payload: bytes | memoryview, timeout: float) -> None:
+        """Append one frame, waiting up to ``timeout`` seconds for room (spin, yield, sleep)."""
+        if self.try_put(payload):
+            return
+        start = time.perf_counter()
+        while not self.try_put(payload):
+            waited = time.perf_counter() - start
+            if waited >= timeout:
+                raise RingFullError(
+                    f"ring stayed full for {timeout:g}s ({self.depth()} of {self._cap} bytes "
+                    "used): its consumer is not draining it; check that the consumer process is "
+                    "alive and polling, or raise the timeout / the ring capacity")
+            if waited >= _YIELD_S:
+                time.sleep(min(_SLEEP_MAX_S, timeout - waited))
+            elif waited >= _SPIN_S:
+                os.sched_yield()
+
+    # --- consumer -----------------------------------------------------------------------
+    def peek(self) -> memoryview | None:
+        """Zero-copy view of the next frame's payload, or None. The view aliases the ring:
+        use it (e.g. msgspec.decode) before advance(), and drop or release() it after."""
+        head = self._head
+        if head == self._tail_seen:
+            self._tail_seen = self._w[_TAIL]
+            if head == self._tail_seen:
+                return None
+            if not 0 < self._tail_seen - head <= self._cap:  # a scribbled tail: never trust it
+                raise ProtocolError(f"ring tail {self._tail_seen} is not within capacity "
+                                    f"{self._cap} of head {head}: the producer overwrote "
+                                    "the ring's header")
+            if _WEAK_ORDER:
+                memory_fence()  # tail read before the payload it covers
+        pos = head % self._cap
+        n = self._lens[pos >> 2]
+        if n == _WRAP:
+            head += self._cap - pos
+            pos = 0
+            n = self._lens[0]
+        if n > self._max_frame - 4:
+            raise ProtocolError(f"ring frame at offset {pos} claims {n} bytes, more than a frame "
+                                "can hold: the ring was overwritten; re-create the segment")
+        self._next_head = head + ((n + 11) & ~7)
+        return self._data[pos + 4:pos + 4 + n]
+
+    def advance(self) -> None:
+        """Consume the frame the last peek() returned, handing its space back to the producer."""
+        if _WEAK_ORDER:
+            memory_fence()  # our reads of the payload complete before the producer may reuse it
+        self._head = self._w[_HEAD] = self._next_head
+
+    def try_get(self) -> bytes | None:
+        """Remove and return the next frame's payload (a copy), or None if the ring is empty."""
+        view = self.peek()
+        if view is None:
+            return None
+        out = view.tobytes()
+        self.advance()
+        return out
+
+    # --- inspection (any process) -------------------------------------------------------
+    def depth(self) -> int:
+        """Bytes in use, wrap padding included (head read first, so never negative)."""
+        head = self._w[_HEAD]
+        return self._w[_TAIL] - head
+
+    def pending(self) -> bool:
+        """Whether a frame is waiting (usable as a Doorbell ``ready`` callable)."""
+        return self._w[_HEAD] != self._w[_TAIL]  # head first, as in depth()
+
+    @property
+    def capacity(self) -> int:
+        return self._cap
+
+    def close(self) -> None:
+        """Release this object's views so the segment's mmap can be closed."""
+        for view in (self._lens, self._data, self._w):
+            view.release()
+
+
+def _open_semaphore(name: str, like_fd: int | None) -> posix_ipc.Semaphore:
+    """Open (creating if needed) semaphore ``name`` with the access of file ``like_fd``.
+
+    sem_open applies the umask, so the creator chmods the file right after creating it. A
+    process that opens it in between may be refused: while the file's mode is not yet the
+    wanted one that is that window, polled for a short while; after it, a refusal is real
+    and becomes ``SegmentPermissionError``.
+    """
+    mode, gid = 0o600, -1
+    if like_fd is not None:
+        st = os.fstat(like_fd)
+        mode, gid = stat.S_IMODE(st.st_mode), st.st_gid
+    path = "/dev/shm/sem." + name.lstrip("/")
+    deadline = time.monotonic() + 5.0
+    while True:
+        try:
+            sem = posix_ipc.Semaphore(name, posix_ipc.O_CREX, mode=mode, initial_value=0)
+        except posix_ipc.ExistentialError:
+            pass  # somebody else created it: open theirs below
+        except posix_ipc.PermissionsError as e:
+            raise _sem_denied(name, e) from None
+        else:
+            with contextlib.suppress(OSError):  # mode/group are best effort for the creator
+                os.chmod(path, mode)
+                if gid >= 0 and os.stat(path).st_gid != gid:
+                    os.chown(path, -1, gid)
+            return sem
+        try:
+            return posix_ipc.Semaphore(name)
+        except posix_ipc.ExistentialError:
+            continue  # removed between our two opens: create it
+        except posix_ipc.PermissionsError as e:
+            try:
+                pending = stat.S_IMODE(os.stat(path).st_mode) != mode
+            except OSError:
+                pending = True
+            if not pending or time.monotonic() > deadline:
+                raise _sem_denied(name, e) from None
+            time.sleep(0.001)  # polling for the creator's chmod
+
+
+def _sem_denied(name: str, e: Exception) -> SegmentPermissionError:
+    return SegmentPermissionError(
+        f"permission denied opening semaphore {name} ({e}); every process sharing a segment "
+        "must be able to open its semaphores: create the segment with a group mode such as "
+        "mode=0o660 and run the processes in that group, or remove stale semaphores with "
+        "'kvshm-inspect rm NAME'")
+
+
+class Doorbell:
+    """Wakes one consumer (that may serve many rings) from producers in other processes.
+
+    A named POSIX semaphore plus a "sleeping" flag word in shared memory: producers post only
+    while the flag is set, so a spinning consumer costs them no syscall per frame.
+    """
+
+    def __init__(self, flag_buf: memoryview, sem_name: str, *,
+                 like_fd: int | None = None) -> None:
+        """``like_fd``: the segment's descriptor; the semaphore gets that file's permission
+        bits and group, so whoever may open the segment may ring its bells (else 0600)."""
+        self._flag = _view(flag_buf, 8, "Doorbell").cast("Q")
+        self._sem = _open_semaphore(sem_name, like_fd)
+        self.name = sem_name
+
+    @staticmethod
+    def flag_size() -> int:
+        return 8
+
+    @staticmethod
+    def unlink(sem_name: str) -> None:
+        try:
+            posix_ipc.unlink_semaphore(sem_name)
+        except posix_ipc.ExistentialError:
+            pass
+
+    def ring(self) -> bool:
+        """Producer, after publishing: wake the consumer if it sleeps. Returns whether it posted."""
+        memory_fence()  # our tail store must be visible before we load the flag (store->load)
+        if self._flag[0]:
+            self._sem.release()
+            return True
+        return False
+
+    def wait(self, timeout: float, ready: Callable[[], bool], spin_s: float = 100e-6) -> bool:
+        """Consumer: return True once ``ready()`` is true, False after ``timeout`` seconds."""
+        now = time.perf_counter()
+        deadline, spin_end = now + timeout, now + min(spin_s, timeout)
+        while True:  # spin first: a busy producer usually publishes within microseconds
+            if ready():
+                return True
+            if time.perf_counter() >= spin_end:
+                break
+            # Yield while spinning: on a loaded host the producer may be waiting for our core.
+            _yield()
+        self._flag[0] = 1
+        # Lost-wakeup guard: a producer that published before seeing our flag did not post. So
+        # after raising the flag (fenced: store then load) we check again. Either that producer
+        # stored tail before we look (we see it here), or it loads the flag after our store
+        # (it sees 1 and posts). Stale posts from earlier rounds only cause one extra re-check.
+        memory_fence()
+        try:
+            while not ready():
+                left = deadline - time.perf_counter()
+                if left <= 0:
+                    return False
+                try:
+                    self._sem.acquire(left)
+                except posix_ipc.BusyError:
+                    pass  # loop: one last ready() check, then the deadline ends it
+            return True
+        finally:
+            self._flag[0] = 0
+
+    def drain(self) -> int:
+        """Discard stale posts (e.g. made for a consumer that died asleep, its flag still set);
+        a consumer taking over calls this once. Returns how many it discarded."""
+        count = 0
+        while True:
+            try:
+                self._sem.acquire(0)
+            except posix_ipc.BusyError:
+                return count
+            count += 1
+
+    def close(self) -> None:
+        """Close this process's semaphore handle (the name stays; see unlink) and flag view."""
+        self._sem.close()
+        self._flag.release()

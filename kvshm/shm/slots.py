@@ -1,0 +1,151 @@
+"""Client slots in the segment: claim one, activate it, view its rings, give it back.
+
+This module owns the life cycle of a slot. A slot belongs to whoever holds its kernel lock
+(``LOCK_CLIENT_BASE + slot``); its record says what it is (free, a manager client, or a job
+channel between an engine's scheduler and a worker). Only slots whose record is FREE are
+claimed, so nobody reformats rings that an owner may still be reading. A client slot goes back
+to FREE only through the owner (after a goodbye, or when it sees the holder dead, adopted or
+not), or through ``kvshm-inspect gc`` while it holds the owner lock: the one process that may
+be reading a slot's rings is the one that clears it.
+It never talks to the owner and never imports torch.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Callable
+
+import numpy as np
+
+from kvshm.shm import layout as L
+from kvshm.shm import locks
+from kvshm.errors import ClientSlotsExhaustedError
+from kvshm.shm.fence import full_fence
+from kvshm.shm.ring import Ring
+from kvshm.shm.segment import Segment
+
+FREE, CLIENT, CHANNEL = L.SLOT_FREE, L.SLOT_ACTIVE, L.SLOT_CHANNEL
+
+
+def record(seg: Segment, slot: int) -> tuple[int, int, int, int, bytes]:
+    """(state, pid, generation, attached_ns, name) of ``slot``."""
+    return L.SLOT.unpack_from(seg.buf, seg.geometry.slot_offset(slot))
+
+
+def claim(seg: Segment, wait_for_reclaim: Callable[[], None] | None = None,
+          timeout: float = 5.0) -> tuple[int, int]:
+    """Lock a FREE slot and return (slot, next generation).
+
+    Dead clients' slots are not FREE until reclaimed; ``wait_for_reclaim`` is called (e.g.
+    to make sure an owner runs) between attempts while such slots exist.
+    """
+    g, fd = seg.geometry, seg.fd
+    deadline = time.monotonic() + timeout
+    while True:
+        dirty = False
+        for slot in range(g.max_clients):
+            if not locks.try_lock(fd, L.LOCK_CLIENT_BASE + slot):
+                continue
+            state, _, gen, _, _ = record(seg, slot)
+            if state == FREE:
+                return slot, gen + 1
+            locks.unlock(fd, L.LOCK_CLIENT_BASE + slot)
+            dirty = True
+        if not dirty or wait_for_reclaim is None or time.monotonic() > deadline:
+            raise ClientSlotsExhaustedError(
+                f"all {g.max_clients} client slots of segment {seg.name!r} are in use"
+                + (" or belong to dead clients not yet reclaimed (a live owner reclaims them "
+                   "within a second; with none, 'kvshm-inspect gc' does)" if dirty else "")
+                + "; close unused clients or create the segment with more max_clients")
+        wait_for_reclaim()
+        time.sleep(0.05)  # polling the owner's reclaim, bounded by the deadline
+
+
+def _words(seg: Segment, slot: int) -> memoryview:
+    off = seg.geometry.slot_offset(slot)
+    return seg.buf[off:off + L.SLOT_HEAD_BYTES]
+
+
+def _store(seg: Segment, slot: int, off: int, value: int, fmt: str = "Q") -> None:
+    """One aligned word store into the slot record (readers see old or new, never torn)."""
+    with _words(seg, slot)[off:off + 8 if fmt == "Q" else off + 4].cast(fmt) as w:
+        w[0] = value
+
+
+def activate(seg: Segment, slot: int, gen: int, state: int = CLIENT) -> None:
+    """Reset a claimed slot (holds, counters, served record, rings) and publish its record."""
+    g = seg.geometry
+    holds(seg, slot)[:] = -1
+    counters(seg, slot)[:] = 0
+    served(seg, slot)[:] = 0
+    for name in L.RING_NAMES:
+        Ring.format(ring_view(seg, slot, name), g.ring_capacity)
+    name = os.path.basename(sys.argv[0] or "python")[:32].encode()
+    head = _words(seg, slot)
+    head[L.SLOT_OFF_NAME:L.SLOT_OFF_NAME + 32] = name.ljust(32, b"\0")
+    _store(seg, slot, L.SLOT_OFF_PID, os.getpid(), "I")
+    _store(seg, slot, L.SLOT_OFF_ATTACHED, time.time_ns())
+    _store(seg, slot, L.SLOT_OFF_GEN, gen)
+    full_fence()  # everything above before the state that publishes it
+    _store(seg, slot, L.SLOT_OFF_STATE, state, "I")
+    full_fence()
+
+
+def release(seg: Segment, slot: int, gen: int) -> None:
+    """Clear a slot we hold and unlock it. Only for slots no owner reads (job channels)."""
+    clear(seg, slot, gen)
+    unlock(seg, slot)
+
+
+def unlock(seg: Segment, slot: int) -> None:
+    """Give up our hold of ``slot``; its record stays for the owner to reclaim."""
+    locks.unlock(seg.fd, L.LOCK_CLIENT_BASE + slot)
+
+
+def clear(seg: Segment, slot: int, gen: int) -> None:
+    """Mark ``slot`` FREE, keeping the generation count. The caller holds its lock, or is
+    the owner, which alone clears client slots (it stops reading their rings first)."""
+    holds(seg, slot)[:] = -1
+    _store(seg, slot, L.SLOT_OFF_STATE, FREE, "I")
+    _store(seg, slot, L.SLOT_OFF_PID, 0, "I")
+
+
+def clear_if_dead(seg: Segment, slot: int, gen: int) -> bool:
+    """Clear ``slot`` if its holder is gone and nobody re-claimed it. True if cleared."""
+    if not locks.try_lock(seg.fd, L.LOCK_CLIENT_BASE + slot):
+        return False
+    try:
+        if record(seg, slot)[2] != gen:
+            return False
+        clear(seg, slot, gen)
+        return True
+    finally:
+        locks.unlock(seg.fd, L.LOCK_CLIENT_BASE + slot)
+
+
+def served(seg: Segment, slot: int) -> np.ndarray:
+    """The slot's served record (``layout.SERVED_FIELDS``), u64 words the owner writes."""
+    return np.frombuffer(seg.buf, np.uint64, len(L.SERVED_FIELDS),
+                         seg.geometry.slot_offset(slot) + L.SLOT_OFF_SERVED)
+
+
+def holds(seg: Segment, slot: int) -> np.ndarray:
+    g = seg.geometry
+    return np.frombuffer(seg.buf, np.int32, g.hold_capacity, g.slot_offset(slot) + g.hold_offset)
+
+
+def counters(seg: Segment, slot: int) -> np.ndarray:
+    return np.frombuffer(seg.buf, np.uint64, len(L.SLOT_COUNTERS),
+                         seg.geometry.slot_offset(slot) + L.SLOT_OFF_COUNTERS)
+
+
+def ring_view(seg: Segment, slot: int, name: str) -> memoryview:
+    g = seg.geometry
+    off = g.slot_offset(slot) + g.rings_offset + L.RING_NAMES.index(name) * g.ring_region
+    return seg.buf[off:off + g.ring_region]
+
+
+def bell_view(seg: Segment, slot: int, name: str) -> memoryview:
+    off = seg.geometry.slot_offset(slot) + seg.geometry.bells_offset + 64 * L.BELL_NAMES.index(name)
+    return seg.buf[off:off + 8]

@@ -1,0 +1,342 @@
+"""The block table and the key index, as they lie in the segment.
+
+This module owns the per-block records (state, key and its checksum, writer, last use, pins)
+and the open-addressing index from key to block. Only the owner writes them; every process
+may read them without a lock. Writers bump a per-entry sequence number around each rewrite
+(odd while writing, a seqlock), so a reader either sees a consistent entry or retries, for a
+bounded number of spins: an entry a dead owner left odd is reported as torn, never waited on.
+The index may be read while it is being changed: a reader verifies every candidate against
+the entry's key, so a concurrent change can cause a spurious miss, never a wrong hit.
+
+It must never store into an entry with ``struct.pack_into`` (which zero-fills its target
+first, so a death mid-write would leave a key with a zeroed tail under a READY state): an
+entry body is packed aside and copied in with one slice assignment, and single words go
+through aligned memoryview casts. Every key is written together with its checksum
+(``layout.key_checksum``), so a successor can tell a torn key from an intact one.
+It never decides policy (see ``manager.py``) and never imports torch.
+"""
+from __future__ import annotations
+
+import os
+import struct
+import zlib
+from typing import NamedTuple, Sequence
+
+import numpy as np
+
+from kvshm import crashpoints
+from kvshm.shm import layout as L
+from kvshm.shm.fence import publish_fence
+
+# The entry body: every field but seq, then the key (zero padded to MAX_KEY_BYTES). It is
+# packed into a private bytes object and copied into the segment with one slice assignment
+# (a memcpy: no zero-fill, no transient value a reader or a successor could mistake).
+_BODY = struct.Struct(f"<{L.ENTRY_FORMAT[2:]}{L.MAX_KEY_BYTES}s")
+_BODY_OFF = L.entry_field_offset("state")
+_KEY_OFF = L.ENTRY_KEY_OFFSET
+_STATE_OFF = L.entry_field_offset("state")
+_KEYLEN_OFF = L.entry_field_offset("keylen")
+_WRITER_OFF = L.entry_field_offset("writer")
+_LAST_USE_WORD = L.entry_field_offset("last_use") // 8
+_STORED_NS_WORD = L.entry_field_offset("stored_ns") // 8
+_PINS_WORD = L.entry_field_offset("pins") // 8
+_WORDS32 = L.ENTRY_BYTES // 4
+_WORDS64 = L.ENTRY_BYTES // 8
+assert _BODY_OFF == 4 and _BODY_OFF + _BODY.size == _KEY_OFF + L.MAX_KEY_BYTES
+assert _STORED_NS_WORD == _LAST_USE_WORD + 1  # publish stores them as adjacent words
+_READ_SPINS = 100_000  # an owner rewrites an entry in microseconds; beyond this it died
+# read(): tries before an entry is reported torn; after the first few it yields the CPU so
+# that an owner preempted mid-rewrite can finish (two loaded cores are enough to need it).
+_READ_TRIES = 10_000
+_READ_YIELD_AFTER = 100
+
+
+class Entry(NamedTuple):
+    seq: int
+    state: int
+    key: bytes
+    writer: int  # client slot writing the block, -1 for none
+    writer_gen: int
+    writer_req: int
+    last_use: int
+    stored_ns: int
+    pins: int
+    keysum: int = 0  # the checksum stored with the key (layout.key_checksum)
+    torn: bool = False  # read() gave up: the seq stayed odd (or kept moving); do not trust
+
+    @property
+    def key_ok(self) -> bool:
+        """The key and its length are the ones written together with ``keysum``."""
+        return L.key_checksum(self.key) == self.keysum
+
+
+# write() packs and _entry() unpacks the body positionally, in this order: a reordering of
+# layout.ENTRY_FIELDS must fail here, at import, not scramble fields silently.
+assert [n for n, _ in L.ENTRY_FIELDS] == ["seq", "state", "keylen", "writer", "writer_gen",
+                                          "keysum", "writer_req", "last_use", "stored_ns",
+                                          "pins"]
+
+
+def _entry(seq: int, f: tuple, torn: bool) -> Entry:
+    state, keylen, writer, gen, keysum, req, last_use, stored_ns, pins, key = f
+    return Entry(seq, state, key[:keylen], writer, gen, req, last_use, stored_ns, pins,
+                 keysum, torn)
+
+
+class BlockTable:
+    """Typed access to the block table of a mapped segment."""
+
+    def __init__(self, buf: memoryview, geometry: L.Geometry):
+        self.buf = buf
+        self.base = geometry.table_offset
+        self.num_blocks = geometry.num_blocks
+        region = buf[self.base:self.base + self.num_blocks * L.ENTRY_BYTES]
+        self._w32 = region.cast("I")
+        self._w64 = region.cast("Q")
+        self._rows = np.frombuffer(buf, np.uint8, self.num_blocks * L.ENTRY_BYTES,
+                                   self.base).reshape(self.num_blocks, L.ENTRY_BYTES)
+        self._seqs = self._rows[:, :4].view(np.uint32)[:, 0]
+
+    def close(self) -> None:
+        self._w32.release()
+        self._w64.release()
+        del self._rows, self._seqs
+
+    def states_if_keys(self, blocks: np.ndarray, keys: np.ndarray) -> np.ndarray:
+        """Vectorised ``state_if_key``: ``keys`` is an (n, keylen) uint8 array of equal-length
+        keys. Entries caught mid-rewrite read as -1 (a spurious miss, never a wrong hit)."""
+        seq = self._seqs[blocks]
+        publish_fence()
+        rows = self._rows[blocks]
+        publish_fence()
+        klen = keys.shape[1]
+        same = (rows[:, _KEYLEN_OFF] == klen) & \
+            (rows[:, _KEY_OFF:_KEY_OFF + klen] == keys).all(axis=1)
+        stable = ((seq & 1) == 0) & (self._seqs[blocks] == seq)
+        return np.where(same & stable, rows[:, _STATE_OFF].astype(np.int16), -1)
+
+    def read(self, block: int) -> Entry:
+        """A consistent snapshot of ``block``'s entry, retrying while the owner rewrites it.
+
+        Bounded: if the sequence number stays odd (a dead owner left the entry mid-rewrite,
+        only the next owner settles it) or never holds still, the last attempt is returned
+        with ``torn=True``; callers must not trust its fields (the key above all).
+        """
+        off = self.base + block * L.ENTRY_BYTES + _BODY_OFF
+        w, i, unpack, buf = self._w32, block * _WORDS32, _BODY.unpack_from, self.buf
+        for n in range(_READ_TRIES):
+            seq = w[i]
+            publish_fence()
+            f = unpack(buf, off)
+            publish_fence()
+            if not seq & 1 and w[i] == seq:
+                return _entry(seq, f, False)
+            if n >= _READ_YIELD_AFTER:
+                os.sched_yield()
+        return _entry(seq, f, True)
+
+    def state_if_key(self, block: int, key: bytes) -> int:
+        """``block``'s state if it currently holds ``key``, else -1. Lock-free reader."""
+        buf, off, w, i = self.buf, self.base + block * L.ENTRY_BYTES, self._w32, block * _WORDS32
+        for _ in range(_READ_SPINS):
+            seq = w[i]
+            if seq & 1:
+                continue
+            publish_fence()
+            state, keylen = buf[off + _STATE_OFF], buf[off + _KEYLEN_OFF]
+            same = keylen == len(key) and buf[off + _KEY_OFF:off + _KEY_OFF + keylen] == key
+            publish_fence()
+            if w[i] == seq:
+                return state if same else -1
+        return -1  # left odd by a dead owner: a miss until the next owner settles it
+
+    # --- owner-only writers -------------------------------------------------------------
+    def write(self, block: int, state: int, key: bytes, writer: int = -1, writer_gen: int = 0,
+              writer_req: int = 0, last_use: int = 0, stored_ns: int = 0, pins: int = 0) -> None:
+        """Rewrite ``block``'s whole entry (key, its checksum and every field) in one round.
+
+        The body is packed first, so a value out of range raises before the entry is touched.
+        """
+        body = _BODY.pack(state, len(key), writer, writer_gen, L.key_checksum(key),
+                          writer_req, last_use, stored_ns, pins, key)
+        w, i = self._w32, block * _WORDS32
+        off = self.base + block * L.ENTRY_BYTES + _BODY_OFF
+        seq = w[i] | 1  # a writer that died mid-rewrite left it odd: move on from there
+        w[i] = seq
+        publish_fence()
+        if crashpoints.ARMED:
+            self._copy_armed(off, body)
+        else:
+            self.buf[off:off + _BODY.size] = body  # one memcpy
+        publish_fence()
+        w[i] = (seq + 1) & 0xFFFFFFFF
+
+    def _copy_armed(self, off: int, body: bytes) -> None:
+        """The body copy with crash point ``table.write.odd`` inside it (tests only).
+
+        A memcpy killed midway may have stored any subset of its bytes, so the test needs the
+        worst one deterministically: the first half of the key bytes changed while state,
+        key length and checksum still hold their old values (a READY entry whose key is
+        neither the old nor the new one). Copying the rest afterwards gives the same result
+        as the single copy when the point does not fire.
+        """
+        k, half = _KEY_OFF - _BODY_OFF, _KEY_OFF - _BODY_OFF + L.MAX_KEY_BYTES // 2
+        self.buf[off + k:off + half] = body[k:half]
+        crashpoints.crash_point("table.write.odd")
+        self.buf[off:off + k] = body[:k]
+        self.buf[off + half:off + _BODY.size] = body[half:]
+
+    def publish(self, block: int, tick: int, stored_ns: int) -> None:
+        """WRITING -> READY: state, writer, last use and store time in one seqlock round
+        (the key, already in place, stays)."""
+        w, i = self._w32, block * _WORDS32
+        seq = w[i] | 1
+        w[i] = seq
+        publish_fence()
+        off = self.base + block * L.ENTRY_BYTES
+        self.buf[off + _STATE_OFF] = L.READY
+        self.buf[off + _WRITER_OFF:off + _WRITER_OFF + 2] = b"\xff\xff"  # writer -1
+        self._w64[block * _WORDS64 + _LAST_USE_WORD] = tick
+        self._w64[block * _WORDS64 + _STORED_NS_WORD] = stored_ns
+        publish_fence()
+        w[i] = (seq + 1) & 0xFFFFFFFF
+
+    def set_state(self, block: int, state: int) -> None:
+        w, i = self._w32, block * _WORDS32
+        seq = w[i] | 1
+        w[i] = seq
+        publish_fence()
+        self.buf[self.base + block * L.ENTRY_BYTES + _STATE_OFF] = state
+        publish_fence()
+        w[i] = (seq + 1) & 0xFFFFFFFF
+
+    def reset_ready(self, block: int) -> None:
+        """Owner only, at takeover: make an adopted entry READY, with no writer and no pins
+        (the dead owner's pin counts died with it), in one seqlock round.
+
+        Only the state byte, the writer half-word and the pins word are stored: the key, its
+        length and checksum are never rewritten, so dying here cannot tear them either.
+        """
+        w, i = self._w32, block * _WORDS32
+        seq = w[i] | 1
+        w[i] = seq
+        publish_fence()
+        off = self.base + block * L.ENTRY_BYTES
+        self.buf[off + _STATE_OFF] = L.READY
+        self.buf[off + _WRITER_OFF:off + _WRITER_OFF + 2] = b"\xff\xff"
+        self._w64[block * _WORDS64 + _PINS_WORD] = 0
+        publish_fence()
+        w[i] = (seq + 1) & 0xFFFFFFFF
+
+    def settle(self, block: int) -> bool:
+        """Owner only, at takeover: end a rewrite a dead owner left half done (odd seq).
+
+        Nobody else would ever make the sequence even again, and every reader of the entry
+        would spin forever. Returns True if the entry was torn; the caller decides what its
+        contents are worth.
+        """
+        w, i = self._w32, block * _WORDS32
+        seq = w[i]
+        if not seq & 1:
+            return False
+        publish_fence()
+        w[i] = (seq + 1) & 0xFFFFFFFF
+        return True
+
+    def set_last_use(self, block: int, tick: int) -> None:
+        # A lone aligned word store: readers may see old or new, both are fine.
+        self._w64[block * _WORDS64 + _LAST_USE_WORD] = tick
+
+    def set_pins(self, block: int, pins: int) -> None:
+        self._w64[block * _WORDS64 + _PINS_WORD] = pins
+
+
+class KeyIndex:
+    """Linear-probing hash table key -> block id (crc32 tags), at most half full."""
+
+    def __init__(self, buf: memoryview, geometry: L.Geometry, table: BlockTable):
+        self.buf = buf
+        self.base = geometry.index_offset
+        self.mask = geometry.index_slots - 1
+        self.table = table
+        self._slots = np.frombuffer(buf, np.int32, 2 * geometry.index_slots,
+                                    self.base).reshape(-1, 2)
+
+    def find_prefix(self, keys: Sequence[bytes], karr: np.ndarray
+                    ) -> tuple[np.ndarray, np.ndarray]:
+        """(blocks, states) of equal-length ``keys`` (``karr``: their bytes as an (n, len)
+        uint8 array), vectorised over the home slots.
+
+        A key not in its home slot (a collision pushed it further, or it is absent) is
+        resolved by the scalar ``find``, up to the first real miss: entries after it are
+        left at state -1, as a prefix lookup does not need them.
+        """
+        crc = zlib.crc32
+        tags = np.fromiter((crc(k) for k in keys), np.uint32, len(keys))
+        slots = self._slots[(tags & self.mask).astype(np.intp)]
+        blocks = slots[:, 1].copy()
+        home = (slots[:, 0].view(np.uint32) == tags) & (blocks >= 0)
+        states = np.full(len(keys), -1, np.int16)
+        if home.any():
+            states[home] = self.table.states_if_keys(blocks[home], karr[home])
+        for i in np.flatnonzero(states < 0):
+            blocks[i], states[i] = self.find(keys[i])
+            if states[i] < 0:
+                break
+        return blocks, states
+
+    def find(self, key: bytes) -> tuple[int, int]:
+        """(block, state) holding ``key``, or (-1, -1). Lock-free; may miss spuriously."""
+        unpack, buf, base, mask = L.INDEX_SLOT.unpack_from, self.buf, self.base, self.mask
+        tag = zlib.crc32(key)
+        i = tag & mask
+        for _ in range(mask + 1):
+            t, block = unpack(buf, base + 8 * i)
+            if block < 0:
+                return -1, -1
+            if t == tag:
+                state = self.table.state_if_key(block, key)
+                if state >= 0:
+                    return block, state
+            i = (i + 1) & mask
+        return -1, -1
+
+    # --- owner-only writers -------------------------------------------------------------
+    def insert(self, key: bytes, block: int) -> None:
+        unpack, buf, base, mask = L.INDEX_SLOT.unpack_from, self.buf, self.base, self.mask
+        tag = zlib.crc32(key)
+        i = tag & mask
+        while unpack(buf, base + 8 * i)[1] >= 0:
+            i = (i + 1) & mask
+        # Block before tag would be nicer, but a torn slot only ever costs a spurious miss:
+        # readers verify every candidate against the entry's key.
+        L.INDEX_SLOT.pack_into(buf, base + 8 * i, tag, block)
+
+    def remove(self, key: bytes, block: int) -> None:
+        """Delete ``key``'s slot with backward-shift deletion (no tombstones to rot)."""
+        unpack, pack, buf, base, mask = (L.INDEX_SLOT.unpack_from, L.INDEX_SLOT.pack_into,
+                                         self.buf, self.base, self.mask)
+        i = zlib.crc32(key) & mask
+        while True:
+            t, b = unpack(buf, base + 8 * i)
+            if b < 0:
+                return  # not present
+            if b == block:
+                break
+            i = (i + 1) & mask
+        j = i
+        while True:
+            j = (j + 1) & mask
+            t, b = unpack(buf, base + 8 * j)
+            if b < 0:
+                break
+            home = t & mask
+            # Move j back into the hole at i unless its home lies cyclically in (i, j].
+            if (j - home) & mask >= (j - i) & mask:
+                pack(buf, base + 8 * i, t, b)
+                i = j
+        pack(buf, base + 8 * i, 0, -1)
+
+    def clear(self) -> None:
+        n = self.mask + 1
+        self.buf[self.base:self.base + 8 * n] = L.INDEX_SLOT.pack(0, -1) * n

@@ -1,0 +1,145 @@
+"""The writer registry: which live processes may still copy into blocks for which scheduler.
+
+A scheduler's stores are copied by other processes (its job-channel worker, an engine's worker
+processes), and those can outlive it. When a scheduler dies the owner frees its WRITING blocks
+and grants them to the next client; a copy still in flight would then land in that client's
+blocks and be published under its key. So every process that copies for a scheduler's manager
+slot registers under that slot *and its generation* before copying, and the owner keeps a
+dead generation's WRITING blocks (quarantines them) while any such registration lives.
+
+This module owns the registry region of the segment (``layout.WRITER`` records) and its lock
+bytes (``layout.LOCK_WRITER_BASE + record``): a registration is alive exactly while its
+kernel-released lock is held, so a registrant that dies drops it without anyone's help.
+Registration is ordered against the scheduler's death (Dekker-style): the registrant publishes
+its record, fences, then checks that the generation still lives, and the owner sees the death
+before it reads the records. So either the owner sees the record, or the registrant sees the
+death and copies nothing.
+
+It never decides what to free (the manager does) and never copies data; no torch.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import time
+
+import numpy as np
+
+from kvshm.shm import layout as L
+from kvshm.shm import locks
+from kvshm.shm import slots
+from kvshm.shm.fence import full_fence
+from kvshm.shm.segment import Segment
+
+log = logging.getLogger(__name__)
+
+_NP = {"i": "<i4", "I": "<u4", "Q": "<u8"}  # struct codes used by layout.WRITER_FIELDS
+_DTYPE = np.dtype({
+    "names": [n for n, _ in L.WRITER_FIELDS],
+    "formats": [_NP[c] for _, c in L.WRITER_FIELDS],
+    "offsets": [struct.calcsize("<" + "".join(c for _, c in L.WRITER_FIELDS[:i]))
+                for i in range(len(L.WRITER_FIELDS))],
+    "itemsize": L.WRITER_BYTES})
+
+
+def _records(seg: Segment) -> np.ndarray:
+    g = seg.geometry
+    return np.frombuffer(seg.buf, _DTYPE, g.writer_records, g.writers_offset)
+
+
+def _query_fd(seg: Segment) -> int:
+    # Our own OFD locks are invisible through our own descriptor; the segment keeps a
+    # second one for liveness questions, so registrations made through ``seg.fd`` count.
+    return seg._query_fd()
+
+
+def alive(seg: Segment, slot: int, gen: int) -> bool:
+    """Whether any live process is registered as copying for client ``slot`` generation
+    ``gen``. The owner asks this after it saw that generation die."""
+    full_fence()  # read the records only after the death was observed
+    recs = _records(seg)
+    hits = np.flatnonzero((recs["slot"] == slot) & (recs["gen"] == gen))
+    fd = _query_fd(seg)
+    # A record's lock is what makes it true: a match whose lock is free is a dead record.
+    return any(locks.is_held(fd, L.LOCK_WRITER_BASE + int(i)) for i in hits)
+
+
+def generation_alive(seg: Segment, slot: int, gen: int) -> bool:
+    """Whether the client of ``slot`` generation ``gen`` still lives (its lock is held and the
+    slot is ACTIVE under that generation: a reclaimed or re-claimed slot is not)."""
+    if not 0 <= slot < seg.geometry.max_clients:
+        return False
+    state, _, cur, _, _ = slots.record(seg, slot)
+    return state == slots.CLIENT and cur == gen and \
+        locks.is_held(_query_fd(seg), L.LOCK_CLIENT_BASE + slot)
+
+
+def registrations(seg: Segment) -> list[dict]:
+    """Live registrations, for kvshm-inspect and tests: slot, gen, pid, since_ns, record."""
+    recs, fd = _records(seg), _query_fd(seg)
+    return [{"record": int(i), "slot": int(r["slot"]), "gen": int(r["gen"]),
+             "pid": int(r["pid"]), "since_ns": int(r["since_ns"])}
+            for i, r in enumerate(recs) if r["slot"] >= 0 and
+            locks.is_held(fd, L.LOCK_WRITER_BASE + i)]
+
+
+class Registrations:
+    """One copying party's registrations, through its own descriptor of the segment.
+
+    Not thread-safe: the caller serialises ``admit``/``retire`` against the bookkeeping of
+    which jobs are in flight (WorkerConnector holds its lock around both).
+    """
+
+    def __init__(self, seg: Segment) -> None:
+        self.seg = seg
+        self._mine: dict[tuple[int, int], int] = {}  # (slot, gen) -> record
+
+    def register(self, slot: int, gen: int) -> bool:
+        """Register under (slot, gen) (once). False if the registry is full."""
+        if (slot, gen) in self._mine:
+            return True
+        recs, fd = _records(self.seg), self.seg.fd
+        for i in range(len(recs)):
+            if recs[i]["slot"] >= 0 and locks.is_held(_query_fd(self.seg),
+                                                      L.LOCK_WRITER_BASE + i):
+                continue  # cheap skip of live records; try_lock decides
+            if not locks.try_lock(fd, L.LOCK_WRITER_BASE + i):
+                continue
+            L.WRITER.pack_into(self.seg.buf, self.seg.geometry.writers_offset
+                               + i * L.WRITER_BYTES, slot, os.getpid(), gen, time.time_ns())
+            full_fence()  # the record is visible before we look at the scheduler's liveness
+            self._mine[(slot, gen)] = i
+            return True
+        log.error("kvshm: the writer registry of segment %r is full (%d records); jobs for "
+                  "client slot %d are refused", self.seg.name, len(recs), slot)
+        return False
+
+    def admit(self, slot: int, gen: int) -> bool:
+        """Register under (slot, gen), then say whether that generation still lives: True
+        means a copy for it may start now (the owner will keep its blocks while we live)."""
+        return self.register(slot, gen) and generation_alive(self.seg, slot, gen)
+
+    def unregister(self, slot: int, gen: int) -> None:
+        i = self._mine.pop((slot, gen), None)
+        if i is None:
+            return
+        off = self.seg.geometry.writers_offset + i * L.WRITER_BYTES
+        L.WRITER.pack_into(self.seg.buf, off, -1, 0, 0, 0)
+        full_fence()
+        locks.unlock(self.seg.fd, L.LOCK_WRITER_BASE + i)
+
+    def retire(self, busy: set[tuple[int, int]]) -> None:
+        """Unregister every dead generation with no copy in flight (``busy`` are those with
+        one). A dead generation never comes back, so nothing of it is admitted again."""
+        for key in list(self._mine):
+            if key not in busy and not generation_alive(self.seg, *key):
+                self.unregister(*key)
+
+    def registered(self) -> set[tuple[int, int]]:
+        return set(self._mine)
+
+    def close(self) -> None:
+        """Unregister everything (the caller waited for its copies)."""
+        for key in list(self._mine):
+            self.unregister(*key)

@@ -1,0 +1,1 @@
+"""Block copies between an engine's KV tensors and the segment's planes."""

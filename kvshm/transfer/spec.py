@@ -1,0 +1,336 @@
+"""Transfer handlers: the interface, and the block-map logic every handler shares.
+
+This module owns ``TransferSpec`` / ``TransferResult``, the ``TransferHandler`` interface, the
+geometry check that pairs each canonical device tensor with its segment plane, validation of a
+job against that geometry (ids in range, counts, duplicates), vLLM-style block-id expansion
+(``block_size_factor`` and the skip of a partially device-cached first block), coalescing of
+contiguous runs, and ``make_handler``.
+
+It must never import torch at module level (``import kvshm`` stays light; torch is imported
+inside the functions that receive tensors), move a byte, or touch CUDA: copying lives in
+``cpu_copy.py`` and ``cuda_copy.py``.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterable, Literal, Sequence
+
+import numpy as np
+
+from kvshm.errors import InvalidArgumentError
+
+if TYPE_CHECKING:
+    import torch
+
+KINDS = ("store", "load")
+
+
+@dataclass(frozen=True)
+class TransferSpec:
+    """One job: ``store`` copies device -> segment, ``load`` copies segment -> device.
+
+    The device blocks map onto consecutive sub-blocks of the segment blocks, starting
+    ``skip`` sub-blocks into the FIRST segment block (the device already holds those). By
+    default ``skip = len(segment_block_ids) * factor - len(device_block_ids)``, in
+    ``[0, factor)``, so the job ends on a segment-block boundary; give ``skip`` explicitly for
+    a job that also ends inside its last segment block (vLLM: a load ending mid-chunk).
+    """
+    kind: Literal["store", "load"]
+    device_block_ids: Sequence[int]
+    segment_block_ids: Sequence[int]
+    skip: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise InvalidArgumentError(
+                f"TransferSpec.kind must be 'store' (device -> segment) or 'load' "
+                f"(segment -> device), got {self.kind!r}")
+
+
+@dataclass(frozen=True)
+class TransferResult:
+    """Completion of one job. ``nbytes`` counts every plane; 0 when ``success`` is False."""
+    job_id: int
+    success: bool
+    nbytes: int
+    seconds: float
+    kind: str
+
+
+class TransferHandler(ABC):
+    """Moves KV blocks between one process's device tensors and the segment's planes."""
+
+    @abstractmethod
+    def transfer_async(self, job_id: int, spec: TransferSpec) -> bool:
+        """Validate ``spec`` completely, then queue it; True when queued.
+
+        Raises InvalidArgumentError (bad ids, counts, duplicate job id) or TransferError
+        (handler shut down) before any byte moves.
+        """
+
+    @abstractmethod
+    def get_finished(self) -> list[TransferResult]:
+        """Jobs completed since the last call; FIFO order within a direction."""
+
+    @abstractmethod
+    def wait(self, job_ids: Iterable[int]) -> None:
+        """Return once those jobs are finished and their bytes are in place.
+
+        Unknown or already reported ids return at once. Results stay queued for get_finished.
+        """
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Drain queued jobs, stop threads/streams, release pins. Idempotent."""
+
+    def __enter__(self) -> "TransferHandler":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+# --- geometry ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PlanePair:
+    """A canonical device tensor (or one K/V half) and the segment plane that mirrors it."""
+    device: Any            # (num_device_blocks, page_bytes) uint8 view of the engine tensor
+    plane: Any             # (num_segment_blocks, factor * page_bytes) uint8 CPU view
+    page_bytes: int
+    device_stride: int     # bytes from one device block to the next
+    plane_stride: int      # bytes from one segment block to the next
+    device_ptr: int
+    plane_ptr: int
+
+    def device_span(self) -> int:
+        """Bytes from the first device block's start to the last one's end."""
+        return (self.device.shape[0] - 1) * self.device_stride + self.page_bytes
+
+    def plane_span(self, factor: int) -> int:
+        return (self.plane.shape[0] - 1) * self.plane_stride + factor * self.page_bytes
+
+
+@dataclass(frozen=True)
+class Geometry:
+    pairs: tuple[PlanePair, ...]
+    num_device_blocks: int
+    num_segment_blocks: int
+    factor: int
+
+
+def _byte_rows(t: "torch.Tensor", what: str) -> "torch.Tensor":
+    """``(n, ...)`` tensor -> zero-copy ``(n, row_bytes)`` uint8 view (rows may be strided)."""
+    import torch
+    if t.dim() < 1 or t.shape[0] == 0:
+        raise InvalidArgumentError(f"{what} has shape {tuple(t.shape)}; it needs >= 1 block")
+    if t.dim() == 1:
+        t = t.unsqueeze(1)
+    if not t[0].is_contiguous():
+        raise InvalidArgumentError(
+            f"{what}: the bytes of one block must be contiguous (shape {tuple(t.shape)}, "
+            f"strides {t.stride()}); pass the tensor in its storage layout")
+    try:
+        return t.view(torch.uint8).view(t.shape[0], -1)
+    except RuntimeError as e:  # e.g. a strided last dimension
+        raise InvalidArgumentError(f"{what} cannot be viewed as bytes: {e}") from None
+
+
+def build_geometry(device_tensors: Sequence["torch.Tensor"], planes: Sequence["torch.Tensor"],
+                   block_size_factor: int = 1,
+                   kv_dim_before_num_blocks: Sequence[bool] | None = None) -> Geometry:
+    """Pair every canonical device tensor with its plane and check that they fit."""
+    factor = block_size_factor
+    if not isinstance(factor, int) or factor < 1:
+        raise InvalidArgumentError(f"block_size_factor must be an int >= 1, got {factor!r}")
+    if not device_tensors:
+        raise InvalidArgumentError("make_handler needs at least one device tensor")
+    flags = [False] * len(device_tensors) if kv_dim_before_num_blocks is None \
+        else [bool(f) for f in kv_dim_before_num_blocks]
+    if len(flags) != len(device_tensors):
+        raise InvalidArgumentError(
+            f"kv_dim_before_num_blocks has {len(flags)} entries for {len(device_tensors)} "
+            f"device tensors; give one flag per tensor")
+    halves: list[tuple[Any, str]] = []
+    for i, (t, kvfirst) in enumerate(zip(device_tensors, flags)):
+        if kvfirst:  # FlashAttention (2, num_blocks, ...): K and V are separate planes
+            if t.dim() < 2 or t.shape[0] != 2:
+                raise InvalidArgumentError(
+                    f"device tensor {i} is flagged kv_dim_before_num_blocks but has shape "
+                    f"{tuple(t.shape)}; expected (2, num_blocks, ...)")
+            halves += [(t[0], f"device tensor {i} (K half)"), (t[1], f"device tensor {i} (V half)")]
+        else:
+            halves.append((t, f"device tensor {i}"))
+    if len(planes) != len(halves):
+        raise InvalidArgumentError(
+            f"{len(planes)} planes given for {len(halves)} canonical device tensors (a K/V-first "
+            f"tensor needs two planes, K then V)")
+    device = device_tensors[0].device
+    pairs, n_dev, n_seg = [], None, None
+    for (half, what), plane in zip(halves, planes):
+        if half.device != device:
+            raise InvalidArgumentError(f"{what} is on {half.device}, tensor 0 on {device}; "
+                                       f"one handler serves one device")
+        dev = _byte_rows(half, what)
+        pname = f"plane {len(pairs)}"
+        if plane.device.type != "cpu" or plane.dim() != 2 or plane.element_size() != 1:
+            raise InvalidArgumentError(
+                f"{pname} must be a 2-D uint8/int8 CPU tensor, got {plane.dtype} "
+                f"{tuple(plane.shape)} on {plane.device}")
+        pl = _byte_rows(plane, pname)
+        page = dev.shape[1]
+        if pl.shape[1] != factor * page:
+            raise InvalidArgumentError(
+                f"{pname} rows are {pl.shape[1]} bytes but {what} pages are {page} bytes and "
+                f"block_size_factor is {factor}: expected {factor * page}")
+        if n_dev not in (None, dev.shape[0]) or n_seg not in (None, pl.shape[0]):
+            raise InvalidArgumentError(f"{what}/{pname}: every device tensor must have the same "
+                                       f"number of blocks, and so must every plane")
+        n_dev, n_seg = dev.shape[0], pl.shape[0]
+        if dev.stride(0) < page or pl.stride(0) < factor * page:
+            raise InvalidArgumentError(f"{what}/{pname}: blocks overlap (row stride < row size)")
+        pairs.append(PlanePair(dev, pl, page, dev.stride(0), pl.stride(0), dev.data_ptr(),
+                               pl.data_ptr()))
+    return Geometry(tuple(pairs), int(n_dev), int(n_seg), factor)
+
+
+# --- block maps ----------------------------------------------------------------------------
+def expand_block_ids(block_ids: np.ndarray, factor: int, skip: int = 0) -> np.ndarray:
+    """vLLM's expand_block_ids: ``[0, 1, 3]`` with factor 4 -> ``0..3, 4..7, 12..15``;
+    the first ``skip`` sub-blocks (of the first block) are dropped."""
+    ids = np.asarray(block_ids, dtype=np.int64)
+    return (ids[:, None] * factor + np.arange(factor, dtype=np.int64)).ravel()[skip:]
+
+
+@dataclass(frozen=True)
+class BlockPlan:
+    """A validated job, one entry per transferred device block (= segment sub-block)."""
+    kind: str
+    device_ids: np.ndarray     # int64
+    segment_rows: np.ndarray   # segment block holding each sub-block
+    segment_subs: np.ndarray   # position of the sub-block inside its segment block
+
+    @property
+    def n(self) -> int:
+        return int(self.device_ids.shape[0])
+
+
+def _ids(values: Sequence[int], what: str) -> np.ndarray:
+    arr = np.asarray(values)
+    if arr.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if arr.ndim != 1 or arr.dtype.kind not in "iu":
+        raise InvalidArgumentError(f"{what} must be a flat sequence of ints, got dtype "
+                                   f"{arr.dtype} shape {arr.shape}")
+    return arr.astype(np.int64, copy=False)
+
+
+def _check_range(ids: np.ndarray, limit: int, what: str) -> None:
+    bad = np.flatnonzero((ids < 0) | (ids >= limit))
+    if bad.size:
+        i = int(bad[0])
+        raise InvalidArgumentError(
+            f"{what}[{i}] = {int(ids[i])} is out of range [0, {limit}) ({bad.size} bad ids); "
+            f"nothing was copied")
+
+
+def _check_unique(ids: np.ndarray, what: str) -> None:
+    srt = np.sort(ids)  # ~10x faster than np.unique at engine-sized jobs
+    dup = np.flatnonzero(srt[1:] == srt[:-1])
+    if dup.size:
+        raise InvalidArgumentError(
+            f"{what} names destination {int(srt[dup[0]])} more than once; a job may write "
+            f"each destination block once")
+
+
+def plan_transfer(spec: TransferSpec, geo: Geometry) -> BlockPlan:
+    """Validate ``spec`` against ``geo`` and expand it; raises before anything is copied."""
+    if not isinstance(spec, TransferSpec):
+        raise InvalidArgumentError(f"expected a TransferSpec, got {type(spec).__name__}")
+    dev = _ids(spec.device_block_ids, "device_block_ids")
+    seg = _ids(spec.segment_block_ids, "segment_block_ids")
+    f = geo.factor
+    skip = seg.size * f - dev.size if spec.skip is None else spec.skip
+    tail = seg.size * f - dev.size - skip  # unused sub-blocks at the end of the last block
+    if not 0 <= skip < f or not 0 <= tail < f:
+        raise InvalidArgumentError(
+            f"{dev.size} device blocks starting {skip} sub-blocks in do not fit {seg.size} "
+            f"segment blocks with block_size_factor {f}: the job must start in the first "
+            f"and end in the last segment block (skip in [0, {f}))")
+    _check_range(dev, geo.num_device_blocks, "device_block_ids")
+    _check_range(seg, geo.num_segment_blocks, "segment_block_ids")
+    sub = expand_block_ids(seg, f, skip)[:dev.size]
+    if spec.kind == "store":
+        _check_unique(seg, "segment_block_ids")
+    else:
+        _check_unique(dev, "device_block_ids")
+    return BlockPlan(spec.kind, dev, sub // f, sub % f)
+
+
+def coalesce(plan: BlockPlan, factor: int, device_contiguous: bool,
+             plane_contiguous: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Runs of sub-blocks that are adjacent in memory on both sides: (first index, length).
+
+    Device blocks ``d, d+1`` are adjacent when device rows are packed; segment sub-blocks are
+    adjacent inside a segment block, and across blocks only when plane rows are packed.
+    """
+    n = plan.n
+    if n == 0:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    if device_contiguous and n > 1:
+        nxt = np.diff(plan.device_ids) == 1
+        nxt &= np.diff(plan.segment_rows * factor + plan.segment_subs) == 1
+        if not plane_contiguous:
+            nxt &= plan.segment_rows[1:] == plan.segment_rows[:-1]
+        starts = np.flatnonzero(np.concatenate(([True], ~nxt)))
+    else:
+        starts = np.arange(n, dtype=np.int64)
+    return starts, np.diff(np.append(starts, n))
+
+
+@dataclass(frozen=True)
+class PairRuns:
+    """Byte runs of one job in one plane pair: offsets from the pair's base pointers."""
+    pair: PlanePair
+    device_off: np.ndarray
+    plane_off: np.ndarray
+    nbytes: np.ndarray
+
+
+def job_runs(plan: BlockPlan, geo: Geometry) -> list[PairRuns]:
+    """Coalesced byte runs of ``plan`` for every pair, bounds-checked (defence in depth)."""
+    cache: dict[tuple[bool, bool], tuple[np.ndarray, np.ndarray]] = {}
+    out = []
+    for p in geo.pairs:
+        key = (p.device_stride == p.page_bytes, p.plane_stride == geo.factor * p.page_bytes)
+        if key not in cache:  # run structure depends only on which sides are packed
+            cache[key] = coalesce(plan, geo.factor, *key)
+        starts, counts = cache[key]
+        d = plan.device_ids[starts] * p.device_stride
+        s = plan.segment_rows[starts] * p.plane_stride + plan.segment_subs[starts] * p.page_bytes
+        nb = counts * p.page_bytes
+        if nb.size and (d.min() < 0 or (d + nb).max() > p.device_span() or s.min() < 0
+                        or (s + nb).max() > p.plane_span(geo.factor)):
+            raise AssertionError("kvshm bug: a computed run leaves its tensor")  # pragma: no cover
+        out.append(PairRuns(p, d, s, nb))
+    return out
+
+
+def make_handler(device_tensors: Sequence["torch.Tensor"], planes: Sequence["torch.Tensor"], *,
+                 block_size_factor: int = 1,
+                 kv_dim_before_num_blocks: Sequence[bool] | None = None,
+                 **options: Any) -> TransferHandler:
+    """CUDA handler if the device tensors are on CUDA, CPU-thread handler otherwise.
+
+    ``options`` go to the handler: CPU ``threads``, ``split_min_bytes``; CUDA ``pin`` (a
+    PinnedRegion or BackgroundPin the handler owns and releases on shutdown), ``method``.
+    """
+    if not device_tensors:
+        raise InvalidArgumentError("make_handler needs at least one device tensor")
+    if device_tensors[0].device.type == "cuda":
+        from kvshm.transfer.cuda_copy import CudaTransferHandler
+        return CudaTransferHandler(device_tensors, planes, block_size_factor=block_size_factor,
+                                   kv_dim_before_num_blocks=kv_dim_before_num_blocks, **options)
+    from kvshm.transfer.cpu_copy import CpuTransferHandler
+    return CpuTransferHandler(device_tensors, planes, block_size_factor=block_size_factor,
+                              kv_dim_before_num_blocks=kv_dim_before_num_blocks, **options)
