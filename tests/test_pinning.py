@@ -14,7 +14,7 @@ import threading
 import pytest
 import torch
 
-from kvshm.transfer.spec import pinning
+from kvshm.transfer import pinning
 from kvshm.errors import InvalidArgumentError, PinningError
 from kvshm.transfer.pinning import PAGE, pin_in_background, pin_region, plan_chunks, prefault
 

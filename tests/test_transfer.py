@@ -518,7 +518,7 @@ def test_both_cpu_copiers_copy_the_same_bytes(copier):
 
 
 def test_vm_copier_cuts_long_runs_and_groups_calls():
-    from kvshm.transfer.spec import cpu_copy
+    from kvshm.transfer import cpu_copy
     src = np.arange(50_000, dtype=np.uint8)
     dst = np.zeros_like(src)
     base_s, base_d = src.ctypes.data, dst.ctypes.data
@@ -533,7 +533,7 @@ def test_vm_copier_cuts_long_runs_and_groups_calls():
 
 
 def test_cpu_handler_falls_back_to_memmove_where_process_vm_readv_is_refused(monkeypatch):
-    from kvshm.transfer.spec import cpu_copy
+    from kvshm.transfer import cpu_copy
 
     def refuse(*args):
         ctypes.set_errno(errno.EPERM)

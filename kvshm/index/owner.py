@@ -29,54 +29,19 @@ from kvshm.errors import KvshmError, OwnerUnavailableError
 from kvshm.crashpoints import crash_point
 from kvshm.shm.fence import full_fence
 from kvshm.index.manager import LocalManager
-from kvshm.shm.ring import Doorbell, Ring
+from kvshm.index.requests import RequestHandlers, _Client
+from kvshm.shm.ring import Doorbell
 from kvshm.shm.segment import Segment, sem_name
 
 log = logging.getLogger("kvshm.index.owner")
 
 SCAN_INTERVAL_S = 0.2  # a dead client is reclaimed within about this long
 SPIN_S = 0.005  # keep polling this long after the last frame before sleeping
-MAX_EVENTS = 10_000  # per client; older events are dropped
 FRAMES_PER_PASS = 64  # per client and pass: one busy client cannot starve the others
 MAX_ATTEMPTS = 3  # owners that may die executing one request before it is dropped
 
 
-class _Client:
-    """What the owner knows of one adopted client slot (one generation of it)."""
-
-    def __init__(self, seg: Segment, slot: int, gen: int, events: bool):
-        self.slot, self.gen, self.events = slot, gen, events
-        self.holds = slots.holds(seg, slot)
-        self.quarantined = False  # its rings cannot be parsed: never read again
-        self.requests = self.replies = None
-        try:
-            self.requests = Ring(slots.ring_view(seg, slot, "request"))
-            self.replies = Ring(slots.ring_view(seg, slot, "reply"))
-        except KvshmError as e:  # no service; its holds still count while it lives
-            self.quarantined, self.why = True, f"unusable rings ({e})"
-        self.bell = Doorbell(slots.bell_view(seg, slot, "reply"),
-                             sem_name(seg.name, f"c{slot}-reply"), like_fd=seg.fd)
-        self.served = slots.served(seg, slot)  # epoch, consumed, answered, attempts
-        self.max_reply = Ring.max_payload(seg.geometry.ring_capacity)
-        self.events_log: list[tuple[bool, list[bytes]]] = []
-        # Reply frames of request `unsent_req` that did not fit the reply ring yet. While any
-        # wait, the request stays at the head of the request ring and nothing else is read.
-        self.unsent: list[bytes] = []
-        self.unsent_req = 0
-        # Keys of a request arriving in several frames (`parts_req`), until its last part.
-        self.parts: list[bytes] = []
-        self.parts_req = self.parts_next = 0
-        self.parts_lost = False  # its first parts went with a dead owner: answer Retry
-        self.parts_over = False  # it sent more keys than one request may hold
-
-    def close(self) -> None:
-        self.bell.close()
-        for r in (self.requests, self.replies):
-            if r is not None:
-                r.close()
-
-
-class Owner:
+class Owner(RequestHandlers):
     """Serve segment ``name`` until ``stop()`` or until the segment is unlinked."""
 
     def __init__(self, name: str, *, idle_exit_s: float | None = None):
@@ -88,7 +53,6 @@ class Owner:
                                     or writers.alive(self.seg, s, g))
         self.epoch = self.manager.epoch
         self._max_keys = 4 * self.seg.geometry.num_blocks + 65536  # per request
-        g = self.seg.geometry
         self.bell = Doorbell(self.seg.buf[L.OFF_OWNER_BELL:L.OFF_OWNER_BELL + 8],
                              sem_name(name, "owner"), like_fd=self.seg.fd)
         self.bell.drain()  # a predecessor that died asleep leaves stale posts behind
@@ -403,97 +367,6 @@ class Owner:
         self.bell.close()
         self._newcomer.release()
         self.seg.close()
-
-    # --- handlers: (client, message, replay) -> reply parts -----------------------------
-    # ``replay``: a dead owner began this request. Answer from the record (the table and
-    # the keys it still has pending for this client), never execute it a second time.
-    def _hello(self, c: _Client, m: P.Hello, replay: bool) -> list[P._Msg]:
-        if (m.slot, m.gen) != (c.slot, c.gen):
-            return [P.Error(m.req, self.epoch, "ProtocolError",
-                            f"hello names slot {m.slot} gen {m.gen} but came on slot {c.slot} "
-                            f"gen {c.gen}")]
-        c.events = m.events
-        return [P.Ok(m.req, self.epoch, self.epoch)]
-
-    def _lookup(self, c: _Client, m: P.Lookup, replay: bool) -> list[P._Msg]:
-        self.seg.counter_add("lookups_owner")
-        return [P.Ok(m.req, self.epoch, self.manager.lookup(m.keys))]
-
-    def _prepare_store(self, c: _Client, m: P.PrepareStore, replay: bool) -> list[P._Msg]:
-        writer = (c.slot, c.gen, m.req)
-        if replay:  # what the dead owner granted, and nothing more: evictions are unknown
-            done = self.manager.pending_of(writer, m.req)
-            return self._prepared(m.req, [k for k, _ in done], [b for _, b in done], [], True)
-        out = self.manager.prepare_store(m.keys, writer)
-        self._fan_out()
-        if out is None:
-            return [P.NoRoom(m.req, self.epoch)]
-        return self._prepared(m.req, out.keys_to_store, out.block_ids, out.evicted_keys, False)
-
-    def _prepared(self, req: int, keys: list[bytes], blocks: list[int], evicted: list[bytes],
-                  replayed: bool) -> list[P._Msg]:
-        """A Prepared reply, in as many frames as it needs."""
-        n = max(1, (Ring.max_payload(self.seg.geometry.ring_capacity) - 64)
-                // (L.MAX_KEY_BYTES + 16))
-        parts, i, j = [], 0, 0
-        while True:
-            k, e = keys[i:i + n], evicted[j:j + max(0, n - len(keys[i:i + n]))]
-            i, j = i + len(k), j + len(e)
-            more = i < len(keys) or j < len(evicted)
-            parts.append(P.Prepared(req, self.epoch, k, blocks[i - len(k):i], e, more,
-                                    len(parts), replayed))
-            if not more:
-                return parts
-
-    def _complete_store(self, c: _Client, m: P.CompleteStore, replay: bool) -> list[P._Msg]:
-        writer = (c.slot, c.gen, m.req)
-        if replay or m.of_req:  # apply only to what is still ours (of that request)
-            mine = {k for k, _ in self.manager.pending_of(writer, m.of_req or None)}
-            self.manager.complete_store([k for k in m.keys if k in mine], m.success, writer)
-        else:
-            self.manager.complete_store(m.keys, m.success, writer)
-        self._fan_out()
-        return [P.Ok(m.req, self.epoch)]
-
-    def _touch(self, c: _Client, m: P.Touch, replay: bool) -> list[P._Msg]:
-        self.manager.touch(m.keys)
-        self.seg.counter_add("touches")
-        return [P.Ok(m.req, self.epoch)]
-
-    def _take_events(self, c: _Client, m: P.TakeEvents, replay: bool) -> list[P._Msg]:
-        # As many events as fit one reply frame; the rest wait for the next call. (A replay
-        # finds an empty log: the events died with the owner that recorded them.)
-        room, n = c.max_reply // 2, 0
-        for n, (_, keys) in enumerate(c.events_log):
-            room -= sum(len(k) + 3 for k in keys) + 8
-            if room < 0:
-                break
-        else:
-            n = len(c.events_log)
-        log_, c.events_log = c.events_log[:n], c.events_log[n:]
-        return [P.Events(m.req, self.epoch, [rm for rm, _ in log_], [k for _, k in log_])]
-
-    def _goodbye(self, c: _Client, m: P.Bye) -> None:
-        """Free the client's unfinished stores, answer, forget it and free its slot — in
-        that order. Recorded like any request, so a successor finishes a goodbye its
-        predecessor died in. The slot is cleared last: while the record says ACTIVE nobody
-        may claim it, so the reply cannot land in a newcomer's freshly formatted ring."""
-        self.manager.reclaim_writer(c.slot, c.gen)
-        self._retire_counters(c.slot)
-        self._answer(c, m.req, [P.Ok(m.req, self.epoch)])  # if it does not fit, the client
-        self._drop_client(c.slot)                          # times out and goes all the same
-        self._last_client = time.monotonic()
-        slots.clear(self.seg, c.slot, c.gen)
-
-    def _fan_out(self) -> None:
-        """Every client that asked for events sees every change of the shared cache."""
-        events = self.manager.take_events()
-        if not events:
-            return
-        for c in self.clients.values():
-            if c.events:
-                c.events_log.extend((e.removed, e.keys) for e in events)
-                del c.events_log[:-MAX_EVENTS]
 
 
 def main(argv: list[str] | None = None) -> int:

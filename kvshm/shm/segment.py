@@ -8,7 +8,6 @@ block states (see ``table.py``) and imports torch only inside ``torch_planes``.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import mmap
 import os
 import re
@@ -21,13 +20,16 @@ import posix_ipc
 from kvshm.shm import layout as L
 from kvshm.shm import locks
 from kvshm.crashpoints import crash_point
-from kvshm.errors import (CreationStalledError, FormatVersionError, InsufficientSpaceError, InvalidArgumentError,
-                     LayoutMismatchError, NotAKvshmSegmentError, SegmentExistsError,
-                     SegmentNotFoundError, SegmentPermissionError)
+from kvshm.errors import (CreationStalledError, InsufficientSpaceError, InvalidArgumentError,
+                          NotAKvshmSegmentError, SegmentExistsError, SegmentNotFoundError,
+                          SegmentPermissionError)
+from kvshm.shm import header
 from kvshm.shm.layout import Geometry, Layout
 
 if TYPE_CHECKING:
     import torch
+
+    from kvshm.shm.pins import PinProgress
 
 SHM_DIR = "/dev/shm"
 PREFIX = "kvshm-"
@@ -286,85 +288,12 @@ class Segment:
     def _validate(cls, name: str, shm: posix_ipc.SharedMemory,
                   expected: Layout | None) -> "Segment":
         head, size = cls._wait_for_header(name, shm)
-        _, version, hbytes, total, created, nblocks, tpb, nplanes, maxc, ringcap, holdcap, \
-            islots, fp = L.HEADER.unpack(head)
-        if version != L.FORMAT_VERSION:
-            raise FormatVersionError(
-                f"segment {name!r} has format version {version}, this kvshm reads version "
-                f"{L.FORMAT_VERSION}; use a matching kvshm, or remove the segment")
-
-        def damaged(what: str) -> NotAKvshmSegmentError:
-            return NotAKvshmSegmentError(
-                f"segment {name!r} is damaged: {what}; remove it with "
-                f"'kvshm-inspect rm {name}' and create it again")
-
-        if hbytes != L.HEADER_BYTES:
-            raise damaged(f"header_bytes is {hbytes}, expected {L.HEADER_BYTES}")
-        if total != size:
-            raise damaged(f"it is {size} bytes but its header says total_size {total}")
-        # Everything below is read through pread, never through a mapping sized by fields
-        # not yet cross-checked (a mapping past the end of the file would SIGBUS).
-        desc = os.pread(shm.fd, L.LAYOUT_DESC_BYTES, L.OFF_LAYOUT_DESC).rstrip(b"\0")
-        if hashlib.sha256(desc).digest() != fp:
-            raise damaged("the layout description does not match the header's layout "
-                          "fingerprint")
-        try:
-            found = Layout.from_description(desc.decode())
-        except (ValueError, KeyError, TypeError) as e:  # JSON/UTF-8 errors are ValueErrors
-            raise damaged(f"layout description unreadable ({e!r})") from None
-        if found.fingerprint() != fp:
-            raise damaged("the layout description is not in canonical form")
-        if nplanes != len(found.page_bytes):
-            raise damaged(f"num_planes is {nplanes} but the layout has "
-                          f"{len(found.page_bytes)} planes")
-        pages = os.pread(shm.fd, 8 * L.MAX_PLANES, L.OFF_PAGE_BYTES)
-        if pages != L.plane_pages(found.page_bytes):
-            raise damaged("the page_bytes array disagrees with the layout's page sizes")
-        if tpb != found.tokens_per_block:
-            raise damaged(f"tokens_per_block is {tpb} but the layout says "
-                          f"{found.tokens_per_block}")
-        try:
-            geo = Geometry(nblocks, found.page_bytes, maxc, ringcap, holdcap)
-        except InvalidArgumentError as e:  # names the field that is out of range
-            raise damaged(f"header field out of range ({e})") from None
-        if geo.total_bytes != total:
-            raise damaged(f"total_size {total} disagrees with the geometry (num_blocks, "
-                          f"max_clients, ring_capacity, hold_capacity give "
-                          f"{geo.total_bytes})")
-        if geo.index_slots != islots:
-            raise damaged(f"index_slots is {islots}, the geometry gives {geo.index_slots}")
-        if os.pread(shm.fd, 16, L.OFF_HEADER_SUM) != L.header_sum(head):
-            raise damaged("the header fields (num_blocks, max_clients, ring_capacity, "
-                          "hold_capacity, ...) disagree with the header checksum")
-        if expected is not None and expected.fingerprint() != fp:
-            raise LayoutMismatchError(
-                f"segment {name!r} holds layout {found.describe()} but this process has "
-                f"{expected.describe()}; use another segment name for this model, or make "
-                "the layouts (model, page sizes, tokens per block) agree")
-        mm = mmap.mmap(shm.fd, total)
+        found, geo, created = header.check(name, shm.fd, head, size, expected)
+        mm = mmap.mmap(shm.fd, geo.total_bytes)
         return cls(name, shm, mm, found, geo, created)
 
     def _write_header(self, policy: str) -> None:
-        g, lay = self.geometry, self.layout
-        b = self.buf
-        b[L.OFF_POLICY:L.OFF_POLICY + len(policy)] = policy.encode()
-        b[L.OFF_LAYOUT_DESC:L.OFF_LAYOUT_DESC + len(lay.describe())] = lay.describe().encode()
-        b[L.OFF_PAGE_BYTES:L.OFF_PAGE_BYTES + 8 * L.MAX_PLANES] = L.plane_pages(lay.page_bytes)
-        # The block table needs no writes: fallocate zero-filled it (state FREE, seq 0).
-        # Hold arrays do: 0 would read as "pins block 0".
-        for slot in range(g.max_clients):
-            off = g.slot_offset(slot) + g.hold_offset
-            np.frombuffer(self._mm, np.int32, g.hold_capacity, off)[:] = -1
-        idx = g.index_offset
-        empty = L.INDEX_SLOT.pack(0, -1)
-        b[idx:idx + g.index_slots * 8] = empty * g.index_slots
-        # Magic last: an attacher that sees it sees a complete header.
-        L.HEADER.pack_into(b, 0, b"\0" * 8, L.FORMAT_VERSION, L.HEADER_BYTES, g.total_bytes,
-                           self.created_ns, g.num_blocks, lay.tokens_per_block,
-                           len(lay.page_bytes), g.max_clients, g.ring_capacity,
-                           g.hold_capacity, g.index_slots, lay.fingerprint())
-        b[L.OFF_HEADER_SUM:L.OFF_HEADER_SUM + 16] = L.header_sum(bytes(b[:L.HEADER.size]))
-        b[0:8] = L.MAGIC
+        header.write(self.buf, self.geometry, self.layout, self.created_ns, policy)
 
     def close(self) -> None:
         """Unmap and close this process's handle (the segment itself stays)."""
@@ -481,44 +410,8 @@ class Segment:
             yield
 
     def pin_progress(self) -> "PinProgress":
+        from kvshm.shm.pins import PinProgress
         return PinProgress(self)
-
-
-class PinProgress:
-    """This process's pin-progress record in the header (visible to ``kvshm-inspect``)."""
-
-    def __init__(self, seg: Segment):
-        self._seg = seg
-        pid = os.getpid()
-        self._off = None
-        for i in range(L.MAX_PINNERS):
-            off = L.OFF_PINNERS + i * L.PINNER.size
-            p, state, *_ = L.PINNER.unpack_from(seg.buf, off)
-            if p == pid or state in (L.PIN_IDLE, L.PIN_DONE, L.PIN_FAILED) or \
-                    not _pid_alive(p):
-                self._off = off
-                break
-        self.update(L.PIN_WAITING, 0, 0)
-
-    def update(self, state: int, done: int, total: int) -> None:
-        if self._off is not None:  # table full: progress simply isn't shown
-            L.PINNER.pack_into(self._seg.buf, self._off, os.getpid(), state, done, total,
-                               time.time_ns())
-
-    def __call__(self, done: int, total: int) -> None:
-        self.update(L.PIN_DONE if done >= total else L.PIN_RUNNING, done, total)
-
-
-def _pid_alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
 
 
 def list_segments() -> list[str]:

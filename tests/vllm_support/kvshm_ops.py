@@ -49,8 +49,8 @@ def self_checks() -> dict[str, Any]:
     """Checks that need vLLM but no engine: picklable specs, the version gate."""
     import numpy as np
 
-    from kvshm.integrations import vllm as integ
-    from kvshm.integrations import vllm_compat as compat
+    from kvshm.integrations.vllm import spec as integ
+    from kvshm.integrations.vllm import compat as compat
 
     spec = integ.KvshmLoadStoreSpec([5, 3, 9])
     back = pickle.loads(pickle.dumps(spec))

@@ -25,7 +25,7 @@ from typing import Any, Collection, Iterable
 from kvshm.index.client import SharedManager, connect
 from kvshm.errors import LayoutMismatchError
 from kvshm.shm.segment import Segment
-from kvshm.integrations import vllm_compat as V
+from kvshm.integrations.vllm import compat as V
 from kvshm.integrations.vllm.core import (KvshmOptions, ManagerCore, explain_mismatch, layout_for, num_blocks_for,
                         open_segment)
 from kvshm.integrations.vllm.jobs import WorkerCore
