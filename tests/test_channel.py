@@ -250,11 +250,11 @@ def test_dead_scheduler_channel_slot_is_reclaimed_by_the_owner(seg_name):
         p = CTX.Process(target=_channel_and_die, args=(seg_name, child), daemon=True)
         p.start()
         slot = parent.recv()
-        assert slots.record(mgr.segment, slot)[0] == slots.CHANNEL
+        assert slots.record(mgr.segment, slot).state == L.SlotState.CHANNEL
         p.kill()
         p.join()
         deadline = time.monotonic() + 30
-        while slots.record(mgr.segment, slot)[0] != slots.FREE:
+        while slots.record(mgr.segment, slot).state != L.SlotState.FREE:
             assert time.monotonic() < deadline, "the owner never reclaimed the channel slot"
             time.sleep(0.01)  # polling the owner's scan; the assertion is on the state
     finally:

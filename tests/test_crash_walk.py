@@ -95,7 +95,7 @@ def _check_cache(seg: Segment, stats: list[dict]) -> None:
         wait_for(lambda: all(t.read(b).state != L.WRITING
                              for b in range(seg.geometry.num_blocks)),
                  "every unfinished store to be freed", timeout=20)
-        wait_for(lambda: all(slots.record(seg, s)[0] == slots.FREE
+        wait_for(lambda: all(slots.record(seg, s).state == L.SlotState.FREE
                              for s in range(seg.geometry.max_clients)),
                  "every slot to come back", timeout=20)
         for b in range(seg.geometry.num_blocks):

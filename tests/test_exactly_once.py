@@ -224,7 +224,8 @@ def test_a_client_with_a_scribbled_ring_is_quarantined_and_keeps_its_leases(seg)
     writer.shutdown()
     bad._link.close()  # it cannot say goodbye on a broken ring: it just goes
     slots.unlock(bad.segment, bad.slot)
-    wait_for(lambda: slots.record(seg, bad.slot)[0] == slots.FREE, "its slot to be reclaimed")
+    wait_for(lambda: slots.record(seg, bad.slot).state == L.SlotState.FREE,
+             "its slot to be reclaimed")
 
 
 def test_reconnecting_in_a_loop_never_wedges_the_owner(seg):
@@ -249,7 +250,7 @@ def test_a_client_killed_before_its_owner_adopted_it_gets_its_slot_back(seg):
     p = subprocess.Popen([sys.executable, "-c", "import kvshm, sys; kvshm.connect(sys.argv[1])",
                           seg.name], env=env)
     assert p.wait() == -signal.SIGKILL
-    wait_for(lambda: all(slots.record(seg, s)[0] == slots.FREE
+    wait_for(lambda: all(slots.record(seg, s).state == L.SlotState.FREE
                          for s in range(seg.geometry.max_clients) if s != mgr.slot),
              "the owner to reclaim the slot of the dead newcomer")
     mgr.shutdown()
@@ -265,7 +266,7 @@ def test_timed_out_connects_leave_no_slot_behind(seg):
                 connect(seg.name, timeout=0.3)
     finally:
         os.kill(owner, signal.SIGCONT)
-    wait_for(lambda: sum(slots.record(seg, s)[0] != slots.FREE
+    wait_for(lambda: sum(slots.record(seg, s).state != L.SlotState.FREE
                          for s in range(seg.geometry.max_clients)) == 1,
              "the owner to reclaim the slots of timed-out connects")
     mgr.shutdown()

@@ -151,7 +151,7 @@ class Rig:
     def kill_scheduler(self, slot: int) -> None:
         self.sched.kill()
         self.sched.join()
-        wait_for(lambda: slots.record(self.seg, slot)[0] == slots.FREE,
+        wait_for(lambda: slots.record(self.seg, slot).state == L.SlotState.FREE,
                  "the owner to reclaim the dead scheduler's slot")
 
     def resume_worker(self) -> None:

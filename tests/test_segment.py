@@ -526,3 +526,13 @@ def test_owner_record_is_shared(make_segment):
     seg.write_owner_record(1234, 5, 6, 7)
     with Segment.attach(seg.name, LAYOUT) as other:
         assert other.owner_record() == (1234, 5, 6, 7)
+
+
+def test_owner_record_is_named_and_stored_word_by_word(make_segment):
+    seg = make_segment()
+    seg.write_owner_record(7, 3, 11, 13)
+    rec = seg.owner_record()
+    assert (rec.pid, rec.epoch, rec.since_ns, rec.tick) == (7, 3, 11, 13) == tuple(rec)
+    assert rec[:2] == (7, 3)
+    off = L.OFF_OWNER + L.OWNER_DTYPE.fields["epoch"][1]
+    assert int.from_bytes(seg.buf[off:off + 4], "little") == 3

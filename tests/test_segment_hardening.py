@@ -8,7 +8,6 @@ import json
 import os
 import signal
 import stat
-import struct
 import subprocess
 import sys
 import time
@@ -115,12 +114,8 @@ def test_attach_refuses_swapped_page_sizes_in_the_description(seg_name):
                                          ("num_blocks", 0), ("index_slots", 4)])
 def test_attach_refuses_a_header_field_that_disagrees_with_the_geometry(seg_name, field, value):
     _dead_segment(seg_name)
-    names = ["magic", "version", "header_bytes", "total_size", "created_ns", "num_blocks",
-             "tokens_per_block", "num_planes", "max_clients", "ring_capacity",
-             "hold_capacity", "index_slots"]
-    codes = L.HEADER.format.lstrip("<")  # one code per field, the fingerprint last
-    i = names.index(field)
-    _patch(seg_name, struct.calcsize("<" + codes[:i]), struct.pack("<" + codes[i], value))
+    dtype, off = L.HEADER_DTYPE.fields[field][:2]  # the header's one definition
+    _patch(seg_name, off, dtype.type(value).tobytes())
     with pytest.raises(NotAKvshmSegmentError) as e:
         Segment.attach(seg_name)
     assert f"kvshm-inspect rm {seg_name}" in str(e.value)

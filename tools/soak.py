@@ -438,7 +438,7 @@ class Soak:
         while time.monotonic() < deadline:
             writing = sum(table.read(b).state == L.WRITING for b in range(g.num_blocks))
             dead = [i for i in range(g.max_clients)
-                    if i != probe.slot and slots.record(seg, i)[0] != slots.FREE]
+                    if i != probe.slot and slots.record(seg, i).state != L.SlotState.FREE]
             if not writing and not dead:
                 break
             time.sleep(0.05)  # polling the owner's reclaim, bounded by the deadline
@@ -448,7 +448,8 @@ class Soak:
         # Every client is gone now: every slot must come back FREE (the owner clears them).
         deadline = time.monotonic() + 10
         while True:
-            leaked = [i for i in range(g.max_clients) if slots.record(seg, i)[0] != slots.FREE]
+            leaked = [i for i in range(g.max_clients)
+                      if slots.record(seg, i).state != L.SlotState.FREE]
             if not leaked or time.monotonic() > deadline:
                 break
             time.sleep(0.05)  # polling the owner's reclaim, bounded by the deadline

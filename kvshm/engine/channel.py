@@ -122,7 +122,7 @@ class SchedulerChannel:
         except BaseException:
             self.seg.close()
             raise
-        slots.activate(self.seg, self.slot, self.gen, state=slots.CHANNEL)
+        slots.activate(self.seg, self.slot, self.gen, state=L.SlotState.CHANNEL)
         self._ends = _Ends(self.seg, self.slot)
         self._outstanding: dict[int, str] = {}  # job id -> kind
         self._received: list[Done] = []
@@ -139,9 +139,9 @@ class SchedulerChannel:
                 if locks.is_held(fd, WORKER_LOCK_BASE + slot) or \
                         not locks.try_lock(fd, L.LOCK_CLIENT_BASE + slot):
                     continue
-                state, _, gen, _, _ = slots.record(self.seg, slot)
-                if state == slots.FREE:
-                    return slot, gen + 1
+                rec = slots.record(self.seg, slot)
+                if rec.state == L.SlotState.FREE:
+                    return slot, rec.gen + 1
                 locks.unlock(fd, L.LOCK_CLIENT_BASE + slot)
             if time.monotonic() > deadline:
                 raise ClientSlotsExhaustedError(
@@ -273,8 +273,9 @@ class WorkerChannel:
         try:
             if not 0 <= slot < self.seg.geometry.max_clients:
                 raise InvalidArgumentError(f"slot {slot} is out of range")
-            state, _, self.gen, _, _ = slots.record(self.seg, slot)
-            if state != slots.CHANNEL:
+            rec = slots.record(self.seg, slot)
+            state, self.gen = rec.state, rec.gen
+            if state != L.SlotState.CHANNEL:
                 raise InvalidArgumentError(
                     f"slot {slot} of segment {segment_name!r} is not a job channel (state "
                     f"{state}); pass the address SchedulerChannel.address gave")
@@ -293,8 +294,8 @@ class WorkerChannel:
         return self.seg
 
     def scheduler_alive(self) -> bool:
-        state, _, gen, _, _ = slots.record(self.seg, self.slot)
-        return state == slots.CHANNEL and gen == self.gen and \
+        rec = slots.record(self.seg, self.slot)
+        return rec.state == L.SlotState.CHANNEL and rec.gen == self.gen and \
             locks.is_held(self.seg.fd, L.LOCK_CLIENT_BASE + self.slot)
 
     def recv(self, timeout: float) -> list[_Frame] | None:

@@ -72,11 +72,8 @@ class Owner(RequestHandlers):
         log.info("owner of %s (epoch %d): %s", name, self.epoch, self.manager.recovered)
 
     # --- liveness -----------------------------------------------------------------------
-    def _slot_state(self, slot: int) -> tuple:
-        return slots.record(self.seg, slot)
-
     def _slot_gen(self, slot: int) -> int:
-        return self._slot_state(slot)[2]
+        return slots.record(self.seg, slot).gen
 
     def _writer_alive(self, slot: int, gen: int) -> bool:
         return 0 <= slot < self.seg.geometry.max_clients and \
@@ -93,7 +90,7 @@ class Owner(RequestHandlers):
                 parts.append(h[h >= 0])
             else:
                 h = h[h != -1]
-                parts.append(np.where(h >= 0, h, -2 - h))
+                parts.append(L.held_block(h))
         if not parts:
             return set()
         return set(np.concatenate(parts).tolist())
@@ -121,11 +118,11 @@ class Owner(RequestHandlers):
         for slot in range(self.seg.geometry.max_clients):
             if slot in self.clients:
                 continue
-            state, _, gen, _, _ = self._slot_state(slot)
-            if state == slots.CLIENT and not self._writer_alive(slot, gen):
-                self._reclaim(slot, gen)
-            elif state == slots.CHANNEL:  # holds nothing of ours: it just goes FREE
-                slots.clear_if_dead(self.seg, slot, gen)
+            rec = slots.record(self.seg, slot)
+            if rec.state == L.SlotState.CLIENT and not self._writer_alive(slot, rec.gen):
+                self._reclaim(slot, rec.gen)
+            elif rec.state == L.SlotState.CHANNEL:  # holds nothing of ours: it just goes FREE
+                slots.clear_if_dead(self.seg, slot, rec.gen)
 
     def _retire_counters(self, slot: int) -> None:
         """Fold a leaving client's own counters into the segment's totals."""
@@ -176,9 +173,9 @@ class Owner(RequestHandlers):
         g = self.seg.geometry
         for slot in range(g.max_clients):
             if slot not in self.clients:
-                state, _, gen, _, _ = self._slot_state(slot)
-                if state == L.SLOT_ACTIVE and self._writer_alive(slot, gen):
-                    c = self.clients[slot] = _Client(self.seg, slot, gen, False)
+                rec = slots.record(self.seg, slot)
+                if rec.state == L.SlotState.CLIENT and self._writer_alive(slot, rec.gen):
+                    c = self.clients[slot] = _Client(self.seg, slot, rec.gen, False)
                     if c.quarantined:
                         self._quarantine(c, c.why)
                     self._last_client = time.monotonic()

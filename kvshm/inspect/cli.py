@@ -204,7 +204,7 @@ def _gc(seg: Segment) -> dict[str, Any]:
         for i in range(g.max_clients):
             state, pid, gen, _, name = slots.record(seg, i)
             holds = int((slots.holds(seg, i) != -1).sum())
-            if state != slots.FREE and i not in live and slots.clear_if_dead(seg, i, gen):
+            if state != L.SlotState.FREE and i not in live and slots.clear_if_dead(seg, i, gen):
                 out["reclaimed_clients"].append({"slot": i, "pid": pid, "holds": holds, "name":
                                                  name.rstrip(b"\0").decode("utf-8", "replace")})
         seg.counter_add("reclaimed_clients", len(out["reclaimed_clients"]))

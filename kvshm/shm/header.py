@@ -23,8 +23,9 @@ from kvshm.shm.layout import Geometry, Layout
 def check(name: str, fd: int, head: bytes, size: int,
           expected: Layout | None) -> tuple[Layout, Geometry, int]:
     """(layout, geometry, created_ns) of a finished header ``head`` of a ``size``-byte file."""
-    _, version, hbytes, total, created, nblocks, tpb, nplanes, maxc, ringcap, holdcap, \
-        islots, fp = L.HEADER.unpack(head)
+    h = L.header_record(head)
+    version, hbytes, total, created = h.version, h.header_bytes, h.total_size, h.created_ns
+    nblocks, tpb, nplanes, fp = h.num_blocks, h.tokens_per_block, h.num_planes, h.fingerprint
     if version != L.FORMAT_VERSION:
         raise FormatVersionError(
             f"segment {name!r} has format version {version}, this kvshm reads version "
@@ -61,15 +62,16 @@ def check(name: str, fd: int, head: bytes, size: int,
         raise damaged(f"tokens_per_block is {tpb} but the layout says "
                       f"{found.tokens_per_block}")
     try:
-        geo = Geometry(nblocks, found.page_bytes, maxc, ringcap, holdcap)
+        geo = Geometry(nblocks, found.page_bytes, h.max_clients, h.ring_capacity,
+                       h.hold_capacity)
     except InvalidArgumentError as e:  # names the field that is out of range
         raise damaged(f"header field out of range ({e})") from None
     if geo.total_bytes != total:
         raise damaged(f"total_size {total} disagrees with the geometry (num_blocks, "
                       f"max_clients, ring_capacity, hold_capacity give "
                       f"{geo.total_bytes})")
-    if geo.index_slots != islots:
-        raise damaged(f"index_slots is {islots}, the geometry gives {geo.index_slots}")
+    if geo.index_slots != h.index_slots:
+        raise damaged(f"index_slots is {h.index_slots}, the geometry gives {geo.index_slots}")
     if os.pread(fd, 16, L.OFF_HEADER_SUM) != L.header_sum(head):
         raise damaged("the header fields (num_blocks, max_clients, ring_capacity, "
                       "hold_capacity, ...) disagree with the header checksum")
@@ -95,9 +97,13 @@ def write(b: memoryview, g: Geometry, lay: Layout, created_ns: int, policy: str)
     empty = L.INDEX_SLOT.pack(0, -1)
     b[idx:idx + g.index_slots * 8] = empty * g.index_slots
     # Magic last: an attacher that sees it sees a complete header.
-    L.HEADER.pack_into(b, 0, b"\0" * 8, L.FORMAT_VERSION, L.HEADER_BYTES, g.total_bytes,
-                       created_ns, g.num_blocks, lay.tokens_per_block,
-                       len(lay.page_bytes), g.max_clients, g.ring_capacity,
-                       g.hold_capacity, g.index_slots, lay.fingerprint())
+    fields = L.HeaderRecord(
+        magic=b"\0" * 8, version=L.FORMAT_VERSION, header_bytes=L.HEADER_BYTES,
+        total_size=g.total_bytes, created_ns=created_ns, num_blocks=g.num_blocks,
+        tokens_per_block=lay.tokens_per_block, num_planes=len(lay.page_bytes),
+        max_clients=g.max_clients, ring_capacity=g.ring_capacity,
+        hold_capacity=g.hold_capacity, index_slots=g.index_slots,
+        fingerprint=lay.fingerprint())
+    L.HEADER.pack_into(b, 0, *fields)  # nobody reads it before the magic below
     b[L.OFF_HEADER_SUM:L.OFF_HEADER_SUM + 16] = L.header_sum(bytes(b[:L.HEADER.size]))
     b[0:8] = L.MAGIC

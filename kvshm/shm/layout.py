@@ -1,8 +1,9 @@
 """The byte layout of a kvshm segment: what lies where, and the model-layout fingerprint.
 
-This module owns every offset and struct format of the shared segment, so that the segment,
-the owner, the clients and ``kvshm-inspect`` agree on them. It computes; it never maps memory,
-never locks and never imports torch.
+This module owns every offset of the shared segment (where each region and record lies; the
+fields of the header and slot records are defined once in ``records.py``), so that the
+segment, the owner, the clients and ``kvshm-inspect`` agree on them. It computes; it never
+maps memory, never locks and never imports torch.
 
 Segment (format version 2)::
 
@@ -23,7 +24,14 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Sequence
 
+import numpy as np
+
 from kvshm.errors import InvalidArgumentError
+from kvshm.shm.records import (  # noqa: F401  (re-exported: one definition, two names)
+    COUNTER_NAMES, COUNTERS_DTYPE, HEADER, HEADER_DTYPE, OWNER, OWNER_BYTES, OWNER_DTYPE,
+    PIN_DONE, PIN_FAILED, PIN_IDLE, PIN_RUNNING, PIN_WAITING, PINNER, PINNER_DTYPE, SLOT,
+    SLOT_DTYPE, SLOT_STATE_NAMES, HeaderRecord, OwnerRecord, PinnerRecord, SlotRecord,
+    SlotState, header_record)
 
 MAGIC = b"KVSHM\x00\x00\x01"
 FORMAT_VERSION = 2  # 2: 64-bit writer_req, keysum in every table entry
@@ -53,9 +61,9 @@ LOCK_CLIENT_BASE = 64
 LOCK_WRITER_BASE = LOCK_CLIENT_BASE + 2048
 
 # --- header ------------------------------------------------------------------------------
-# magic, version, header_bytes, total_size, created_ns, num_blocks, tokens_per_block,
-# num_planes, max_clients, ring_capacity, hold_capacity, index_slots, fingerprint
-HEADER = struct.Struct("<8sIIQQQIIIIIQ32s")
+# The records' fields (names, types, offsets, who writes what) are records.py's; layout
+# places them. They are re-exported here, so ``layout.HEADER`` and the rest keep working.
+
 # sha256 (first 16 bytes) of the header after the magic: a field edited after creation, even
 # one whose change the 2 MiB rounding of total_size would hide, is caught at attach.
 OFF_HEADER_SUM = 104
@@ -69,41 +77,23 @@ def header_sum(head: bytes) -> bytes:
 
 OFF_LAYOUT_DESC = 128  # utf-8 JSON of the layout, NUL padded, for error messages
 OFF_PAGE_BYTES = OFF_LAYOUT_DESC + LAYOUT_DESC_BYTES  # MAX_PLANES x u64
-OFF_OWNER = OFF_PAGE_BYTES + 8 * MAX_PLANES  # owner record
-OWNER = struct.Struct("<IIQQ")  # pid, epoch, since_ns, tick (last-use clock)
-OFF_POLICY = OFF_OWNER + 32  # eviction policy name, 16 bytes: every owner uses the same one
+OFF_OWNER = OFF_PAGE_BYTES + 8 * MAX_PLANES  # owner record (OWNER_DTYPE)
+OFF_POLICY = OFF_OWNER + OWNER_BYTES  # eviction policy name, 16 bytes: every owner uses it
 OFF_OWNER_BELL = OFF_OWNER + 64  # owner doorbell sleeper flag (own cache line)
 OFF_NEWCOMER = OFF_OWNER_BELL + 8  # set by a client that just activated its slot
-OFF_COUNTERS = OFF_OWNER_BELL + 64
-COUNTER_NAMES = (
-    "stores", "store_blocks", "store_failed_blocks", "prepare_store_refused", "evictions",
-    "lookups_owner", "touches", "errors", "failovers", "reclaimed_clients",
-    "reclaimed_blocks", "frames",
-    # Blocks of dead clients kept back while a process copying for them still lived.
-    "quarantined_blocks",
-    # Counters of clients that have left, folded in by the owner so totals survive them.
-    "gone_lookups", "gone_hits", "gone_loads", "gone_load_blocks", "gone_bytes_in",
-    "gone_bytes_out",
-)
-OFF_PINNERS = OFF_COUNTERS + 8 * 32
-PINNER = struct.Struct("<IIQQQ")  # pid, state, done_bytes, total_bytes, updated_ns
-PIN_IDLE, PIN_WAITING, PIN_RUNNING, PIN_DONE, PIN_FAILED = range(5)
-assert OFF_PINNERS + PINNER.size * MAX_PINNERS <= HEADER_BYTES
+OFF_COUNTERS = OFF_OWNER_BELL + 64  # COUNTERS_DTYPE
+OFF_PINNERS = OFF_COUNTERS + COUNTERS_DTYPE.itemsize  # MAX_PINNERS x PINNER_DTYPE
+assert OWNER_DTYPE.itemsize <= OWNER_BYTES and OFF_OWNER % 8 == 0 and OFF_COUNTERS % 8 == 0
+assert OFF_PINNERS % 8 == 0 and OFF_PINNERS + PINNER.size * MAX_PINNERS <= HEADER_BYTES
 
 # --- client slot -------------------------------------------------------------------------
-# The slot record. Every field is stored as one aligned word (never struct.pack_into, which
-# zero-fills first), so a reader sees each field old or new, never torn or transiently 0.
-SLOT = struct.Struct("<IIQQ32s")
-SLOT_OFF_STATE = 0  # u32: FREE -> ACTIVE/CHANNEL by the claimant holding the slot lock, stored
-#                     last; ACTIVE -> FREE only by the owner (or gc holding the owner lock)
-SLOT_OFF_PID = 4  # u32: claimant's pid, for people
-SLOT_OFF_GEN = 8  # u64: claimant, before the state; +1 per claim, never reused for a slot
-SLOT_OFF_ATTACHED = 16  # u64: claimant, ns since the epoch
-SLOT_OFF_NAME = 24  # 32 bytes: claimant's program name, for people
-SLOT_FREE, SLOT_ACTIVE, SLOT_CHANNEL = 0, 1, 2
-SLOT_STATE_NAMES = {SLOT_FREE: "free", SLOT_ACTIVE: "client", SLOT_CHANNEL: "channel"}
+# The slot record is records.SLOT_DTYPE; its offsets, for word stores:
+SLOT_OFF_STATE, SLOT_OFF_PID, SLOT_OFF_GEN, SLOT_OFF_ATTACHED, SLOT_OFF_NAME = (
+    SLOT_DTYPE.fields[n][1] for n in ("state", "pid", "gen", "attached_ns", "name"))
+SLOT_NAME_BYTES = SLOT_DTYPE.fields["name"][0].itemsize
 SLOT_COUNTERS = ("lookups", "hits", "loads", "load_blocks", "bytes_in", "bytes_out")
 SLOT_OFF_COUNTERS = 64  # u64 each, client-written
+assert SLOT_DTYPE.itemsize <= SLOT_OFF_COUNTERS
 # The served record: owner-written u64 words that make requests exactly-once (owner_link.py).
 SLOT_OFF_SERVED = 128
 SERVED_FIELDS = ("epoch",  # epoch of the owner that last wrote this record
@@ -111,19 +101,25 @@ SERVED_FIELDS = ("epoch",  # epoch of the owner that last wrote this record
                  "answered",  # last request id whose whole reply is on the reply ring
                  "attempts")  # owners that began `consumed` (a request that kills owners)
 SLOT_HEAD_BYTES = 192
+assert SLOT_OFF_COUNTERS + 8 * len(SLOT_COUNTERS) <= SLOT_OFF_SERVED
 assert SLOT_OFF_SERVED + 8 * len(SERVED_FIELDS) <= SLOT_HEAD_BYTES
 RING_NAMES = ("request", "reply", "peer_in", "peer_out")
 BELL_NAMES = ("reply", "peer_in", "peer_out")
 
 # A hold entry is -1 (empty), a block id (a load pin) or lease_code(block) (a lookup lease).
 # Leases protect a block from *other* clients' evictions; pins from everyone's.
-def lease_code(block: int) -> int:
+# Both helpers work on ints and on numpy arrays of hold entries alike.
+def lease_code(block: Any) -> Any:
+    """The hold entry of a lease on ``block``; its own inverse (``lease_code`` of a lease
+    code is the leased block)."""
     return -2 - block
 
 
-def held_block(code: int) -> int:
-    """The block an occupied hold entry refers to (pin or lease)."""
-    return code if code >= 0 else -2 - code
+def held_block(code: Any) -> Any:
+    """The block an occupied hold entry refers to (pin or lease); elementwise on arrays."""
+    if isinstance(code, np.ndarray):
+        return np.where(code >= 0, code, lease_code(code))
+    return code if code >= 0 else lease_code(code)
 
 
 # --- block table -------------------------------------------------------------------------

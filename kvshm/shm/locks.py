@@ -17,8 +17,9 @@ import errno
 import fcntl
 import os
 import struct
-import time
 from typing import Iterator
+
+from kvshm.shm.wait import poll_until
 
 # struct flock on Linux x86_64/aarch64: short l_type, short l_whence, off_t l_start,
 # off_t l_len, pid_t l_pid (+ padding). l_pid must be 0 for OFD locks.
@@ -45,14 +46,7 @@ def lock(fd: int, byte: int, timeout: float | None = None) -> bool:
     if timeout is None:
         fcntl.fcntl(fd, fcntl.F_OFD_SETLKW, _flock(fcntl.F_WRLCK, byte))
         return True
-    deadline = time.monotonic() + timeout
-    delay = 1e-4
-    while not try_lock(fd, byte):
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(delay)  # polling a kernel lock, not synchronising on time
-        delay = min(delay * 2, 0.01)
-    return True
+    return poll_until(lambda: try_lock(fd, byte), timeout)  # polling a kernel lock
 
 
 def unlock(fd: int, byte: int) -> None:

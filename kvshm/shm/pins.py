@@ -11,6 +11,7 @@ import time
 from typing import TYPE_CHECKING
 
 from kvshm.shm import layout as L
+from kvshm.shm import words
 
 if TYPE_CHECKING:
     from kvshm.shm.segment import Segment
@@ -25,17 +26,18 @@ class PinProgress:
         self._off = None
         for i in range(L.MAX_PINNERS):
             off = L.OFF_PINNERS + i * L.PINNER.size
-            p, state, *_ = L.PINNER.unpack_from(seg.buf, off)
-            if p == pid or state in (L.PIN_IDLE, L.PIN_DONE, L.PIN_FAILED) or \
-                    not _pid_alive(p):
+            rec = L.PinnerRecord._make(L.PINNER.unpack_from(seg.buf, off))
+            if rec.pid == pid or rec.state in (L.PIN_IDLE, L.PIN_DONE, L.PIN_FAILED) or \
+                    not _pid_alive(rec.pid):
                 self._off = off
                 break
         self.update(L.PIN_WAITING, 0, 0)
 
     def update(self, state: int, done: int, total: int) -> None:
         if self._off is not None:  # table full: progress simply isn't shown
-            L.PINNER.pack_into(self._seg.buf, self._off, os.getpid(), state, done, total,
-                               time.time_ns())
+            words.store_fields(self._seg.buf, self._off, L.PINNER_DTYPE, pid=os.getpid(),
+                               state=state, done_bytes=done, total_bytes=total,
+                               updated_ns=time.time_ns())
 
     def __call__(self, done: int, total: int) -> None:
         self.update(L.PIN_DONE if done >= total else L.PIN_RUNNING, done, total)

@@ -37,13 +37,13 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
-import platform
 import stat
 import time
 from typing import Callable
 
 import posix_ipc
 
+from kvshm.shm.fence import WEAK_ORDER as _WEAK_ORDER  # module-level: tests patch it
 from kvshm.shm.fence import full_fence
 from kvshm.errors import (FrameTooLargeError, InvalidArgumentError, ProtocolError,
                           RingFullError, SegmentPermissionError)
@@ -56,7 +56,6 @@ _WRAP = 0xFFFFFFFF  # length value of the wrap marker: "continue at offset 0"
 _SPIN_S, _YIELD_S, _SLEEP_MAX_S = 50e-6, 2e-3, 1e-3  # put() backoff phases when full
 
 _yield = os.sched_yield
-_WEAK_ORDER = platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686", "x86")
 # One fence for all of kvshm; see fence.py for why a lock round trip is a barrier.
 memory_fence = full_fence
 

@@ -23,7 +23,7 @@ from kvshm.crashpoints import crash_point
 from kvshm.errors import (CreationStalledError, InsufficientSpaceError, InvalidArgumentError,
                           NotAKvshmSegmentError, SegmentExistsError, SegmentNotFoundError,
                           SegmentPermissionError)
-from kvshm.shm import header
+from kvshm.shm import header, words
 from kvshm.shm.layout import Geometry, Layout
 
 if TYPE_CHECKING:
@@ -97,7 +97,8 @@ class Segment:
         self._qfd: int | None = None
         # Counters are read by other processes: store words through a cast (one copy each),
         # never with struct.pack_into, which zero-fills before writing.
-        self._counters = self.buf[L.OFF_COUNTERS:L.OFF_COUNTERS + 8 * 32].cast("Q")
+        self._counters = self.buf[
+            L.OFF_COUNTERS:L.OFF_COUNTERS + L.COUNTERS_DTYPE.itemsize].cast("Q")
 
     # --- lifecycle ----------------------------------------------------------------------
     # Creation protocol (why a dead creator can never block anyone):
@@ -375,12 +376,15 @@ class Segment:
     def counters(self) -> dict[str, int]:
         return {n: self.counter(n) for n in L.COUNTER_NAMES}
 
-    def owner_record(self) -> tuple[int, int, int, int]:
+    def owner_record(self) -> L.OwnerRecord:
         """(pid, epoch, since_ns, tick) as last written by an owner."""
-        return L.OWNER.unpack_from(self.buf, L.OFF_OWNER)
+        return L.OwnerRecord._make(L.OWNER.unpack_from(self.buf, L.OFF_OWNER))
 
     def write_owner_record(self, pid: int, epoch: int, since_ns: int, tick: int) -> None:
-        L.OWNER.pack_into(self.buf, L.OFF_OWNER, pid, epoch, since_ns, tick)
+        """Owner only: store the owner record one aligned word per field (a reader never
+        sees a field zeroed in passing, as ``struct.pack_into`` would show it)."""
+        words.store_fields(self.buf, L.OFF_OWNER, L.OWNER_DTYPE, pid=pid, epoch=epoch,
+                           since_ns=since_ns, tick=tick)
 
     @property
     def policy(self) -> str:

@@ -19,18 +19,19 @@ from typing import Callable
 import numpy as np
 
 from kvshm.shm import layout as L
-from kvshm.shm import locks
+from kvshm.shm import locks, words
 from kvshm.errors import ClientSlotsExhaustedError
 from kvshm.shm.fence import full_fence
+from kvshm.shm.layout import SlotRecord, SlotState
 from kvshm.shm.ring import Ring
 from kvshm.shm.segment import Segment
 
-FREE, CLIENT, CHANNEL = L.SLOT_FREE, L.SLOT_ACTIVE, L.SLOT_CHANNEL
 
 
-def record(seg: Segment, slot: int) -> tuple[int, int, int, int, bytes]:
-    """(state, pid, generation, attached_ns, name) of ``slot``."""
-    return L.SLOT.unpack_from(seg.buf, seg.geometry.slot_offset(slot))
+def record(seg: Segment, slot: int) -> SlotRecord:
+    """The record of ``slot``: ``.state`` (a ``SlotState`` value), ``.pid``, ``.gen``,
+    ``.attached_ns``, ``.name``."""
+    return SlotRecord._make(L.SLOT.unpack_from(seg.buf, seg.geometry.slot_offset(slot)))
 
 
 def claim(seg: Segment, wait_for_reclaim: Callable[[], None] | None = None,
@@ -47,9 +48,9 @@ def claim(seg: Segment, wait_for_reclaim: Callable[[], None] | None = None,
         for slot in range(g.max_clients):
             if not locks.try_lock(fd, L.LOCK_CLIENT_BASE + slot):
                 continue
-            state, _, gen, _, _ = record(seg, slot)
-            if state == FREE:
-                return slot, gen + 1
+            rec = record(seg, slot)
+            if rec.state == SlotState.FREE:
+                return slot, rec.gen + 1
             locks.unlock(fd, L.LOCK_CLIENT_BASE + slot)
             dirty = True
         if not dirty or wait_for_reclaim is None or time.monotonic() > deadline:
@@ -62,18 +63,13 @@ def claim(seg: Segment, wait_for_reclaim: Callable[[], None] | None = None,
         time.sleep(0.05)  # polling the owner's reclaim, bounded by the deadline
 
 
-def _words(seg: Segment, slot: int) -> memoryview:
-    off = seg.geometry.slot_offset(slot)
-    return seg.buf[off:off + L.SLOT_HEAD_BYTES]
+def _store(seg: Segment, slot: int, name: str, value: int | bytes) -> None:
+    """Store field ``name`` of the slot record (one aligned word: old or new, never torn)."""
+    words.store_fields(seg.buf, seg.geometry.slot_offset(slot), L.SLOT_DTYPE,
+                       **{name: value})
 
 
-def _store(seg: Segment, slot: int, off: int, value: int, fmt: str = "Q") -> None:
-    """One aligned word store into the slot record (readers see old or new, never torn)."""
-    with _words(seg, slot)[off:off + 8 if fmt == "Q" else off + 4].cast(fmt) as w:
-        w[0] = value
-
-
-def activate(seg: Segment, slot: int, gen: int, state: int = CLIENT) -> None:
+def activate(seg: Segment, slot: int, gen: int, state: int = SlotState.CLIENT) -> None:
     """Reset a claimed slot (holds, counters, served record, rings) and publish its record."""
     g = seg.geometry
     holds(seg, slot)[:] = -1
@@ -81,14 +77,13 @@ def activate(seg: Segment, slot: int, gen: int, state: int = CLIENT) -> None:
     served(seg, slot)[:] = 0
     for name in L.RING_NAMES:
         Ring.format(ring_view(seg, slot, name), g.ring_capacity)
-    name = os.path.basename(sys.argv[0] or "python")[:32].encode()
-    head = _words(seg, slot)
-    head[L.SLOT_OFF_NAME:L.SLOT_OFF_NAME + 32] = name.ljust(32, b"\0")
-    _store(seg, slot, L.SLOT_OFF_PID, os.getpid(), "I")
-    _store(seg, slot, L.SLOT_OFF_ATTACHED, time.time_ns())
-    _store(seg, slot, L.SLOT_OFF_GEN, gen)
+    _store(seg, slot, "name", os.path.basename(sys.argv[0] or "python")[:L.SLOT_NAME_BYTES]
+           .encode())
+    _store(seg, slot, "pid", os.getpid())
+    _store(seg, slot, "attached_ns", time.time_ns())
+    _store(seg, slot, "gen", gen)
     full_fence()  # everything above before the state that publishes it
-    _store(seg, slot, L.SLOT_OFF_STATE, state, "I")
+    _store(seg, slot, "state", state)
     full_fence()
 
 
@@ -107,8 +102,8 @@ def clear(seg: Segment, slot: int, gen: int) -> None:
     """Mark ``slot`` FREE, keeping the generation count. The caller holds its lock, or is
     the owner, which alone clears client slots (it stops reading their rings first)."""
     holds(seg, slot)[:] = -1
-    _store(seg, slot, L.SLOT_OFF_STATE, FREE, "I")
-    _store(seg, slot, L.SLOT_OFF_PID, 0, "I")
+    _store(seg, slot, "state", SlotState.FREE)
+    _store(seg, slot, "pid", 0)
 
 
 def clear_if_dead(seg: Segment, slot: int, gen: int) -> bool:
@@ -116,7 +111,7 @@ def clear_if_dead(seg: Segment, slot: int, gen: int) -> bool:
     if not locks.try_lock(seg.fd, L.LOCK_CLIENT_BASE + slot):
         return False
     try:
-        if record(seg, slot)[2] != gen:
+        if record(seg, slot).gen != gen:
             return False
         clear(seg, slot, gen)
         return True

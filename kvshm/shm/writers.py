@@ -70,8 +70,8 @@ def generation_alive(seg: Segment, slot: int, gen: int) -> bool:
     slot is ACTIVE under that generation: a reclaimed or re-claimed slot is not)."""
     if not 0 <= slot < seg.geometry.max_clients:
         return False
-    state, _, cur, _, _ = slots.record(seg, slot)
-    return state == slots.CLIENT and cur == gen and \
+    rec = slots.record(seg, slot)
+    return rec.state == L.SlotState.CLIENT and rec.gen == gen and \
         locks.is_held(_query_fd(seg), L.LOCK_CLIENT_BASE + slot)
 
 

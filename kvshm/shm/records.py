@@ -1,0 +1,190 @@
+"""The named records of the segment header and of each client slot: one definition each.
+
+This module owns the field names, types and byte offsets of the header record, the owner
+record, the header counters, the pin-progress records and the client slot record, as numpy
+structured dtypes (packed, little-endian), with the ``struct`` format and the NamedTuple
+that readers get derived from each dtype. Every field says who writes it and what invariant
+it keeps. Where a record sits in the segment is ``layout.py``'s business; this module
+computes nothing else, never maps memory and never imports torch.
+"""
+from __future__ import annotations
+
+import enum
+import struct
+from typing import NamedTuple
+
+import numpy as np
+
+_STRUCT_CODES = {"u1": "B", "i2": "h", "u2": "H", "i4": "i", "u4": "I", "i8": "q", "u8": "Q"}
+
+
+def struct_format(dtype: np.dtype) -> str:
+    """The ``struct`` format of a packed record dtype (fails if the dtype has padding)."""
+    codes = "".join(f"{dt.itemsize}s" if dt.kind == "S" else _STRUCT_CODES[dt.str[1:]]
+                    for dt, *_ in (dtype.fields[n] for n in dtype.names))
+    fmt = "<" + codes
+    assert struct.calcsize(fmt) == dtype.itemsize, f"{dtype} is not packed"
+    return fmt
+
+
+def _offsets(dtype: np.dtype, **expected: int) -> None:
+    for name, off in expected.items():
+        assert dtype.fields[name][1] == off, (name, dtype.fields[name][1], off)
+
+
+# --- header (offset 0): written once by the creator, under LOCK_INIT ---------------------
+# An attacher trusts none of it until header.check() has cross-checked it (geometry, layout
+# fingerprint, header checksum); the magic is stored last, so a reader that sees it sees
+# every other field complete.
+HEADER_DTYPE = np.dtype([
+    ("magic", "S8"),               # creator, last of all: MAGIC once the header is complete
+    ("version", "<u4"),            # creator: FORMAT_VERSION; another version is refused
+    ("header_bytes", "<u4"),       # creator: HEADER_BYTES; anything else is damage
+    ("total_size", "<u8"),         # creator: the file size; must equal fstat and geometry
+    ("created_ns", "<u8"),         # creator: time.time_ns(), for people only
+    ("num_blocks", "<u8"),         # creator: blocks in the table and in every plane
+    ("tokens_per_block", "<u4"),   # creator: must equal the layout description's
+    ("num_planes", "<u4"),         # creator: must equal the layout's number of planes
+    ("max_clients", "<u4"),        # creator: client slots (geometry, checksummed)
+    ("ring_capacity", "<u4"),      # creator: data bytes of each slot ring (checksummed)
+    ("hold_capacity", "<u4"),      # creator: hold entries per slot (checksummed)
+    ("index_slots", "<u8"),        # creator: key index size; must equal the geometry's
+    ("fingerprint", "S32"),        # creator: sha256 of the layout description it stores
+], align=False)
+assert HEADER_DTYPE.itemsize == 100
+_offsets(HEADER_DTYPE, version=8, total_size=16, num_blocks=32, tokens_per_block=40,
+         index_slots=60, fingerprint=68)
+HEADER = struct.Struct(struct_format(HEADER_DTYPE))
+
+
+class HeaderRecord(NamedTuple):
+    magic: bytes
+    version: int
+    header_bytes: int
+    total_size: int
+    created_ns: int
+    num_blocks: int
+    tokens_per_block: int
+    num_planes: int
+    max_clients: int
+    ring_capacity: int
+    hold_capacity: int
+    index_slots: int
+    fingerprint: bytes
+
+
+assert HeaderRecord._fields == HEADER_DTYPE.names
+
+
+def header_record(head: bytes) -> HeaderRecord:
+    """The header record at the start of ``head`` (at least ``HEADER.size`` bytes)."""
+    return HeaderRecord._make(HEADER.unpack_from(head))
+
+
+# --- owner record: written only by the process holding LOCK_OWNER ------------------------
+# Each field is one aligned word store (never struct.pack_into, which zero-fills first), so a
+# reader sees every field old or new, never torn and never a transient 0 epoch.
+OWNER_DTYPE = np.dtype([
+    ("pid", "<u4"),       # owner: its pid while it owns, 0 once it let go; for people and
+    #                       for "who owns?" messages, never for liveness (LOCK_OWNER is)
+    ("epoch", "<u4"),     # owner: previous epoch + 1 on taking ownership; never decreases,
+    #                       so a changed epoch means another owner ran (served records)
+    ("since_ns", "<u8"),  # owner: time.time_ns() when it took (or let go of) ownership
+    ("tick", "<u8"),      # owner: the eviction clock, saved so the next owner continues it
+], align=False)
+assert OWNER_DTYPE.itemsize == 24
+_offsets(OWNER_DTYPE, pid=0, epoch=4, since_ns=8, tick=16)
+OWNER = struct.Struct(struct_format(OWNER_DTYPE))
+OWNER_BYTES = 32  # room reserved in the header
+
+
+class OwnerRecord(NamedTuple):
+    pid: int
+    epoch: int
+    since_ns: int
+    tick: int
+
+
+assert OwnerRecord._fields == OWNER_DTYPE.names
+
+# --- header counters: u64 words, written only by the owner (single writer) ----------------
+# Stored one aligned word at a time and wrapping at 2**64; any process reads them.
+COUNTER_NAMES = (
+    "stores", "store_blocks", "store_failed_blocks", "prepare_store_refused", "evictions",
+    "lookups_owner", "touches", "errors", "failovers", "reclaimed_clients",
+    "reclaimed_blocks", "frames",
+    # Blocks of dead clients kept back while a process copying for them still lived.
+    "quarantined_blocks",
+    # Counters of clients that have left, folded in by the owner so totals survive them.
+    "gone_lookups", "gone_hits", "gone_loads", "gone_load_blocks", "gone_bytes_in",
+    "gone_bytes_out",
+)
+MAX_COUNTERS = 32  # words reserved: new counters fit without moving the pinners
+COUNTERS_DTYPE = np.dtype({"names": list(COUNTER_NAMES), "formats": ["<u8"] * len(COUNTER_NAMES),
+                           "offsets": [8 * i for i in range(len(COUNTER_NAMES))],
+                           "itemsize": 8 * MAX_COUNTERS})
+assert COUNTERS_DTYPE.itemsize == 256 and len(COUNTER_NAMES) <= MAX_COUNTERS
+
+# --- pin-progress records: each written only by the process that took it (pins.py) -------
+PINNER_DTYPE = np.dtype([
+    ("pid", "<u4"),          # pinner: its pid; a record of a dead pid may be taken over
+    ("state", "<u4"),        # pinner: PIN_*; IDLE/DONE/FAILED records may be taken over
+    ("done_bytes", "<u8"),   # pinner: bytes registered so far, never above total_bytes
+    ("total_bytes", "<u8"),  # pinner: bytes it registers in all
+    ("updated_ns", "<u8"),   # pinner: time.time_ns() of its last update, for people
+], align=False)
+assert PINNER_DTYPE.itemsize == 32
+_offsets(PINNER_DTYPE, pid=0, state=4, done_bytes=8, total_bytes=16, updated_ns=24)
+PINNER = struct.Struct(struct_format(PINNER_DTYPE))
+PIN_IDLE, PIN_WAITING, PIN_RUNNING, PIN_DONE, PIN_FAILED = range(5)
+
+
+class PinnerRecord(NamedTuple):
+    pid: int
+    state: int
+    done_bytes: int
+    total_bytes: int
+    updated_ns: int
+
+
+assert PinnerRecord._fields == PINNER_DTYPE.names
+
+
+# --- client slot record (offset 0 of each slot) ------------------------------------------
+class SlotState(enum.IntEnum):
+    """What a client slot is (distinct from the block states of the table)."""
+
+    FREE = 0     # nobody's: may be claimed (by whoever then holds its lock)
+    CLIENT = 1   # a manager client's; the owner reads its rings and alone frees it
+    CHANNEL = 2  # a job channel between a scheduler and a worker; no owner reads it
+
+
+SLOT_STATE_NAMES = {SlotState.FREE: "free", SlotState.CLIENT: "client",
+                    SlotState.CHANNEL: "channel"}
+
+# Every field is stored as one aligned word (never struct.pack_into, which zero-fills first),
+# so a reader sees each field old or new, never torn or transiently 0.
+SLOT_DTYPE = np.dtype([
+    ("state", "<u4"),        # SlotState. FREE -> CLIENT/CHANNEL by the claimant holding the
+    #                          slot lock, stored last; CLIENT -> FREE only by the owner (or
+    #                          gc holding the owner lock); CHANNEL -> FREE by its holder
+    ("pid", "<u4"),          # claimant: its pid, for people; 0 once cleared
+    ("gen", "<u8"),          # claimant, before the state: +1 per claim, never reused for a
+    #                          slot, so (slot, gen) names one client for ever
+    ("attached_ns", "<u8"),  # claimant: time.time_ns() at activation
+    ("name", "S32"),         # claimant: its program name, NUL padded, for people
+], align=False)
+assert SLOT_DTYPE.itemsize == 56
+_offsets(SLOT_DTYPE, state=0, pid=4, gen=8, attached_ns=16, name=24)
+SLOT = struct.Struct(struct_format(SLOT_DTYPE))
+
+
+class SlotRecord(NamedTuple):
+    state: int
+    pid: int
+    gen: int
+    attached_ns: int
+    name: bytes
+
+
+assert SlotRecord._fields == SLOT_DTYPE.names
