@@ -35,7 +35,7 @@ _GEOMETRY = ("num_blocks max_clients ring_capacity hold_capacity index_slots slo
 PIN_STATES = ("idle", "waiting", "running", "done", "failed")
 COUNTERS = (*(n for n in L.COUNTER_NAMES if not n.startswith("gone_")), *L.SLOT_COUNTERS,
             "misses")
-SLOT_FREE = 0
+SLOT_FREE = L.SlotState.FREE
 
 
 class _Meta:
@@ -64,7 +64,8 @@ class _Meta:
         live = [self.holds(i) for i in range(g.max_clients) if self.alive(i)]
         codes = np.concatenate(live) if live else np.empty(0, np.int32)
         ok = lambda b: {int(x) for x in b if 0 <= x < g.num_blocks}  # noqa: E731
-        self.live_pinned, self.live_leased = ok(codes[codes >= 0]), ok(-2 - codes[codes < -1])
+        self.live_pinned = ok(codes[codes >= 0])
+        self.live_leased = ok(L.held_block(codes[codes < -1]))
 
     def key(self, b: int, keylen: int | None = None) -> bytes:
         o = self._keys_at + b * L.ENTRY_BYTES
@@ -176,7 +177,8 @@ def block_rows(seg: Segment, states: set[str], limit: int) -> tuple[int, list[di
     by: dict[tuple[str, int], list[int]] = {}
     for i in range(m.g.max_clients):
         codes = m.holds(i)
-        for kind, blocks in (("pinned", codes[codes >= 0]), ("leased", -2 - codes[codes < -1])):
+        leased = L.held_block(codes[codes < -1])
+        for kind, blocks in (("pinned", codes[codes >= 0]), ("leased", leased)):
             for b in np.unique(blocks[blocks < n]).tolist():
                 by.setdefault((kind, b), []).append(i)
     rows = []
@@ -267,7 +269,7 @@ def _verify_once(seg: Segment) -> list[str]:
             for b in np.nonzero((pins > 0) & (st != L.READY))[0].tolist()]
     for i in range(g.max_clients):
         codes, who = m.holds(i), f"client slot {i} (pid {m.slot(i)[1]})"
-        blocks = np.where(codes >= 0, codes, -2 - codes).tolist()
+        blocks = L.held_block(codes).tolist()
         if blocks and not m.alive(i):
             out.append(f"{who} is dead but still holds {len(blocks)} blocks "
                        f"({', '.join(map(str, blocks[:8]))}{', …' * (len(blocks) > 8)})")

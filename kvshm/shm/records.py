@@ -167,7 +167,8 @@ SLOT_STATE_NAMES = {SlotState.FREE: "free", SlotState.CLIENT: "client",
 SLOT_DTYPE = np.dtype([
     ("state", "<u4"),        # SlotState. FREE -> CLIENT/CHANNEL by the claimant holding the
     #                          slot lock, stored last; CLIENT -> FREE only by the owner (or
-    #                          gc holding the owner lock); CHANNEL -> FREE by its holder
+    #                          gc holding the owner lock); CHANNEL -> FREE by its holder,
+    #                          or by the owner once the holder is dead
     ("pid", "<u4"),          # claimant: its pid, for people; 0 once cleared
     ("gen", "<u8"),          # claimant, before the state: +1 per claim, never reused for a
     #                          slot, so (slot, gen) names one client for ever
