@@ -27,7 +27,7 @@ from kvshm.index import protocol as P
 from kvshm.index.api import LookupResult, OffloadingEvent, OffloadingManager, PrepareStoreOutput
 from kvshm.crashpoints import crash_point
 from kvshm.shm.fence import full_fence
-from kvshm.errors import BlockStateError, CacheFullError, UnknownKeyError
+from kvshm.errors import BlockStateError, HoldsExhaustedError, UnknownKeyError
 from kvshm.index.holds import HoldTable
 from kvshm.shm.layout import Layout
 from kvshm.index.owner_link import OwnerLink, start_owner
@@ -212,7 +212,7 @@ class SharedManager(OffloadingManager):
                         raise BlockStateError(f"key {k.hex()[:16]}… is still being stored; "
                                               "retry later")
                     if state == L.READY and not h.free:
-                        raise CacheFullError(
+                        raise HoldsExhaustedError(
                             f"this client holds {len(h.holds)} blocks already (its "
                             "hold_capacity); complete_load or release() some first")
                     if state != L.READY or not h.lease(k, block):
