@@ -321,10 +321,6 @@ class SharedManager(OffloadingManager):
         for part in self._chunks(keys):  # completing a subset is a valid completion
             self._link.call([P.CompleteStore(self._link.next_req(), part, success)])
 
-    def owner_lookup(self, keys: Sequence[bytes]) -> int:
-        """``lookup`` answered by the owner (a ring round trip; no lease). For benchmarks."""
-        return self._link.call([P.Lookup(self._link.next_req(), list(keys))])[0].value
-
     def take_events(self) -> list[OffloadingEvent]:
         r = self._link.call([P.TakeEvents(self._link.next_req())])[0]
         return [OffloadingEvent(k, removed=rm) for rm, k in zip(r.removed, r.keys)]
