@@ -61,7 +61,12 @@ class BlockStateError(KvshmError):
 
 
 class CacheFullError(KvshmError):
-    """No free block and nothing evictable; returned as None by prepare_store, raised elsewhere."""
+    """Base of the "no room" errors; catch it to handle any of them. A cache with no block
+    free or evictable is no error: ``prepare_store`` returns None."""
+
+
+class HoldsExhaustedError(CacheFullError):
+    """A client holds ``hold_capacity`` blocks (leases + load pins) and asked for another."""
 
 
 # --- control ring and owner --------------------------------------------------------------

@@ -417,3 +417,31 @@ def test_prefix_stored_by_another_engine_process_is_loaded_and_verifies(seg_name
         owner = mgr.segment.owner_record()[0]
         mgr.shutdown()
         kill(owner)
+
+
+@pytest.mark.parametrize("factor", [1, 2])
+def test_completed_jobs_count_their_bytes_in_the_client_counters(seg_name, factor):
+    from kvshm.shm import layout as L
+    from kvshm.shm import slots
+    mgr = connect(seg_name, layout(factor), num_blocks=16, **SMALL_GEOMETRY)
+    owner = mgr.segment.owner_record()[0]
+    try:
+        rig = Rig(mgr, mgr.segment, factor=factor)
+        ctr = slots.counters(mgr.segment, mgr.slot)
+        bytes_in, bytes_out = (L.SLOT_COUNTERS.index(n) for n in ("bytes_in", "bytes_out"))
+        block = layout(factor).block_bytes
+        toks = prompt(11, 3 * factor * BT)
+        rig.store_prompt("a", toks, list(range(3 * factor)))
+        assert (int(ctr[bytes_in]), int(ctr[bytes_out])) == (0, 3 * block)
+        # A load that skips the one device block the device cache already holds.
+        h = block_hashes(toks, BT)
+        n = rig.conn.get_num_new_matched_tokens("b", h, BT)
+        blocks = list(range(20, 20 + 3 * factor))
+        assert rig.conn.update_state_after_alloc("b", blocks, n) == n
+        assert [d.success for d in rig.run(rig.conn.build_jobs({})).done] == [True]
+        assert int(ctr[bytes_in]) == (3 * factor - 1) * block // factor > 0
+        assert int(ctr[bytes_out]) == 3 * block
+        rig.close()
+    finally:
+        mgr.shutdown()
+        kill(owner)

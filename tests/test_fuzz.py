@@ -25,7 +25,7 @@ KEYS = [b"fz-%d" % i for i in range(10)] + [b"x" * 64]
 keys_st = st.lists(st.sampled_from(KEYS), min_size=1, max_size=5)
 valid_frames = st.builds(P.PrepareStore, st.integers(1, 2**31), keys_st) | st.builds(
     P.CompleteStore, st.integers(1, 2**31), keys_st, st.booleans()) | st.builds(
-    P.Touch, st.just(0), keys_st) | st.builds(P.Lookup, st.integers(1, 2**31), keys_st)
+    P.Touch, st.just(0), keys_st) | st.builds(P.TakeEvents, st.integers(1, 2**31))
 
 
 def _mangle(frame: bytes, how: int, cut: int) -> bytes:
@@ -112,7 +112,7 @@ class OwnerFuzz(RuleBasedStateMachine):
             return
         assert self.a.segment.owner_alive()
         assert self.a.segment.owner_record()[0] == self.owner  # never crashed, never replaced
-        assert self.a.owner_lookup([KEYS[0]]) in (0, 1)  # still answering
+        assert isinstance(self.a.take_events(), list)  # still answering (a round trip)
         assert verify(self.a.segment) == []
 
 

@@ -297,11 +297,19 @@ class ManagerMachine(RuleBasedStateMachine):
     @invariant()
     def no_block_both_free_and_in_use(self):
         free = list(self.m._free)
-        used = list(self.m._blocks.values())
+        used = [e.block for e in self.m._entries.values()]
         assert len(set(free)) == len(free)
         assert len(set(used)) == len(used)
         assert not set(free) & set(used)
         assert set(free) | set(used) == set(range(NUM_BLOCKS))
+
+    @invariant()
+    def writer_index_matches_the_entries(self):
+        entries = self.m._entries
+        by_writer = {(w, k) for w, ks in self.m._pending.items() for k in ks}
+        assert by_writer == {(e.writer, k) for k, e in entries.items() if e.writer is not None}
+        assert all(e.ready == (e.writer is None) for e in entries.values())
+        assert all(not e.pins or e.ready for e in entries.values())
 
     @invariant()
     def pinned_and_writing_keys_are_cached(self):

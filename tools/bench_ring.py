@@ -22,14 +22,16 @@ DESCRIPTION = """\
 Round-trip latency and throughput of kvshm's manager operations through its shared-memory
 control ring, measured in the same run against the same request/reply over two baselines.
 
-Operations (32 keys of 36 bytes each, like vLLM's offload keys):
-  lookup   one request and its reply; the server answers from its index (all 32 hit).
-  store    prepare_store then complete_store of 32 fresh keys (two round trips); the
-           cache is big enough that nothing is evicted (see --num-blocks).
+Operations:
+  events   take_events: one request without keys and its (empty) reply, the smallest round
+           trip the protocol has (lookups never travel: clients read the segment).
+  store    prepare_store then complete_store of 32 fresh keys of 36 bytes, like vLLM's
+           offload keys (two round trips); the cache is big enough that nothing is evicted
+           (see --num-blocks).
 
 Transports (one client: this process; one server process each):
   ring     kvshm.connect() -> SharedManager; the owner process that connect() starts
-           serves the ring (owner_lookup, prepare_store, complete_store).
+           serves the ring (take_events, prepare_store, complete_store).
   zmq      pyzmq REQ/REP over ipc:// in a temp dir, msgspec frames.
   pipe     multiprocessing.Pipe, send_bytes/recv_bytes, msgspec frames.
 Every server does the same real work: it owns a kvshm LocalManager on its own segment and
@@ -87,9 +89,9 @@ class _Apply:
             msg = P.request_decoder.decode(frame)
             req = msg.req
             t = type(msg)
-            if t is P.Lookup:
-                self.seg.counter_add("lookups_owner")
-                reply = P.Ok(req, 1, m.lookup(msg.keys))
+            if t is P.TakeEvents:
+                ev = m.take_events()
+                reply = P.Events(req, 1, [e.removed for e in ev], [e.keys for e in ev])
             elif t is P.PrepareStore:
                 out = m.prepare_store(msg.keys)
                 m.take_events()
@@ -158,7 +160,8 @@ class _Transport:
     name = ""
     server_pid = 0
 
-    def lookup(self, keys: list[bytes]) -> int:
+    def events(self, keys: list[bytes]) -> None:
+        """One take_events round trip (``keys`` unused: the signature of every op)."""
         raise NotImplementedError
 
     def store(self, keys: list[bytes]) -> None:
@@ -177,8 +180,8 @@ class _RingTransport(_Transport):
                                  ring_capacity=ring_capacity)
         self.owner_pid = self.server_pid = self.mgr.segment.owner_record()[0]
 
-    def lookup(self, keys: list[bytes]) -> int:
-        return self.mgr.owner_lookup(keys)
+    def events(self, keys: list[bytes]) -> None:
+        self.mgr.take_events()
 
     def store(self, keys: list[bytes]) -> None:
         out = self.mgr.prepare_store(keys)
@@ -238,8 +241,8 @@ class _MsgTransport(_Transport):
         self._req += 1
         return self._req
 
-    def lookup(self, keys: list[bytes]) -> int:
-        return self._call(self.P.Lookup(self._next(), list(keys))).value
+    def events(self, keys: list[bytes]) -> None:
+        self._call(self.P.TakeEvents(self._next()))
 
     def store(self, keys: list[bytes]) -> None:
         P = self.P
@@ -367,30 +370,29 @@ def run(iterations: int, warmup: int, local_iterations: int, idle_s: float,
         # Codec cost alone (encode request + decode it + encode reply + decode it), for scale.
         enc, dreq, drep = P.request_encoder.encode, P.request_decoder.decode, \
             P.reply_decoder.decode
-        codec = []
+        codec, blocks = [], list(range(KEYS_PER_OP))
         for i in range(2000):
             t0 = time.perf_counter_ns()
-            drep(enc(P.Ok(dreq(enc(P.Lookup(i + 1, lookup_keys))).req, 1, 32)))
+            m = dreq(enc(P.PrepareStore(i + 1, lookup_keys)))
+            drep(enc(P.Prepared(m.req, 1, m.keys, blocks, [])))
             codec.append(time.perf_counter_ns() - t0)
-        result["codec_lookup32_p50_us"] = _pct(sorted(codec), 50)
+        result["codec_store32_p50_us"] = _pct(sorted(codec), 50)
 
-        # Seed the 32 lookup keys everywhere, then check they all hit.
-        for t in transports:
-            t.store(lookup_keys)
-            got = t.lookup(lookup_keys)
-            if got != KEYS_PER_OP:
-                raise RuntimeError(f"{t.name}: lookup of 32 seeded keys found {got}")
+        # Seed the 32 keys the client-side lookups read, and check they all hit.
+        ring.store(lookup_keys)
+        if ring.mgr.lookup(lookup_keys) != KEYS_PER_OP:
+            raise RuntimeError("ring: lookup of 32 seeded keys missed some")
 
         # Warm up every transport and op.
         log("warming up...")
-        lookup_fixed = [lookup_keys] * max(warmup, 1)
+        no_keys: list[list[bytes]] = [[]] * max(warmup, 1)
         for t in transports:
-            _timed(t.lookup, lookup_fixed, [])
+            _timed(t.events, no_keys, [])
             _timed(t.store, store_batches[:warmup], [])
 
         # Measure, interleaved in rounds (rotating the transport order each round).
         log(f"measuring {iterations} iterations x 2 ops x {len(transports)} transports...")
-        lat = {(t.name, op): [] for t in transports for op in ("lookup", "store")}
+        lat = {(t.name, op): [] for t in transports for op in ("events", "store")}
         busy = dict.fromkeys(lat, 0)
         # Scheduler view: CPU use and run-queue wait of server and client during each op.
         sched = {key: [0, 0, 0, 0] for key in lat}  # server run, wait; client run, wait (ns)
@@ -409,17 +411,16 @@ def run(iterations: int, warmup: int, local_iterations: int, idle_s: float,
         for r, n in enumerate(per_round):
             order = transports[r % len(transports):] + transports[:r % len(transports)]
             for t in order:
-                measure(t, "lookup", [lookup_keys] * n)
+                measure(t, "events", [[]] * n)
             for t in order:
                 measure(t, "store", store_batches[at:at + n])
             at += n
-        for t in transports:
-            if t.lookup(lookup_keys) != KEYS_PER_OP:
-                raise RuntimeError(f"{t.name}: lookup keys were lost during the run")
+        if ring.mgr.lookup(lookup_keys) != KEYS_PER_OP:
+            raise RuntimeError("ring: the seeded keys were lost during the run")
         result["round_trip"] = {f"{name}/{op}": _summary(v, busy[name, op])
                                 for (name, op), v in lat.items()}
         ratios = {}
-        for op in ("lookup", "store"):
+        for op in ("events", "store"):
             ring_p50 = result["round_trip"][f"ring/{op}"]["p50_us"]
             ring_p99 = result["round_trip"][f"ring/{op}"]["p99_us"]
             for base in ("zmq", "pipe"):
@@ -521,7 +522,7 @@ def run(iterations: int, warmup: int, local_iterations: int, idle_s: float,
     ratios = result["ratios"]
     result["targets"] = {
         "ring_p50_10x_faster_than_zmq": {
-            "lookup": ratios["zmq/ring lookup p50"] >= 10,
+            "events": ratios["zmq/ring events p50"] >= 10,
             "store": ratios["zmq/ring store p50"] >= 10},
         "client_lookup_1M_keys_per_s": result["client_lookup32"]["keys_per_s"] >= 1e6,
         "key_status_p50_le_5us": result["client_key_status"]["p50_us"] <= 5.0,
@@ -540,7 +541,7 @@ def _table(r: dict) -> str:
              f"{p['keys_per_op']} keys of {p['key_bytes']} B, {p['rounds']} interleaved rounds",
              "",
              f"{'op':<28}{'transport':<11}{'p50 us':>9}{'p99 us':>9}{'mean us':>9}{'ops/s':>10}"]
-    ops = {"lookup": "lookup(32) round trip", "store": "prepare+complete_store(32)"}
+    ops = {"events": "take_events round trip", "store": "prepare+complete_store(32)"}
     for op, label in ops.items():
         for t in ("ring", "zmq", "pipe"):
             s = rt[f"{t}/{op}"]
@@ -559,8 +560,8 @@ def _table(r: dict) -> str:
                      f"   client {v['client_cpu']:5.1f} / {v['client_runq_wait']:5.1f}")
     lines += [
         "",
-        f"msgspec encode+decode of a 32-key lookup and its reply: "
-        f"{r['codec_lookup32_p50_us']:.2f} us p50",
+        f"msgspec encode+decode of a 32-key prepare_store and its reply: "
+        f"{r['codec_store32_p50_us']:.2f} us p50",
         f"client-side lookup(32, all hits): {cl['keys_per_s']:,.0f} keys/s "
         f"(p50 {cl['p50_us']:.1f} us per call); keys not yet leased by this client: "
         f"{cl['unleased_keys_per_s']:,.0f} keys/s (p50 {cl['unleased_p50_us']:.1f} us)",
@@ -575,7 +576,7 @@ def _table(r: dict) -> str:
     ok = lambda b: "met" if b else "NOT met"  # noqa: E731
     t10 = t["ring_p50_10x_faster_than_zmq"]
     lines += [
-        f"  ring p50 >= 10x faster than zmq: lookup {ok(t10['lookup'])}, "
+        f"  ring p50 >= 10x faster than zmq: events {ok(t10['events'])}, "
         f"store {ok(t10['store'])}",
         f"  >= 1M client lookup keys/s: {ok(t['client_lookup_1M_keys_per_s'])}",
         f"  key_status p50 <= 5 us: {ok(t['key_status_p50_le_5us'])}",

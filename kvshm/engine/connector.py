@@ -14,7 +14,8 @@ kvshm manager, with vLLM's ``OffloadingConnectorScheduler`` semantics (0.14 flow
   them to the next step for the same reason) and must wait for flushed jobs before reusing.
 * ``jobs_finished``: a job completes once every one of ``num_workers`` workers reported it;
   only then ``complete_store`` (``success=False`` if any worker failed: the blocks are freed)
-  or ``complete_load``.
+  or ``complete_load``. A job every worker finished successfully is counted in the
+  manager's byte counters (``add_bytes``: kvshm-inspect's ``bytes_in``/``bytes_out``).
 * ``request_finished``: True while jobs still use the request's device blocks (do not free
   them until ``jobs_finished`` lists the request as freeable).
 
@@ -96,12 +97,26 @@ class SchedulerConnector:
     """Per-engine scheduler state over one ``OffloadingManager`` (local or shared)."""
 
     def __init__(self, manager: OffloadingManager, *, device_block_tokens: int,
-                 block_size_factor: int = 1, num_workers: int = 1, group: int = 0) -> None:
+                 block_size_factor: int = 1, num_workers: int = 1, group: int = 0,
+                 block_bytes: int | None = None) -> None:
+        """``block_bytes``: bytes of one offloaded block (every plane), for the byte counters;
+        by default the manager's segment layout says (``manager.segment.layout``)."""
         for name, v in (("device_block_tokens", device_block_tokens),
                         ("block_size_factor", block_size_factor), ("num_workers", num_workers)):
             if not isinstance(v, int) or v < 1:
                 raise InvalidArgumentError(f"{name} must be an int >= 1, got {v!r}")
+        if block_bytes is None:
+            try:
+                block_bytes = manager.segment.layout.block_bytes  # type: ignore[attr-defined]
+            except AttributeError:
+                raise InvalidArgumentError(
+                    f"{type(manager).__name__} has no segment layout to size blocks by; pass "
+                    "SchedulerConnector(..., block_bytes=...)") from None
+        if not isinstance(block_bytes, int) or block_bytes < 1 or block_bytes % block_size_factor:
+            raise InvalidArgumentError(f"block_bytes must be an int >= 1 divisible by "
+                                       f"block_size_factor, got {block_bytes!r}")
         self.manager = manager
+        self.device_block_bytes = block_bytes // block_size_factor
         self.device_block_tokens = device_block_tokens
         self.factor = block_size_factor
         self.block_tokens = device_block_tokens * block_size_factor  # per offloaded block
@@ -215,7 +230,9 @@ class SchedulerConnector:
                 self._release(st)
                 for job in [j for j in jobs.loads if j.req_id == req_id]:
                     jobs.loads.remove(job)  # never sent: cancel it instead of waiting for it
-                    self._finish(job.job_id, self._jobs[job.job_id], Completions())
+                    js = self._jobs[job.job_id]
+                    js.ok = False  # nothing moved: unpin, count no bytes
+                    self._finish(job.job_id, js, Completions())
                 jobs.flush |= st.jobs
                 st.device_ids = []
         for b in reused:
@@ -290,6 +307,9 @@ class SchedulerConnector:
                 self.manager.complete_store(js.keys, success=js.ok)
             else:
                 self.manager.complete_load(js.keys)
+            if js.ok:  # every device block the job copied (a load may skip a partial head)
+                n = len(js.device_ids) * self.device_block_bytes
+                self.manager.add_bytes(**{"stored" if js.kind == "store" else "loaded": n})
         except KvshmError as e:  # e.g. our client was reclaimed: nothing left to release
             log.warning("kvshm: completing %s job %d failed: %s", js.kind, job_id, e)
         out.done.append(JobDone(job_id, js.req_id, js.kind, js.ok, tuple(js.keys)))
@@ -327,6 +347,5 @@ class SchedulerConnector:
             self._release_keys(st.keys[start:start + hits])
 
     def _release_keys(self, keys: Sequence[bytes]) -> None:
-        release = getattr(self.manager, "release", None)  # SharedManager's lookup leases
-        if release is not None and keys:
-            release(keys)
+        if keys:
+            self.manager.release(keys)  # a SharedManager's lookup leases; no-op elsewhere

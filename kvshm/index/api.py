@@ -37,7 +37,11 @@ class OffloadingEvent:
 
 
 class OffloadingManager(ABC):
-    """Bookkeeping of the shared CPU tier: which keys are cached where, readiness, pins."""
+    """Bookkeeping of the shared CPU tier: which keys are cached where, readiness, pins.
+
+    ``release`` and ``add_bytes`` are optional (default bodies, as vLLM's abstract class
+    does for optional methods): callers always call them, managers override what applies.
+    """
 
     @abstractmethod
     def lookup(self, keys: Sequence[bytes]) -> int:
@@ -77,6 +81,18 @@ class OffloadingManager(ABC):
 
         Keys already ready are left untouched, so a repeated call is harmless.
         """
+
+    def release(self, keys: Sequence[bytes] | None = None) -> None:
+        """Drop the lookup leases of ``keys`` (all if None); pins are unaffected.
+
+        Only a manager whose ``lookup`` leases its hits has anything to drop; the default
+        does nothing.
+        """
+
+    def add_bytes(self, loaded: int = 0, stored: int = 0) -> None:
+        """Count bytes this process's transfers moved (``loaded`` out of the cache into a
+        device, ``stored`` into it). A manager with per-client counters (kvshm-inspect's
+        ``bytes_in``/``bytes_out``) records them; the default does nothing."""
 
     @abstractmethod
     def take_events(self) -> Iterable[OffloadingEvent]:

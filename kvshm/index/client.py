@@ -27,7 +27,7 @@ from kvshm.index import protocol as P
 from kvshm.index.api import LookupResult, OffloadingEvent, OffloadingManager, PrepareStoreOutput
 from kvshm.crashpoints import crash_point
 from kvshm.shm.fence import full_fence
-from kvshm.errors import BlockStateError, CacheFullError, UnknownKeyError
+from kvshm.errors import BlockStateError, HoldsExhaustedError, UnknownKeyError
 from kvshm.index.holds import HoldTable
 from kvshm.shm.layout import Layout
 from kvshm.index.owner_link import OwnerLink, start_owner
@@ -212,7 +212,7 @@ class SharedManager(OffloadingManager):
                         raise BlockStateError(f"key {k.hex()[:16]}… is still being stored; "
                                               "retry later")
                     if state == L.READY and not h.free:
-                        raise CacheFullError(
+                        raise HoldsExhaustedError(
                             f"this client holds {len(h.holds)} blocks already (its "
                             "hold_capacity); complete_load or release() some first")
                     if state != L.READY or not h.lease(k, block):
@@ -320,10 +320,6 @@ class SharedManager(OffloadingManager):
             L.check_key(k)
         for part in self._chunks(keys):  # completing a subset is a valid completion
             self._link.call([P.CompleteStore(self._link.next_req(), part, success)])
-
-    def owner_lookup(self, keys: Sequence[bytes]) -> int:
-        """``lookup`` answered by the owner (a ring round trip; no lease). For benchmarks."""
-        return self._link.call([P.Lookup(self._link.next_req(), list(keys))])[0].value
 
     def take_events(self) -> list[OffloadingEvent]:
         r = self._link.call([P.TakeEvents(self._link.next_req())])[0]

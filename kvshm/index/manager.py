@@ -1,7 +1,8 @@
 """The authoritative index of one segment: ``LocalManager``.
 
-This module owns the index (key -> block, free list, pins, pending stores by writer) and
-applies vLLM's v1 offload semantics to it, mirroring every block's durable state into the
+This module owns the index (one ``_Entry`` per cached key: block, readiness, load pins, the
+writer of an unfinished store; the free list; and the writer -> keys index derived from the
+entries, for reclaiming a dead writer's stores) and applies vLLM's v1 offload semantics to it, mirroring every block's durable state into the
 segment's block table and key index so that other processes can read it and a successor can
 rebuild it. Exactly one LocalManager exists per segment: it holds the segment's owner lock.
 The owner process wraps it; single-process users may use it directly.
@@ -30,6 +31,17 @@ Writer = tuple[int, int, int]  # (client slot, client generation, request id)
 LOCAL_WRITER: Writer = (-1, 0, 0)
 
 
+class _Entry:
+    """One cached key: everything ``LocalManager`` knows of it, in one place."""
+    __slots__ = ("block", "ready", "pins", "writer")
+
+    def __init__(self, block: int, ready: bool, writer: tuple[int, int] | None) -> None:
+        self.block = block
+        self.ready = ready
+        self.pins = 0  # load pins taken by prepare_load (only ready keys are pinned)
+        self.writer = writer  # (slot, gen) whose store is unfinished; None once ready
+
+
 class LocalManager(OffloadingManager):
     """In-process manager over a segment. Thread-unsafe: one caller (the owner loop).
 
@@ -55,10 +67,9 @@ class LocalManager(OffloadingManager):
         self.enable_events = enable_events
         self._held = held
         self._events: list[OffloadingEvent] = []
-        self._blocks: dict[bytes, int] = {}
-        self._ready: dict[bytes, bool] = {}
-        self._pins: dict[int, int] = {}
-        self._pending: dict[tuple[int, int], set[bytes]] = {}  # writer (slot, gen) -> keys
+        self._entries: dict[bytes, _Entry] = {}
+        # writer (slot, gen) -> keys whose entry names it: kept by _adopt/_unpend only
+        self._pending: dict[tuple[int, int], set[bytes]] = {}
         # Free blocks, granted oldest-freed first (popleft) and freed at the tail (append). A
         # late writer still copying into a block freed under it (its store was failed or
         # reclaimed) then lands in the block least likely to have been granted again.
@@ -96,8 +107,7 @@ class LocalManager(OffloadingManager):
                 continue
             elif e.state == L.WRITING and not torn and e.writer >= 0 and \
                     writer_alive(e.writer, e.writer_gen):
-                self._adopt(b, e.key, False)
-                self._pending.setdefault((e.writer, e.writer_gen), set()).add(e.key)
+                self._adopt(b, e.key, (e.writer, e.writer_gen))
                 kept += 1
                 continue
             # a torn WRITING entry's store was never answered, a dead writer's never ends
@@ -106,24 +116,35 @@ class LocalManager(OffloadingManager):
                 freed += e.state != L.FREE
             free.append(b)
         for last_use, b, key, e in sorted(ready):  # oldest first: recency survives failover
-            if key in self._blocks:  # a duplicate can only come from a damaged table
+            if key in self._entries:  # a duplicate can only come from a damaged table
                 self.table.write(b, L.FREE, b"")
                 free.append(b)
                 continue
             if e.state != L.READY or e.writer != -1 or e.pins:
                 self.table.reset_ready(b)
-            if len(self._blocks) == len(ready) // 2:
+            if len(self._entries) == len(ready) // 2:
                 crash_point("owner.rebuild.mid")
-            self._adopt(b, key, True)
+            self._adopt(b, key, None)
             self.tick = max(self.tick, last_use)
         self._free = deque(sorted(free))  # low block ids first, like vLLM's CPU backend
         return {"ready": len(ready), "pending": kept, "freed": freed, "torn": torn_keys}
 
-    def _adopt(self, block: int, key: bytes, ready: bool) -> None:
-        self._blocks[key] = block
-        self._ready[key] = ready
+    def _adopt(self, block: int, key: bytes, writer: tuple[int, int] | None) -> None:
+        """Enter ``key`` at ``block``: ready without a writer, else pending for ``writer``."""
+        self._entries[key] = _Entry(block, writer is None, writer)
+        if writer is not None:
+            self._pending.setdefault(writer, set()).add(key)
         self.policy.insert(key)
         self.index.insert(key, block)
+
+    def _unpend(self, key: bytes, e: _Entry) -> None:
+        """The store of ``key`` is over (published or freed): forget its writer."""
+        if e.writer is not None:
+            keys = self._pending[e.writer]
+            keys.discard(key)
+            if not keys:
+                del self._pending[e.writer]
+            e.writer = None
 
     # --- reads --------------------------------------------------------------------------
     def lookup(self, keys: Sequence[bytes]) -> int:
@@ -132,10 +153,11 @@ class LocalManager(OffloadingManager):
         (the first miss, anything unhashable), so a list of bytes costs no extra pass."""
         if type(keys) is not list and type(keys) is not tuple:
             keys = L.key_seq(keys)
-        n = 0
+        n, entries = 0, self._entries
         try:
             for k in keys:
-                if not self._ready.get(k):
+                e = entries.get(k)
+                if e is None or not e.ready:
                     break
                 n += 1
         except TypeError:  # an unhashable item (bytearray, list): refuse it by name
@@ -149,14 +171,16 @@ class LocalManager(OffloadingManager):
     def key_status(self, key: bytes) -> LookupResult:
         if type(key) is not bytes:
             L.check_key(key)
-        r = self._ready.get(key)
-        return LookupResult.MISS if r is None else LookupResult.HIT if r else LookupResult.PENDING
+        e = self._entries.get(key)
+        return LookupResult.MISS if e is None else \
+            LookupResult.HIT if e.ready else LookupResult.PENDING
 
     def block_of(self, key: bytes) -> int | None:
-        return self._blocks.get(key)
+        e = self._entries.get(key)
+        return None if e is None else e.block
 
     def __len__(self) -> int:
-        return len(self._blocks)
+        return len(self._entries)
 
     @property
     def num_free(self) -> int:
@@ -169,32 +193,29 @@ class LocalManager(OffloadingManager):
         for k in keys:
             L.check_key(k)
             self._require_ready(k)
-        blocks = [self._blocks[k] for k in keys]
-        for b in blocks:
-            self._pins[b] = self._pins.get(b, 0) + 1
-            self.table.set_pins(b, self._pins[b])
-        return blocks
+        entries = [self._entries[k] for k in keys]
+        for e in entries:
+            e.pins += 1
+            self.table.set_pins(e.block, e.pins)
+        return [e.block for e in entries]
 
     def complete_load(self, keys: Sequence[bytes]) -> None:
         if type(keys) is not list and type(keys) is not tuple:
             keys = L.key_seq(keys)
-        need: dict[int, int] = {}
+        need: dict[bytes, int] = {}
         for k in keys:
             L.check_key(k)
-            b = self._blocks.get(k)
-            if b is None:
+            e = self._entries.get(k)
+            if e is None:
                 raise UnknownKeyError(f"complete_load of key {k.hex()[:16]}… which is not cached")
-            need[b] = need.get(b, 0) + 1
-            if self._pins.get(b, 0) < need[b]:
+            need[k] = need.get(k, 0) + 1
+            if e.pins < need[k]:
                 raise BlockStateError(
                     f"complete_load of key {k.hex()[:16]}… without a matching prepare_load")
-        for b, n in need.items():
-            left = self._pins[b] - n
-            if left:
-                self._pins[b] = left
-            else:
-                del self._pins[b]
-            self.table.set_pins(b, left)
+        for k, n in need.items():
+            e = self._entries[k]
+            e.pins -= n
+            self.table.set_pins(e.block, e.pins)
 
     def touch(self, keys: Sequence[bytes]) -> None:
         if type(keys) is not list and type(keys) is not tuple:
@@ -203,10 +224,10 @@ class LocalManager(OffloadingManager):
             L.check_key(k)
         self.tick += 1
         for k in reversed(keys):  # the prefix head ends up most recent: tails go first
-            b = self._blocks.get(k)
-            if b is not None:
-                self.policy.touch(k, self._ready[k])
-                self.table.set_last_use(b, self.tick)
+            e = self._entries.get(k)
+            if e is not None:
+                self.policy.touch(k, e.ready)
+                self.table.set_last_use(e.block, self.tick)
 
     # --- stores -------------------------------------------------------------------------
     def prepare_store(self, keys: Sequence[bytes], writer: Writer = LOCAL_WRITER
@@ -217,7 +238,7 @@ class LocalManager(OffloadingManager):
             L.check_key(k)
         if not 0 <= writer[2] < 2**64:  # checked before anything changes (entry: u64)
             raise InvalidArgumentError(f"request id {writer[2]} is outside 0..2**64-1")
-        new = list(dict.fromkeys(k for k in keys if k not in self._blocks))
+        new = list(dict.fromkeys(k for k in keys if k not in self._entries))
         need = len(new) - len(self._free)
         evicted: list[bytes] = []
         if need > 0:
@@ -232,17 +253,15 @@ class LocalManager(OffloadingManager):
         for k in new:
             b = self._free.popleft()
             self.table.write(b, L.WRITING, k, slot, gen, req, self.tick)
-            self._adopt(b, k, False)
+            self._adopt(b, k, (slot, gen))
             blocks.append(b)
-        if new:
-            self._pending.setdefault((slot, gen), set()).update(new)
         return PrepareStoreOutput(new, blocks, evicted)
 
     def pending_of(self, writer: Writer, request: int | None = None) -> list[tuple[bytes, int]]:
         """(key, block) of ``writer``'s unfinished stores, optionally of one request only."""
         out = []
         for k in self._pending.get(writer[:2], ()):
-            b = self._blocks[k]
+            b = self._entries[k].block
             e = self.table.read(b) if request is not None else None
             # A torn read (only damage can cause one: we are the entry's only writer, and the
             # rebuild settled what a dead owner left) cannot name its request; the key is this
@@ -262,16 +281,17 @@ class LocalManager(OffloadingManager):
         """
         if type(keys) is not list and type(keys) is not tuple:
             keys = L.key_seq(keys)
-        mine = self._pending.get(writer[:2], set())
+        me = writer[:2]
         todo, problem = [], None
         for k in keys:
             L.check_key(k)
-            if k not in self._blocks:
+            e = self._entries.get(k)
+            if e is None:
                 problem = problem or UnknownKeyError(
                     f"complete_store of key {k.hex()[:16]}… which is not cached (never "
                     "prepared, or freed after its writer or the owner died)")
-            elif not self._ready[k]:
-                if k in mine:
+            elif not e.ready:
+                if e.writer == me:
                     todo.append(k)
                 else:
                     problem = problem or BlockStateError(
@@ -280,16 +300,14 @@ class LocalManager(OffloadingManager):
         now = time.time_ns()
         done = []
         for k in dict.fromkeys(todo):
-            b = self._blocks[k]
-            mine.discard(k)
             if success:
-                self._ready[k] = True
-                self.table.publish(b, self.tick, now)
+                e = self._entries[k]
+                self._unpend(k, e)
+                e.ready = True
+                self.table.publish(e.block, self.tick, now)
                 done.append(k)
             else:
                 self._drop(k)
-        if not mine:
-            self._pending.pop(writer[:2], None)
         if success:
             self.segment.counter_add("stores")
             self.segment.counter_add("store_blocks", len(done))
@@ -314,9 +332,9 @@ class LocalManager(OffloadingManager):
                 self.segment.counter_add("quarantined_blocks", len(self._pending[(slot, gen)]))
             return 0
         self.quarantined.discard((slot, gen))
-        keys = self._pending.pop((slot, gen), set())
+        keys = list(self._pending.get((slot, gen), ()))
         for k in keys:
-            self._drop(k)
+            self._drop(k)  # also takes k out of the writer index
         return len(keys)
 
     # The owner's periodic retry of quarantined (and rebuilt orphan) stores
@@ -329,11 +347,11 @@ class LocalManager(OffloadingManager):
     # --- eviction -----------------------------------------------------------------------
     def _evict(self, n: int, protected: set[bytes], requester: int) -> list[bytes] | None:
         held = self._held(requester) if self._held else set()
-        blocks, ready, pins = self._blocks, self._ready, self._pins
+        entries = self._entries
 
         def can_evict(k: bytes) -> bool:
-            b = blocks[k]
-            return ready[k] and b not in pins and b not in held and k not in protected
+            e = entries[k]
+            return e.ready and not e.pins and e.block not in held and k not in protected
 
         victims = self.policy.evict(n, can_evict)
         if victims is None:
@@ -360,36 +378,37 @@ class LocalManager(OffloadingManager):
         and keep the block. Blocks that got leased meanwhile go back into the cache.
         """
         for k in victims:
-            self.table.set_state(self._blocks[k], L.EVICTING)
+            self.table.set_state(self._entries[k].block, L.EVICTING)
         crash_point("owner.evict.after_mark")
         full_fence()
         held = self._held(requester)
-        lost = [k for k in victims if self._blocks[k] in held]
+        lost = [k for k in victims if self._entries[k].block in held]
         if not lost:
             return victims
         for k in lost:
-            self.table.set_state(self._blocks[k], L.READY)
+            self.table.set_state(self._entries[k].block, L.READY)
             self.policy.insert(k)  # it is being read: most recent is right
         keep = [k for k in victims if k not in lost]
         more = self._evict_more(len(lost), can_evict, held, requester)
         if more is None:
             for k in keep:
-                self.table.set_state(self._blocks[k], L.READY)
+                self.table.set_state(self._entries[k].block, L.READY)
                 self.policy.insert(k)
             return None
         return keep + more
 
     def _evict_more(self, n: int, can_evict: Callable[[bytes], bool], held: set[int],
                     requester: int) -> list[bytes] | None:
-        victims = self.policy.evict(n, lambda k: can_evict(k) and self._blocks[k] not in held)
+        victims = self.policy.evict(n, lambda k: can_evict(k) and self._entries[k].block not in held)
         if victims is None:
             return None
         return self._fence_victims(victims, can_evict, requester)
 
     def _drop(self, key: bytes) -> None:
         """Forget ``key`` and free its block (no eviction bookkeeping)."""
-        b = self._blocks.pop(key)
-        del self._ready[key]
+        e = self._entries.pop(key)
+        self._unpend(key, e)
+        b = e.block
         if key in self.policy:
             self.policy.remove(key)
         self.index.remove(key, b)
@@ -397,10 +416,10 @@ class LocalManager(OffloadingManager):
         self._free.append(b)
 
     def _require_ready(self, key: bytes) -> None:
-        r = self._ready.get(key)
-        if r is None:
+        e = self._entries.get(key)
+        if e is None:
             raise UnknownKeyError(f"key {key.hex()[:16]}… is not cached; lookup() first")
-        if not r:
+        if not e.ready:
             raise BlockStateError(f"key {key.hex()[:16]}… is still being stored; retry later")
 
     # --- events and shutdown ------------------------------------------------------------

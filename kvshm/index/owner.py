@@ -61,7 +61,7 @@ class Owner(RequestHandlers):
         self._running = True
         self._last_client = time.monotonic()
         self._handlers = {
-            P.Hello: self._hello, P.Lookup: self._lookup, P.PrepareStore: self._prepare_store,
+            P.Hello: self._hello, P.PrepareStore: self._prepare_store,
             P.CompleteStore: self._complete_store, P.Touch: self._touch,
             P.TakeEvents: self._take_events,
         }

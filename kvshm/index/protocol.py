@@ -34,11 +34,6 @@ class Hello(_Msg):
     events: bool = False
 
 
-class Lookup(_Msg):  # owner-side lookup; clients normally read the segment instead
-    req: int
-    keys: list[bytes]
-
-
 class PrepareStore(_Msg):  # one atomic operation, however many frames it takes
     req: int
     keys: list[bytes]
@@ -66,7 +61,7 @@ class Bye(_Msg):
     req: int
 
 
-Request = Union[Hello, Lookup, PrepareStore, CompleteStore, Touch, TakeEvents, Bye]
+Request = Union[Hello, PrepareStore, CompleteStore, Touch, TakeEvents, Bye]
 
 
 # --- owner -> client ---------------------------------------------------------------------

@@ -75,10 +75,6 @@ class RequestHandlers:
         c.events = m.events
         return [P.Ok(m.req, self.epoch, self.epoch)]
 
-    def _lookup(self, c: _Client, m: P.Lookup, replay: bool) -> list[P._Msg]:
-        self.seg.counter_add("lookups_owner")
-        return [P.Ok(m.req, self.epoch, self.manager.lookup(m.keys))]
-
     def _prepare_store(self, c: _Client, m: P.PrepareStore, replay: bool) -> list[P._Msg]:
         writer = (c.slot, c.gen, m.req)
         if replay:  # what the dead owner granted, and nothing more: evictions are unknown

@@ -281,10 +281,8 @@ class ManagerCore:
     def _count(self, loaded: int = 0, stored: int = 0) -> None:
         """Per-client byte counters for kvshm-inspect (whole blocks: a partial first chunk
         of a load counts whole)."""
-        add = getattr(self.mgr, "add_bytes", None)
-        if add is not None:
-            block = self.mgr.segment.layout.block_bytes
-            add(loaded=loaded * block, stored=stored * block)
+        block = self.mgr.segment.layout.block_bytes
+        self.mgr.add_bytes(loaded=loaded * block, stored=stored * block)
 
     @staticmethod
     def _quietly(fn: Any, *args: Any) -> None:
