@@ -1,9 +1,10 @@
 """kvshm-inspect against live segments (owner and clients in other processes), segments whose
 every process was SIGKILLed, deliberately broken segments, and bad input.
 
-Clients are simulated (the client module is not written yet): a child process takes its slot's
-kernel lock, writes an ACTIVE slot record, holds, counters and formatted rings, then waits on
-its stdin pipe. The owner is a LocalManager in another child process.
+Most clients are simulated, so that a test controls exactly what a slot shows: a child process
+takes its slot's kernel lock, writes an ACTIVE slot record, holds, counters and formatted rings,
+then waits on its stdin pipe; an "engine" child is a real client (``kvshm.connect``). The owner
+is a LocalManager in another child process.
 """
 from __future__ import annotations
 

@@ -191,7 +191,7 @@ def block_rows(seg: Segment, states: set[str], limit: int) -> tuple[int, list[di
 
 
 def verify(seg: Segment, attempts: int = 3) -> list[str]:
-    """Violations of DESIGN.md's invariants visible in ``seg`` (empty when clean). While an
+    """Violations of the invariants (``docs/inspect.md``) visible in ``seg`` (empty when clean). While an
     owner or client lives the segment moves, so only what all ``attempts`` passes see counts."""
     found = _verify_once(seg)
     for _ in range(attempts - 1):
