@@ -237,22 +237,29 @@ def print_summary(r: dict[str, Any]) -> None:
               f"{r['caches'][0]})")
 
 
+# Help for the workload options, shared with tools/bench_sharing.py.
+OPTION_HELP = {
+    "engines": "engine processes N",
+    "conversations": "conversations C",
+    "turns": "turns per conversation T",
+    "system_prompts": "shared system prompts S",
+    "system_tokens": "tokens per system prompt",
+    "user_tokens": "tokens per user message",
+    "reply_tokens": "tokens per reply",
+    "block_tokens": "tokens per device block",
+    "block_size_factor": "device blocks per kvshm block",
+    "token_bytes": "KV bytes per token per plane (2 planes: K, V)",
+    "device_blocks": "device KV blocks per engine",
+    "max_running": "requests an engine runs at once",
+    "seed": "workload seed",
+}
+
+
 def parse(argv: list[str] | None = None) -> Options:
     ap = argparse.ArgumentParser(prog="colocated_engines.py", description=DESCRIPTION,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     d = Options()
-    for f, help_ in (("engines", "engine processes N"), ("conversations", "conversations C"),
-                     ("turns", "turns per conversation T"),
-                     ("system_prompts", "shared system prompts S"),
-                     ("system_tokens", "tokens per system prompt"),
-                     ("user_tokens", "tokens per user message"),
-                     ("reply_tokens", "tokens per reply"),
-                     ("block_tokens", "tokens per device block"),
-                     ("block_size_factor", "device blocks per kvshm block"),
-                     ("token_bytes", "KV bytes per token per plane (2 planes: K, V)"),
-                     ("device_blocks", "device KV blocks per engine"),
-                     ("max_running", "requests an engine runs at once"),
-                     ("seed", "workload seed")):
+    for f, help_ in OPTION_HELP.items():
         ap.add_argument("--" + f.replace("_", "-"), type=int, default=getattr(d, f),
                         help=f"{help_} (default {getattr(d, f)})")
     ap.add_argument("--cache-mib", type=float, default=d.cache_mib,

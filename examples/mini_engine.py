@@ -277,3 +277,14 @@ class Engine(EngineLoop):
     @staticmethod
     def next_token(r: Request) -> int:
         return next_token(r.tokens[-1], len(r.tokens))
+
+
+if __name__ == "__main__":
+    import argparse
+    argparse.ArgumentParser(
+        prog="mini_engine.py", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=__doc__, epilog="This file is a library, not a program: "
+        "examples/colocated_engines.py runs engines built from it\n(python "
+        "examples/colocated_engines.py --help).").parse_args()
+    raise SystemExit("mini_engine.py is a library; run examples/colocated_engines.py instead "
+                     "(see --help)")

@@ -22,9 +22,11 @@ def main(argv: list[str] | None = None) -> int:
                     "requests and reclaim what dead clients held. Exits 0 at once if another "
                     "owner already serves it. Example: kvshm serve mycache --log-level INFO")
     serve.add_argument("name", help="segment name (the one engines pass to kvshm.connect)")
-    serve.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    from kvshm.index.owner import DEFAULT_LOG_LEVEL, LOG_LEVELS, main as owner_main
+    serve.add_argument("--log-level", default=DEFAULT_LOG_LEVEL, type=str.upper,
+                       choices=LOG_LEVELS, help=f"logging level, case-insensitive "
+                       f"(default {DEFAULT_LOG_LEVEL}); the log goes to stderr")
     args = ap.parse_args(argv)
-    from kvshm.index.owner import main as owner_main
     return owner_main([args.name, "--log-level", args.log_level])
 
 

@@ -1,9 +1,10 @@
 """kvshm-inspect against live segments (owner and clients in other processes), segments whose
 every process was SIGKILLed, deliberately broken segments, and bad input.
 
-Clients are simulated (the client module is not written yet): a child process takes its slot's
-kernel lock, writes an ACTIVE slot record, holds, counters and formatted rings, then waits on
-its stdin pipe. The owner is a LocalManager in another child process.
+Most clients are simulated, so that a test controls exactly what a slot shows: a child process
+takes its slot's kernel lock, writes an ACTIVE slot record, holds, counters and formatted rings,
+then waits on its stdin pipe; an "engine" child is a real client (``kvshm.connect``). The owner
+is a LocalManager in another child process.
 """
 from __future__ import annotations
 
@@ -57,7 +58,7 @@ SCHEMAS = {
              "blocks": {**dict.fromkeys("total free writing ready evicting invalid pinned leased "
                                         "used".split(), int), "usage": float},
              "owner": {"pid": int, "alive": bool, "epoch": int, "since_ns": int,
-                       "age_s": OPT_FLOAT, "tick": int},
+                       "age_s": OPT_FLOAT, "tick": int, "log": str},
              "clients": [CLIENT], "clients_alive": int, "clients_dead": int,
              "pinners": [{"pid": int, "state": str, "alive": bool, "done_bytes": int,
                           "total_bytes": int, "updated_ns": int}],
@@ -77,6 +78,8 @@ SCHEMAS = {
     "rm": {"schema": str, "name": str, "removed": bool, "forced": bool, "owner_alive": bool,
            "live_clients": [{"slot": int, "pid": int}]},
 }
+SCHEMAS["metrics"] = {"schema": str, "name": str, "samples": [{
+    "metric": str, "type": str, "help": str, "labels": dict, "value": (int, float)}]}
 SCHEMAS["watch"] = SCHEMAS["show"]
 
 
@@ -325,6 +328,10 @@ def test_metrics_live(live, capsys):
     for name in ("stores", "evictions", "store_bytes", "errors"):
         assert f"kvshm_{name}_total{{{seg}}}" in m
     assert "# TYPE kvshm_stores_total counter" in out
+    rc, d = run_json(capsys, "metrics", n)  # the same samples as JSON
+    assert rc == 0 and {
+        s["metric"] + "{" + ",".join(f'{k}="{v}"' for k, v in s["labels"].items()) + "}":
+        s["value"] for s in d["samples"]} == m
 
 
 def test_watch_live(live, capsys):
@@ -376,8 +383,7 @@ def test_readers_never_write(dead, capsys):
     for argv in (["ls"], ["show", n], ["blocks", n], ["verify", n], ["metrics", n],
                  ["watch", n, "--count", "1"]):
         run(capsys, *argv)
-        if argv[0] != "metrics":
-            run(capsys, *argv, "--json")
+        run(capsys, *argv, "--json")
     assert seg_bytes(n) == before
 
 

@@ -681,9 +681,13 @@ def test_local_owner_record_and_epoch(local_seg):
     assert local_seg.owner_record()[0] == 0
     with Segment.attach(local_seg.name) as other:
         assert other.owner_alive() is False
-    m2 = local(local_seg)
-    assert m2.epoch == 2 and local_seg.counter("failovers") == 1
+    m2 = local(local_seg)  # a clean exit (pid 0 in the record) is not a failover
+    assert m2.epoch == 2 and local_seg.counter("failovers") == 0
     m2.shutdown()
+    local_seg.write_owner_record(12345, 2, 1, m2.tick)  # as if it had died holding the lock
+    m3 = local(local_seg)
+    assert m3.epoch == 3 and local_seg.counter("failovers") == 1
+    m3.shutdown()
 
 
 def test_local_rebuild_keeps_ready_and_frees_unfinished_stores(local_seg, local_view):

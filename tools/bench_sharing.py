@@ -17,7 +17,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 
-from colocated_engines import Options, run  # noqa: E402
+from colocated_engines import OPTION_HELP, Options, run  # noqa: E402
 
 DESCRIPTION = """\
 Runs the co-located engines demo's workload (examples/colocated_engines.py: N engine
@@ -118,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     for f in fields(Options):
         if f.name not in skip:
             ap.add_argument("--" + f.name.replace("_", "-"), type=int,
-                            default=getattr(d, f.name), help=f"default {getattr(d, f.name)}")
+                            default=getattr(d, f.name),
+                            help=f"{OPTION_HELP[f.name]} (default {getattr(d, f.name)})")
     ap.add_argument("--cache-mib", type=float, default=d.cache_mib,
                     help=f"M, the shared cache's size in MiB (default {d.cache_mib:g})")
     ap.add_argument("--inline-workers", action="store_true",

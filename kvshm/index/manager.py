@@ -81,7 +81,7 @@ class LocalManager(OffloadingManager):
         self.tick = tick
         self.recovered = self._rebuild(writer_alive or (lambda slot, gen: False))
         segment.write_owner_record(os.getpid(), self.epoch, time.time_ns(), self.tick)
-        if epoch:
+        if pid:  # the last owner died holding the segment (a clean exit writes pid 0)
             segment.counter_add("failovers")
 
     # --- rebuild ------------------------------------------------------------------------

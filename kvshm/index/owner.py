@@ -34,6 +34,10 @@ from kvshm.shm.ring import Doorbell
 from kvshm.shm.segment import Segment, sem_name
 
 log = logging.getLogger("kvshm.index.owner")
+# The one default for 'kvshm serve' and 'python -m kvshm.index.owner' (an auto-started
+# owner's log file then records its start, take-overs and reclaimed clients).
+DEFAULT_LOG_LEVEL = "INFO"
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 SCAN_INTERVAL_S = 0.2  # a dead client is reclaimed within about this long
 SPIN_S = 0.005  # keep polling this long after the last frame before sleeping
@@ -105,6 +109,7 @@ class Owner(RequestHandlers):
         self._reclaim_unadopted()
         if not self.clients and self.idle_exit_s is not None and \
                 time.monotonic() - self._last_client > self.idle_exit_s:
+            log.info("no client for %gs: exiting", self.idle_exit_s)
             self._running = False
         try:  # an unlinked (or replaced) segment has no future clients: stop serving it
             if os.stat(f"/dev/shm/kvshm-{self.seg.name}").st_ino != self._inode:
@@ -373,9 +378,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("name", help="segment name (as given to kvshm.connect)")
     ap.add_argument("--idle-exit", type=float, default=None, metavar="S",
                     help="exit after S seconds without any attached client")
-    ap.add_argument("--log-level", default="WARNING")
+    ap.add_argument("--log-level", default=DEFAULT_LOG_LEVEL, type=str.upper,
+                    choices=LOG_LEVELS, help=f"logging level (default {DEFAULT_LOG_LEVEL})")
     args = ap.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(),
+    logging.basicConfig(level=args.log_level,
                         format="%(asctime)s kvshm-owner[%(process)d] %(message)s")
     try:
         owner = Owner(args.name, idle_exit_s=args.idle_exit)

@@ -50,6 +50,7 @@ its client quarantined (no more service, but its holds are honoured while it liv
 """
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import tempfile
@@ -72,15 +73,39 @@ OWNER_IDLE_EXIT_S = 10.0
 _CHECK_OWNER_S = 0.1  # while waiting, look whether the owner still lives this often
 
 
+def owner_log_path(name: str) -> str:
+    """Where an auto-started owner of segment ``name`` logs: ``kvshm-NAME-owner.log`` in
+    ``$XDG_RUNTIME_DIR`` if set, else the system temp dir (appended, mode 0600)."""
+    return os.path.join(os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir(),
+                        f"kvshm-{name}-owner.log")
+
+
+def _tail(path: str, start: int, n: int = 3) -> list[str]:
+    try:
+        with open(path, "rb") as f:
+            f.seek(start)
+            return f.read().decode(errors="replace").strip().splitlines()[-n:]
+    except OSError:
+        return []
+
+
 def start_owner(segment: Segment) -> subprocess.Popen | None:
-    """Make sure an owner serves ``segment``: start one if nobody holds the owner lock."""
+    """Make sure an owner serves ``segment``: start one if nobody holds the owner lock.
+
+    The owner runs detached (own session, no stdin/stdout, no inherited fds); its stderr,
+    the log, is appended to ``owner_log_path(segment.name)``."""
     if segment.owner_alive():
         return None
-    err = tempfile.TemporaryFile()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvshm.index.owner", segment.name, "--idle-exit",
-         str(OWNER_IDLE_EXIT_S)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-        stderr=err, start_new_session=True, close_fds=True)
+    path = owner_log_path(segment.name)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        start = os.lseek(fd, 0, os.SEEK_END)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvshm.index.owner", segment.name, "--idle-exit",
+             str(OWNER_IDLE_EXIT_S)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            stderr=fd, start_new_session=True, close_fds=True)
+    finally:
+        os.close(fd)
     epoch = segment.owner_record()[1]
     deadline = time.monotonic() + OWNER_START_TIMEOUT_S
     while not segment.owner_alive():
@@ -88,12 +113,11 @@ def start_owner(segment: Segment) -> subprocess.Popen | None:
         if rc not in (None, 0) and segment.owner_record()[1] != epoch:
             break  # it owned the segment and died already: the caller notices and goes on
         if rc not in (None, 0) or time.monotonic() > deadline:
-            err.seek(0)
-            why = err.read().decode(errors="replace").strip().splitlines()[-3:]
+            why = _tail(path, start)
             raise OwnerUnavailableError(
                 f"could not start an owner for segment {segment.name!r} (exit "
-                f"{rc}): {' | '.join(why) or 'no output'}; run 'kvshm serve "
-                f"{segment.name}' to see why")
+                f"{rc}): {' | '.join(why) or 'no output'}; see {path}, or run 'kvshm "
+                f"serve {segment.name}' to see why")
         time.sleep(0.005)  # polling the child's start, bounded by the deadline
     return proc
 

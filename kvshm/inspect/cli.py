@@ -20,9 +20,10 @@ from typing import Any, Callable
 from kvshm.shm import layout as L
 from kvshm.shm import locks
 from kvshm.shm import slots
+from kvshm.index.owner_link import OWNER_IDLE_EXIT_S
 from kvshm.errors import OwnerUnavailableError, SegmentNotFoundError, SegmentPermissionError
 from kvshm.shm.segment import PREFIX, SHM_DIR, Segment, list_segments, shm_name
-from kvshm.inspect.snapshot import block_rows, prometheus, snapshot, verify
+from kvshm.inspect.snapshot import block_rows, metric_samples, prometheus, snapshot, verify
 
 PROG = "kvshm-inspect"
 Args = argparse.Namespace
@@ -71,7 +72,8 @@ def render_show(s: dict[str, Any]) -> str:
            f"blocks    free {b['free']}  writing {b['writing']}  ready {b['ready']}  evicting "
            f"{b['evicting']}  pinned {b['pinned']}  leased {b['leased']}  ({b['usage']:.1%} used)"
            + (f"  INVALID {b['invalid']}" if b["invalid"] else ""),
-           f"owner     {owner}", f"clients   {s['clients_alive']} alive, "
+           f"owner     {owner}", f"owner log {o['log']}  (an auto-started owner's; "
+                                 "'kvshm serve' logs to its stderr)", f"clients   {s['clients_alive']} alive, "
                                  f"{s['clients_dead']} dead"]
     if s["clients"]:
         out += _table(["SLOT", "PID", "NAME", "ALIVE", "GEN", "PINS", "LEASES", "PENDING",
@@ -161,7 +163,12 @@ def cmd_verify(args: Args) -> int:
 
 def cmd_metrics(args: Args) -> int:
     with Segment.attach(args.name) as seg:
-        sys.stdout.write(prometheus([snapshot(seg)]))
+        snaps = [snapshot(seg)]
+    if args.json:
+        _emit(args, {"schema": "kvshm.metrics/1", "name": args.name,
+                     "samples": metric_samples(snaps)}, str)
+    else:
+        sys.stdout.write(prometheus(snaps))
     return 0
 
 
@@ -194,6 +201,7 @@ def _gc(seg: Segment) -> dict[str, Any]:
         return out
     from kvshm.index.manager import LocalManager  # only gc needs the manager
     g, live = seg.geometry, seg.clients_alive()
+    dead_owner = seg.owner_record()  # pid 0 unless the last owner died holding the segment
     try:  # the rebuild frees stores whose writer died (and settles torn entries)
         mgr = LocalManager(seg, writer_alive=lambda i, gen: i in live and
                            slots.record(seg, i)[2] == gen)
@@ -210,7 +218,11 @@ def _gc(seg: Segment) -> dict[str, Any]:
         seg.counter_add("reclaimed_clients", len(out["reclaimed_clients"]))
         seg.counter_add("reclaimed_blocks", mgr.recovered["freed"])
     finally:
+        if dead_owner[0]:  # gc is no failover: the next real owner counts that death
+            seg.counter_add("failovers", -1)
         mgr.shutdown()
+        if dead_owner[0]:
+            seg.write_owner_record(dead_owner[0], mgr.epoch, *seg.owner_record()[2:])
     return {**out, "acted": True, "freed_blocks": mgr.recovered["freed"],
             "kept_ready": mgr.recovered["ready"], "kept_pending": mgr.recovered["pending"],
             "reason": "no owner alive: reclaimed as a temporary owner"}
@@ -248,15 +260,31 @@ def _users(name: str) -> tuple[list[dict[str, int]], bool]:
             shm.close_fd()
 
 
-def cmd_rm(args: Args) -> int:
+def _wait_idle_owner(args: Args) -> tuple[list[dict[str, int]], bool]:
+    """No client left but an owner: wait (up to --wait s) for its idle exit, saying so."""
     clients, owner = _users(args.name)
+    deadline, said = time.monotonic() + args.wait, -1
+    while owner and not clients and not args.force and time.monotonic() < deadline:
+        left = int(deadline - time.monotonic() + 0.999)
+        if said < 0 or said - left >= 2:
+            print(f"{PROG}: no client left; waiting for the owner's idle exit ({left}s left; "
+                  "--force removes now)", file=sys.stderr, flush=True)
+            said = left
+        time.sleep(0.1)  # polling the owner lock, bounded by --wait
+        clients, owner = _users(args.name)
+    return clients, owner
+
+
+def cmd_rm(args: Args) -> int:
+    clients, owner = _wait_idle_owner(args)
     out = {"schema": "kvshm.rm/1", "name": args.name, "removed": False, "forced": args.force,
            "owner_alive": owner, "live_clients": clients}
     if (clients or owner) and not args.force:
         who = [f"slot {c['slot']} pid {c['pid']}" for c in clients] + ["the owner"] * owner
         print(f"{PROG}: refusing to remove {args.name!r}: in use by {', '.join(who)}; stop "
-              "them first, or pass --force (they keep their mapping until they exit)",
-              file=sys.stderr)
+              "them first (an auto-started owner exits within "
+              f"{OWNER_IDLE_EXIT_S:g}s of its last client), or pass --force (they keep "
+              "their mapping until they exit; the owner then exits by itself)", file=sys.stderr)
         if args.json:
             print(json.dumps(out, indent=2))
         return 1
@@ -287,7 +315,8 @@ _COMMANDS: dict[str, tuple[Callable[[Args], int], str, str]] = {
                "process.\n\n"
                "example: kvshm-inspect verify llama8b || kvshm-inspect gc llama8b"),
     "metrics": (cmd_metrics, "Prometheus text exposition of counters and gauges",
-                "kvshm_* metrics (after vLLM's vllm:kv_offload_*) with a segment label.\n\n"
+                "kvshm_* metrics (after vLLM's vllm:kv_offload_*) with a segment label;\n"
+                "--json gives the same samples as one kvshm.metrics/1 document.\n\n"
                 "example: kvshm-inspect metrics llama8b > /var/lib/node_exporter/kvshm.prom"),
     "watch": (cmd_watch, "'show', refreshed in place until Ctrl-C",
               "With --json: one snapshot per line.\n\n"
@@ -297,8 +326,12 @@ _COMMANDS: dict[str, tuple[Callable[[Args], int], str, str]] = {
            "owner does this itself within a second, so then gc does nothing.\n\n"
            "example: kvshm-inspect gc llama8b"),
     "rm": (cmd_rm, "remove a segment (refused while processes use it, unless --force)",
-           "Also removes foreign or damaged kvshm-* objects. Processes that still map the\n"
-           "segment keep it until they exit.\n\nexample: kvshm-inspect rm llama8b --force"),
+           "Refused (exit 1) while a client lives. When only the owner is left (an\n"
+           f"auto-started owner exits {OWNER_IDLE_EXIT_S:g}s after its last client), rm waits up\n"
+           "to --wait seconds for it to go, with progress on stderr, then removes the\n"
+           "segment or refuses. --force removes at once: processes that still map the\n"
+           "segment keep it until they exit, and the owner notices and exits. Also removes\n"
+           "foreign or damaged kvshm-* objects.\n\nexample: kvshm-inspect rm llama8b --force"),
 }
 
 
@@ -315,15 +348,23 @@ def build_parser() -> argparse.ArgumentParser:
         sp.set_defaults(func=func)
         if name != "ls":
             sp.add_argument("name", metavar="NAME", help="segment name (see 'kvshm-inspect ls')")
-        if name != "metrics":
-            sp.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
-                            help="JSON output (schema: docs/inspect.md)")
+        sp.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
+                        help="JSON output (schema: docs/inspect.md)")
     sub.choices["blocks"].add_argument("--state", action="append", choices=(
-        *L.STATE_NAMES.values(), "pinned", "leased", "used", "all"))
-    sub.choices["blocks"].add_argument("--limit", type=int, default=100, help="default 100")
-    sub.choices["watch"].add_argument("--interval", type=float, default=1.0, help="seconds")
-    sub.choices["watch"].add_argument("--count", type=int, default=0, help="stop after N")
-    sub.choices["rm"].add_argument("--force", action="store_true", help="remove while in use")
+        *L.STATE_NAMES.values(), "pinned", "leased", "used", "all"),
+        help="show blocks in this state (repeatable; default used)")
+    sub.choices["blocks"].add_argument("--limit", type=int, default=100,
+                                       help="at most N rows (default 100, 0 = all)")
+    sub.choices["watch"].add_argument("--interval", type=float, default=1.0,
+                                      help="seconds between refreshes (default 1)")
+    sub.choices["watch"].add_argument("--count", type=int, default=0,
+                                      help="stop after N refreshes (default 0: until Ctrl-C)")
+    sub.choices["rm"].add_argument("--force", action="store_true",
+                                   help="remove at once, even while processes use it")
+    sub.choices["rm"].add_argument("--wait", type=float, default=OWNER_IDLE_EXIT_S + 5,
+                                   metavar="S", help="when only an owner is left, wait up to S "
+                                   f"seconds for its idle exit (default {OWNER_IDLE_EXIT_S + 5:g};"
+                                   " 0: refuse at once)")
     return p
 
 

@@ -1,8 +1,8 @@
 """Read-only views of a kvshm segment: ``snapshot()``, ``verify()``, ``block_rows()``, metrics.
 
 This module owns turning a mapped segment into plain dicts and lists (ready for JSON) for
-``kvshm-inspect``, the soak harness and tests, the checks of DESIGN.md's invariants that the
-segment can show, and the Prometheus rendering; ``docs/inspect.md`` documents the output's
+``kvshm-inspect``, the soak harness and tests, the checks of the invariants that the segment can
+show (listed in ``docs/inspect.md``), and the Prometheus rendering; ``docs/inspect.md`` documents the output's
 stable schema. It works on a private copy of the metadata, so it must never write to the
 segment, never take a lock (it only asks the kernel who holds one), never spin on an entry a
 dead owner left half-written, and never import torch or ``kvshm.index.manager``.
@@ -21,6 +21,7 @@ from kvshm.shm import layout as L
 from kvshm.shm.ring import Ring
 from kvshm.shm.segment import Segment
 from kvshm.shm.table import BlockTable, KeyIndex
+from kvshm.index.owner_link import owner_log_path
 
 _ENTRY_DT = np.dtype({"names": [n for n, _ in L.ENTRY_FIELDS],
                       "formats": ["<" + c for _, c in L.ENTRY_FIELDS],
@@ -155,7 +156,8 @@ def snapshot(seg: Segment) -> dict[str, Any]:
                    "leased": len(m.live_leased - pinned), "used": used,
                    "usage": round(used / g.num_blocks, 6)},
         "owner": {"pid": pid, "alive": m.owner_alive, "epoch": epoch, "since_ns": since,
-                  "age_s": _age(now, since) if since else None, "tick": tick},
+                  "age_s": _age(now, since) if since else None, "tick": tick,
+                  "log": owner_log_path(seg.name)},
         "clients": clients, "clients_alive": sum(c["alive"] for c in clients),
         "clients_dead": sum(c["state"] != SLOT_FREE and not c["alive"] for c in clients),
         "pinners": pinners, "counters": counters}
@@ -191,7 +193,7 @@ def block_rows(seg: Segment, states: set[str], limit: int) -> tuple[int, list[di
 
 
 def verify(seg: Segment, attempts: int = 3) -> list[str]:
-    """Violations of DESIGN.md's invariants visible in ``seg`` (empty when clean). While an
+    """Violations of the invariants (``docs/inspect.md``) visible in ``seg`` (empty when clean). While an
     owner or client lives the segment moves, so only what all ``attempts`` passes see counts."""
     found = _verify_once(seg)
     for _ in range(attempts - 1):
@@ -307,15 +309,15 @@ _RENAMED = {"prepare_store_refused": "allocation_failure", "bytes_in": "load_byt
             "bytes_out": "store_bytes"}  # vLLM's names for the same things (client's view)
 
 
-def prometheus(snaps: list[dict[str, Any]]) -> str:
-    """Prometheus text exposition (format 0.0.4) of ``snapshot()`` results, one per segment."""
-    fams: dict[str, tuple[str, str, list[str]]] = {}
+def metric_samples(snaps: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every metric sample of ``snapshot()`` results: ``metric``, ``type`` (gauge or counter),
+    ``help``, ``labels`` (str -> str) and ``value`` (int or float)."""
+    out: list[dict[str, Any]] = []
 
     def add(name: str, kind: str, text: str, value: Any, **labels: object) -> None:
-        lab = ",".join('{}="{}"'.format(k, str(v).replace("\\", r"\\").replace('"', r"\"")
-                                        .replace("\n", r"\n")) for k, v in labels.items())
-        num = str(int(value)) if isinstance(value, int) else repr(float(value))
-        fams.setdefault(name, (kind, text, []))[2].append(f"{name}{{{lab}}} {num}")
+        out.append({"metric": name, "type": kind, "help": text,
+                    "labels": {k: str(v) for k, v in labels.items()},
+                    "value": int(value) if isinstance(value, int) else float(value)})
 
     for s in snaps:
         seg = s["name"]
@@ -337,5 +339,18 @@ def prometheus(snaps: list[dict[str, Any]]) -> str:
                 if depth is not None:
                     add("kvshm_ring_depth_bytes", "gauge", "Bytes queued in a client's ring.",
                         depth, segment=seg, slot=c["slot"], ring=ring)
+    return out
+
+
+def prometheus(snaps: list[dict[str, Any]]) -> str:
+    """Prometheus text exposition (format 0.0.4) of ``snapshot()`` results, one per segment."""
+    fams: dict[str, tuple[str, str, list[str]]] = {}
+    for m in metric_samples(snaps):
+        lab = ",".join('{}="{}"'.format(k, v.replace("\\", r"\\").replace('"', r"\"")
+                                        .replace("\n", r"\n")) for k, v in m["labels"].items())
+        v = m["value"]
+        num = str(int(v)) if isinstance(v, int) else repr(float(v))
+        fams.setdefault(m["metric"], (m["type"], m["help"], []))[2].append(
+            f"{m['metric']}{{{lab}}} {num}")
     return "".join(f"# HELP {n} {t}\n# TYPE {n} {k}\n" + "\n".join(rows) + "\n"
                    for n, (k, t, rows) in fams.items())
