@@ -72,7 +72,7 @@ def test_layout_is_deterministic_and_per_rank():
 
 
 def test_an_instance_with_another_layout_is_refused_with_both_layouts(seg_name):
-    opts = KvshmOptions(seg_name, 1 << 20)
+    opts = KvshmOptions(segment=seg_name, nbytes=1 << 20)
     seg = open_segment(opts, layout_for(fake_config()))
     try:
         again = open_segment(opts, layout_for(fake_config()))  # same model: shares it

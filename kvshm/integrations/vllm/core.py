@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Annotated, Any, Iterable, Mapping, Sequence
+
+import msgspec
 
 from kvshm.index.api import LookupResult, PrepareStoreOutput
 from kvshm.errors import InvalidArgumentError, KvshmError, LayoutMismatchError, SegmentNotFoundError
@@ -27,50 +28,57 @@ POLICIES = ("lru", "arc")
 RESET_GRACE_STEPS = 3  # scheduler steps after reset_cache before this engine's stale holds go
 
 
-@dataclass(frozen=True)
-class KvshmOptions:
-    """kvshm's own keys in ``kv_connector_extra_config``."""
-    segment: str                # kvshm_segment: shared by every instance that names it
-    nbytes: int | None          # cpu_bytes_to_use: data bytes, used when creating the segment
-    policy: str = "lru"         # eviction_policy, recorded in the segment at creation
-    mode: int = 0o600           # kvshm_mode: permissions of a segment this instance creates
-    model_id: str | None = None  # kvshm_model_id: overrides the model name in the layout
-    hold_capacity: int = 16384  # kvshm_hold_capacity: leases+pins per client (at creation)
+_NAME = r"^(?!\.+$)[A-Za-z0-9_.-]{1,128}$"  # a segment name (kvshm.shm.segment.shm_name)
+
+
+class KvshmOptions(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """kvshm's own keys in ``kv_connector_extra_config``, with their constraints.
+
+    ``from_extra`` picks them (and any other ``kvshm_*`` key, a likely typo) out of the dict
+    and validates them here; an invalid value is an ``InvalidArgumentError`` naming the key.
+    """
+    segment: Annotated[str, msgspec.Meta(pattern=_NAME, description=(
+        "name of the shared segment every vLLM instance of this model uses (e.g. \"llama8b\")"
+    ))] = msgspec.field(name="kvshm_segment")
+    nbytes: Annotated[int, msgspec.Meta(gt=0, description=(
+        "bytes of KV data, used when creating the segment; without it, attach only"
+    ))] | None = msgspec.field(default=None, name="cpu_bytes_to_use")
+    policy: Annotated[str, msgspec.Meta(pattern="^(" + "|".join(POLICIES) + ")$", description=(
+        "eviction policy, recorded in the segment at creation"))] = msgspec.field(
+        default="lru", name="eviction_policy")
+    mode: Annotated[int, msgspec.Meta(ge=0, le=0o777, description=(
+        "permission bits of a segment this instance creates (an octal string such as \"0660\")"
+    ))] = msgspec.field(default=0o600, name="kvshm_mode")
+    model_id: Annotated[str, msgspec.Meta(description=(
+        "model identity in the layout, instead of vLLM's model name"))] | None = msgspec.field(
+        default=None, name="kvshm_model_id")
+    hold_capacity: Annotated[int, msgspec.Meta(ge=16, description=(
+        "leases + pins per client, at creation"))] = msgspec.field(
+        default=16384, name="kvshm_hold_capacity")
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any]) -> "KvshmOptions":
-        seg = extra.get("kvshm_segment")
-        if not isinstance(seg, str) or not seg:
-            raise InvalidArgumentError(
-                "kv_connector_extra_config needs 'kvshm_segment': the name of the shared "
-                "segment every vLLM instance of this model should use (e.g. \"llama8b\")")
-        nbytes = extra.get("cpu_bytes_to_use")
-        if nbytes is not None:
+        ours = {k: v for k, v in extra.items() if k in _OPTION_KEYS or k.startswith("kvshm_")}
+        if isinstance(ours.get("eviction_policy"), str):
+            ours["eviction_policy"] = ours["eviction_policy"].lower()
+        mode = ours.get("kvshm_mode")
+        if isinstance(mode, str):  # permission bits are written in octal
             try:
-                nbytes = int(nbytes)
-            except (TypeError, ValueError):
-                nbytes = -1
-            if nbytes <= 0:
-                raise InvalidArgumentError(
-                    f"cpu_bytes_to_use must be a positive number of bytes, got "
-                    f"{extra.get('cpu_bytes_to_use')!r}")
-        policy = str(extra.get("eviction_policy", "lru")).lower()
-        if policy not in POLICIES:
-            raise InvalidArgumentError(
-                f"eviction_policy must be one of {POLICIES}, got {extra.get('eviction_policy')!r}")
-        mode = extra.get("kvshm_mode", 0o600)
+                ours["kvshm_mode"] = int(mode, 8)
+            except ValueError:
+                pass  # left a str: refused below, naming the key
+        model_id = ours.pop("kvshm_model_id", None)
+        if model_id:
+            ours["kvshm_model_id"] = str(model_id)
         try:
-            mode = int(mode, 8) if isinstance(mode, str) else int(mode)
-        except (TypeError, ValueError):
-            mode = -1
-        if not 0 <= mode <= 0o777:
-            raise InvalidArgumentError(f"kvshm_mode must be permission bits such as \"0660\", "
-                                       f"got {extra.get('kvshm_mode')!r}")
-        model_id = extra.get("kvshm_model_id")
-        holds = extra.get("kvshm_hold_capacity", cls.hold_capacity)
-        if not isinstance(holds, int) or holds < 16:
-            raise InvalidArgumentError(f"kvshm_hold_capacity must be an int >= 16, got {holds!r}")
-        return cls(seg, nbytes, policy, mode, str(model_id) if model_id else None, holds)
+            return msgspec.convert(ours, cls, strict=False)
+        except msgspec.ValidationError as e:
+            raise InvalidArgumentError(
+                f"kv_connector_extra_config: {e} (kvshm's keys: {', '.join(_OPTION_KEYS)})"
+            ) from None
+
+
+_OPTION_KEYS = tuple(f.encode_name for f in msgspec.structs.fields(KvshmOptions))
 
 
 def _short(name: str, limit: int = 120) -> str:
