@@ -21,12 +21,14 @@ import time
 import uuid
 from pathlib import Path
 
+import msgspec
 import posix_ipc
 import pytest
 
 from kvshm.shm import layout as L
 from kvshm.inspect import snapshot as S
 from kvshm.inspect.cli import main
+from kvshm.inspect.schema import DOCUMENTS, Show, render_docs
 from kvshm.shm.layout import Layout
 from kvshm.index.manager import LocalManager
 from kvshm.shm.segment import Segment
@@ -38,65 +40,18 @@ ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 LAYOUT = Layout((4096, 2048), 16, "tiny-test")
 
-# --- the documented --json schema (docs/inspect.md): dict = exactly these keys, [x] = list of x,
-# a type or tuple of types = a value, ``dict`` = any object ------------------------------------
-OPT_INT, OPT_FLOAT, OPT_STR = (int, type(None)), (float, type(None)), (str, type(None))
-CLIENT = {"slot": int, "pid": int, "name": str, "state": int, "alive": bool, "generation": int,
-          "attached_ns": int, "age_s": float, "holds": int, "pins": int, "leases": int,
-          "stores_pending": int, "counters": {n: int for n in L.SLOT_COUNTERS},
-          "rings": {n: OPT_INT for n in L.RING_NAMES}}
-SCHEMAS = {
-    "show": {"schema": str, "name": str, "taken_ns": int,
-             "header": {"format_version": int, "header_bytes": int, "total_bytes": int,
-                        "created_ns": int, "age_s": float, "fingerprint": str, "policy": str,
-                        "layout": {"model": str, "page_bytes": [int], "tokens_per_block": int,
-                                   "extra": dict}},
-             "geometry": {**dict.fromkeys(
-                 "num_blocks num_planes block_bytes tokens_per_block max_clients ring_capacity "
-                 "hold_capacity index_slots slot_bytes table_offset index_offset data_offset "
-                 "data_bytes total_bytes".split(), int), "page_bytes": [int]},
-             "blocks": {**dict.fromkeys("total free writing ready evicting invalid pinned leased "
-                                        "used".split(), int), "usage": float},
-             "owner": {"pid": int, "alive": bool, "epoch": int, "since_ns": int,
-                       "age_s": OPT_FLOAT, "tick": int, "log": str},
-             "clients": [CLIENT], "clients_alive": int, "clients_dead": int,
-             "pinners": [{"pid": int, "state": str, "alive": bool, "done_bytes": int,
-                          "total_bytes": int, "updated_ns": int}],
-             "counters": dict.fromkeys(S.COUNTERS, int)},
-    "ls": {"schema": str, "segments": [{
-        "name": str, "size_bytes": OPT_INT, "format_version": OPT_INT, "blocks_used": OPT_INT,
-        "blocks_total": OPT_INT, "clients_alive": OPT_INT, "owner_alive": (bool, type(None)),
-        "age_s": OPT_FLOAT, "error": OPT_STR}]},
-    "blocks": {"schema": str, "name": str, "states": [str], "matching": int, "rows": [{
-        "block": int, "state": str, "key": str, "pins": int, "pinned_by": [int],
-        "leased_by": [int], "last_use": int,
-        "stored_ns": int, "writer": int, "writer_gen": int, "writer_req": int}]},
-    "verify": {"schema": str, "name": str, "ok": bool, "violations": [str]},
-    "gc": {"schema": str, "name": str, "acted": bool, "reason": str, "freed_blocks": int,
-           "kept_ready": int, "kept_pending": int,
-           "reclaimed_clients": [{"slot": int, "pid": int, "name": str, "holds": int}]},
-    "rm": {"schema": str, "name": str, "removed": bool, "forced": bool, "owner_alive": bool,
-           "live_clients": [{"slot": int, "pid": int}]},
-}
-SCHEMAS["metrics"] = {"schema": str, "name": str, "samples": [{
-    "metric": str, "type": str, "help": str, "labels": dict, "value": (int, float)}]}
-SCHEMAS["watch"] = SCHEMAS["show"]
+# --- the documented --json schema: the Structs of kvshm.inspect.schema (docs/inspect.md embeds
+# their tables), checked strictly: exactly their keys, their types, the right schema tag ---------
+SCHEMAS = DOCUMENTS
 
 
-def check_schema(obj: object, schema: object, path: str = "$") -> None:
-    if isinstance(schema, dict):
-        assert isinstance(obj, dict), f"{path} is {type(obj).__name__}, not an object"
-        assert set(obj) == set(schema), f"{path}: unexpected/missing {set(obj) ^ set(schema)}"
-        for k, sub in schema.items():
-            check_schema(obj[k], sub, f"{path}.{k}")
-    elif isinstance(schema, list):
-        assert isinstance(obj, list), f"{path} is not a list"
-        for i, x in enumerate(obj):
-            check_schema(x, schema[0], f"{path}[{i}]")
-    else:
-        types = schema if isinstance(schema, tuple) else (schema,)
-        assert isinstance(obj, types) and (bool in types or not isinstance(obj, bool)), \
-            f"{path} = {obj!r} is not {types}"
+def check_schema(obj: object, doc: type) -> None:
+    msgspec.convert(obj, doc, strict=True)  # raises ValidationError naming the path
+    if doc is Show:  # free-form objects in the Struct whose keys are fixed all the same
+        assert list(obj["counters"]) == list(S.COUNTERS)
+        for c in obj["clients"]:
+            assert set(c["counters"]) == set(L.SLOT_COUNTERS) and set(c["rings"]) == set(
+                L.RING_NAMES)
 
 
 # --- simulated processes -----------------------------------------------------------------
@@ -663,18 +618,11 @@ def test_starts_fast():
     assert best < 0.8, f"kvshm-inspect --help took {best:.2f} CPU seconds"
 
 
-def test_docs_cover_schema():
+def test_docs_embed_the_generated_schema():
     doc = (ROOT / "docs" / "inspect.md").read_text()
-
-    def keys(schema: object):
-        if isinstance(schema, dict):
-            for k, v in schema.items():
-                yield k
-                yield from keys(v)
-        elif isinstance(schema, list):
-            yield from keys(schema[0])
-
-    for cmd, schema in SCHEMAS.items():
-        assert f"kvshm.{'show' if cmd == 'watch' else cmd}/1" in doc
-        missing = {k for k in keys(schema) if f"`{k}`" not in doc}
-        assert not missing, f"docs/inspect.md lacks {cmd} keys {missing}"
+    begin = doc.index("<!-- BEGIN schema tables")
+    body = doc[doc.index("\n", begin) + 1:doc.index("<!-- END schema tables -->")]
+    assert body == render_docs(), "docs/inspect.md is stale: python -m kvshm.inspect.schema"
+    for cmd, doc_type in DOCUMENTS.items():
+        if cmd != "watch":
+            assert f"kvshm.{cmd}/1" in msgspec.json.encode(msgspec.json.schema(doc_type)).decode()

@@ -1,7 +1,7 @@
 """``kvshm-inspect``: look into the kvshm segments of this host, check them, clean up crashes.
 
-This module owns the command line (stdlib argparse), its human and ``--json`` output (schema
-in ``docs/inspect.md``), and the only two commands that write to a segment: ``gc`` (reclaims
+This module owns the command line (stdlib argparse), its human and ``--json`` output (encoded
+through the Structs of ``kvshm.inspect.schema``), and the only two commands that write to a segment: ``gc`` (reclaims
 what dead clients and a dead owner left, only while no owner runs) and ``rm`` (unlinks).
 Everything else reads through ``kvshm.inspect.snapshot``. It must never import torch, never write to
 a segment outside ``gc``/``rm``, and never show a traceback: bad input gets one line on stderr.
@@ -10,7 +10,6 @@ Exit status: 0 ok, 1 ``verify`` found violations or ``rm`` refused, 2 error.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import sys
@@ -23,6 +22,7 @@ from kvshm.shm import slots
 from kvshm.index.owner_link import OWNER_IDLE_EXIT_S
 from kvshm.errors import OwnerUnavailableError, SegmentNotFoundError, SegmentPermissionError
 from kvshm.shm.segment import PREFIX, SHM_DIR, Segment, list_segments, shm_name
+from kvshm.inspect.schema import encode
 from kvshm.inspect.snapshot import block_rows, metric_samples, prometheus, snapshot, verify
 
 PROG = "kvshm-inspect"
@@ -51,7 +51,7 @@ def _table(head: list[str], rows: list[list[Any]], indent: str = "  ") -> list[s
 
 
 def _emit(args: Args, data: dict[str, Any], human: Callable[[], str]) -> None:
-    print(json.dumps(data, indent=2) if args.json else human(), flush=True)
+    print(encode(data) if args.json else human(), flush=True)
 
 
 def render_show(s: dict[str, Any]) -> str:
@@ -181,7 +181,7 @@ def cmd_watch(args: Args) -> int:
         try:
             for n in range(1, sys.maxsize):
                 s = snapshot(seg)
-                print(json.dumps(s) if args.json else clear + render_show(s) +
+                print(encode(s, indent=0) if args.json else clear + render_show(s) +
                       f"\n(every {args.interval:g}s; Ctrl-C stops)", flush=True)
                 if n == args.count:
                     break
@@ -286,7 +286,7 @@ def cmd_rm(args: Args) -> int:
               f"{OWNER_IDLE_EXIT_S:g}s of its last client), or pass --force (they keep "
               "their mapping until they exit; the owner then exits by itself)", file=sys.stderr)
         if args.json:
-            print(json.dumps(out, indent=2))
+            print(encode(out))
         return 1
     out["removed"] = Segment.unlink(args.name)
     _emit(args, out, lambda: f"removed {args.name}" if out["removed"] else
