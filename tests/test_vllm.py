@@ -340,7 +340,7 @@ def test_a_prompt_evicted_from_the_device_comes_back_from_kvshm(engines):
     assert '"dtype":"float32"' in info["layout"]
     checks = res["steps"]["checks"]
     assert checks["pickle_ok"] and checks["supported"], checks
-    assert "supports vLLM 0.32.x" in checks["refusal"] and "0.33.0" in checks["refusal"]
+    assert "supports vLLM 0.32.x and 0.33.x" in checks["refusal"] and "0.34.0" in checks["refusal"]
     refusal = res["steps"]["refusal"]  # same segment, the model's KV in bfloat16: refused
     assert name in refusal and '"dtype":"bfloat16"' in refusal and '"dtype":"float32"' in refusal
 
@@ -369,3 +369,24 @@ def test_c_negative_control_corrupted_kvshm_bytes_change_the_output(engines):
     assert a3["num_cached_tokens"] == E.EXPECTED_CACHED_TOKENS  # loaded from kvshm again...
     assert a3["token_ids"] != out(res, "A1")["token_ids"]  # ...and the loaded bytes are used
     assert res["metrics"][E.EXTERNAL_HITS] > res["steps"]["m3"][E.EXTERNAL_HITS]
+
+
+@needs_vllm
+def test_an_engine_whose_layout_the_segment_refuses_fails_before_allocating_kv(tiny_model):
+    """A segment made for another model: the engine fails when its spec is built (vLLM's
+    ensure_kv_transfer_initialized), before the worker allocates or registers its KV cache."""
+    name = unique_name()
+    Segment.create(name, Layout((65536,), 32, "another-model"), 16).close()
+    steps = [gen("A", E.random_prompt(1))]
+    proc = E.start_engine_subprocess(E.engine_config(tiny_model, kvshm_extra(name), steps),
+                                     python=VLLM_PY)
+    try:
+        with pytest.raises(RuntimeError):
+            proc.result(300)
+        log = Path(proc.log_path).read_text()
+        assert "LayoutMismatchError" in log and "another-model" in log and name in log
+        assert "ensure_kv_transfer_initialized" in log and "KvshmOffloadingSpec" in log
+        assert "register_kv_caches" not in log and "get_manager" not in log
+    finally:
+        proc.kill()
+        remove_segment(name)

@@ -1,7 +1,8 @@
 """CPU transfer handler: block copies between CPU "device" tensors and segment planes.
 
 This module owns the handler used by CPU engines and by every test on a machine without a GPU:
-one worker thread per direction (jobs FIFO within a direction; loads and stores overlap), the
+one worker thread per lane (a direction, or expedited loads; jobs FIFO within a lane, lanes
+overlap, so an expedited load never waits behind queued loads or stores), the
 copy loop over coalesced byte runs, the optional split of a big job over helper threads, and
 completion bookkeeping (results, per-job events for ``wait``).
 
@@ -36,7 +37,7 @@ import numpy as np
 
 from kvshm import crashpoints
 from kvshm.errors import InvalidArgumentError, TransferError
-from kvshm.transfer.spec import (KINDS, BlockPlan, Geometry, TransferHandler, TransferResult,
+from kvshm.transfer.spec import (LANES, BlockPlan, Geometry, TransferHandler, TransferResult,
                        TransferSpec, build_geometry, job_runs, plan_transfer)
 
 if TYPE_CHECKING:
@@ -97,10 +98,10 @@ class CpuTransferHandler(TransferHandler):
         self._closed = False
         self._queues: dict[str, queue.SimpleQueue] = {}
         self._workers: list[threading.Thread] = []
-        for kind in KINDS:
+        for lane in LANES:
             q: queue.SimpleQueue = queue.SimpleQueue()
-            t = threading.Thread(target=self._lane, args=(q,), name=f"kvshm-{kind}", daemon=True)
-            self._queues[kind] = q
+            t = threading.Thread(target=self._lane, args=(q,), name=f"kvshm-{lane}", daemon=True)
+            self._queues[lane] = q
             self._workers.append(t)
             t.start()
 
@@ -115,7 +116,7 @@ class CpuTransferHandler(TransferHandler):
                 raise InvalidArgumentError(f"job {job_id} is still in flight; job ids must be "
                                            f"unique among unfinished jobs")
             self._pending[job_id] = job
-            self._queues[spec.kind].put(job)
+            self._queues[spec.lane].put(job)
         return True
 
     def get_finished(self) -> list[TransferResult]:

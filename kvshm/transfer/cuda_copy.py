@@ -1,9 +1,9 @@
 """CUDA transfer handler: block copies between GPU KV tensors and the segment's planes.
 
-This module owns one CUDA stream per direction (loads at the highest priority, stores at the
-default one), ordering (every job first waits for the caller's current stream: a store must not
-read KV the compute stream is still writing, a load must not land under pending writes; jobs
-are FIFO within a direction because they share a stream), completion by timed CUDA events, and
+This module owns one CUDA stream per lane (loads and expedited loads at the highest priority,
+each on its own stream, stores at the default one), ordering (every job first waits for the
+caller's current stream: a store must not read KV the compute stream is still writing, a load
+must not land under pending writes; jobs are FIFO within a lane because they share a stream), completion by timed CUDA events, and
 the copy method of each job:
 
   copy    one cudaMemcpyAsync (torch ``copy_``) per coalesced run. Always available; the only
@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from kvshm.errors import InvalidArgumentError, TransferError
-from kvshm.transfer.spec import (KINDS, BlockPlan, PairRuns, TransferHandler, TransferResult,
+from kvshm.transfer.spec import (LANES, BlockPlan, PairRuns, TransferHandler, TransferResult,
                        TransferSpec, build_geometry, job_runs, plan_transfer)
 
 logger = logging.getLogger(__name__)
@@ -159,8 +159,10 @@ class CudaTransferHandler(TransferHandler):
         self._pin, self._method = pin, method
         self._kernel_max, self._kernel_kinds = kernel_max_run_bytes, set(kernel_kinds)
         self._streams = {"load": torch.cuda.Stream(self._dev, priority=-100),  # clamped: highest
-                         "store": torch.cuda.Stream(self._dev, priority=0)}
-        self._inflight: dict[str, deque[_Job]] = {k: deque() for k in KINDS}
+                         "store": torch.cuda.Stream(self._dev, priority=0),
+                         # own stream: an expedited load does not queue behind regular loads
+                         "expedited": torch.cuda.Stream(self._dev, priority=-100)}
+        self._inflight: dict[str, deque[_Job]] = {k: deque() for k in LANES}
         self._jobs: dict[int, _Job] = {}
         self._lock = threading.Lock()
         self._closed = False
@@ -188,7 +190,7 @@ class CudaTransferHandler(TransferHandler):
                 raise InvalidArgumentError(f"job {job_id} is still in flight; job ids must be "
                                            f"unique among unfinished jobs")
             job = _Job(job_id, spec.kind, int(sum(int(r.nbytes.sum()) for r in runs)))
-            stream = self._streams[spec.kind]
+            stream = self._streams[spec.lane]
             try:
                 job.start = torch.cuda.Event(enable_timing=True, blocking=True)
                 job.end = torch.cuda.Event(enable_timing=True, blocking=True)
@@ -203,15 +205,15 @@ class CudaTransferHandler(TransferHandler):
                 job.end.record(stream)  # also after a failure: the result keeps its place
             except Exception:  # noqa: BLE001
                 job.end = None
-            self._inflight[spec.kind].append(job)
+            self._inflight[spec.lane].append(job)
             self._jobs[job_id] = job
         return True
 
     def get_finished(self) -> list[TransferResult]:
         out = []
         with self._lock:
-            for kind in KINDS:
-                q = self._inflight[kind]
+            for lane in LANES:
+                q = self._inflight[lane]
                 while q and q[0].done():  # in order: a later job never overtakes
                     job = q.popleft()
                     del self._jobs[job.job_id]

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     import torch
 
 KINDS = ("store", "load")
+LANES = KINDS + ("expedited",)  # expedited loads never queue behind regular work
 
 
 @dataclass(frozen=True)
@@ -35,17 +36,27 @@ class TransferSpec:
     default ``skip = len(segment_block_ids) * factor - len(device_block_ids)``, in
     ``[0, factor)``, so the job ends on a segment-block boundary; give ``skip`` explicitly for
     a job that also ends inside its last segment block (vLLM: a load ending mid-chunk).
+    ``expedited`` (loads only): the caller waits for it within its step, so the handler runs
+    it on its own lane, ahead of queued regular loads and stores.
     """
     kind: Literal["store", "load"]
     device_block_ids: Sequence[int]
     segment_block_ids: Sequence[int]
     skip: int | None = None
+    expedited: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise InvalidArgumentError(
                 f"TransferSpec.kind must be 'store' (device -> segment) or 'load' "
                 f"(segment -> device), got {self.kind!r}")
+        if self.expedited and self.kind != "load":
+            raise InvalidArgumentError("only a load can be expedited")
+
+    @property
+    def lane(self) -> str:
+        """The queue (CPU thread, CUDA stream) a handler runs this job on."""
+        return "expedited" if self.expedited else self.kind
 
 
 @dataclass(frozen=True)
@@ -71,7 +82,8 @@ class TransferHandler(ABC):
 
     @abstractmethod
     def get_finished(self) -> list[TransferResult]:
-        """Jobs completed since the last call; FIFO order within a direction."""
+        """Jobs completed since the last call; FIFO order within a lane (a direction, or
+        the expedited loads)."""
 
     @abstractmethod
     def wait(self, job_ids: Iterable[int]) -> None:

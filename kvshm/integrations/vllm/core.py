@@ -143,6 +143,19 @@ def explain_mismatch(e: LayoutMismatchError, name: str) -> LayoutMismatchError:
         f"segment was created for, so its blocks would be misread. {e}")
 
 
+def check_layout(opts: KvshmOptions, layout: Layout) -> None:
+    """Refuse ``layout`` now if segment ``opts.segment`` exists with another one.
+
+    Called at spec construction, before the engine allocates its KV cache; a segment that
+    does not exist yet is checked again when it is created or attached."""
+    try:
+        Segment.attach(opts.segment, layout).close()
+    except LayoutMismatchError as e:
+        raise explain_mismatch(e, opts.segment) from None
+    except SegmentNotFoundError:
+        pass
+
+
 def open_segment(opts: KvshmOptions, layout: Layout) -> Segment:
     """Create-or-attach the segment for a worker (it may come up before the scheduler)."""
     try:
@@ -172,18 +185,22 @@ class ManagerCore:
     slow or stuck engine never stalls this one.
 
     After ``reset`` vLLM never completes the jobs it had in flight, so their pins and
-    unfinished stores are dropped ``RESET_GRACE_STEPS`` steps later, once the connector's
-    flush of those jobs has surely run (before that the blocks may still be read or written).
+    unfinished stores are dropped once the connector's flush of those jobs has run (before
+    that the blocks may still be read or written): at ``reset_flushed`` where vLLM says so
+    (0.33's ``on_reset_flushed``, ``reset_flush_signal=True``), else ``RESET_GRACE_STEPS``
+    steps later (0.32).
     Completions and store refusals caused by kvshm errors are logged, not raised: an engine
     must not die because the shared cache lost a block it was about to publish.
     """
 
-    def __init__(self, mgr: Any):
+    def __init__(self, mgr: Any, reset_flush_signal: bool = False):
         self.mgr = mgr
+        self._flush_signal = reset_flush_signal
         self._lease_reqs: dict[bytes, set[str]] = {}  # leased key -> requests that hit it
         self._loads: dict[str, list[list[bytes]]] = {}  # request -> its unfinished loads
         self._store_req: dict[bytes, str] = {}  # key whose store is in flight -> request
-        self._stale: list[list[Any]] = []  # [steps left, load key lists, store key lists]
+        # [steps left (None: until reset_flushed), load key lists, store key lists]
+        self._stale: list[list[Any]] = []
 
     # --- loads ------------------------------------------------------------------------
     def lookup(self, key: bytes, req_id: str) -> LookupResult:
@@ -201,7 +218,7 @@ class ManagerCore:
         except KvshmError as e:
             raise KvshmError(
                 f"kvshm lost blocks that lookup() reported as hits in this step ({e}); vLLM "
-                "0.32 cannot recover from a failed load (raise the segment's hold capacity "
+                "cannot recover from a failed load (raise the segment's hold capacity "
                 "if a step looks up more keys than half of it)") from e
         self._loads.setdefault(req_id, []).append(keys)
         for k in keys:
@@ -251,16 +268,23 @@ class ManagerCore:
         if self._lease_reqs:
             self._lease_reqs.clear()
             self.mgr.release(None)
-        if self._stale:
-            for entry in self._stale:
+        for entry in self._stale:
+            if entry[0] is not None:
                 entry[0] -= 1
-            due = [e for e in self._stale if e[0] <= 0]
-            self._stale = [e for e in self._stale if e[0] > 0]
-            for _, loads, stores in due:
-                for keys in loads:
-                    self._quietly(self.mgr.complete_load, keys)
-                for keys in stores:  # never published: their bytes may be partial
-                    self._quietly(self.mgr.complete_store, keys, False)
+        self._drop_stale(lambda left: left is not None and left <= 0)
+
+    def reset_flushed(self) -> None:
+        """vLLM says the jobs in flight at the last reset are done: drop their holds now."""
+        self._drop_stale(lambda left: True)
+
+    def _drop_stale(self, due: Any) -> None:
+        now = [e for e in self._stale if due(e[0])]
+        self._stale = [e for e in self._stale if not due(e[0])]
+        for _, loads, stores in now:
+            for keys in loads:
+                self._quietly(self.mgr.complete_load, keys)
+            for keys in stores:  # never published: their bytes may be partial
+                self._quietly(self.mgr.complete_store, keys, False)
 
     def request_finished(self, req_id: str) -> None:
         """Its pins and stores wait for their completions, which may still arrive."""
@@ -279,7 +303,8 @@ class ManagerCore:
         for k, r in self._store_req.items():
             by_req.setdefault(r, []).append(k)
         if loads or by_req:
-            self._stale.append([RESET_GRACE_STEPS, loads, list(by_req.values())])
+            steps = None if self._flush_signal else RESET_GRACE_STEPS
+            self._stale.append([steps, loads, list(by_req.values())])
         self._loads.clear()
         self._store_req.clear()
 

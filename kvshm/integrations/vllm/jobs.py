@@ -109,7 +109,8 @@ class WorkerCore:
 
     def submit(self, job_id: int, kind: str, block_ids: Sequence[int],
                group_sizes: Sequence[int], block_indices: Sequence[int],
-               segment_ids: Sequence[int]) -> bool:
+               segment_ids: Sequence[int], expedited: bool = False) -> bool:
+        """Queue vLLM job ``job_id``; an ``expedited`` load runs ahead of queued work."""
         parts = split_job(block_ids, group_sizes, block_indices, segment_ids, self.bpc)
         if not parts:
             self._done.append((job_id, True, 0, 0.0))
@@ -122,7 +123,7 @@ class WorkerCore:
                                            "which has no KV tensors in this worker")
             part = self._next_part
             self._next_part += 1
-            handler.transfer_async(part, TransferSpec(kind, dev, seg, skip))  # type: ignore[arg-type]
+            handler.transfer_async(part, TransferSpec(kind, dev, seg, skip, expedited))  # type: ignore[arg-type]
             job.parts.add(part)
             self._part_job[part] = (job_id, handler)
         return True

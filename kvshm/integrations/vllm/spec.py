@@ -6,7 +6,8 @@ kv_connector_extra_config={"spec_name": "KvshmOffloadingSpec", "spec_module_path
 (see ``docs/vllm.md``). This module owns the three vLLM-facing classes and nothing else:
 
 * ``KvshmOffloadingSpec`` — validates the configuration and the vLLM version at
-  construction, derives the segment layout, and builds the manager or the worker lazily
+  construction, derives the segment layout and refuses one an existing segment does not
+  match (before any KV cache is allocated), and builds the manager or the worker lazily
   (vLLM constructs the spec in every engine process without saying its role).
 * ``KvshmOffloadingManager`` — vLLM's scheduler-side manager over kvshm's ``SharedManager``.
 * ``KvshmOffloadingWorker`` — vLLM's worker over kvshm's transfer handlers (CUDA when the KV
@@ -15,7 +16,7 @@ kv_connector_extra_config={"spec_name": "KvshmOffloadingSpec", "spec_module_path
 Version-specific vLLM names come from ``vllm_compat``; the logic lives in ``vllm_core`` and
 ``vllm_jobs`` (testable without vLLM). Importing this module imports vLLM and torch; ``import kvshm``
 never imports it. It must never return False from a submit or report a failed job (vLLM 0.32
-asserts on both), and never let a lookup cost a round trip to the owner.
+and 0.33 assert on both), and never let a lookup cost a round trip to the owner.
 """
 from __future__ import annotations
 
@@ -26,8 +27,8 @@ from kvshm.index.client import SharedManager, connect
 from kvshm.errors import LayoutMismatchError
 from kvshm.shm.segment import Segment
 from kvshm.integrations.vllm import compat as V
-from kvshm.integrations.vllm.core import (KvshmOptions, ManagerCore, explain_mismatch, layout_for, num_blocks_for,
-                        open_segment)
+from kvshm.integrations.vllm.core import (KvshmOptions, ManagerCore, check_layout, explain_mismatch,
+                                          layout_for, num_blocks_for, open_segment)
 from kvshm.integrations.vllm.jobs import WorkerCore
 
 logger = logging.getLogger(__name__)
@@ -41,7 +42,7 @@ class KvshmOffloadingManager(V.OffloadingManager):
     """Scheduler side: vLLM's per-key calls mapped onto kvshm's shared index."""
 
     def __init__(self, shared: SharedManager, events: bool):
-        self.core = ManagerCore(shared)
+        self.core = ManagerCore(shared, reset_flush_signal=V.RESET_FLUSH_SIGNAL)
         self._events = events
 
     def lookup(self, key: bytes, req_context: V.ReqContext) -> V.LookupResult:
@@ -90,6 +91,9 @@ class KvshmOffloadingManager(V.OffloadingManager):
     def reset_cache(self) -> None:
         self.core.reset()
 
+    def on_reset_flushed(self) -> None:  # vLLM 0.33+: the reset's flushed jobs are done
+        self.core.reset_flushed()
+
     def shutdown(self) -> None:
         self.core.shutdown()
 
@@ -112,9 +116,10 @@ class KvshmOffloadingWorker(V.OffloadingWorker):
                                 dst_spec.block_ids)  # type: ignore[attr-defined]
 
     def submit_load(self, job_id: int, src_spec: V.LoadStoreSpec,
-                    dst_spec: V.GPULoadStoreSpec) -> bool:
+                    dst_spec: V.GPULoadStoreSpec, expedited: bool = False) -> bool:
+        # expedited (vLLM 0.33): waited for within the step, so it skips the queued loads
         return self.core.submit(job_id, "load", *self._gpu(dst_spec),
-                                src_spec.block_ids)  # type: ignore[attr-defined]
+                                src_spec.block_ids, expedited)  # type: ignore[attr-defined]
 
     def get_finished(self) -> list[V.TransferResult]:
         return [V.TransferResult(job_id=j, success=ok, transfer_size=n, transfer_time=s)
@@ -141,6 +146,9 @@ class KvshmOffloadingSpec(V.OffloadingSpec):
         super().__init__(config)
         self.options = KvshmOptions.from_extra(self.extra_config)
         self.layout = layout_for(config, self.options.model_id)
+        # An engine whose layout the existing segment refuses fails here, before its worker
+        # allocates the KV cache (vLLM builds the worker's spec just before that).
+        check_layout(self.options, self.layout)
         self._manager: KvshmOffloadingManager | None = None
         self._worker: KvshmOffloadingWorker | None = None
 

@@ -1,0 +1,104 @@
+"""kvshm's vLLM integration across vLLM releases: 0.33's API (from its wheel), expedited loads,
+and the reset-flush signal.
+
+The 0.33 check runs ``tests/vllm_support/vllm033.py`` in the vLLM venv's interpreter (see
+``test_vllm.py``) on the vLLM 0.33.0 wheel: ``$KVSHM_VLLM033_WHEEL``, else
+``.cache-vllm033/vllm-0.33.0-*.whl`` (``.ci/install_vllm.sh`` downloads it there). It skips,
+naming what is missing, when either is absent. The other tests need neither.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvshm.errors import InvalidArgumentError
+from kvshm.index.client import connect
+from kvshm.integrations.vllm.core import ManagerCore
+from kvshm.shm.layout import Layout
+from kvshm.transfer.spec import TransferSpec, make_handler
+
+from test_vllm import VLLM_PY, needs_vllm
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def wheel_033() -> str | None:
+    if os.environ.get("KVSHM_VLLM033_WHEEL"):
+        return os.environ["KVSHM_VLLM033_WHEEL"]
+    found = sorted((REPO / ".cache-vllm033").glob("vllm-0.33.0-*.whl"))
+    return str(found[-1]) if found else None
+
+
+WHEEL = wheel_033()
+
+
+@needs_vllm
+@pytest.mark.skipif(WHEEL is None or not os.path.exists(WHEEL),
+                    reason="vLLM 0.33.0 wheel not found (set KVSHM_VLLM033_WHEEL or run "
+                           ".ci/install_vllm.sh, which downloads it to .cache-vllm033/)")
+def test_vllm_033_api_and_connector_calls_are_implemented(seg_name):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(REPO)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    proc = subprocess.run([VLLM_PY, str(REPO / "tests/vllm_support/vllm033.py"), WHEEL,
+                           seg_name], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert res["version"] == "0.33.0" and res["api_is_033"] and res["flush_signal"]
+    assert res["abstract_left"] == {"KvshmOffloadingManager": [], "KvshmOffloadingWorker": [],
+                                    "KvshmOffloadingSpec": []}
+    assert res["unbound_calls"] == []
+    assert "worker.submit_load(*+*+*+expedited)" in res["calls"]  # the 0.33 sync-load call
+    assert "manager.on_reset_flushed()" in res["calls"] and len(res["calls"]) >= 15
+    assert res["hits"] == ["HIT"] * 4 and res["events"] == [[4, False, False]]
+    assert res["finished"] == [[1, True], [2, True]] and res["loaded_ok"]
+    assert res["held"] == [2, 2, 0]  # a reset's pins go at on_reset_flushed, not after steps
+
+
+def test_an_expedited_load_runs_ahead_of_queued_loads_and_stores():
+    dev = [torch.randint(-128, 127, (8, 64), dtype=torch.int8)]
+    plane = torch.zeros(8, 64, dtype=torch.uint8)
+    h = make_handler(dev, [plane])
+    gate, real = threading.Event(), h._copy
+    h._copy = lambda job: (job.job_id == 0 and gate.wait(30), real(job))[1]
+    try:
+        h.transfer_async(0, TransferSpec("load", [0], [0]))  # blocks the load lane
+        h.transfer_async(1, TransferSpec("load", [1], [1]))
+        h.transfer_async(2, TransferSpec("store", [2], [2]))
+        h.transfer_async(3, TransferSpec("load", [3], [3], expedited=True))
+        h.wait([3])
+        done = [r.job_id for r in h.get_finished()]
+        assert 3 in done and 0 not in done and 1 not in done
+    finally:
+        gate.set()
+        h.wait([0, 1, 2])
+        h.shutdown()
+    with pytest.raises(InvalidArgumentError, match="only a load"):
+        TransferSpec("store", [0], [0], expedited=True)
+
+
+def test_with_the_reset_flush_signal_reset_holds_wait_for_reset_flushed(seg_name):
+    mgr = connect(seg_name, Layout((4096,), 16, "t"), num_blocks=8, hold_capacity=64)
+    core = ManagerCore(mgr, reset_flush_signal=True)
+    try:
+        keys = [bytes([i]) * 36 for i in range(3)]
+        core.complete_store(core.prepare_store(keys[:2], "w").keys_to_store, "w")
+        core.lookup(keys[0], "r")
+        core.prepare_load([keys[0]], "r")
+        assert core.prepare_store([keys[2]], "w2").keys_to_store  # in flight at the reset
+        core.reset()
+        for _ in range(10):  # steps alone never drop them: the flush may take longer
+            core.schedule_end()
+        assert mgr.held_blocks() == 1
+        core.reset_flushed()
+        assert mgr.held_blocks() == 0
+        assert mgr.key_status(keys[2]).value == "miss"  # never published
+        core.reset_flushed()  # nothing left: a no-op
+    finally:
+        core.shutdown()
