@@ -60,8 +60,11 @@ class OffloadingManager(ABC):
         """
 
     @abstractmethod
-    def touch(self, keys: Sequence[bytes]) -> None:
-        """Mark ``keys`` recently used; the first key ends up most recent. Unknown keys ignored."""
+    def touch(self, keys: Sequence[bytes], how: bytes | None = None) -> None:
+        """Mark ``keys`` recently used; the first key ends up most recent. Unknown keys ignored.
+
+        ``how`` (one ``kvshm.index.policy`` access kind per key) applies a finished request's
+        classified accesses instead, as vLLM's ``on_request_finished`` does."""
 
     @abstractmethod
     def complete_load(self, keys: Sequence[bytes]) -> None:

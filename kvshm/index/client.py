@@ -27,7 +27,7 @@ from kvshm.index import protocol as P
 from kvshm.index.api import LookupResult, OffloadingEvent, OffloadingManager, PrepareStoreOutput
 from kvshm.crashpoints import crash_point
 from kvshm.shm.fence import full_fence
-from kvshm.errors import BlockStateError, HoldsExhaustedError, UnknownKeyError
+from kvshm.errors import BlockStateError, HoldsExhaustedError, InvalidArgumentError, UnknownKeyError
 from kvshm.index.holds import HoldTable
 from kvshm.shm.layout import Layout
 from kvshm.index.owner_link import OwnerLink, start_owner
@@ -276,15 +276,18 @@ class SharedManager(OffloadingManager):
         self._ctr[5] += stored
 
     # --- owner round trips --------------------------------------------------------------
-    def touch(self, keys: Sequence[bytes]) -> None:
+    def touch(self, keys: Sequence[bytes], how: bytes | None = None) -> None:
         if type(keys) is not list and type(keys) is not tuple:
             keys = L.key_seq(keys)
         for k in keys:
             L.check_key(k)
+        if how is not None and len(how) != len(keys):
+            raise InvalidArgumentError("touch: 'how' needs one access kind per key")
         # Tail pieces first: the owner makes each touched key most recent in reverse order,
         # so the prefix head must be touched last.
-        for part in reversed(self._chunks(keys)):
-            self._link.send(P.Touch(0, part))
+        n = self._chunk_keys
+        for i, part in reversed(list(enumerate(self._chunks(keys)))):
+            self._link.send(P.Touch(0, part, None if how is None else bytes(how[i * n:(i + 1) * n])))
 
     def _chunks(self, keys: Sequence[bytes]) -> list[list[bytes]]:
         """``keys`` in pieces whose request and reply each fit one ring frame."""

@@ -23,7 +23,7 @@ from kvshm.index.api import LookupResult, OffloadingEvent, OffloadingManager, Pr
 from kvshm.errors import (BlockStateError, InvalidArgumentError, OwnerUnavailableError,
                      UnknownKeyError)
 from kvshm.shm.fence import full_fence
-from kvshm.index.policy import CachePolicy, make_policy
+from kvshm.index.policy import ACCESS_KINDS, MISSED, CachePolicy, make_policy
 from kvshm.shm.segment import Segment
 from kvshm.shm.table import BlockTable, KeyIndex
 
@@ -217,16 +217,22 @@ class LocalManager(OffloadingManager):
             e.pins -= n
             self.table.set_pins(e.block, e.pins)
 
-    def touch(self, keys: Sequence[bytes]) -> None:
+    def touch(self, keys: Sequence[bytes], how: bytes | None = None) -> None:
         if type(keys) is not list and type(keys) is not tuple:
             keys = L.key_seq(keys)
         for k in keys:
             L.check_key(k)
+        if how is not None and (len(how) != len(keys) or any(h not in ACCESS_KINDS for h in how)):
+            raise InvalidArgumentError("touch: 'how' needs one access kind per key")
         self.tick += 1
-        for k in reversed(keys):  # the prefix head ends up most recent: tails go first
+        for i in range(len(keys) - 1, -1, -1):  # the prefix head ends up most recent
+            k = keys[i]
             e = self._entries.get(k)
-            if e is not None:
+            if how is not None:
+                self.policy.access(k, how[i])  # a store miss (ghost) has no entry
+            elif e is not None:
                 self.policy.touch(k, e.ready)
+            if e is not None and (how is None or how[i] != MISSED):
                 self.table.set_last_use(e.block, self.tick)
 
     # --- stores -------------------------------------------------------------------------

@@ -3,7 +3,8 @@
 This module owns one thing: the order in which cached keys become eviction victims, plus
 ARC's ghost lists and adaptive target. Keys are opaque ``bytes``. It must never know about
 block ids, block state, shared memory, rings or torch: the manager owns state (ready,
-writing, pinned) and tells the policy through ``touch(key, ready)`` and the ``can_evict``
+writing, pinned) and tells the policy through ``touch(key, ready)``, ``access(key, how)`` (a
+finished request's accesses, classified by the engine integration) and the ``can_evict``
 callback. Semantics follow vLLM's v1 KV-offload ``LRUOffloadingManager`` and
 ``ARCCachePolicy`` (0.20+: atomic eviction; 0.33: ARC falls back to T1 when T2 has nothing).
 
@@ -18,6 +19,13 @@ from collections.abc import Callable, Iterator
 from kvshm.errors import InvalidArgumentError
 
 CanEvict = Callable[[bytes], bool]
+
+# How a request used a key, for ``CachePolicy.access`` (vLLM's request-finished recency rules):
+SEEN = 0  # looked at (e.g. offered for a store that was refused): recency only (LRU)
+INSERTED = 1  # stored by the request, not reused by it: recency only, no ARC promotion
+REUSED = 2  # ready when the request loaded it or offered it again: one ARC frequency hit
+MISSED = 3  # a store miss: ARC learns from a ghost-list hit; no recency change
+ACCESS_KINDS = (SEEN, INSERTED, REUSED, MISSED)
 
 from kvshm.shm.layout import POLICY_NAMES  # recorded in the segment header, so defined there
 
@@ -45,6 +53,11 @@ class CachePolicy(ABC):
     @abstractmethod
     def touch(self, key: bytes, ready: bool) -> None:
         """Recency hit on one key. Unknown key: no-op."""
+
+    @abstractmethod
+    def access(self, key: bytes, how: int) -> None:
+        """One classified access (``SEEN``, ``INSERTED``, ``REUSED``, ``MISSED``) of a finished
+        request, as vLLM's ``on_request_finished``/``on_store_miss`` apply it. Unknown: no-op."""
 
     @abstractmethod
     def evict(self, n: int, can_evict: CanEvict) -> list[bytes] | None:
@@ -81,6 +94,10 @@ class LRUPolicy(CachePolicy):
             self._keys.move_to_end(key)
         except KeyError:
             pass  # a key evicted between lookup and touch is not an error
+
+    def access(self, key: bytes, how: int) -> None:
+        if how != MISSED:
+            self.touch(key, True)
 
     def evict(self, n: int, can_evict: CanEvict) -> list[bytes] | None:
         if n <= 0:
@@ -155,7 +172,11 @@ class ARCPolicy(CachePolicy):
                 self._t1.move_to_end(key)
         elif key in self._t2:
             self._t2.move_to_end(key)
-        elif key in self._b1:
+        else:
+            self._ghost_hit(key)
+
+    def _ghost_hit(self, key: bytes) -> None:
+        if key in self._b1:
             delta = max(1.0, len(self._b2) / len(self._b1))
             self._target = min(self._target + delta, float(self.capacity))
             self._b1.move_to_end(key)  # keep a repeatedly-missed ghost fresh, as vLLM does
@@ -163,6 +184,22 @@ class ARCPolicy(CachePolicy):
             delta = max(1.0, len(self._b1) / len(self._b2))
             self._target = max(self._target - delta, 0.0)
             self._b2.move_to_end(key)
+
+    def access(self, key: bytes, how: int) -> None:
+        if how == MISSED:
+            if key not in self:
+                self._ghost_hit(key)
+        elif how == REUSED:  # one frequency hit, whether or not a store is in flight again
+            if key in self._t1:
+                del self._t1[key]
+                self._t2[key] = None
+            elif key in self._t2:
+                self._t2.move_to_end(key)
+        elif how == INSERTED:  # a store is not a frequency hit: recency within its list
+            for lst in (self._t1, self._t2):
+                if key in lst:
+                    lst.move_to_end(key)
+                    break
 
     def _select(self, n: int, can_evict: CanEvict) -> list[tuple[bytes, bool]] | None:
         """Choose n victims as (key, from_t1) without mutating anything.

@@ -51,6 +51,7 @@ class CompleteStore(_Msg):
 class Touch(_Msg):
     req: int
     keys: list[bytes]
+    how: bytes | None = None  # one kvshm.index.policy access kind per key; None: plain touch
 
 
 class TakeEvents(_Msg):

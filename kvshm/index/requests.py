@@ -112,7 +112,7 @@ class RequestHandlers:
         return [P.Ok(m.req, self.epoch)]
 
     def _touch(self, c: _Client, m: P.Touch, replay: bool) -> list[P._Msg]:
-        self.manager.touch(m.keys)
+        self.manager.touch(m.keys, m.how)
         self.seg.counter_add("touches")
         return [P.Ok(m.req, self.epoch)]
 

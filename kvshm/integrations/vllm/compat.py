@@ -74,6 +74,7 @@ try:
         ScheduleEndContext,
         TransferResult,
     )
+    from vllm.v1.kv_offload.base import get_offload_group_idx
     from vllm.v1.kv_offload.config import OffloadingConfig  # noqa: F401
     from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec  # noqa: F401
     from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: F401
@@ -95,3 +96,23 @@ CPU_MEDIUM = Medium.CPU
 def event(keys: list[bytes], removed: bool) -> OffloadingEvent:
     """A vLLM offloading event for ``keys`` stored (or evicted) in kvshm's CPU tier."""
     return OffloadingEvent(keys=keys, medium=CPU_MEDIUM, removed=removed)  # type: ignore[arg-type]
+
+
+def request_order(keys: list[bytes], req_context: ReqContext) -> list[bytes]:
+    """A finished request's keys head to tail, as 0.32/0.33's ``CPUOffloadingManager`` orders
+    them (``on_request_finished`` + ``policies.base.order_request_keys``): grouped by KV cache
+    group (first seen first), each group sorted by token position when all of its keys have
+    one, then all of them by position when every key has one."""
+    pos = req_context.get_offload_key_position
+    groups: dict[int, list[bytes]] = {}
+    for k in keys:
+        groups.setdefault(get_offload_group_idx(k), []).append(k)
+    out: list[bytes] = []
+    for g in sorted(groups):
+        ks = groups[g]
+        at = {k: p for k in ks if (p := pos(k)) is not None}
+        out += sorted(ks, key=at.__getitem__) if len(at) == len(ks) else ks
+    at = {k: p for k in out if (p := pos(k)) is not None}
+    if len(at) == len(out):
+        out.sort(key=at.__getitem__)
+    return out

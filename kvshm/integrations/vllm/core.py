@@ -3,8 +3,8 @@
 This module owns: parsing kvshm's keys of ``kv_connector_extra_config``; the kvshm ``Layout``
 derived from vLLM's ``OffloadingConfig`` (it decides which engines may share a segment);
 creating or attaching the segment with an explanation when the layouts differ; and
-``ManagerCore``, the scheduler-side state (per-request leases, pins and stores) over a kvshm
-``SharedManager``. The worker half is ``vllm_jobs``.
+``ManagerCore``, the scheduler-side state (per-request leases, pins, stores and the keys each
+request accessed, for vLLM's request-finished recency rules) over a kvshm ``SharedManager``. The worker half is ``vllm_jobs``.
 
 Inputs from vLLM are duck-typed (attributes only), so tests pass plain objects. It must never
 import vLLM or torch, and never let a per-key lookup go to the owner (a ring round trip).
@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from typing import Annotated, Any, Iterable, Mapping, Sequence
+from typing import Annotated, Any, Callable, Iterable, Mapping, Sequence
 
 import msgspec
 
 from kvshm.index.api import LookupResult, PrepareStoreOutput
+from kvshm.index.policy import INSERTED, MISSED, REUSED, SEEN
 from kvshm.errors import InvalidArgumentError, KvshmError, LayoutMismatchError, SegmentNotFoundError
+from kvshm.shm import layout as L
 from kvshm.shm.layout import Layout
 from kvshm.shm.segment import Segment
 
@@ -189,6 +191,15 @@ class ManagerCore:
     that the blocks may still be read or written): at ``reset_flushed`` where vLLM says so
     (0.33's ``on_reset_flushed``, ``reset_flush_signal=True``), else ``RESET_GRACE_STEPS``
     steps later (0.32).
+    Recency follows vLLM's ``CPUOffloadingManager``: nothing changes recency while a request
+    runs except inserting new keys; each request records the keys it loaded or offered for a
+    store (skipping ones another store of this engine has in flight), and when it finishes
+    they are applied head to tail (tails first, so the prefix head ends up most recent) as
+    reused (ready when loaded or offered: an ARC frequency hit), inserted (stored by it: recency
+    only) or seen. A store miss that hits an ARC ghost list adapts ARC's target once per
+    request, before the store's eviction. ``reset`` forgets all of it, as vLLM's new cache
+    generation does.
+
     Completions and store refusals caused by kvshm errors are logged, not raised: an engine
     must not die because the shared cache lost a block it was about to publish.
     """
@@ -201,6 +212,7 @@ class ManagerCore:
         self._store_req: dict[bytes, str] = {}  # key whose store is in flight -> request
         # [steps left (None: until reset_flushed), load key lists, store key lists]
         self._stale: list[list[Any]] = []
+        self._access: dict[str, _Access] = {}  # request -> the keys it accessed
 
     # --- loads ------------------------------------------------------------------------
     def lookup(self, key: bytes, req_id: str) -> LookupResult:
@@ -226,7 +238,7 @@ class ManagerCore:
             if others:  # our pin consumed the shared lease: lease it again for the others
                 self._lease_reqs[k] = others
                 self.mgr.key_status(k)
-        self.mgr.touch(keys)  # loaded keys become most recent (the 0.32 connector never touches)
+        self._access_of(req_id).record(keys, reused=keys)
         return blocks
 
     def complete_load(self, keys: Iterable[bytes], req_id: str) -> None:
@@ -245,13 +257,25 @@ class ManagerCore:
 
     # --- stores -----------------------------------------------------------------------
     def prepare_store(self, keys: Sequence[bytes], req_id: str) -> PrepareStoreOutput | None:
+        keys = list(keys)
+        acc = self._access_of(req_id)
+        state = [self.mgr.index.find(k)[1] for k in keys]  # lock-free, takes no lease
+        missing = [k for k, st in zip(keys, state) if st != L.READY and st != L.WRITING]
+        ready = [k for k, st in zip(keys, state) if st == L.READY]
+        new_misses = [k for k in missing if k not in acc.missed]
+        if new_misses:  # ARC learns from ghost hits before the store removes the ghosts
+            acc.missed.update(new_misses)
+            self._quietly(self.mgr.touch, new_misses, bytes([MISSED]) * len(new_misses))
+        recorded = set(missing).union(ready)
+        acc.record([k for k in keys if k in recorded], reused=ready)
         try:
-            out = self.mgr.prepare_store(list(keys))  # a round trip to the owner
+            out = self.mgr.prepare_store(keys)  # a round trip to the owner
         except KvshmError as e:
             logger.warning("kvshm: not storing %d chunks this step: %s", len(keys), e)
             return None  # vLLM offers them again next step
         if out is not None:
             self._store_req.update(dict.fromkeys(out.keys_to_store, req_id))
+            acc.inserted.update(out.keys_to_store)
         return out
 
     def complete_store(self, keys: Iterable[bytes], req_id: str, success: bool = True) -> None:
@@ -286,8 +310,17 @@ class ManagerCore:
             for keys in stores:  # never published: their bytes may be partial
                 self._quietly(self.mgr.complete_store, keys, False)
 
-    def request_finished(self, req_id: str) -> None:
-        """Its pins and stores wait for their completions, which may still arrive."""
+    def request_finished(self, req_id: str,
+                         order: Callable[[list[bytes]], list[bytes]] | None = None) -> None:
+        """Apply the request's accesses (``order``: its keys head to tail, as the installed vLLM
+        orders them; default: first seen first). Its pins and stores wait for their
+        completions, which may still arrive."""
+        acc = self._access.pop(req_id, None)
+        if acc is not None and acc.keys:
+            keys = order(list(acc.keys)) if order is not None else list(acc.keys)
+            how = bytes(REUSED if k in acc.reused else INSERTED if k in acc.inserted else SEEN
+                        for k in keys)
+            self._quietly(self.mgr.touch, keys, how)
         for k in [k for k, reqs in self._lease_reqs.items() if req_id in reqs]:
             self._lease_reqs[k].discard(req_id)
             if not self._lease_reqs[k]:
@@ -307,9 +340,16 @@ class ManagerCore:
             self._stale.append([steps, loads, list(by_req.values())])
         self._loads.clear()
         self._store_req.clear()
+        self._access.clear()  # vLLM: requests of the old cache generation change nothing
 
     def shutdown(self) -> None:
         self.mgr.shutdown()  # the owner frees our unfinished stores; our pins go with our slot
+
+    def _access_of(self, req_id: str) -> "_Access":
+        acc = self._access.get(req_id)
+        if acc is None:
+            acc = self._access[req_id] = _Access()
+        return acc
 
     def _count(self, loaded: int = 0, stored: int = 0) -> None:
         """Per-client byte counters for kvshm-inspect (whole blocks: a partial first chunk
@@ -323,3 +363,20 @@ class ManagerCore:
             fn(*args)
         except KvshmError as e:
             logger.warning("kvshm: %s failed: %s", getattr(fn, "__name__", fn), e)
+
+
+class _Access:
+    """The keys one request accessed, first seen first, and how (vLLM's request cache access)."""
+
+    __slots__ = ("keys", "inserted", "reused", "missed")
+
+    def __init__(self) -> None:
+        self.keys: dict[bytes, None] = {}
+        self.inserted: set[bytes] = set()
+        self.reused: set[bytes] = set()  # ready when used, and not inserted by this request
+        self.missed: set[bytes] = set()  # store misses ARC has already learned from
+
+    def record(self, keys: Iterable[bytes], reused: Iterable[bytes] = ()) -> None:
+        for k in keys:
+            self.keys.setdefault(k, None)
+        self.reused.update(k for k in reused if k not in self.inserted)

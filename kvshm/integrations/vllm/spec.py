@@ -78,7 +78,8 @@ class KvshmOffloadingManager(V.OffloadingManager):
         return V.RequestOffloadingContext()
 
     def on_request_finished(self, req_context: V.ReqContext) -> None:
-        self.core.request_finished(req_context.req_id)
+        self.core.request_finished(req_context.req_id,
+                                   lambda keys: V.request_order(keys, req_context))
 
     def on_schedule_end(self, context: V.ScheduleEndContext) -> None:
         self.core.schedule_end()
