@@ -48,9 +48,10 @@ times, alternating baseline and kvshm, each repeat with fresh keys on the same c
 later repeats start from a full cache, the steady state); the figures are the median over
 repeats of each repeat's mean, and p50/p99 pooled over repeats.
 
-Cache size: every manager gets --capacity blocks (default: the 4 system prompts plus half
-of one replay's unique keys), so the replay EVICTS: from about halfway through the first
-repeat every store evicts least recently used unique keys. --capacity 0 sizes it to hold
+Cache size: every manager gets --capacity blocks (default: the 4 system prompts of the
+longest trace plus half of the unique keys of one replay of the trace with the most), so
+replays EVICT: that trace from about halfway through its first replay, every trace once
+earlier replays have filled the cache (least recently used unique keys go). --capacity 0 sizes it to hold
 every key of every repeat (no eviction). The kvshm segment uses a realistic layout:
 --planes (28) planes of --page-bytes (16384) each, a 16-token block of a bf16 model with 28
 layers and 2 KV heads of 128 dims (448 KiB per block); the manager never touches block
