@@ -153,7 +153,7 @@ def cmd_blocks(args: Args) -> int:
 
 def cmd_verify(args: Args) -> int:
     with Segment.attach(args.name) as seg:
-        found = verify(seg)
+        found = verify(seg, data=args.data)
     _emit(args, {"schema": "kvshm.verify/1", "name": args.name, "ok": not found,
                  "violations": found}, lambda: "\n".join(
         [f"{args.name}: " + (f"{len(found)} violations" if found else "ok, no violations")]
@@ -312,7 +312,9 @@ _COMMANDS: dict[str, tuple[Callable[[Args], int], str, str]] = {
                "Header; no entry left mid-rewrite; every used entry's key matches its key\n"
                "checksum (a torn key); key index vs block table; pins only on ready blocks;\n"
                "live clients hold only ready blocks; no block held or being written by a dead\n"
-               "process.\n\n"
+               "process.\n"
+               "--data: also every ready block's planes against their block checksums\n"
+               "(a segment created with Layout(checksums=True)).\n\n"
                "example: kvshm-inspect verify llama8b || kvshm-inspect gc llama8b"),
     "metrics": (cmd_metrics, "Prometheus text exposition of counters and gauges",
                 "kvshm_* metrics (after vLLM's vllm:kv_offload_*) with a segment label;\n"
@@ -355,6 +357,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="show blocks in this state (repeatable; default used)")
     sub.choices["blocks"].add_argument("--limit", type=int, default=100,
                                        help="at most N rows (default 100, 0 = all)")
+    sub.choices["verify"].add_argument("--data", action="store_true",
+                                       help="check ready blocks' data against their checksums")
     sub.choices["watch"].add_argument("--interval", type=float, default=1.0,
                                       help="seconds between refreshes (default 1)")
     sub.choices["watch"].add_argument("--count", type=int, default=0,

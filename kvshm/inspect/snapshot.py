@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from kvshm.shm import layout as L
+from kvshm.shm.checksums import BlockSums
 from kvshm.shm.ring import Ring
 from kvshm.shm.segment import Segment
 from kvshm.shm.table import BlockTable, KeyIndex
@@ -192,21 +193,32 @@ def block_rows(seg: Segment, states: set[str], limit: int) -> tuple[int, list[di
     return len(chosen), rows
 
 
-def verify(seg: Segment, attempts: int = 3) -> list[str]:
+def verify(seg: Segment, attempts: int = 3, data: bool = False) -> list[str]:
     """Violations of the invariants (``docs/inspect.md``) visible in ``seg`` (empty when clean). While an
-    owner or client lives the segment moves, so only what all ``attempts`` passes see counts."""
-    found = _verify_once(seg)
+    owner or client lives the segment moves, so only what all ``attempts`` passes see counts.
+    ``data``: also check every READY block's planes against their block checksums (a segment
+    created with ``Layout(checksums=True)``; InvalidArgumentError otherwise)."""
+    sums = BlockSums(seg) if data else None
+    found = _verify_once(seg, sums)
     for _ in range(attempts - 1):
         if not found or not (seg.owner_alive() or seg.clients_alive()):
             break
         time.sleep(0.05)  # let an in-flight change (eviction handshake, reclaim) land
-        again = set(_verify_once(seg))
+        again = set(_verify_once(seg, sums))
         found = [v for v in found if v in again]
     return found
 
 
-def _verify_once(seg: Segment) -> list[str]:
+def _data_violations(m: _Meta, sums: BlockSums) -> list[str]:
+    ready = np.nonzero((m.e["state"] == L.READY) & (m.e["seq"] & 1 == 0))[0]
+    return [f"block {b} plane {i}: its data does not match its block checksum (corrupt)"
+            for b, i in sorted(sums.bad(ready, list(range(sums.sums.shape[1]))))]
+
+
+def _verify_once(seg: Segment, sums: BlockSums | None = None) -> list[str]:
     m, g, lay, out = _Meta(seg), seg.geometry, seg.layout, []
+    if sums is not None:
+        out += _data_violations(m, sums)
     magic, ver, hb, total, created, nb, tpb, npl, _, _, _, islots, fp = L.HEADER.unpack_from(m.buf)
     pages = bytes(m.buf[L.OFF_PAGE_BYTES:L.OFF_PAGE_BYTES + 8 * L.MAX_PLANES])
     for what, got, want in (

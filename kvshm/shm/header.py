@@ -43,7 +43,7 @@ def check(name: str, fd: int, head: bytes, size: int,
     # Everything below is read through pread, never through a mapping sized by fields
     # not yet cross-checked (a mapping past the end of the file would SIGBUS).
     desc = os.pread(fd, L.LAYOUT_DESC_BYTES, L.OFF_LAYOUT_DESC).rstrip(b"\0")
-    if hashlib.sha256(desc).digest() != fp:
+    if hashlib.sha256(desc).digest() != fp:  # covers the layout's checksums option
         raise damaged("the layout description does not match the header's layout "
                       "fingerprint")
     try:
@@ -63,7 +63,7 @@ def check(name: str, fd: int, head: bytes, size: int,
                       f"{found.tokens_per_block}")
     try:
         geo = Geometry(nblocks, found.page_bytes, h.max_clients, h.ring_capacity,
-                       h.hold_capacity)
+                       h.hold_capacity, found.checksums)
     except InvalidArgumentError as e:  # names the field that is out of range
         raise damaged(f"header field out of range ({e})") from None
     if geo.total_bytes != total:
@@ -79,7 +79,7 @@ def check(name: str, fd: int, head: bytes, size: int,
         raise LayoutMismatchError(
             f"segment {name!r} holds layout {found.describe()} but this process has "
             f"{expected.describe()}; use another segment name for this model, or make "
-            "the layouts (model, page sizes, tokens per block) agree")
+            "the layouts (model, page sizes, tokens per block, checksums) agree")
     return found, geo, created
 
 

@@ -12,6 +12,7 @@ Segment (format version 2)::
     writer registry       writer_records x 32-byte records: who copies for which scheduler
     block table           num_blocks x 128-byte entries (seq, state, key + checksum, writer, ...)
     key index             open-addressing hash table: slot -> (crc32 tag, block id)
+    block checksums       only with ``Layout(checksums=True)``: (num_blocks, num_planes) u32
     data (2 MiB aligned)  num_planes planes, each (num_blocks, page_bytes[p]), 2 MiB aligned
 """
 from __future__ import annotations
@@ -55,6 +56,7 @@ STATE_NAMES = {FREE: "free", WRITING: "writing", READY: "ready", EVICTING: "evic
 LOCK_OWNER = 0
 LOCK_INIT = 1
 LOCK_PIN_TURN = 2
+LOCK_CHECKSUM_FAILURES = 3  # serialises read-add-store of the checksum_failures counter
 LOCK_CLIENT_BASE = 64
 # + record: held by a registered writer (kvshm.shm.writers). Past the client slots' bytes
 # (LOCK_CLIENT_BASE + slot) and the job-channel workers' (LOCK_CLIENT_BASE + 1024 + slot).
@@ -213,14 +215,21 @@ class Layout:
     A plane is one canonical KV tensor's share of a block (vLLM's ``(num_blocks, page_bytes)``
     int8 tensors; a TP rank or a K/V half is a plane). Two processes may share a segment only
     if their layouts are equal, which the fingerprint checks.
+
+    ``checksums=True`` reserves a crc32 per block and plane (``kvshm.shm.checksums``). It is
+    part of the description (and so of the fingerprint) only when true: a layout without it
+    keeps the description and fingerprint it always had.
     """
 
     page_bytes: tuple[int, ...]
     tokens_per_block: int
     model: str = ""
     extra: dict[str, Any] = field(default_factory=dict, hash=False, compare=True)
+    checksums: bool = False
 
     def __post_init__(self) -> None:
+        if type(self.checksums) is not bool:
+            raise InvalidArgumentError(f"checksums must be True or False, got {self.checksums!r}")
         pages = tuple(int(p) for p in self.page_bytes)
         object.__setattr__(self, "page_bytes", pages)
         if not 1 <= len(pages) <= MAX_PLANES:
@@ -242,9 +251,11 @@ class Layout:
 
     def describe(self) -> str:
         """Canonical JSON of the layout (what the fingerprint hashes)."""
-        return json.dumps({"model": self.model, "page_bytes": list(self.page_bytes),
-                           "tokens_per_block": self.tokens_per_block, "extra": self.extra},
-                          sort_keys=True, separators=(",", ":"))
+        d = {"model": self.model, "page_bytes": list(self.page_bytes),
+             "tokens_per_block": self.tokens_per_block, "extra": self.extra}
+        if self.checksums:
+            d["checksums"] = True
+        return json.dumps(d, sort_keys=True, separators=(",", ":"))
 
     def fingerprint(self) -> bytes:
         return hashlib.sha256(self.describe().encode()).digest()
@@ -253,7 +264,7 @@ class Layout:
     def from_description(cls, text: str) -> "Layout":
         d = json.loads(text)
         return cls(tuple(d["page_bytes"]), d["tokens_per_block"], d.get("model", ""),
-                   d.get("extra", {}))
+                   d.get("extra", {}), d.get("checksums", False))
 
 
 @dataclass(frozen=True)
@@ -265,6 +276,7 @@ class Geometry:
     max_clients: int
     ring_capacity: int
     hold_capacity: int
+    checksums: bool = False  # Layout.checksums: the block-checksum region exists
 
     def __post_init__(self) -> None:
         if self.num_blocks <= 0 or self.num_blocks >= 2**31:
@@ -330,8 +342,17 @@ class Geometry:
         return self.table_offset + self.num_blocks * ENTRY_BYTES
 
     @cached_property
+    def sums_offset(self) -> int:
+        """Start of the (num_blocks, num_planes) u32 checksum array (its end without one)."""
+        return _round_up(self.index_offset + self.index_slots * INDEX_SLOT.size, 64)
+
+    @cached_property
+    def sums_bytes(self) -> int:
+        return 4 * self.num_blocks * len(self.page_bytes) if self.checksums else 0
+
+    @cached_property
     def data_offset(self) -> int:
-        return _round_up(self.index_offset + self.index_slots * INDEX_SLOT.size, DATA_ALIGN)
+        return _round_up(self.sums_offset + self.sums_bytes, DATA_ALIGN)
 
     @cached_property
     def _plane_offsets(self) -> tuple[int, ...]:

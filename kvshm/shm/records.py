@@ -118,6 +118,10 @@ COUNTER_NAMES = (
     # Counters of clients that have left, folded in by the owner so totals survive them.
     "gone_lookups", "gone_hits", "gone_loads", "gone_load_blocks", "gone_bytes_in",
     "gone_bytes_out",
+    # The exception to the single writer: loads refused because a block's plane no longer
+    # matched its checksum (kvshm.shm.checksums). Any copying process adds to it, holding
+    # lock byte LOCK_CHECKSUM_FAILURES; zero on a segment without checksums.
+    "checksum_failures",
 )
 MAX_COUNTERS = 32  # words reserved: new counters fit without moving the pinners
 COUNTERS_DTYPE = np.dtype({"names": list(COUNTER_NAMES), "formats": ["<u8"] * len(COUNTER_NAMES),

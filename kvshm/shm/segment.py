@@ -139,7 +139,7 @@ class Segment:
         and leaves nothing behind. See the creation protocol above.
         """
         geo = Geometry(int(num_blocks), layout.page_bytes, max_clients, ring_capacity,
-                       hold_capacity)
+                       hold_capacity, layout.checksums)
         if not isinstance(policy, str) or policy.lower() not in L.POLICY_NAMES:
             raise InvalidArgumentError(  # checked before touching /dev/shm
                 f"unknown cache policy {policy!r}; choose one of: {', '.join(L.POLICY_NAMES)}")

@@ -18,6 +18,13 @@ busy). Opt-in ``copier="vm"`` uses ``process_vm_readv`` on our own pid instead: 
 system call and kernel-checked addresses, but slower here (this VM hides ERMS from the kernel's
 copy routine), so it is not the default; where the kernel refuses it, it falls back to memmove.
 Every address comes from validated block ids and is bounds-checked in ``job_runs`` first.
+
+Block checksums (``checksums=BlockSums(segment)``, for a ``Layout(checksums=True)`` segment):
+after a store's bytes are in place, and before the job is reported done, the worker writes the
+crc32 of every segment block page it wrote, for the planes this handler copies; after a load's
+copy it recomputes them, and a mismatch fails the job with a ``TransferError`` naming the
+corrupt blocks (``TransferResult.error``) and adds to the ``checksum_failures`` counter. See
+``kvshm.shm.checksums``; the CUDA handler does neither.
 """
 from __future__ import annotations
 
@@ -42,6 +49,8 @@ from kvshm.transfer.spec import (LANES, BlockPlan, Geometry, TransferHandler, Tr
 
 if TYPE_CHECKING:
     import torch
+
+    from kvshm.shm.checksums import BlockSums
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +88,8 @@ class CpuTransferHandler(TransferHandler):
                  *, block_size_factor: int = 1,
                  kv_dim_before_num_blocks: Sequence[bool] | None = None,
                  threads: int | None = None, split_min_bytes: int = 8 << 20,
-                 split_min_run: int = 64 << 10, copier: str = "memmove") -> None:
+                 split_min_run: int = 64 << 10, copier: str = "memmove",
+                 checksums: "BlockSums | None" = None) -> None:
         self._geo: Geometry = build_geometry(device_tensors, planes, block_size_factor,
                                              kv_dim_before_num_blocks)
         if any(p.device.device.type != "cpu" for p in self._geo.pairs):
@@ -88,6 +98,9 @@ class CpuTransferHandler(TransferHandler):
         if copier not in ("memmove", "vm"):
             raise InvalidArgumentError(f"copier must be 'memmove' or 'vm', got {copier!r}")
         self._copy_runs = _memmove_runs if copier == "memmove" else _vm_or_memmove_runs
+        self._sums = checksums
+        self._sum_planes = sorted({checksums.plane_of(p.plane_ptr) for p in self._geo.pairs}) \
+            if checksums is not None else []
         self._threads = max(1, threads if threads is not None else min(2, os.cpu_count() or 1))
         self._split_min, self._split_min_run = split_min_bytes, split_min_run
         self._helpers = ThreadPoolExecutor(2 * (self._threads - 1), "kvshm-copy-helper") \
@@ -146,17 +159,33 @@ class CpuTransferHandler(TransferHandler):
     def _lane(self, q: queue.SimpleQueue) -> None:
         while (job := q.get()) is not None:
             t0 = time.perf_counter()
+            error: Exception | None = None
             try:
                 nbytes, ok = self._copy(job), True
-            except Exception:  # the job fails, the thread lives on
+                if self._sums is not None:
+                    self._check_sums(job)
+            except Exception as e:  # the job fails, the thread lives on
                 logger.exception("kvshm: %s job %d failed", job.plan.kind, job.job_id)
-                nbytes, ok = 0, False
+                nbytes, ok, error = 0, False, e
             result = TransferResult(job.job_id, ok, nbytes, time.perf_counter() - t0,
-                                    job.plan.kind)
+                                    job.plan.kind, error)
             with self._lock:  # result is visible before wait() returns
                 self._finished.append(result)
                 del self._pending[job.job_id]
             job.done.set()
+
+    def _check_sums(self, job: _Job) -> None:
+        """After the copy: a store records its pages' sums, a load verifies them."""
+        blocks = np.unique(job.plan.segment_rows)
+        if job.plan.kind == "store":
+            self._sums.store(blocks, self._sum_planes)
+            return
+        bad = self._sums.bad(blocks, self._sum_planes)
+        if bad:
+            self._sums.count_failure(len({b for b, _ in bad}))
+            raise TransferError(
+                f"load job {job.job_id}: block(s) {sorted({b for b, _ in bad})} are corrupt "
+                f"(plane page checksum mismatch at (block, plane) {bad[:8]}); recompute them")
 
     def _copy(self, job: _Job) -> int:
         """Copy every run of ``job``; returns the bytes moved."""

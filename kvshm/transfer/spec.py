@@ -61,12 +61,14 @@ class TransferSpec:
 
 @dataclass(frozen=True)
 class TransferResult:
-    """Completion of one job. ``nbytes`` counts every plane; 0 when ``success`` is False."""
+    """Completion of one job. ``nbytes`` counts every plane; 0 when ``success`` is False.
+    ``error``: why a failed job failed (a ``TransferError`` for a block checksum mismatch)."""
     job_id: int
     success: bool
     nbytes: int
     seconds: float
     kind: str
+    error: Exception | None = None
 
 
 class TransferHandler(ABC):
@@ -334,7 +336,8 @@ def make_handler(device_tensors: Sequence["torch.Tensor"], planes: Sequence["tor
                  **options: Any) -> TransferHandler:
     """CUDA handler if the device tensors are on CUDA, CPU-thread handler otherwise.
 
-    ``options`` go to the handler: CPU ``threads``, ``split_min_bytes``; CUDA ``pin`` (a
+    ``options`` go to the handler: CPU ``threads``, ``split_min_bytes``, ``checksums`` (a
+    ``kvshm.shm.checksums.BlockSums``: write sums on stores, verify them on loads); CUDA ``pin`` (a
     PinnedRegion or BackgroundPin the handler owns and releases on shutdown), ``method``.
     """
     if not device_tensors:
