@@ -14,6 +14,10 @@ interleaved rep by rep so that machine noise hits every column alike, it times:
               --budget seconds and reported as a rate over the blocks it copied
 
 and prints GB/s (10^9 bytes/s, median of --reps) and the ratios kvshm/contiguous, kvshm/loop.
+With --checksums (CPU path) the plane is a real segment's, created with
+``Layout(..., checksums=True)``, and a second column ``kvshm[sums]`` times the same handler
+given ``checksums=BlockSums(segment)`` (a crc32 per block written after a store's copy,
+recomputed after a load's); ``sums/plain`` is its rate over the plain kvshm column.
 The CPU path always runs; the CUDA path runs when a GPU is visible (its name is recorded), with
 the segment plane pinned by kvshm.transfer.pinning, once per copy method (auto, copy, batch, kernel).
 
@@ -27,6 +31,7 @@ Examples:
   python tools/bench_transfer.py                       # default sizes, table
   python tools/bench_transfer.py --json > out.json     # one JSON object with every figure
   python tools/bench_transfer.py --sizes 16K,2M --blocks 500 --ids sequential --device cpu
+  python tools/bench_transfer.py --device cpu --checksums --blocks 200   # cost of checksums
 """
 from __future__ import annotations
 
@@ -118,10 +123,24 @@ def check(job: Callable[[], None], src, dst, si: np.ndarray, di: np.ndarray) -> 
 
 
 def bench_cpu(page: int, blocks: int, reps: int, ids: str, threads: int | None,
-              copier: str, budget_s: float) -> dict:
+              copier: str, budget_s: float, checksums: bool = False) -> dict:
     import torch
     dev = torch.empty(blocks, page, dtype=torch.uint8).fill_(1)   # fill_ also faults pages in
-    plane = torch.empty(blocks, page, dtype=torch.uint8).fill_(2)
+    seg = None
+    if checksums:  # a real segment: the sums live in it
+        import uuid
+
+        from kvshm.shm.checksums import BlockSums
+        from kvshm.shm.layout import Layout
+        from kvshm.shm.segment import Segment
+        seg = Segment.create(f"bench-sums-{uuid.uuid4().hex[:8]}",
+                             Layout((page,), 16, "bench", checksums=True), blocks)
+        plane = seg.torch_planes()[0]
+        plane.fill_(2)
+        hs = make_handler([dev], [plane], threads=threads, copier=copier,
+                          checksums=BlockSums(seg))
+    else:
+        plane = torch.empty(blocks, page, dtype=torch.uint8).fill_(2)
     rng = np.random.default_rng(0)
     d_ids = rng.permutation(blocks) if ids == "shuffled" else np.arange(blocks)
     s_ids = rng.permutation(blocks) if ids == "shuffled" else np.arange(blocks)
@@ -135,17 +154,27 @@ def bench_cpu(page: int, blocks: int, reps: int, ids: str, threads: int | None,
         spec = TransferSpec(kind, d_ids, s_ids)
         src_np, dst_np = src.numpy().reshape(-1), dst.numpy().reshape(-1)
 
-        def kvshm() -> None:
+        def kvshm(h=h) -> None:
             j = next(job)
             h.transfer_async(j, spec)
             h.wait([j])
             assert all(r.success for r in h.get_finished())
 
-        out[kind] = run_interleaved(
-            {"kvshm": kvshm, "contiguous": lambda: np.copyto(dst_np, src_np),
-             "loop": naive_loop(pairs, src, dst, budget_s, page)}, reps, blocks * page)
+        fns = {"kvshm": kvshm, "contiguous": lambda: np.copyto(dst_np, src_np),
+               "loop": naive_loop(pairs, src, dst, budget_s, page)}
+        if seg is not None:
+            fns["kvshm[sums]"] = lambda: kvshm(hs)
+            if kind == "load":
+                check(lambda: kvshm(hs), plane, dev, s_ids, d_ids)  # sums of this plane
+        out[kind] = run_interleaved(fns, reps, blocks * page)
+        if seg is not None:
+            out[kind]["sums/plain"] = out[kind]["kvshm[sums]"] / out[kind]["kvshm"]
         check(kvshm, src, dst, si, di)
     h.shutdown()
+    if seg is not None:
+        hs.shutdown()
+        seg.close()
+        Segment.unlink(seg.name)
     return out
 
 
@@ -229,6 +258,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget", type=float, default=1.0,
                     help="seconds: the naive loop stops after this long and reports its rate "
                          "over the blocks it copied (default: %(default)s)")
+    ap.add_argument("--checksums", action="store_true",
+                    help="CPU path: also time the handler with block checksums (a real "
+                         "segment); adds kvshm[sums] and sums/plain")
     ap.add_argument("--json", action="store_true", help="print ONE JSON object instead of a table")
     args = ap.parse_args(argv)
 
@@ -240,14 +272,15 @@ def main(argv: list[str] | None = None) -> int:
     report: dict = {"command": " ".join([os.path.basename(sys.argv[0]), *(argv or sys.argv[1:])]),
                     "cpu": cpu_model(), "cores": os.cpu_count(), "torch": torch.__version__,
                     "blocks": args.blocks, "ids": args.ids, "reps": args.reps,
-                    "threads": args.threads, "copier": args.copier, "results": []}
+                    "threads": args.threads, "copier": args.copier,
+                    "checksums": args.checksums, "results": []}
     if want_cuda:
         report["gpu"] = torch.cuda.get_device_name()
     t_start = time.perf_counter()
     for page in sizes:
         if args.device in ("auto", "cpu"):
             r = bench_cpu(page, args.blocks, args.reps, args.ids, args.threads, args.copier,
-                          args.budget)
+                          args.budget, args.checksums)
             report["results"].append({"path": "cpu", "block_bytes": page, **r})
         if want_cuda:
             r = bench_cuda(page, args.blocks, args.reps, args.ids,
@@ -266,6 +299,8 @@ def main(argv: list[str] | None = None) -> int:
         for kind in ("store", "load"):
             x = r[kind]
             extra = "  ".join(f"{k[6:-1]}={v:.1f}" for k, v in x.items() if k.startswith("kvshm["))
+            if "sums/plain" in x:
+                extra += f"  sums/plain={x['sums/plain']:.0%}"
             print(f"{r['path']:5} {kind:5} {r['block_bytes'] >> 10:>5}Ki {x['kvshm']:7.2f} "
                   f"{x['contiguous']:7.2f} {x['loop']:7.2f} {x['kvshm'] / x['contiguous']:12.0%} "
                   f"{x['kvshm'] / x['loop']:9.1f}x  {extra}")
