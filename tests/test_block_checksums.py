@@ -86,6 +86,9 @@ def test_verify_data_reports_the_corrupt_block(seg):
     assert found == [f"block {blocks[1]} plane 0: its data does not match its block "
                      f"checksum (corrupt)"]
     assert verify(seg) == []  # without --data the data is not read
+    from kvshm.inspect.cli import main
+    assert main(["verify", seg.name]) == 0
+    assert main(["verify", "--data", seg.name]) == 1
 
 
 def test_layout_without_the_option_is_unchanged():
