@@ -33,6 +33,7 @@ POINTS = (
     # owner: takeover
     "owner.rebuild.mid",  # half the table adopted
     "owner.reclaim.mid",  # a dead client's stores freed, its slot not yet cleared
+    "owner.goodbye.mid",  # a leaving client's slot LEAVING, its stores freed, no reply yet
     # client
     "client.connect.after_activate",  # slot ACTIVE, owner has not adopted it yet
     "client.store.after_prepare",  # blocks granted, nothing copied

@@ -40,6 +40,7 @@ OWNER_POINTS = {
     "owner.request.after_consume": 30, "owner.request.after_execute": 30,
     "owner.request.after_reply": 30, "owner.evict.after_mark": 3,
     "owner.evict.after_drop": 3, "table.write.odd": 40, "owner.reclaim.mid": 1,
+    "owner.goodbye.mid": 1,
 }
 CLIENT_POINTS = {
     "client.connect.after_activate": 1, "client.store.after_prepare": 5,

@@ -204,3 +204,22 @@ def test_freed_blocks_are_reused_oldest_freed_first(new_manager):
         m.complete_store([key], success=False)
     out = m.prepare_store(KEYS[4:] + [b"late-1", b"late-2", b"late-3"])
     assert out.block_ids == [4, 5, 1, 3, 0]
+
+
+def test_rebuild_of_a_key_both_ready_and_writing_keeps_the_ready_block(make_segment):
+    # Only a damaged table holds one key twice; the published bytes must win, and the other
+    # block must come back to the free list instead of leaking.
+    seg = make_segment(num_blocks=8, policy="lru")
+    table = BlockTable(seg.buf, seg.geometry)
+    table.write(5, L.WRITING, KEYS[0], writer=0, writer_gen=1, writer_req=3)
+    table.write(6, L.READY, KEYS[0])
+    table.write(7, L.WRITING, KEYS[1], writer=0, writer_gen=1, writer_req=3)
+    table.write(2, L.WRITING, KEYS[1], writer=0, writer_gen=1, writer_req=4)
+    table.close()
+    m = LocalManager(seg, "lru", writer_alive=lambda slot, gen: True)
+    try:
+        assert m.block_of(KEYS[0]) == 6 and m.lookup([KEYS[0]]) == 1
+        assert m.block_of(KEYS[1]) in (2, 7)
+        assert m.num_free == 8 - 2  # the two duplicates came back
+    finally:
+        m.shutdown()

@@ -195,6 +195,27 @@ def test_manager_core_leases_pins_and_reset(seg_name):
         other.shutdown()
 
 
+def test_a_late_completion_of_a_reset_store_never_touches_the_key_stored_again(seg_name):
+    # After a reset, a store still in flight goes stale; its key may be stored again by a
+    # new request. The old request's completion, arriving late, must neither publish the new
+    # store's block (its copy may be unfinished) nor free it.
+    mgr = connect(seg_name, Layout((4096,), 16, "t"), num_blocks=8, ring_capacity=8192,
+                  hold_capacity=64)
+    core = ManagerCore(mgr)
+    try:
+        k = b"k" * 36
+        assert core.prepare_store([k], "old").keys_to_store == [k]
+        core.reset()
+        core.reset_flushed()  # vLLM: the flushed jobs are done; the stale store is freed
+        assert core.prepare_store([k], "new").keys_to_store == [k]
+        core.complete_store([k], "old")  # late, from before the reset
+        assert core.lookup(k, "r") is LookupResult.PENDING  # still the new store's, unpublished
+        core.complete_store([k], "new")
+        assert core.lookup(k, "r") is LookupResult.HIT
+    finally:
+        core.shutdown()
+
+
 def test_import_kvshm_never_imports_the_integration():
     code = ("import sys, kvshm, kvshm.integrations; kvshm.connect; kvshm.Layout; "
             "bad = [m for m in sys.modules if m.startswith(('vllm', 'torch', "

@@ -92,6 +92,7 @@ class LocalManager(OffloadingManager):
         reset by word stores (``reset_ready``), so an owner dying in here cannot tear a key.
         """
         ready, kept, freed, torn_keys, free = [], 0, 0, 0, []
+        writing: list[tuple[int, bytes, tuple[int, int]]] = []
         self.index.clear()
         for b in range(self.table.num_blocks):
             # A dead owner may have left an entry mid-rewrite (odd seq: readers would report
@@ -107,8 +108,7 @@ class LocalManager(OffloadingManager):
                 continue
             elif e.state == L.WRITING and not torn and e.writer >= 0 and \
                     writer_alive(e.writer, e.writer_gen):
-                self._adopt(b, e.key, (e.writer, e.writer_gen))
-                kept += 1
+                writing.append((b, e.key, (e.writer, e.writer_gen)))
                 continue
             # a torn WRITING entry's store was never answered, a dead writer's never ends
             if e.state != L.FREE or torn:
@@ -126,6 +126,14 @@ class LocalManager(OffloadingManager):
                 crash_point("owner.rebuild.mid")
             self._adopt(b, key, None)
             self.tick = max(self.tick, last_use)
+        for b, key, writer in writing:  # after the ready ones: a duplicate key (a damaged
+            if key in self._entries:    # table) keeps its published bytes, never a store's
+                self.table.write(b, L.FREE, b"")
+                free.append(b)
+                freed += 1
+                continue
+            self._adopt(b, key, writer)
+            kept += 1
         self._free = deque(sorted(free))  # low block ids first, like vLLM's CPU backend
         return {"ready": len(ready), "pending": kept, "freed": freed, "torn": torn_keys}
 

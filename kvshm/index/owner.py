@@ -41,6 +41,9 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 SCAN_INTERVAL_S = 0.2  # a dead client is reclaimed within about this long
 SPIN_S = 0.005  # keep polling this long after the last frame before sleeping
+# Slots an owner serves: clients, and clients a dead predecessor was saying goodbye to
+# (their goodbye is still at the head of their ring and is finished like any request).
+_SERVED = (L.SlotState.CLIENT, L.SlotState.LEAVING)
 FRAMES_PER_PASS = 64  # per client and pass: one busy client cannot starve the others
 MAX_ATTEMPTS = 3  # owners that may die executing one request before it is dropped
 
@@ -124,7 +127,7 @@ class Owner(RequestHandlers):
             if slot in self.clients:
                 continue
             rec = slots.record(self.seg, slot)
-            if rec.state == L.SlotState.CLIENT and not self._writer_alive(slot, rec.gen):
+            if rec.state in _SERVED and not self._writer_alive(slot, rec.gen):
                 self._reclaim(slot, rec.gen)
             elif rec.state == L.SlotState.CHANNEL:  # holds nothing of ours: it just goes FREE
                 slots.clear_if_dead(self.seg, slot, rec.gen)
@@ -179,7 +182,7 @@ class Owner(RequestHandlers):
         for slot in range(g.max_clients):
             if slot not in self.clients:
                 rec = slots.record(self.seg, slot)
-                if rec.state == L.SlotState.CLIENT and self._writer_alive(slot, rec.gen):
+                if rec.state in _SERVED and self._writer_alive(slot, rec.gen):
                     c = self.clients[slot] = _Client(self.seg, slot, rec.gen, False)
                     if c.quarantined:
                         self._quarantine(c, c.why)
@@ -253,11 +256,9 @@ class Owner(RequestHandlers):
             msg = msgspec.structs.replace(msg, keys=keys)
         if req:
             attempts = int(served[3]) + 1 if replay else 1
-            if attempts > MAX_ATTEMPTS:  # it killed every owner that began it: drop it,
-                writer = (c.slot, c.gen, req)  # and whatever those owners granted for it
-                granted = [k for k, _ in self.manager.pending_of(writer, req)]
-                if granted:
-                    self.manager.complete_store(granted, False, writer)
+            if attempts > MAX_ATTEMPTS:  # it killed every owner that began it: drop it.
+                # What those owners granted stays pending for the client: a reply may have
+                # reached it, so it may be copying; its goodbye or its death frees them.
                 self._answer(c, req, [P.Error(req, self.epoch, "ProtocolError",
                                               f"request {req} was in progress when "
                                               f"{MAX_ATTEMPTS} owners died; it was dropped")])

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 
+from kvshm.crashpoints import crash_point
 from kvshm.errors import KvshmError
 from kvshm.index import protocol as P
 from kvshm.index.manager import LocalManager
@@ -133,8 +134,13 @@ class RequestHandlers:
         """Free the client's unfinished stores, answer, forget it and free its slot — in
         that order. Recorded like any request, so a successor finishes a goodbye its
         predecessor died in. The slot is cleared last: while the record says ACTIVE nobody
-        may claim it, so the reply cannot land in a newcomer's freshly formatted ring."""
+        may claim it, so the reply cannot land in a newcomer's freshly formatted ring. It
+        is marked LEAVING first: a copy worker that registers from then on sees the client's
+        generation dead and copies nothing, so the registry read by ``reclaim_writer``
+        cannot miss a worker about to copy (the same order as for a death)."""
+        slots.leave(self.seg, c.slot)
         self.manager.reclaim_writer(c.slot, c.gen)
+        crash_point("owner.goodbye.mid")
         self._retire_counters(c.slot)
         self._answer(c, m.req, [P.Ok(m.req, self.epoch)])  # if it does not fit, the client
         self._drop_client(c.slot)                          # times out and goes all the same

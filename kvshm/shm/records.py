@@ -161,10 +161,12 @@ class SlotState(enum.IntEnum):
     FREE = 0     # nobody's: may be claimed (by whoever then holds its lock)
     CLIENT = 1   # a manager client's; the owner reads its rings and alone frees it
     CHANNEL = 2  # a job channel between a scheduler and a worker; no owner reads it
+    LEAVING = 3  # a client saying goodbye (owner-written): not claimable, and its copy
+    #              workers already see its generation dead, before the owner frees its stores
 
 
 SLOT_STATE_NAMES = {SlotState.FREE: "free", SlotState.CLIENT: "client",
-                    SlotState.CHANNEL: "channel"}
+                    SlotState.CHANNEL: "channel", SlotState.LEAVING: "leaving"}
 
 # Every field is stored as one aligned word (never struct.pack_into, which zero-fills first),
 # so a reader sees each field old or new, never torn or transiently 0.

@@ -98,6 +98,13 @@ def unlock(seg: Segment, slot: int) -> None:
     locks.unlock(seg.fd, L.LOCK_CLIENT_BASE + slot)
 
 
+def leave(seg: Segment, slot: int) -> None:
+    """Owner only: mark a client slot LEAVING (a goodbye in progress), fenced, so that copy
+    workers checking its generation see it dead before the owner looks at their registry."""
+    _store(seg, slot, "state", SlotState.LEAVING)
+    full_fence()
+
+
 def clear(seg: Segment, slot: int, gen: int) -> None:
     """Mark ``slot`` FREE, keeping the generation count. The caller holds its lock, or is
     the owner, which alone clears client slots (it stops reading their rings first)."""

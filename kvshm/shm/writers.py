@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import struct
+import threading
 import time
 
 import numpy as np
@@ -84,6 +85,9 @@ def registrations(seg: Segment) -> list[dict]:
             locks.is_held(fd, L.LOCK_WRITER_BASE + i)]
 
 
+_REGISTERING = threading.Lock()  # see Registrations.register
+
+
 class Registrations:
     """One copying party's registrations, through its own descriptor of the segment.
 
@@ -96,7 +100,13 @@ class Registrations:
         self._mine: dict[tuple[int, int], int] = {}  # (slot, gen) -> record
 
     def register(self, slot: int, gen: int) -> bool:
-        """Register under (slot, gen) (once). False if the registry is full."""
+        """Register under (slot, gen) (once). False if the registry is full. Serialised
+        in this process: its OFD locks are shared by every thread, so two registrations
+        could otherwise both "take" one record."""
+        with _REGISTERING:
+            return self._register(slot, gen)
+
+    def _register(self, slot: int, gen: int) -> bool:
         if (slot, gen) in self._mine:
             return True
         recs, fd = _records(self.seg), self.seg.fd

@@ -279,9 +279,12 @@ class ManagerCore:
         return out
 
     def complete_store(self, keys: Iterable[bytes], req_id: str, success: bool = True) -> None:
-        keys = list(keys)
+        # Only the stores this request still has in flight: after a reset they went stale
+        # (and are freed on their own schedule), and a key stored again since belongs to
+        # another request, whose block this late completion must never publish or free.
+        keys = [k for k in keys if self._store_req.get(k) == req_id]
         for k in keys:
-            self._store_req.pop(k, None)
+            del self._store_req[k]
         self._quietly(self.mgr.complete_store, keys, success)
         if success:
             self._count(stored=len(keys))
