@@ -156,3 +156,15 @@ def manager_and_segment(new_manager):
 def manager(manager_and_segment) -> OffloadingManager:
     """A manager over a fresh 4-block segment, events enabled, for every kind and policy."""
     return manager_and_segment[0]
+
+
+@pytest.fixture
+def seg(seg_name):
+    """A fresh 16-block segment with small rings; whatever owner serves it at the end is
+    stopped (tests that start owners themselves, or let clients start them, share this)."""
+    s = Segment.create(seg_name, TEST_LAYOUT, 16, **SMALL_GEOMETRY)
+    yield s
+    pid = s.owner_record()[0]
+    s.close()
+    if pid:
+        stop_owner(pid)

@@ -27,7 +27,6 @@ from kvshm.inspect.snapshot import verify
 from kvshm.shm.table import BlockTable
 
 import procs
-from conftest import SMALL_GEOMETRY, TEST_LAYOUT, stop_owner
 from test_exactly_once import owner_proc
 from test_shared import wait_for
 
@@ -108,40 +107,30 @@ def _check_cache(seg: Segment, stats: list[dict]) -> None:
         t.close()
 
 
-@pytest.fixture
-def walk_seg(seg_name):
-    seg = Segment.create(seg_name, TEST_LAYOUT, 16, **SMALL_GEOMETRY)
-    yield seg
-    pid = seg.owner_record()[0]
-    seg.close()
-    if pid:
-        stop_owner(pid)
-
-
 @pytest.mark.parametrize("point", sorted(OWNER_POINTS))
-def test_owner_dying_at_the_point_loses_nothing(walk_seg, point):
-    owner = owner_proc(walk_seg.name, f"{point}:{OWNER_POINTS[point]}")
+def test_owner_dying_at_the_point_loses_nothing(seg, point):
+    owner = owner_proc(seg.name, f"{point}:{OWNER_POINTS[point]}")
     victim = None
     if point == "owner.reclaim.mid":  # needs a client death to reclaim
-        victim = _armed_client(walk_seg.name, "client.store.after_prepare", 3, "KILL")
-    kids = _run_clients(walk_seg.name, SURVIVORS, seed=len(point))
+        victim = _armed_client(seg.name, "client.store.after_prepare", 3, "KILL")
+    kids = _run_clients(seg.name, SURVIVORS, seed=len(point))
     if victim is not None:
         assert victim.wait() == -signal.SIGKILL
     stats = _collect(kids)
     owner.wait()
     assert owner.returncode == -signal.SIGKILL, f"the owner never reached {point}"
-    _check_cache(walk_seg, stats)
+    _check_cache(seg, stats)
 
 
-def test_owner_dying_mid_rebuild_loses_nothing(walk_seg):
-    owner = owner_proc(walk_seg.name)
-    stats = _collect(_run_clients(walk_seg.name, SURVIVORS, seed=7))
+def test_owner_dying_mid_rebuild_loses_nothing(seg):
+    owner = owner_proc(seg.name)
+    stats = _collect(_run_clients(seg.name, SURVIVORS, seed=7))
     owner.kill()
     owner.wait()
-    second = owner_proc_no_wait(walk_seg.name, "owner.rebuild.mid")
+    second = owner_proc_no_wait(seg.name, "owner.rebuild.mid")
     assert second.wait() == -signal.SIGKILL
-    stats += _collect(_run_clients(walk_seg.name, SURVIVORS, seed=8))
-    _check_cache(walk_seg, stats)
+    stats += _collect(_run_clients(seg.name, SURVIVORS, seed=8))
+    _check_cache(seg, stats)
 
 
 def owner_proc_no_wait(name: str, crash_at: str) -> subprocess.Popen:
@@ -152,15 +141,15 @@ def owner_proc_no_wait(name: str, crash_at: str) -> subprocess.Popen:
 
 @pytest.mark.parametrize("sig", ["KILL", "STOP"])
 @pytest.mark.parametrize("point", sorted(CLIENT_POINTS))
-def test_client_dying_or_freezing_at_the_point_disturbs_nobody(walk_seg, point, sig):
-    owner = owner_proc(walk_seg.name)
-    victim = _armed_client(walk_seg.name, point, CLIENT_POINTS[point], sig)
+def test_client_dying_or_freezing_at_the_point_disturbs_nobody(seg, point, sig):
+    owner = owner_proc(seg.name)
+    victim = _armed_client(seg.name, point, CLIENT_POINTS[point], sig)
     if sig == "STOP":
         wait_for(lambda: procs._proc_state(victim.pid) == "T", f"the victim to freeze at {point}")
-    kids = _run_clients(walk_seg.name, SURVIVORS, seed=len(point))
+    kids = _run_clients(seg.name, SURVIVORS, seed=len(point))
     stats = _collect(kids)  # the others finish while it is frozen or dead
     if sig == "STOP":
         os.kill(victim.pid, signal.SIGKILL)
     assert victim.wait() == -signal.SIGKILL
-    _check_cache(walk_seg, stats)
+    _check_cache(seg, stats)
     assert owner.poll() is None  # the owner never died

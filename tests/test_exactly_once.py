@@ -13,7 +13,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -21,7 +20,7 @@ from kvshm.shm import layout as L
 from kvshm.index import protocol as P
 from kvshm.shm import slots
 from kvshm.index.client import connect
-from kvshm.errors import ProtocolError, ReplyTimeoutError
+from kvshm.errors import ReplyTimeoutError
 from kvshm.shm.segment import Segment
 from kvshm.inspect.snapshot import verify
 
@@ -47,16 +46,6 @@ def owner_proc(name: str, crash_at: str | None = None, signal_name: str = "KILL"
     finally:
         seg.close()
     return p
-
-
-@pytest.fixture
-def seg(seg_name):
-    s = Segment.create(seg_name, TEST_LAYOUT, 16, **SMALL_GEOMETRY)
-    yield s
-    pid = s.owner_record()[0]
-    s.close()
-    if pid:
-        stop_owner(pid)
 
 
 def _writing_blocks(seg: Segment) -> int:
