@@ -111,7 +111,7 @@ assert OwnerRecord._fields == OWNER_DTYPE.names
 # Stored one aligned word at a time and wrapping at 2**64; any process reads them.
 COUNTER_NAMES = (
     "stores", "store_blocks", "store_failed_blocks", "prepare_store_refused", "evictions",
-    "lookups_owner", "touches", "errors", "failovers", "reclaimed_clients",
+    "touches", "errors", "failovers", "reclaimed_clients",
     "reclaimed_blocks", "frames",
     # Blocks of dead clients kept back while a process copying for them still lived.
     "quarantined_blocks",
