@@ -75,41 +75,6 @@ def connect_and_report(name: str, conn) -> None:
     mgr.shutdown()
 
 
-def random_traffic(name: str, conn, seed: int, ops: int, nkeys: int) -> None:
-    """Random stores/loads/lookups/touches over a shared key space, verifying every load."""
-    rng = random.Random(seed)
-    mgr = connect(name)
-    planes = mgr.segment.planes()
-    keys = [b"key-%04d" % i for i in range(nkeys)]
-    stats = {"stores": 0, "loads": 0, "corrupt": 0, "refused": 0}
-    for _ in range(ops):
-        op = rng.random()
-        ks = rng.sample(keys, rng.randint(1, 4))
-        if op < 0.4:
-            out = mgr.prepare_store(ks)
-            if out is None:
-                stats["refused"] += 1
-                continue
-            for k, b in zip(out.keys_to_store, out.block_ids):
-                fill(planes, b, k)
-            mgr.complete_store(out.keys_to_store, success=rng.random() > 0.1)
-            stats["stores"] += 1
-        elif op < 0.8:
-            n = mgr.lookup(ks)
-            if n:
-                blocks = mgr.prepare_load(ks[:n])
-                stats["corrupt"] += sum(not check(planes, b, k) for b, k in zip(blocks, ks[:n]))
-                mgr.complete_load(ks[:n])
-                stats["loads"] += 1
-        elif op < 0.9:
-            mgr.touch(ks)
-        else:
-            mgr.release()
-    mgr.release()
-    conn.send(stats)
-    mgr.shutdown()
-
-
 def pid() -> int:
     return os.getpid()
 
@@ -172,8 +137,9 @@ def reconnect_loop(name: str, cycles: int) -> None:
         mgr.shutdown()
 
 
-def crash_traffic(name: str, conn, seed: int, ops: int, nkeys: int) -> None:
-    """Random stores, loads and touches over a shared key space with checksummed contents.
+def random_traffic(name: str, conn, seed: int, ops: int, nkeys: int) -> None:
+    """Random stores (one in ten failed), loads, lookups, touches and releases over a shared
+    key space with checksummed contents, verifying every load.
 
     Survivors of a crash report ``errors`` (any kvshm error: a survivor must see none, only
     delays) and ``corrupt`` (a loaded block that does not hold its key's bytes). The crash
@@ -197,7 +163,7 @@ def crash_traffic(name: str, conn, seed: int, ops: int, nkeys: int) -> None:
                 for k, b in zip(out.keys_to_store, out.block_ids):
                     fill(planes, b, k)
                 crash_point("client.store.after_copy")
-                mgr.complete_store(out.keys_to_store)
+                mgr.complete_store(out.keys_to_store, success=rng.random() > 0.1)
                 stats["stores"] += 1
             else:
                 n = mgr.lookup(ks)

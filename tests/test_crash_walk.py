@@ -60,7 +60,7 @@ def _run_clients(name: str, n: int, seed: int) -> list[tuple]:
     kids = []
     for i in range(n):
         parent, child = CTX.Pipe()
-        p = CTX.Process(target=procs.crash_traffic,
+        p = CTX.Process(target=procs.random_traffic,
                         args=(name, child, seed + i, OPS, NKEYS), daemon=True)
         p.start()
         kids.append((p, parent))
@@ -77,7 +77,7 @@ def _collect(kids) -> list[dict]:
 def _armed_client(name: str, point: str, hit: int, sig: str) -> subprocess.Popen:
     env = dict(os.environ, KVSHM_CRASH_AT=f"{point}:{hit}", KVSHM_CRASH_SIGNAL=sig)
     code = ("import sys, multiprocessing as mp; sys.path.insert(0, sys.argv[2]); import procs; "
-            "a, b = mp.Pipe(); procs.crash_traffic(sys.argv[1], b, 99, 400, %d)" % NKEYS)
+            "a, b = mp.Pipe(); procs.random_traffic(sys.argv[1], b, 99, 400, %d)" % NKEYS)
     return subprocess.Popen([sys.executable, "-c", code, name, os.path.dirname(__file__)],
                             env=env, stdout=subprocess.DEVNULL)
 

@@ -186,6 +186,7 @@ def test_four_clients_random_traffic_keep_every_invariant(seg_name):
         p.join()
     seg = Segment.attach(seg_name)
     try:
+        assert [s["errors"] for s in stats] == [[]] * 4
         assert sum(s["corrupt"] for s in stats) == 0
         assert sum(s["loads"] for s in stats) > 0
         wait_for(lambda: L.WRITING not in states(seg), "stores to settle")

@@ -150,7 +150,20 @@ class BlockTable:
                 return state if same else -1
         return -1  # left odd by a dead owner: a miss until the next owner settles it
 
-    # --- owner-only writers -------------------------------------------------------------
+    # --- owner-only writers: every rewrite is one seqlock round, _odd() ... _even() ---------
+    def _odd(self, block: int) -> int:
+        """Open a rewrite of ``block``: readers now retry. Returns the odd sequence number."""
+        w, i = self._w32, block * _WORDS32
+        seq = w[i] | 1  # a writer that died mid-rewrite left it odd: move on from there
+        w[i] = seq
+        publish_fence()
+        return seq
+
+    def _even(self, block: int, seq: int) -> None:
+        """Close the rewrite ``_odd`` opened: what was stored in between is published."""
+        publish_fence()
+        self._w32[block * _WORDS32] = (seq + 1) & 0xFFFFFFFF
+
     def write(self, block: int, state: int, key: bytes, writer: int = -1, writer_gen: int = 0,
               writer_req: int = 0, last_use: int = 0, stored_ns: int = 0, pins: int = 0) -> None:
         """Rewrite ``block``'s whole entry (key, its checksum and every field) in one round.
@@ -159,17 +172,13 @@ class BlockTable:
         """
         body = _BODY.pack(state, len(key), writer, writer_gen, L.key_checksum(key),
                           writer_req, last_use, stored_ns, pins, key)
-        w, i = self._w32, block * _WORDS32
         off = self.base + block * L.ENTRY_BYTES + _BODY_OFF
-        seq = w[i] | 1  # a writer that died mid-rewrite left it odd: move on from there
-        w[i] = seq
-        publish_fence()
+        seq = self._odd(block)
         if crashpoints.ARMED:
             self._copy_armed(off, body)
         else:
             self.buf[off:off + _BODY.size] = body  # one memcpy
-        publish_fence()
-        w[i] = (seq + 1) & 0xFFFFFFFF
+        self._even(block, seq)
 
     def _copy_armed(self, off: int, body: bytes) -> None:
         """The body copy with crash point ``table.write.odd`` inside it (tests only).
@@ -186,29 +195,25 @@ class BlockTable:
         self.buf[off:off + k] = body[:k]
         self.buf[off + half:off + _BODY.size] = body[half:]
 
+    def _ready(self, block: int) -> None:
+        """Inside a round: state READY, writer -1 (nobody writes a ready block)."""
+        off = self.base + block * L.ENTRY_BYTES
+        self.buf[off + _STATE_OFF] = L.READY
+        self.buf[off + _WRITER_OFF:off + _WRITER_OFF + 2] = b"\xff\xff"
+
     def publish(self, block: int, tick: int, stored_ns: int) -> None:
         """WRITING -> READY: state, writer, last use and store time in one seqlock round
         (the key, already in place, stays)."""
-        w, i = self._w32, block * _WORDS32
-        seq = w[i] | 1
-        w[i] = seq
-        publish_fence()
-        off = self.base + block * L.ENTRY_BYTES
-        self.buf[off + _STATE_OFF] = L.READY
-        self.buf[off + _WRITER_OFF:off + _WRITER_OFF + 2] = b"\xff\xff"  # writer -1
+        seq = self._odd(block)
+        self._ready(block)
         self._w64[block * _WORDS64 + _LAST_USE_WORD] = tick
         self._w64[block * _WORDS64 + _STORED_NS_WORD] = stored_ns
-        publish_fence()
-        w[i] = (seq + 1) & 0xFFFFFFFF
+        self._even(block, seq)
 
     def set_state(self, block: int, state: int) -> None:
-        w, i = self._w32, block * _WORDS32
-        seq = w[i] | 1
-        w[i] = seq
-        publish_fence()
+        seq = self._odd(block)
         self.buf[self.base + block * L.ENTRY_BYTES + _STATE_OFF] = state
-        publish_fence()
-        w[i] = (seq + 1) & 0xFFFFFFFF
+        self._even(block, seq)
 
     def reset_ready(self, block: int) -> None:
         """Owner only, at takeover: make an adopted entry READY, with no writer and no pins
@@ -217,16 +222,10 @@ class BlockTable:
         Only the state byte, the writer half-word and the pins word are stored: the key, its
         length and checksum are never rewritten, so dying here cannot tear them either.
         """
-        w, i = self._w32, block * _WORDS32
-        seq = w[i] | 1
-        w[i] = seq
-        publish_fence()
-        off = self.base + block * L.ENTRY_BYTES
-        self.buf[off + _STATE_OFF] = L.READY
-        self.buf[off + _WRITER_OFF:off + _WRITER_OFF + 2] = b"\xff\xff"
+        seq = self._odd(block)
+        self._ready(block)
         self._w64[block * _WORDS64 + _PINS_WORD] = 0
-        publish_fence()
-        w[i] = (seq + 1) & 0xFFFFFFFF
+        self._even(block, seq)
 
     def settle(self, block: int) -> bool:
         """Owner only, at takeover: end a rewrite a dead owner left half done (odd seq).
