@@ -25,7 +25,11 @@ The frame leaves the ring only after its reply is out, so a successor always fin
 its predecessor did not finish, and the record tells it whether execution began. A death
 
 * before step 3's ``consumed`` store: the successor executes the request (nothing happened);
-* after it, before the reply: the successor replays it (the table holds what was done);
+* after it, before the reply: the successor replays it (the table holds what was done). A
+  store its predecessor died in before granting anything is answered with no keys: those
+  keys are not stored this time (a miss later). The successor cannot tell "granted
+  nothing" from "its reply already reached the client", and granting afresh in the second
+  case would leave blocks nobody writes — at most once is the promise, not exactly once;
 * after the reply, before ``answered``: the successor replays and the client receives a
   second reply with the same id, which it ignores (it only accepts the id it waits for);
 * after ``answered``, before the release: rule 1 drops the copy.
