@@ -28,6 +28,10 @@ POINTS = (
     # owner: eviction inside prepare_store
     "owner.evict.after_mark",  # victims marked EVICTING, leases not yet re-read
     "owner.evict.after_drop",  # victims freed, their keys gone from the index
+    # owner: block grants (store without a round trip)
+    "owner.grant.before_count",  # granted blocks GRANTED and their ids in the ring, count not
+    #                              yet stored: the client cannot take them
+    "owner.publish.mid",  # a Publish frame's first key published, the rest still granted
     # owner: entry writes
     "table.write.odd",  # entry sequence odd, body half written
     # owner: takeover
@@ -37,6 +41,7 @@ POINTS = (
     # client
     "client.connect.after_activate",  # slot ACTIVE, owner has not adopted it yet
     "client.store.after_prepare",  # blocks granted, nothing copied
+    "client.store.after_take",  # blocks taken from the grant ring, the count not yet stored
     "client.store.after_copy",  # blocks copied, complete_store not sent
     "client.load.after_pin",  # blocks pinned, not yet copied out
     "client.shutdown.before_bye",  # about to say goodbye

@@ -31,6 +31,11 @@ def check(planes: list[np.ndarray], block: int, key: bytes) -> bool:
     return True
 
 
+def fill_all(planes: list[np.ndarray], blocks: list[int], keys: list[bytes]) -> None:
+    for b, k in zip(blocks, keys):
+        fill(planes, b, k)
+
+
 def store(mgr, keys: list[bytes]) -> list[bytes]:
     """prepare_store + write + complete_store; returns the keys actually written."""
     out = mgr.prepare_store(keys)

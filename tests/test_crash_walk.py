@@ -27,6 +27,8 @@ from kvshm.inspect.snapshot import verify
 from kvshm.shm.table import BlockTable
 
 import procs
+from conftest import SMALL_GEOMETRY, TEST_LAYOUT, stop_owner
+from kvshm.index.grants import grant_target
 from test_exactly_once import owner_proc
 from test_shared import wait_for
 
@@ -39,16 +41,32 @@ OWNER_POINTS = {
     "owner.request.after_consume": 30, "owner.request.after_execute": 30,
     "owner.request.after_reply": 30, "owner.evict.after_mark": 3,
     "owner.evict.after_drop": 3, "table.write.odd": 40, "owner.reclaim.mid": 1,
-    "owner.goodbye.mid": 1,
+    "owner.goodbye.mid": 1, "owner.grant.before_count": 6, "owner.publish.mid": 5,
 }
 CLIENT_POINTS = {
     "client.connect.after_activate": 1, "client.store.after_prepare": 5,
     "client.store.after_copy": 5, "client.load.after_pin": 2,
-    "client.shutdown.before_bye": 1,
+    "client.shutdown.before_bye": 1, "client.store.after_take": 2,
 }
 # Walked by the tests of their own module (copy workers, segment creation).
 WALKED_ELSEWHERE = {"worker.store.mid_copy", "segment.create.after_open",
                     "segment.create.after_lock", "segment.create.after_reserve"}
+
+
+@pytest.fixture
+def seg(seg_name):
+    """Sixteen blocks over four client slots: one granted block per storing client, so a
+    one-key store takes the grant path and larger ones the round trip."""
+    s = Segment.create(seg_name, TEST_LAYOUT, 16, max_clients=4, **SMALL_GEOMETRY)
+    yield s
+    pid = s.owner_record()[0]
+    s.close()
+    if pid:
+        stop_owner(pid)
+
+
+def test_the_walk_takes_both_store_paths(seg):
+    assert grant_target(seg.geometry) == 1
 
 
 def test_every_crash_point_is_walked():
@@ -92,9 +110,9 @@ def _check_cache(seg: Segment, stats: list[dict]) -> None:
     t = BlockTable(seg.buf, seg.geometry)
     planes = seg.planes()
     try:
-        wait_for(lambda: all(t.read(b).state != L.WRITING
+        wait_for(lambda: all(t.read(b).state not in (L.WRITING, L.GRANTED)
                              for b in range(seg.geometry.num_blocks)),
-                 "every unfinished store to be freed", timeout=20)
+                 "every unfinished store and grant to be freed", timeout=20)
         wait_for(lambda: all(slots.record(seg, s).state == L.SlotState.FREE
                              for s in range(seg.geometry.max_clients)),
                  "every slot to come back", timeout=20)

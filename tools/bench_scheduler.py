@@ -19,8 +19,8 @@ from typing import Any
 
 DESCRIPTION = """\
 Per-key cost of the manager calls a vLLM scheduler makes, replayed from a synthetic trace
-through an in-process baseline and through kvshm (kvshm.connect -> SharedManager, whose
-stores are round trips to the owner process it starts), in one run.
+through an in-process baseline and through kvshm (kvshm.connect -> SharedManager, with the
+owner process it starts; stores take blocks the owner granted ahead of time), in one run.
 
 Baseline: vLLM's own CPUOffloadingManager (LRU) when vLLM is importable (run this script
 with the Python of an environment that has vLLM), else kvshm's in-process LocalManager on a

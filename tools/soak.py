@@ -371,8 +371,11 @@ class Soak:
     # --- run ------------------------------------------------------------------------------
     def run(self) -> dict:
         a = self.args
-        Segment.create(self.name, LAYOUT, a.blocks, ring_capacity=64 << 10,
-                       hold_capacity=256).close()
+        # Client slots for everyone and the probe, and no more: a few blocks are then
+        # granted to each storing client (grants.grant_target), so small stores take the
+        # grant path and large ones the round trip.
+        Segment.create(self.name, LAYOUT, a.blocks, ring_capacity=64 << 10, hold_capacity=256,
+                       max_clients=a.clients + a.reconnectors + 2).close()
         seg = Segment.attach(self.name)
         try:
             for i in range(a.clients + a.reconnectors):
@@ -436,7 +439,8 @@ class Soak:
         table = BlockTable(seg.buf, g)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
-            writing = sum(table.read(b).state == L.WRITING for b in range(g.num_blocks))
+            writing = sum(table.read(b).state in (L.WRITING, L.GRANTED)
+                          for b in range(g.num_blocks))  # unfinished stores and grants
             dead = [i for i in range(g.max_clients)
                     if i != probe.slot and slots.record(seg, i).state != L.SlotState.FREE]
             if not writing and not dead:
@@ -490,8 +494,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="traffic client processes (default 4)")
     ap.add_argument("--reconnectors", type=int, default=1,
                     help="processes looping connect -> lookup/store -> shutdown (default 1)")
-    ap.add_argument("--blocks", type=int, default=48,
-                    help="blocks in the segment; few, so stores evict (default 48)")
+    ap.add_argument("--blocks", type=int, default=64,
+                    help="blocks in the segment; few, so stores evict (default 64)")
     ap.add_argument("--keys", type=int, default=120,
                     help="distinct keys the clients draw from (default 120)")
     ap.add_argument("--kill-owner", action="store_true",

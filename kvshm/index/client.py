@@ -8,8 +8,12 @@ and pins). Reads never go through the owner:
 * ``lookup``/``key_status`` read the key index and block table in the segment directly; a hit
   is *leased* (``holds.py``) so no other client can evict it before ``prepare_load``.
 * ``prepare_load``/``complete_load`` only change holds; ``touch`` is a one-way frame.
-* Stores go through the owner: ``prepare_store`` (one atomic operation, in as many frames as
-  it needs) and ``complete_store`` are round trips.
+* Stores take blocks the owner granted this client ahead of time (``grants.py``): a
+  ``prepare_store`` that its grant ring covers sends nothing, and its ``complete_store`` is
+  a one-way ``Publish`` frame. A store larger than the ring holds is a round trip (one
+  atomic operation, in as many frames as it needs), and so is its completion. Keys this
+  client published are read back as soon as the owner has taken the frame: a lookup of such
+  a key waits for that, so a client always sees its own completed stores.
 
 When the owner dies mid-call, the client starts another and the successor finishes the call:
 callers see a delay, not an error. It never copies block data and never imports torch.
@@ -26,7 +30,7 @@ from kvshm.shm import slots
 from kvshm.index import protocol as P
 from kvshm.index.api import LookupResult, OffloadingEvent, OffloadingManager, PrepareStoreOutput
 from kvshm.crashpoints import crash_point
-from kvshm.shm.fence import full_fence
+from kvshm.shm.fence import full_fence, publish_fence
 from kvshm.errors import BlockStateError, HoldsExhaustedError, InvalidArgumentError, UnknownKeyError
 from kvshm.index.holds import HoldTable
 from kvshm.shm.layout import Layout
@@ -85,8 +89,15 @@ class SharedManager(OffloadingManager):
         self._chunk_keys = max(1, (Ring.max_payload(g.ring_capacity) - 64) // (L.MAX_KEY_BYTES + 16))
         self.slot, self.gen = slots.claim(segment, lambda: start_owner(segment))
         try:
-            self._ctr = slots.counters(segment, self.slot)
+            self._ctr = memoryview(slots.counters(segment, self.slot))
             self._h = HoldTable(slots.holds(segment, self.slot), self.table)
+            words, ids = slots.grants(segment, self.slot)
+            self._gw, self._gi = memoryview(words), memoryview(ids)
+            self._taken = 0  # blocks taken from the grant ring (we alone store the word)
+            self._inflight: dict[bytes, int] = {}  # key -> granted block, not yet completed
+            # key -> request ring position past the Publish of its store: until the owner
+            # took that frame the key is ours but not yet in the index
+            self._unconfirmed: dict[bytes, int] = {}
             slots.activate(segment, self.slot, self.gen)
             self._link = OwnerLink(segment, self.slot, self.gen, timeout,
                                    self._after_failover, self._abandoned)
@@ -162,17 +173,20 @@ class SharedManager(OffloadingManager):
                 hits = n if ready.all() else int(np.argmin(ready))
                 hits = self._h.lease_many(keys, karr, blocks, hits)
                 self._count_lookup(n, hits)
+                if hits < n and keys[hits] in self._unconfirmed and self._confirm(keys[hits]):
+                    return hits + self._lookup(keys[hits:])
                 return hits
         hits = 0
-        find, lease = self.index.find, self._h.lease
+        lease, index = self._h.lease_key, self.index
         for k in keys:
-            block, state = find(k)
-            if state != L.READY or not lease(k, block):
-                if type(k) is not bytes:  # never lease under a str or a caller's buffer
-                    L.check_key(k)
+            if type(k) is not bytes:  # never lease under a str or a caller's buffer
+                L.check_key(k)
+            if lease(k, index) != L.READY:
                 break
             hits += 1
         self._count_lookup(n, hits)
+        if hits < n and keys[hits] in self._unconfirmed and self._confirm(keys[hits]):
+            return hits + self._lookup(keys[hits:])  # our own store, now in the index
         return hits
 
     def _count_lookup(self, n: int, hits: int) -> None:
@@ -182,15 +196,35 @@ class SharedManager(OffloadingManager):
     def key_status(self, key: bytes) -> LookupResult:
         if type(key) is not bytes:
             L.check_key(key)
-        self._ctr[0] += 1
-        if self._h.leased_ready(key):  # a lease is only as good as the block it still names
-            self._ctr[1] += 1
+        ctr = self._ctr
+        ctr[0] += 1
+        state = self._h.lease_key(key, self.index)
+        if state == L.READY:
+            ctr[1] += 1
             return LookupResult.HIT
-        block, state = self.index.find(key)
-        if state == L.READY and self._h.lease(key, block):
-            self._ctr[1] += 1
-            return LookupResult.HIT
-        return LookupResult.PENDING if state == L.WRITING else LookupResult.MISS
+        if state == -1 and key in self._unconfirmed and self._confirm(key):
+            ctr[0] -= 1
+            return self.key_status(key)  # our own store, now in the index
+        if state == L.WRITING or key in self._inflight:
+            return LookupResult.PENDING
+        return LookupResult.MISS
+
+    def _confirm(self, key: bytes) -> bool:
+        """Wait until the owner took the Publish of our store of ``key``; False if it had."""
+        pos = self._unconfirmed.pop(key)
+        if self._link.requests.consumed(pos):
+            return False
+        self._link.wait_consumed(pos)
+        return True
+
+    def _prune_unconfirmed(self) -> None:
+        """Forget our stores the owner has published (oldest first, in ring order)."""
+        u, consumed = self._unconfirmed, self._link.requests.consumed
+        while u:
+            k = next(iter(u))
+            if not consumed(u[k]):
+                return
+            del u[k]
 
     def release(self, keys: Sequence[bytes] | None = None) -> None:
         """Drop the lookup leases of ``keys`` (all leases if None); pins are unaffected."""
@@ -207,29 +241,19 @@ class SharedManager(OffloadingManager):
                 L.check_key(k)
                 i = h.leases.pop(k, None)
                 if i is None:
-                    block, state = self.index.find(k)
-                    if state == L.WRITING:
-                        raise BlockStateError(f"key {k.hex()[:16]}… is still being stored; "
-                                              "retry later")
-                    if state == L.READY and not h.free:
-                        raise HoldsExhaustedError(
-                            f"this client holds {len(h.holds)} blocks already (its "
-                            "hold_capacity); complete_load or release() some first")
-                    if state != L.READY or not h.lease(k, block):
-                        raise UnknownKeyError(f"key {k.hex()[:16]}… is not cached; lookup() "
-                                              "first")
-                    i = h.leases.pop(k)
+                    i = self._lease_for_load(k)
                 taken.append((k, i))
                 block = h.block(i)
                 # Lease -> pin: a pin protects against our own stores too, which a lease
                 # does not. Pin, fence, re-check, as a lease is taken: an eviction of ours
                 # that read our holds before the pin shows as EVICTING (or the key gone).
-                h.holds[i] = block
-                full_fence()
-                if not self._settled_ready(block, k):  # never half-written, never reused
-                    raise UnknownKeyError(f"key {k.hex()[:16]}… is no longer cached; "
-                                          "lookup() again")
+                h._hv[i] = block
                 blocks.append(block)
+            full_fence()  # one fence for the batch: every pin is stored before any re-check
+            for (k, _), block in zip(taken, blocks):
+                if not h.still_ready(k, block) and not self._settled_ready(block, k):
+                    raise UnknownKeyError(f"key {k.hex()[:16]}… is no longer cached; "
+                                          "lookup() again")  # never half-written or reused
         except BaseException:
             for _, i in taken:
                 h.unhold(i)
@@ -238,6 +262,23 @@ class SharedManager(OffloadingManager):
         self._ctr[2] += 1
         self._ctr[3] += len(blocks)
         return blocks
+
+    def _lease_for_load(self, k: bytes) -> int:
+        """The hold index of a fresh lease on ``k`` for ``prepare_load``, or the error that
+        says why it cannot be loaded."""
+        h = self._h
+        state = h.lease_key(k, self.index)
+        if state == -1 and k in self._unconfirmed and self._confirm(k):
+            state = h.lease_key(k, self.index)  # our own store, now in the index
+        if state == L.WRITING or (state == -1 and k in self._inflight):
+            raise BlockStateError(f"key {k.hex()[:16]}… is still being stored; retry later")
+        if state == -2 and not h.free:
+            raise HoldsExhaustedError(
+                f"this client holds {len(h.holds)} blocks already (its hold_capacity); "
+                "complete_load or release() some first")
+        if state != L.READY:
+            raise UnknownKeyError(f"key {k.hex()[:16]}… is not cached; lookup() first")
+        return h.leases.pop(k)
 
     def _settled_ready(self, block: int, key: bytes) -> bool:
         """Whether ``block`` holds ``key`` READY once an eviction in flight has decided
@@ -258,7 +299,8 @@ class SharedManager(OffloadingManager):
             L.check_key(k)
             need[k] = need.get(k, 0) + 1
             if len(pins.get(k, ())) < need[k]:
-                if self.index.find(k)[0] < 0:
+                if self.index.find(k)[0] < 0 and k not in self._inflight and \
+                        k not in self._unconfirmed:
                     raise UnknownKeyError(f"complete_load of key {k.hex()[:16]}… which is "
                                           "not cached")
                 raise BlockStateError(f"complete_load of key {k.hex()[:16]}… without a "
@@ -295,13 +337,32 @@ class SharedManager(OffloadingManager):
         return [keys[i:i + n] for i in range(0, len(keys), n)] or [[]]
 
     def prepare_store(self, keys: Iterable[bytes]) -> PrepareStoreOutput | None:
-        """See ``OffloadingManager.prepare_store``: one atomic operation however many keys
-        (a request too large for one ring frame travels in parts and runs once, whole)."""
+        """See ``OffloadingManager.prepare_store``. Served from this client's grant ring
+        when it holds enough blocks (no frame at all); otherwise one atomic round trip
+        however many keys (a request too large for one frame travels in parts, runs once)."""
         if type(keys) is not list and type(keys) is not tuple:
             keys = L.key_seq(keys)
         for k in keys:
             L.check_key(k)
-        chunks = self._chunks(keys)
+        self._prune_unconfirmed()
+        inflight, unconfirmed, find = self._inflight, self._unconfirmed, self.index.find
+        new = []
+        for k in dict.fromkeys(keys):  # present: ours in flight or unconfirmed, or indexed
+            if k not in inflight and k not in unconfirmed and find(k)[0] < 0:
+                new.append(k)
+        gw, n = self._gw, len(new)
+        if n <= gw[L.GRANT_WORD_GRANTED] - self._taken:
+            gi, cap, t = self._gi, L.GRANT_CAPACITY, self._taken
+            blocks = [gi[(t + i) % cap] for i in range(n)]
+            crash_point("client.store.after_take")
+            publish_fence()  # ids read before the count that lets the owner reuse their places
+            self._taken = gw[L.GRANT_WORD_TAKEN] = t + n
+            inflight.update(zip(new, blocks))
+            return PrepareStoreOutput(new, blocks, [])
+        # The owner needs every offered key (those it holds must not be evicted for this
+        # store); ours in flight it does not know, and must not grant again. Our Publish
+        # frames before this request are applied before it, so unconfirmed keys are known.
+        chunks = self._chunks([k for k in keys if k not in inflight])
         req = self._link.next_req()
         replies = self._link.call([P.PrepareStore(req, c, i + 1 < len(chunks), i)
                                    for i, c in enumerate(chunks)])
@@ -317,11 +378,27 @@ class SharedManager(OffloadingManager):
         return out
 
     def complete_store(self, keys: Sequence[bytes], success: bool = True) -> None:
+        """See ``OffloadingManager.complete_store``. Stores served from the grant ring are
+        published by a one-way frame (the owner applies it in order; this client's own
+        lookups wait for it); others are a round trip."""
         if type(keys) is not list and type(keys) is not tuple:
             keys = L.key_seq(keys)
         for k in keys:
             L.check_key(k)
-        for part in self._chunks(keys):  # completing a subset is a valid completion
+        inflight, mine, rest = self._inflight, {}, []
+        for k in keys:
+            b = inflight.pop(k, None)
+            if b is not None:
+                mine[k] = b
+            elif k not in mine and k not in self._unconfirmed:  # unconfirmed: done already
+                rest.append(k)
+        if mine:
+            ks, bs, n = list(mine), list(mine.values()), self._chunk_keys
+            for i in range(0, len(ks), n):
+                pos = self._link.push(P.Publish(0, ks[i:i + n], bs[i:i + n], success))
+                if success:
+                    self._unconfirmed.update(dict.fromkeys(ks[i:i + n], pos))
+        for part in self._chunks(rest) if rest else ():  # a subset is a valid completion
             self._link.call([P.CompleteStore(self._link.next_req(), part, success)])
 
     def take_events(self) -> list[OffloadingEvent]:
@@ -343,7 +420,8 @@ class SharedManager(OffloadingManager):
         slots.unlock(seg, self.slot)
         self._link.close()
         self._newcomer.release()
-        del self._ctr
+        for view in (self._ctr, self._gw, self._gi):
+            view.release()
         self._h.clear()
         del self._h
         seg.close()

@@ -10,6 +10,13 @@ the key and is READY. The owner marks a victim EVICTING, fences, then reads ever
 holds and spares held blocks (``LocalManager._fence_victims``), so one of the two always sees
 the other: a leased hit stays loadable until it is pinned or released. A client holds at most
 ``hold_capacity // 2`` leases; past that lookups report misses (always safe).
+
+A scheduler asks for the same prefixes over and over, so the client remembers, per key it
+verified, the block and the entry's sequence number then (``seen``). The table's writer bumps
+the sequence number on every rewrite of an entry, so an unchanged number proves the entry
+still holds that key in that state: a repeated lookup skips the index search and the key
+comparison (a u32 that wrapped back to the same value in between, 2**31 rewrites of one
+block, is the one thing this trusts not to happen).
 It never talks to the owner, never writes the block table and never imports torch.
 """
 from __future__ import annotations
@@ -20,7 +27,7 @@ import numpy as np
 
 from kvshm.shm import layout as L
 from kvshm.shm.fence import full_fence
-from kvshm.shm.table import BlockTable
+from kvshm.shm.table import BlockTable, KeyIndex
 
 # A held block is READY, or EVICTING for the instant an eviction honours our hold.
 LOADABLE = (L.READY, L.EVICTING)
@@ -31,22 +38,72 @@ class HoldTable:
 
     def __init__(self, holds: np.ndarray, table: BlockTable):
         self.holds = holds
+        self._hv = memoryview(holds)  # scalar stores: several times cheaper than numpy's
         self.table = table
         self.free = list(range(len(holds) - 1, -1, -1))
         self.leases: dict[bytes, int] = {}
         self.pins: dict[bytes, list[int]] = {}
         self.lease_limit = len(holds) // 2
+        self.seen: dict[bytes, tuple[int, int]] = {}  # key -> (block, seq) verified READY
+        self._seen_limit = 4 * len(holds)
 
     def __len__(self) -> int:
         """How many holds (leases + pins) are taken."""
         return len(self.holds) - len(self.free)
 
     def block(self, i: int) -> int:
-        return L.held_block(int(self.holds[i]))
+        code = self._hv[i]
+        return code if code >= 0 else -2 - code
 
     def unhold(self, i: int) -> None:
-        self.holds[i] = -1
+        self._hv[i] = -1
         self.free.append(i)
+
+    def lease_key(self, key: bytes, index: KeyIndex) -> int:
+        """Find ``key`` and lease it if it is READY: returns its state (READY: leased now),
+        -1 if absent, -2 if READY but this client may not lease more (a miss).
+
+        The lease is taken on the candidate block before the one verifying read (hold,
+        fence, read: the handshake), so a fresh hit costs one entry read, and a key seen
+        before costs one sequence-number read.
+        """
+        if key in self.leases:
+            return L.READY  # only our own stores evict a leased block, and they drop it
+        free, hv = self.free, self._hv
+        if not free or len(self.leases) >= self.lease_limit:
+            block, state = index.find(key)
+            return -2 if state == L.READY else state
+        seen = self.seen.get(key)
+        block = seen[0] if seen is not None else index.probe(key)
+        if block < 0:
+            return -1
+        i = free.pop()
+        hv[i] = -2 - block
+        full_fence()  # our hold before our re-check: the owner fences the other way round
+        if seen is not None and self.table.seq(block) == seen[1]:
+            self.leases[key] = i
+            return L.READY
+        seq, state = self.table.checked_state(block, key)
+        if state == L.READY:
+            self.leases[key] = i
+            if len(self.seen) >= self._seen_limit:
+                self.seen.clear()
+            self.seen[key] = (block, seq)
+            return state
+        hv[i] = -1
+        free.append(i)
+        if seen is not None or state < 0:  # moved, or a tag collision: the full search
+            self.seen.pop(key, None)
+            block, state = index.find(key)
+            if state == L.READY:
+                return L.READY if self.lease(key, block) else -1
+        return state
+
+    def still_ready(self, key: bytes, block: int) -> bool:
+        """Whether ``block`` provably still holds ``key`` READY, from ``seen`` alone (False:
+        ask the table)."""
+        seen = self.seen.get(key)
+        return seen is not None and seen[0] == block and self.table.seq(block) == seen[1]
 
     def lease(self, key: bytes, block: int) -> bool:
         """Lease ``block`` for ``key`` if it still holds it READY. False: treat as a miss."""
@@ -58,7 +115,7 @@ class HoldTable:
         if not self.free or len(self.leases) >= self.lease_limit:
             return False  # a miss is always safe; a hit we could not keep would not be
         i = self.free.pop()
-        self.holds[i] = L.lease_code(block)
+        self._hv[i] = -2 - block
         full_fence()  # our hold before our re-check: the owner fences the other way round
         if self.table.state_if_key(block, key) != L.READY:
             self.unhold(i)
@@ -127,3 +184,5 @@ class HoldTable:
     def clear(self) -> None:
         self.leases.clear()
         self.pins.clear()
+        self.seen.clear()
+        self._hv.release()

@@ -1,11 +1,12 @@
 """The authoritative index of one segment: ``LocalManager``.
 
 This module owns the index (one ``_Entry`` per cached key: block, readiness, load pins, the
-writer of an unfinished store; the free list; and the writer -> keys index derived from the
-entries, for reclaiming a dead writer's stores) and applies vLLM's v1 offload semantics to it, mirroring every block's durable state into the
-segment's block table and key index so that other processes can read it and a successor can
-rebuild it. Exactly one LocalManager exists per segment: it holds the segment's owner lock.
-The owner process wraps it; single-process users may use it directly.
+writer of an unfinished store; the free list; the writer -> keys index derived from the
+entries, for reclaiming a dead writer's stores; and the blocks granted to clients, in
+``grants.py``) and applies vLLM's v1 offload semantics to it, mirroring every block's durable
+state into the segment's block table and key index so that other processes can read it and
+a successor can rebuild it. Exactly one LocalManager exists per segment: it holds the
+segment's owner lock. The owner process wraps it; single-process users may use it directly.
 It never copies block data and never imports torch.
 """
 from __future__ import annotations
@@ -20,9 +21,10 @@ from kvshm.shm import locks
 from kvshm.shm import writers
 from kvshm.crashpoints import crash_point
 from kvshm.index.api import LookupResult, OffloadingEvent, OffloadingManager, PrepareStoreOutput
+from kvshm.index.eviction import Eviction
+from kvshm.index.grants import Grants
 from kvshm.errors import (BlockStateError, InvalidArgumentError, OwnerUnavailableError,
                      UnknownKeyError)
-from kvshm.shm.fence import full_fence
 from kvshm.index.policy import ACCESS_KINDS, MISSED, CachePolicy, make_policy
 from kvshm.shm.segment import Segment
 from kvshm.shm.table import BlockTable, KeyIndex
@@ -42,13 +44,12 @@ class _Entry:
         self.writer = writer  # (slot, gen) whose store is unfinished; None once ready
 
 
-class LocalManager(OffloadingManager):
+class LocalManager(Eviction, OffloadingManager):
     """In-process manager over a segment. Thread-unsafe: one caller (the owner loop).
 
     ``held(requester_slot)`` returns the blocks that clients hold against a store of that
-    requester (lookup leases and load pins live in the clients' slots, not here); those are
-    never evicted. ``writer_alive`` decides, when the
-    index is rebuilt from the table, whether a half-finished store still has its writer.
+    requester (leases and pins live in the clients' slots); those are never evicted.
+    ``writer_alive`` decides, in a rebuild, whether a half-finished store has its writer.
     """
 
     def __init__(self, segment: Segment, policy: str | None = None, *,
@@ -76,6 +77,7 @@ class LocalManager(OffloadingManager):
         self._free: deque[int] = deque()
         # Dead writers (slot, gen) whose stores wait for their registered copying processes.
         self.quarantined: set[tuple[int, int]] = set()
+        self.grants = Grants(self)  # blocks handed to clients ahead of their stores
         pid, epoch, _, tick = segment.owner_record()
         self.epoch = epoch + 1
         self.tick = tick
@@ -106,9 +108,12 @@ class LocalManager(OffloadingManager):
             elif e.state in (L.READY, L.EVICTING) and e.key:
                 ready.append((e.last_use, b, e.key, e))
                 continue
-            elif e.state == L.WRITING and not torn and e.writer >= 0 and \
+            elif e.state in (L.WRITING, L.GRANTED) and not torn and e.writer >= 0 and \
                     writer_alive(e.writer, e.writer_gen):
-                writing.append((b, e.key, (e.writer, e.writer_gen)))
+                if e.state == L.GRANTED:
+                    self.grants.adopt(b, (e.writer, e.writer_gen))
+                else:
+                    writing.append((b, e.key, (e.writer, e.writer_gen)))
                 continue
             # a torn WRITING entry's store was never answered, a dead writer's never ends
             if e.state != L.FREE or torn:
@@ -340,83 +345,26 @@ class LocalManager(OffloadingManager):
         and a later call frees them once the last such process is gone.
         """
         # Quarantine: keep the blocks while a registered copier of (slot, gen) lives
-        if self._pending.get((slot, gen)) and writers.alive(self.segment, slot, gen):
-            if (slot, gen) not in self.quarantined:
-                self.quarantined.add((slot, gen))
-                self.segment.counter_add("quarantined_blocks", len(self._pending[(slot, gen)]))
+        w = (slot, gen)
+        held = len(self._pending.get(w, ())) + len(self.grants.blocks.get(w, ()))
+        if held and writers.alive(self.segment, slot, gen):
+            if w not in self.quarantined:
+                self.quarantined.add(w)
+                self.segment.counter_add("quarantined_blocks", held)
             return 0
-        self.quarantined.discard((slot, gen))
-        keys = list(self._pending.get((slot, gen), ()))
+        self.quarantined.discard(w)
+        keys = list(self._pending.get(w, ()))
         for k in keys:
             self._drop(k)  # also takes k out of the writer index
-        return len(keys)
+        return len(keys) + self.grants.free(w)
 
     # The owner's periodic retry of quarantined (and rebuilt orphan) stores
     def reclaim_dead_writers(self, client_alive: Callable[[int, int], bool]) -> int:
         """``reclaim_writer`` for every pending writer whose client is gone (quarantined ones,
         and those a rebuild kept for a registered copier). Returns the blocks freed."""
-        return sum(self.reclaim_writer(slot, gen) for slot, gen in list(self._pending)
+        return sum(self.reclaim_writer(slot, gen)
+                   for slot, gen in {*self._pending, *self.grants.blocks}
                    if slot >= 0 and not client_alive(slot, gen))
-
-    # --- eviction -----------------------------------------------------------------------
-    def _evict(self, n: int, protected: set[bytes], requester: int) -> list[bytes] | None:
-        held = self._held(requester) if self._held else set()
-        entries = self._entries
-
-        def can_evict(k: bytes) -> bool:
-            e = entries[k]
-            return e.ready and not e.pins and e.block not in held and k not in protected
-
-        victims = self.policy.evict(n, can_evict)
-        if victims is None:
-            return None
-        if self._held:
-            victims = self._fence_victims(victims, can_evict, requester)
-            if victims is None:
-                return None
-        for k in victims:
-            self._drop(k)
-        crash_point("owner.evict.after_drop")
-        self.segment.counter_add("evictions", len(victims))
-        if self.enable_events:
-            self._events.append(OffloadingEvent(victims, removed=True))
-        return victims
-
-    def _fence_victims(self, victims: list[bytes], can_evict: Callable[[bytes], bool],
-                       requester: int) -> list[bytes] | None:
-        """The eviction half of the lease handshake with lock-free client lookups.
-
-        A client writes its lease, fences, then re-reads the block's state; we mark victims
-        EVICTING, fence, then re-read the leases. Whatever the interleaving, one side sees
-        the other: either the client sees EVICTING and reports a miss, or we see the lease
-        and keep the block. Blocks that got leased meanwhile go back into the cache.
-        """
-        for k in victims:
-            self.table.set_state(self._entries[k].block, L.EVICTING)
-        crash_point("owner.evict.after_mark")
-        full_fence()
-        held = self._held(requester)
-        lost = [k for k in victims if self._entries[k].block in held]
-        if not lost:
-            return victims
-        for k in lost:
-            self.table.set_state(self._entries[k].block, L.READY)
-            self.policy.insert(k)  # it is being read: most recent is right
-        keep = [k for k in victims if k not in lost]
-        more = self._evict_more(len(lost), can_evict, held, requester)
-        if more is None:
-            for k in keep:
-                self.table.set_state(self._entries[k].block, L.READY)
-                self.policy.insert(k)
-            return None
-        return keep + more
-
-    def _evict_more(self, n: int, can_evict: Callable[[bytes], bool], held: set[int],
-                    requester: int) -> list[bytes] | None:
-        victims = self.policy.evict(n, lambda k: can_evict(k) and self._entries[k].block not in held)
-        if victims is None:
-            return None
-        return self._fence_victims(victims, can_evict, requester)
 
     def _drop(self, key: bytes) -> None:
         """Forget ``key`` and free its block (no eviction bookkeeping)."""

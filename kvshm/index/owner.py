@@ -28,6 +28,7 @@ from kvshm.shm import writers
 from kvshm.errors import KvshmError, OwnerUnavailableError
 from kvshm.crashpoints import crash_point
 from kvshm.shm.fence import full_fence
+from kvshm.index.grants import grant_target, refill
 from kvshm.index.manager import LocalManager
 from kvshm.index.requests import RequestHandlers, _Client
 from kvshm.shm.ring import Doorbell
@@ -70,8 +71,9 @@ class Owner(RequestHandlers):
         self._handlers = {
             P.Hello: self._hello, P.PrepareStore: self._prepare_store,
             P.CompleteStore: self._complete_store, P.Touch: self._touch,
-            P.TakeEvents: self._take_events,
+            P.Publish: self._publish, P.TakeEvents: self._take_events,
         }
+        self._grant_target = grant_target(self.seg.geometry)
         self._newcomer = self.seg.buf[L.OFF_NEWCOMER:L.OFF_NEWCOMER + 8].cast("Q")
         # Clients attached before a failover keep working; slots of the dead are cleared.
         self._discover()
@@ -186,6 +188,9 @@ class Owner(RequestHandlers):
                     c = self.clients[slot] = _Client(self.seg, slot, rec.gen, False)
                     if c.quarantined:
                         self._quarantine(c, c.why)
+                    # a client a predecessor stocked keeps being stocked (not one leaving)
+                    c.stores = bool(c.grant_words[L.GRANT_WORD_GRANTED]) and \
+                        rec.state == L.SlotState.CLIENT
                     self._last_client = time.monotonic()
 
     def serve_once(self) -> int:
@@ -213,7 +218,20 @@ class Owner(RequestHandlers):
                     break  # gone (goodbye), unusable, or its reply waits for room
         if n:
             self.seg.counter_add("frames", n)
+            self._refill()
         return n
+
+    def _refill(self) -> None:
+        """Keep every storing client's grant ring stocked (evicting if need be), so that
+        its next stores need no round trip."""
+        if not self._grant_target:
+            return
+        for c in list(self.clients.values()):
+            if c.stores and not c.quarantined and refill(
+                    self.manager.grants, c.grant_words, c.grant_ids, c.slot, c.gen,
+                    self._grant_target) < 0:
+                self._quarantine(c, "its grant ring counts are impossible")
+        self._fan_out()
 
     def _serve_frame(self, c: _Client, frame: bytes) -> None:
         """One frame, exactly once: record it consumed, execute, reply, record it answered,
@@ -231,7 +249,7 @@ class Owner(RequestHandlers):
         if req and req <= served[2]:  # answered already (by a dead owner): drop the copy
             c.requests.advance()
             return
-        if not req and not isinstance(msg, P.Touch):  # only hints may go unanswered
+        if not req and not isinstance(msg, (P.Touch, P.Publish)):  # one-way kinds only
             self.seg.counter_add("errors")
             c.requests.advance()
             self._reply(c, 0, [P.Error(0, self.epoch, "ProtocolError",
@@ -355,6 +373,7 @@ class Owner(RequestHandlers):
             if now >= next_scan:
                 self._discover()
                 self._scan()
+                self._refill()
                 next_scan = now + SCAN_INTERVAL_S
             spin = SPIN_S if now - last_work < SPIN_S else 0.0
             self.bell.wait(min(SCAN_INTERVAL_S, max(0.0, next_scan - now)), self._pending,

@@ -191,6 +191,36 @@ class OwnerLink:
             elif not self.segment.owner_alive():
                 self.ensure_owner()
 
+    def push(self, msg: P._Msg) -> int:
+        """A one-way request that must not be dropped (a ``Publish``): waits for room like a
+        call's frame would. Returns the ring position past it, for ``wait_consumed``."""
+        with self._lock:
+            self._put(P.request_encoder.encode(msg), time.monotonic() + self.timeout)
+            self.owner_bell.ring()
+            return self.requests.tail
+
+    def wait_consumed(self, pos: int) -> None:
+        """Wait until the owner has taken our frames before ring position ``pos`` (a
+        one-way frame whose effect the caller is about to read), starting one if none
+        lives. Raises ``ReplyTimeoutError`` past the timeout."""
+        if self.requests.consumed(pos):
+            return
+        deadline = time.monotonic() + self.timeout
+        with self._lock:
+            self._send_backlog()
+            while not self.requests.consumed(pos):
+                if time.monotonic() > deadline:
+                    raise ReplyTimeoutError(
+                        f"the owner of {self.segment.name!r} did not take our requests "
+                        f"within {self.timeout:g}s; check 'kvshm-inspect show "
+                        f"{self.segment.name}'")
+                if not self.segment.owner_alive():
+                    self.ensure_owner()
+                self.owner_bell.ring()
+                while self.replies.pending():  # it may wait for room on our reply ring
+                    self._stray(P.reply_decoder.decode(self.replies.try_get()))
+                self.reply_bell.wait(0.01, lambda: self.requests.consumed(pos), REPLY_SPIN_S)
+
     def post(self, msg: P._Msg) -> None:
         """A request whose reply nobody waits for (an undo, a re-subscription); its reply is
         dropped as stray. Never blocks: while the ring is full it waits in a backlog that

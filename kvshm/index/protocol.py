@@ -6,7 +6,7 @@ a microsecond to encode and decode. It never touches shared memory or manager st
 
 Every request carries ``req``, the client's request number (u64, increasing per slot
 generation); every reply echoes it and carries the epoch of the owner that wrote it. ``req == 0``
-marks a one-way request (no reply). A ``PrepareStore`` too large for one frame travels as
+marks a one-way request (no reply): ``Touch`` and ``Publish`` only. A ``PrepareStore`` too large for one frame travels as
 several frames with the same ``req`` (``part`` 0, 1, ...; all but the last with ``more``): the
 owner executes it once, whole, when the last part arrives, and answers in parts the same way.
 Other requests that are too large are split by the client into independent requests. Why a request
@@ -54,6 +54,13 @@ class Touch(_Msg):
     how: bytes | None = None  # one kvshm.index.policy access kind per key; None: plain touch
 
 
+class Publish(_Msg):  # one-way (req 0): the stores of blocks taken from the grant ring
+    req: int
+    keys: list[bytes]
+    blocks: list[int]  # the granted block each key was written to, same order
+    success: bool = True  # False: the copies failed, free the blocks
+
+
 class TakeEvents(_Msg):
     req: int
 
@@ -62,7 +69,7 @@ class Bye(_Msg):
     req: int
 
 
-Request = Union[Hello, PrepareStore, CompleteStore, Touch, TakeEvents, Bye]
+Request = Union[Hello, PrepareStore, CompleteStore, Touch, Publish, TakeEvents, Bye]
 
 
 # --- owner -> client ---------------------------------------------------------------------

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 
 from kvshm.crashpoints import crash_point
-from kvshm.errors import KvshmError
+from kvshm.errors import KvshmError, ProtocolError
 from kvshm.index import protocol as P
 from kvshm.index.manager import LocalManager
 from kvshm.shm import layout as L
@@ -39,6 +39,8 @@ class _Client:
         self.bell = Doorbell(slots.bell_view(seg, slot, "reply"),
                              sem_name(seg.name, f"c{slot}-reply"), like_fd=seg.fd)
         self.served = slots.served(seg, slot)  # epoch, consumed, answered, attempts
+        self.grant_words, self.grant_ids = slots.grants(seg, slot)
+        self.stores = False  # it stores: keep its grant ring stocked
         self.max_reply = Ring.max_payload(seg.geometry.ring_capacity)
         self.events_log: list[tuple[bool, list[bytes]]] = []
         # Reply frames of request `unsent_req` that did not fit the reply ring yet. While any
@@ -78,6 +80,7 @@ class RequestHandlers:
 
     def _prepare_store(self, c: _Client, m: P.PrepareStore, replay: bool) -> list[P._Msg]:
         writer = (c.slot, c.gen, m.req)
+        c.stores = True
         if replay:  # what the dead owner granted, and nothing more: evictions are unknown
             done = self.manager.pending_of(writer, m.req)
             return self._prepared(m.req, [k for k, _ in done], [b for _, b in done], [], True)
@@ -111,6 +114,18 @@ class RequestHandlers:
             self.manager.complete_store(m.keys, m.success, writer)
         self._fan_out()
         return [P.Ok(m.req, self.epoch)]
+
+    def _publish(self, c: _Client, m: P.Publish, replay: bool) -> list[P._Msg]:
+        """One-way: applied in ring order, harmlessly again after a failover (blocks no
+        longer granted to the client are ignored)."""
+        if len(m.keys) != len(m.blocks):
+            raise ProtocolError(f"publish of {len(m.keys)} keys with {len(m.blocks)} blocks")
+        for k in m.keys:
+            L.check_key(k)
+        c.stores = True
+        self.manager.grants.publish(c.slot, c.gen, m.keys, m.blocks, m.success)
+        self._fan_out()
+        return []
 
     def _touch(self, c: _Client, m: P.Touch, replay: bool) -> list[P._Msg]:
         self.manager.touch(m.keys, m.how)

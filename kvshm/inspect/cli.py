@@ -70,7 +70,8 @@ def render_show(s: dict[str, Any]) -> str:
            f"{_size(g['data_bytes'])}  {g['max_clients']} client slots  rings of "
            f"{_size(g['ring_capacity'])}  {g['hold_capacity']} holds/client",
            f"blocks    free {b['free']}  writing {b['writing']}  ready {b['ready']}  evicting "
-           f"{b['evicting']}  pinned {b['pinned']}  leased {b['leased']}  ({b['usage']:.1%} used)"
+           f"{b['evicting']}  granted {b['granted']}  pinned {b['pinned']}  leased "
+           f"{b['leased']}  ({b['usage']:.1%} used)"
            + (f"  INVALID {b['invalid']}" if b["invalid"] else ""),
            f"owner     {owner}", f"owner log {o['log']}  (an auto-started owner's; "
                                  "'kvshm serve' logs to its stderr)", f"clients   {s['clients_alive']} alive, "

@@ -93,6 +93,7 @@ class Blocks(_Doc):
     writing: _d(int, "being stored")
     ready: _d(int, "stored, loadable")
     evicting: _d(int, "being evicted")
+    granted: _d(int, "free blocks granted to a client for its next stores")
     invalid: _d(int, "with an unknown state byte")
     pinned: _d(int, "with owner pins or a live client's load pin")
     leased: _d(int, "leased by a live client, not pinned")
@@ -125,6 +126,7 @@ class Client(_Doc):
     pins: _d(int, "load pins")
     leases: _d(int, "lookup leases")
     stores_pending: _d(int, "the client's unfinished stores (WRITING blocks it owns)")
+    granted: _d(int, "blocks granted to it for its next stores (taken or not)")
     counters: _d(dict[str, int], "the client's own counters: `lookups`, `hits`, `loads`, "
                  "`load_blocks`, `bytes_in` (bytes it loaded), `bytes_out` (bytes it stored)")
     rings: _d(dict[str, _Opt[int, None]], "bytes queued in each ring: `request`, `reply`, "
@@ -161,7 +163,7 @@ class Show(_Doc):
 class BlockRow(_Doc):
     """Each of `rows`."""
     block: _d(int, "block id")
-    state: _d(str, "free, writing, ready, evicting or invalid")
+    state: _d(str, "free, writing, ready, evicting, granted or invalid")
     key: _d(str, "the key, full hex")
     pinned_by: _d(list[int], "client slots with a load pin on it")
     leased_by: _d(list[int], "client slots with a lookup lease on it")

@@ -113,11 +113,13 @@ def _client(seg: Segment, m: _Meta, i: int, now: int) -> dict[str, Any]:
     base, codes = seg.geometry.slot_offset(i), m.holds(i)
     counters = struct.unpack_from(f"<{len(L.SLOT_COUNTERS)}Q", m.buf, base + L.SLOT_OFF_COUNTERS)
     e = m.e
-    pending = int(((e["state"] == L.WRITING) & (e["writer"] == i) & (e["writer_gen"] == gen)).sum())
+    mine = (e["writer"] == i) & (e["writer_gen"] == gen)
+    pending = int(((e["state"] == L.WRITING) & mine).sum())
+    granted = int(((e["state"] == L.GRANTED) & mine).sum())
     return {"slot": i, "pid": pid, "name": name.rstrip(b"\0").decode("utf-8", "replace"),
             "state": state, "alive": m.alive(i), "generation": gen, "attached_ns": attached,
             "age_s": _age(now, attached), "holds": len(codes), "pins": int((codes >= 0).sum()),
-            "leases": int((codes < -1).sum()), "stores_pending": pending,
+            "leases": int((codes < -1).sum()), "stores_pending": pending, "granted": granted,
             "counters": dict(zip(L.SLOT_COUNTERS, counters)), "rings": _ring_depths(seg, i)}
 
 
@@ -125,7 +127,7 @@ def snapshot(seg: Segment) -> dict[str, Any]:
     """Everything ``kvshm-inspect show`` reports, as JSON-ready dicts (``docs/inspect.md``)."""
     m, g, lay, now = _Meta(seg), seg.geometry, seg.layout, time.time_ns()
     h = L.HEADER.unpack_from(m.buf, 0)
-    n = np.bincount(np.minimum(m.e["state"], 4), minlength=5).tolist()
+    n = np.bincount(np.minimum(m.e["state"], 5), minlength=6).tolist()
     pinned = m.live_pinned | set(np.nonzero(m.e["pins"])[0].tolist())
     clients = [_client(seg, m, i, now) for i in range(g.max_clients)
                if m.slot(i)[0] != SLOT_FREE or i in m.live]
@@ -153,7 +155,7 @@ def snapshot(seg: Segment) -> dict[str, Any]:
                      "page_bytes": list(g.page_bytes), "block_bytes": lay.block_bytes,
                      "tokens_per_block": lay.tokens_per_block},
         "blocks": {"total": g.num_blocks, "free": n[0], "writing": n[1], "ready": n[2],
-                   "evicting": n[3], "invalid": n[4], "pinned": len(pinned),
+                   "evicting": n[3], "granted": n[4], "invalid": n[5], "pinned": len(pinned),
                    "leased": len(m.live_leased - pinned), "used": used,
                    "usage": round(used / g.num_blocks, 6)},
         "owner": {"pid": pid, "alive": m.owner_alive, "epoch": epoch, "since_ns": since,
@@ -254,7 +256,10 @@ def _verify_once(seg: Segment, sums: BlockSums | None = None) -> list[str]:
     for b, s, w, gen, keylen, keysum in zip(used.tolist(), *(m.e[k][used].tolist() for k in (
             "state", "writer", "writer_gen", "keylen", "keysum"))):
         key, name = m.key(b, keylen), L.STATE_NAMES.get(s, f"in unknown state {s}")
-        if not 1 <= keylen <= L.MAX_KEY_BYTES:
+        if s == L.GRANTED:  # no key yet: a free block in a client's grant ring
+            if keylen:
+                out.append(f"block {b} is granted but has a key {key.hex()[:16]}")
+        elif not 1 <= keylen <= L.MAX_KEY_BYTES:
             out.append(f"block {b} is {name} with key length {keylen}")
         elif L.key_checksum(key) != keysum:  # the next owner frees it instead of adopting it
             out.append(f"block {b} is {name} but its key {key.hex()[:16]} does not match the "
@@ -266,14 +271,15 @@ def _verify_once(seg: Segment, sums: BlockSums | None = None) -> list[str]:
             out.append(f"block {b} ({name}, key {key.hex()[:16]}) is not reachable through "
                        "the key index")
         owners.setdefault(key, b)
-        why = "" if s != L.WRITING else (
+        why = "" if s not in (L.WRITING, L.GRANTED) else (
             ("" if m.owner_alive else "the owner's own store, but no owner is alive") if w < 0
             else f"client slot {w}, beyond {g.max_clients} slots" if w >= g.max_clients
             else f"client slot {w}, which is dead" if not m.alive(w)
             else f"client slot {w} generation {gen}, but the slot now has generation "
                  f"{m.slot(w)[2]}" if m.slot(w)[2] != gen else "")
         if why:
-            out.append(f"block {b} is writing for {why} (leaked store)")
+            out.append(f"block {b} is {name} for {why} (leaked "
+                       f"{'store' if s == L.WRITING else 'grant'})")
         if s == L.EVICTING and not m.owner_alive:
             out.append(f"block {b} is evicting but no owner is alive")
         if s not in L.STATE_NAMES:
@@ -316,7 +322,8 @@ _COUNTERS = (  # (snapshot counter, help): metric kvshm_<counter>_total unless r
     ("bytes_in", "Bytes loaded from the cache."), ("bytes_out", "Bytes stored into the cache."),
     ("evictions", "Blocks evicted."), ("errors", "Errors answered."),
     ("failovers", "Times a new owner took over."), ("reclaimed_clients", "Dead clients reclaimed."),
-    ("reclaimed_blocks", "Blocks reclaimed from dead processes."))
+    ("reclaimed_blocks", "Blocks reclaimed from dead processes."),
+    ("granted_blocks", "Blocks granted to clients ahead of their stores."))
 _RENAMED = {"prepare_store_refused": "allocation_failure", "bytes_in": "load_bytes",
             "bytes_out": "store_bytes"}  # vLLM's names for the same things (client's view)
 
@@ -333,7 +340,7 @@ def metric_samples(snaps: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
     for s in snaps:
         seg = s["name"]
-        for state in ("free", "writing", "ready", "evicting"):
+        for state in ("free", "writing", "ready", "evicting", "granted"):
             add("kvshm_blocks", "gauge", "Blocks by state.", s["blocks"][state], segment=seg,
                 state=state)
         for metric, text, path in _GAUGES:

@@ -35,7 +35,7 @@ from kvshm.shm.records import (  # noqa: F401  (re-exported: one definition, two
     SlotState, header_record)
 
 MAGIC = b"KVSHM\x00\x00\x01"
-FORMAT_VERSION = 2  # 2: 64-bit writer_req, keysum in every table entry
+FORMAT_VERSION = 3  # 2: 64-bit writer_req, keysum in every table entry; 3: block grants
 HEADER_BYTES = 4096
 DATA_ALIGN = 2 << 20
 MAX_PLANES = 32
@@ -47,8 +47,11 @@ LAYOUT_DESC_BYTES = 512
 POLICY_NAMES = ("lru", "arc")
 
 # Block states, mirrored into the table so any process can read them.
-FREE, WRITING, READY, EVICTING = 0, 1, 2, 3
-STATE_NAMES = {FREE: "free", WRITING: "writing", READY: "ready", EVICTING: "evicting"}
+# GRANTED: a free block the owner handed to one client's grant ring (writer, writer_gen, no
+# key): only that client writes its data, and the owner publishes it when the client says so.
+FREE, WRITING, READY, EVICTING, GRANTED = 0, 1, 2, 3, 4
+STATE_NAMES = {FREE: "free", WRITING: "writing", READY: "ready", EVICTING: "evicting",
+               GRANTED: "granted"}
 
 # Byte offsets of kernel-released (OFD) locks taken on the segment's file descriptor.
 # They lock bytes of the file *descriptor range*, not data: the kernel drops them when the
@@ -106,6 +109,15 @@ SLOT_HEAD_BYTES = 192
 assert SLOT_OFF_COUNTERS + 8 * len(SLOT_COUNTERS) <= SLOT_OFF_SERVED
 assert SLOT_OFF_SERVED + 8 * len(SERVED_FIELDS) <= SLOT_HEAD_BYTES
 RING_NAMES = ("request", "reply", "peer_in", "peer_out")
+# The grant ring of a client slot (after its holds): block ids the owner hands the client
+# ahead of its stores, so that a store needs no round trip. A single-producer single-consumer
+# ring: the owner writes ids and then the ``granted`` count, the client reads ids below it
+# and then stores its ``taken`` count. Counts are u64 and never wrap; an id sits at
+# ``count % GRANT_CAPACITY``. Each count sits in its own cache line.
+GRANT_CAPACITY = 256
+GRANT_WORD_GRANTED = 0  # u64 word index: owner-written, blocks ever pushed
+GRANT_WORD_TAKEN = 8    # u64 word index: client-written, blocks ever taken (<= granted)
+GRANT_HEAD_BYTES = 128
 BELL_NAMES = ("reply", "peer_in", "peer_out")
 
 # A hold entry is -1 (empty), a block id (a load pin) or lease_code(block) (a lookup lease).
@@ -303,8 +315,12 @@ class Geometry:
         return SLOT_HEAD_BYTES
 
     @cached_property
-    def rings_offset(self) -> int:
+    def grants_offset(self) -> int:
         return _round_up(SLOT_HEAD_BYTES + 4 * self.hold_capacity, 64)
+
+    @cached_property
+    def rings_offset(self) -> int:
+        return _round_up(self.grants_offset + GRANT_HEAD_BYTES + 4 * GRANT_CAPACITY, 64)
 
     @cached_property
     def bells_offset(self) -> int:

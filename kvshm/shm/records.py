@@ -122,6 +122,8 @@ COUNTER_NAMES = (
     # matched its checksum (kvshm.shm.checksums). Any copying process adds to it, holding
     # lock byte LOCK_CHECKSUM_FAILURES; zero on a segment without checksums.
     "checksum_failures",
+    # Blocks granted to clients ahead of their stores (kvshm.index.grants); owner-written.
+    "granted_blocks",
 )
 MAX_COUNTERS = 32  # words reserved: new counters fit without moving the pinners
 COUNTERS_DTYPE = np.dtype({"names": list(COUNTER_NAMES), "formats": ["<u8"] * len(COUNTER_NAMES),

@@ -222,6 +222,15 @@ class Ring:
         head = self._w[_HEAD]
         return self._w[_TAIL] - head
 
+    @property
+    def tail(self) -> int:
+        """Producer only: the position just past the last frame it put."""
+        return self._tail
+
+    def consumed(self, pos: int) -> bool:
+        """Whether the consumer has taken every frame before position ``pos``."""
+        return self._w[_HEAD] >= pos
+
     def pending(self) -> bool:
         """Whether a frame is waiting (usable as a Doorbell ``ready`` callable)."""
         return self._w[_HEAD] != self._w[_TAIL]  # head first, as in depth()

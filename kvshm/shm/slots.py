@@ -73,6 +73,9 @@ def activate(seg: Segment, slot: int, gen: int, state: int = SlotState.CLIENT) -
     """Reset a claimed slot (holds, counters, served record, rings) and publish its record."""
     g = seg.geometry
     holds(seg, slot)[:] = -1
+    words, ids = grants(seg, slot)
+    ids[:] = -1
+    words[:] = 0
     counters(seg, slot)[:] = 0
     served(seg, slot)[:] = 0
     for name in L.RING_NAMES:
@@ -135,6 +138,14 @@ def served(seg: Segment, slot: int) -> np.ndarray:
 def holds(seg: Segment, slot: int) -> np.ndarray:
     g = seg.geometry
     return np.frombuffer(seg.buf, np.int32, g.hold_capacity, g.slot_offset(slot) + g.hold_offset)
+
+
+def grants(seg: Segment, slot: int) -> tuple[np.ndarray, np.ndarray]:
+    """The slot's grant ring: its u64 count words (``layout.GRANT_WORD_*``) and its
+    ``GRANT_CAPACITY`` int32 block ids."""
+    off = seg.geometry.slot_offset(slot) + seg.geometry.grants_offset
+    return (np.frombuffer(seg.buf, np.uint64, L.GRANT_HEAD_BYTES // 8, off),
+            np.frombuffer(seg.buf, np.int32, L.GRANT_CAPACITY, off + L.GRANT_HEAD_BYTES))
 
 
 def counters(seg: Segment, slot: int) -> np.ndarray:

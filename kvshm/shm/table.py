@@ -137,6 +137,11 @@ class BlockTable:
 
     def state_if_key(self, block: int, key: bytes) -> int:
         """``block``'s state if it currently holds ``key``, else -1. Lock-free reader."""
+        return self.checked_state(block, key)[1]
+
+    def checked_state(self, block: int, key: bytes) -> tuple[int, int]:
+        """``state_if_key`` and the (even) sequence number it was read under: while the seq
+        stays that, the entry still holds ``key`` in that state (every rewrite bumps it)."""
         buf, off, w, i = self.buf, self.base + block * L.ENTRY_BYTES, self._w32, block * _WORDS32
         for _ in range(_READ_SPINS):
             seq = w[i]
@@ -147,8 +152,12 @@ class BlockTable:
             same = keylen == len(key) and buf[off + _KEY_OFF:off + _KEY_OFF + keylen] == key
             publish_fence()
             if w[i] == seq:
-                return state if same else -1
-        return -1  # left odd by a dead owner: a miss until the next owner settles it
+                return seq, (state if same else -1)
+        return 1, -1  # left odd by a dead owner: a miss until the next owner settles it
+
+    def seq(self, block: int) -> int:
+        """``block``'s sequence number now (odd: being rewritten)."""
+        return self._w32[block * _WORDS32]
 
     # --- owner-only writers: every rewrite is one seqlock round, _odd() ... _even() ---------
     def _odd(self, block: int) -> int:
@@ -283,6 +292,19 @@ class KeyIndex:
             if states[i] < 0:
                 break
         return blocks, states
+
+    def probe(self, key: bytes) -> int:
+        """The block of the first slot whose tag is ``key``'s, or -1: a candidate only, which
+        the caller verifies against the entry (``find`` does the whole search)."""
+        unpack, buf, base, mask = L.INDEX_SLOT.unpack_from, self.buf, self.base, self.mask
+        tag = zlib.crc32(key)
+        i = tag & mask
+        for _ in range(mask + 1):
+            t, block = unpack(buf, base + 8 * i)
+            if block < 0 or t == tag:
+                return block
+            i = (i + 1) & mask
+        return -1
 
     def find(self, key: bytes) -> tuple[int, int]:
         """(block, state) holding ``key``, or (-1, -1). Lock-free; may miss spuriously."""

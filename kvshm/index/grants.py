@@ -1,0 +1,139 @@
+"""Block grants: free blocks the owner hands each client ahead of its stores.
+
+This module owns the owner's side of store-without-round-trip. The owner keeps every storing
+client stocked with a few free blocks (its *grant ring* in the client slot, ``layout.GRANT_*``),
+evicting in the background to refill it with the policy choosing victims as for any store.
+A client's ``prepare_store`` takes blocks from its ring without asking anyone; its
+``complete_store`` is a one-way ``Publish`` frame that the owner applies in ring order. The
+owner alone enters keys into the index, so two clients that stored the same key are resolved
+here: the first published wins, the other block goes back to the free list.
+
+Invariants (the table says it all, so a successor rebuilds it):
+* a granted block is GRANTED in the table with its client's (slot, gen) and no key, from
+  before its id enters the ring until the owner publishes or frees it; nobody else gets it;
+* ``publish`` of a block that is not granted to the sender is ignored, which makes a
+  replayed ``Publish`` (an owner died applying it) harmless;
+* a dead client's grants are freed only once no process registered to copy for it lives
+  (``LocalManager.reclaim_writer``), as its unfinished stores are.
+
+A granted block counts as used: grants never exceed ``grant_target`` per client, a small
+share of the cache. It never copies block data, never blocks and never imports torch.
+"""
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kvshm.crashpoints import crash_point
+from kvshm.index.api import OffloadingEvent
+from kvshm.shm import layout as L
+from kvshm.shm.fence import publish_fence
+from kvshm.shm.layout import Geometry
+
+if TYPE_CHECKING:
+    from kvshm.index.manager import LocalManager
+
+# Evicting for a grant must respect every client's leases, the grantee's own too: unlike a
+# store's reply, a grant cannot tell its client which of its leases it took away.
+ALL_HOLDS = -1
+
+
+def grant_target(g: Geometry) -> int:
+    """Blocks a storing client is kept stocked with: a small share of the cache, so that all
+    clients' grants together stay under a quarter of it (0: tiny caches store by round trip)."""
+    return min(L.GRANT_CAPACITY, g.num_blocks // (4 * g.max_clients))
+
+
+class Grants:
+    """The granted blocks of every client, kept by the owner's ``LocalManager``."""
+
+    def __init__(self, manager: "LocalManager") -> None:
+        self.m = manager
+        self.blocks: dict[tuple[int, int], set[int]] = {}  # (slot, gen) -> granted blocks
+
+    def __len__(self) -> int:
+        return sum(len(b) for b in self.blocks.values())
+
+    def adopt(self, block: int, writer: tuple[int, int]) -> None:
+        """A rebuild found ``block`` GRANTED to a live ``writer``: it stays theirs."""
+        self.blocks.setdefault(writer, set()).add(block)
+
+    def grant(self, slot: int, gen: int, n: int) -> list[int]:
+        """Up to ``n`` blocks for (slot, gen), evicting if the free list is short (fewer when
+        too little can be evicted). Each is GRANTED in the table before the caller rings it."""
+        m = self.m
+        short = n - len(m._free)
+        if short > 0 and m._evict(short, set(), ALL_HOLDS) is None:
+            n = len(m._free)
+        out = [m._free.popleft() for _ in range(n)]
+        for b in out:
+            m.table.write(b, L.GRANTED, b"", slot, gen, 0, m.tick)
+        if out:
+            self.blocks.setdefault((slot, gen), set()).update(out)
+            m.segment.counter_add("granted_blocks", len(out))
+        return out
+
+    def publish(self, slot: int, gen: int, keys: list[bytes], blocks: list[int],
+                success: bool) -> int:
+        """Apply a client's ``Publish``: each granted block becomes its key, READY and in the
+        index (unless the key is cached already, or the store failed: then it is freed).
+        Blocks not granted to the sender are ignored. Returns how many keys were published."""
+        m = self.m
+        mine = self.blocks.get((slot, gen), set())
+        now = time.time_ns()
+        m.tick += 1
+        done, freed = [], 0
+        for k, b in zip(keys, blocks):
+            if b not in mine:
+                continue  # published already (a replayed frame) or never ours
+            mine.discard(b)
+            if not success or k in m._entries:  # failed, or another client stored it first
+                m.table.write(b, L.FREE, b"")
+                m._free.append(b)
+                freed += 1
+                continue
+            m.table.write(b, L.READY, k, -1, 0, 0, m.tick, now)
+            m._adopt(b, k, None)
+            done.append(k)
+            if len(done) == 1:
+                crash_point("owner.publish.mid")
+        if not mine:
+            self.blocks.pop((slot, gen), None)
+        if success:
+            m.segment.counter_add("stores")
+            m.segment.counter_add("store_blocks", len(done))
+            if m.enable_events and done:
+                m._events.append(OffloadingEvent(done, removed=False))
+        else:
+            m.segment.counter_add("store_failed_blocks", freed)
+        return len(done)
+
+    def free(self, writer: tuple[int, int]) -> int:
+        """Free every block granted to ``writer`` (its client is gone, with its copiers)."""
+        blocks = self.blocks.pop(writer, set())
+        for b in sorted(blocks):
+            self.m.table.write(b, L.FREE, b"")
+            self.m._free.append(b)
+        return len(blocks)
+
+
+def refill(grants: Grants, words: np.ndarray, ids: np.ndarray, slot: int, gen: int,
+           target: int) -> int:
+    """Top up one client's grant ring to ``target`` blocks (when it is half empty). The ids
+    go in first, then the count that publishes them. Returns the blocks granted; -1 if the
+    client's ``taken`` count is impossible (it scribbled on its slot: grant it nothing)."""
+    granted, taken = int(words[L.GRANT_WORD_GRANTED]), int(words[L.GRANT_WORD_TAKEN])
+    level = granted - taken
+    if not 0 <= level <= L.GRANT_CAPACITY:
+        return -1
+    if level > target // 2:
+        return 0
+    blocks = grants.grant(slot, gen, target - level)
+    for i, b in enumerate(blocks):
+        ids[(granted + i) % L.GRANT_CAPACITY] = b
+    crash_point("owner.grant.before_count")
+    publish_fence()  # ids before the count that hands them over
+    words[L.GRANT_WORD_GRANTED] = granted + len(blocks)
+    return len(blocks)
