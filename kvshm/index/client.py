@@ -68,6 +68,7 @@ def connect(name: str, layout: Layout | None = None, *, num_blocks: int | None =
         raise
 
 
+_HIT = LookupResult.HIT
 _EVICTING_SPINS = 10_000  # an owner decides an eviction in microseconds; past this it died
 
 
@@ -90,6 +91,7 @@ class SharedManager(OffloadingManager):
         self.slot, self.gen = slots.claim(segment, lambda: start_owner(segment))
         try:
             self._ctr = memoryview(slots.counters(segment, self.slot))
+            self._lk_n = self._lk_hits = 0  # key_status counts, not yet in _ctr
             self._h = HoldTable(slots.holds(segment, self.slot), self.table)
             words, ids = slots.grants(segment, self.slot)
             self._gw, self._gi = memoryview(words), memoryview(ids)
@@ -190,20 +192,32 @@ class SharedManager(OffloadingManager):
         return hits
 
     def _count_lookup(self, n: int, hits: int) -> None:
-        self._ctr[0] += hits + (hits < n)  # keys examined: the hits and the first miss
-        self._ctr[1] += hits
+        """Store the lookup counters (kvshm-inspect's), with what key_status counted."""
+        ctr = self._ctr
+        ctr[0] += hits + (hits < n) + self._lk_n  # keys examined: the hits and the first miss
+        ctr[1] += hits + self._lk_hits
+        self._lk_n = self._lk_hits = 0
 
     def key_status(self, key: bytes) -> LookupResult:
+        # The scheduler's per-key call: the leased case is a dict lookup, the counters are
+        # stored by the next call that ends a step (``_count_lookup``).
+        try:
+            if key in self._h.leases:
+                self._lk_n += 1
+                self._lk_hits += 1
+                return _HIT
+        except TypeError:  # unhashable: refuse it by name
+            L.check_key(key)
+            raise
         if type(key) is not bytes:
             L.check_key(key)
-        ctr = self._ctr
-        ctr[0] += 1
+        self._lk_n += 1
         state = self._h.lease_key(key, self.index)
         if state == L.READY:
-            ctr[1] += 1
-            return LookupResult.HIT
+            self._lk_hits += 1
+            return _HIT
         if state == -1 and key in self._unconfirmed and self._confirm(key):
-            ctr[0] -= 1
+            self._lk_n -= 1
             return self.key_status(key)  # our own store, now in the index
         if state == L.WRITING or key in self._inflight:
             return LookupResult.PENDING
@@ -228,6 +242,7 @@ class SharedManager(OffloadingManager):
 
     def release(self, keys: Sequence[bytes] | None = None) -> None:
         """Drop the lookup leases of ``keys`` (all leases if None); pins are unaffected."""
+        self._count_lookup(0, 0)
         self._h.release(keys)
 
     def prepare_load(self, keys: Sequence[bytes]) -> list[int]:
@@ -259,6 +274,7 @@ class SharedManager(OffloadingManager):
                 h.unhold(i)
             raise
         h.pin(taken)
+        self._count_lookup(0, 0)
         self._ctr[2] += 1
         self._ctr[3] += len(blocks)
         return blocks
@@ -345,10 +361,12 @@ class SharedManager(OffloadingManager):
         for k in keys:
             L.check_key(k)
         self._prune_unconfirmed()
-        inflight, unconfirmed, find = self._inflight, self._unconfirmed, self.index.find
+        self._count_lookup(0, 0)
+        inflight, unconfirmed, probe = self._inflight, self._unconfirmed, self.index.probe
         new = []
         for k in dict.fromkeys(keys):  # present: ours in flight or unconfirmed, or indexed
-            if k not in inflight and k not in unconfirmed and find(k)[0] < 0:
+            # (a tag alone says "indexed": a crc32 collision skips a store, never more)
+            if k not in inflight and k not in unconfirmed and probe(k) < 0:
                 new.append(k)
         gw, n = self._gw, len(new)
         if n <= gw[L.GRANT_WORD_GRANTED] - self._taken:
@@ -412,6 +430,7 @@ class SharedManager(OffloadingManager):
             return
         seg = self.segment
         crash_point("client.shutdown.before_bye")
+        self._count_lookup(0, 0)  # before the goodbye: the owner folds them into the totals
         try:
             if seg.owner_alive():
                 self._link.call([P.Bye(self._link.next_req())])
