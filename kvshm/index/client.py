@@ -223,8 +223,8 @@ class SharedManager(OffloadingManager):
             return LookupResult.PENDING
         return LookupResult.MISS
 
-    def _confirm(self, key: bytes) -> bool:
-        """Wait until the owner took the Publish of our store of ``key``; False if it had."""
+    def _confirm(self, key: bytes) -> bool:  # False: the owner had taken it already
+        """Wait until the owner took the Publish of our store of ``key``."""
         pos = self._unconfirmed.pop(key)
         if self._link.requests.consumed(pos):
             return False
@@ -353,9 +353,8 @@ class SharedManager(OffloadingManager):
         return [keys[i:i + n] for i in range(0, len(keys), n)] or [[]]
 
     def prepare_store(self, keys: Iterable[bytes]) -> PrepareStoreOutput | None:
-        """See ``OffloadingManager.prepare_store``. Served from this client's grant ring
-        when it holds enough blocks (no frame at all); otherwise one atomic round trip
-        however many keys (a request too large for one frame travels in parts, runs once)."""
+        """See ``OffloadingManager.prepare_store``: from this client's grant ring when it holds
+        enough blocks (no frame at all), else one atomic round trip however many keys."""
         if type(keys) is not list and type(keys) is not tuple:
             keys = L.key_seq(keys)
         for k in keys:
@@ -377,9 +376,8 @@ class SharedManager(OffloadingManager):
             self._taken = gw[L.GRANT_WORD_TAKEN] = t + n
             inflight.update(zip(new, blocks))
             return PrepareStoreOutput(new, blocks, [])
-        # The owner needs every offered key (those it holds must not be evicted for this
-        # store); ours in flight it does not know, and must not grant again. Our Publish
-        # frames before this request are applied before it, so unconfirmed keys are known.
+        # The owner needs every offered key (none may be evicted for this store) but ours in
+        # flight (it would grant them again); our earlier Publish frames are applied first.
         chunks = self._chunks([k for k in keys if k not in inflight])
         req = self._link.next_req()
         replies = self._link.call([P.PrepareStore(req, c, i + 1 < len(chunks), i)
@@ -396,9 +394,8 @@ class SharedManager(OffloadingManager):
         return out
 
     def complete_store(self, keys: Sequence[bytes], success: bool = True) -> None:
-        """See ``OffloadingManager.complete_store``. Stores served from the grant ring are
-        published by a one-way frame (the owner applies it in order; this client's own
-        lookups wait for it); others are a round trip."""
+        """See ``OffloadingManager.complete_store``: a one-way frame for stores served from
+        the grant ring (our own lookups wait for the owner to take it), else a round trip."""
         if type(keys) is not list and type(keys) is not tuple:
             keys = L.key_seq(keys)
         for k in keys:
