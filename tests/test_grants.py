@@ -16,6 +16,7 @@ import sys
 
 import pytest
 
+from kvshm.index import protocol as P
 from kvshm.index.client import connect
 from kvshm.index.grants import grant_target
 from kvshm.index.api import LookupResult
@@ -178,6 +179,7 @@ def test_refilling_grants_never_evicts_a_leased_block(seg_name):
 _HOLDER = """
 import sys, time
 sys.path.insert(0, sys.argv[2])
+from kvshm.index import protocol as P
 from kvshm.index.client import connect
 from kvshm.shm import layout as L, slots
 import procs
@@ -223,3 +225,74 @@ def test_grants_and_unpublished_stores_survive_an_owner_death(mgr):
     assert blocks == out.block_ids
     assert all(procs.check(mgr.segment.planes(), b, k) for b, k in zip(blocks, keys))
     mgr.complete_load(keys)
+
+
+def test_a_completed_store_is_not_lost_to_another_clients_unfinished_store(mgr, seg_name):
+    # mgr stores k from its grants while other's round-trip store of k is still unfinished:
+    # mgr's completed block waits for it, and is published when that store fails.
+    other = connect(seg_name)
+    try:
+        _stocked(mgr)
+        k = b"contended"
+        mine = mgr.prepare_store([k])
+        theirs = other.prepare_store([k] + [b"theirs-%d" % i for i in range(40)])  # round trip
+        assert k in theirs.keys_to_store
+        procs.fill_all(mgr.segment.planes(), mine.block_ids, [k])
+        mgr.complete_store([k])
+        assert mgr.key_status(k) == LookupResult.PENDING  # their store of k is unfinished
+        other.complete_store(theirs.keys_to_store, success=False)
+        assert mgr.lookup([k]) == 1
+        assert mgr.prepare_load([k]) == mine.block_ids
+        assert procs.check(mgr.segment.planes(), mine.block_ids[0], k)
+        mgr.complete_load([k])
+    finally:
+        other.shutdown()
+
+
+def test_a_completed_store_behind_a_successful_one_gives_its_block_back(mgr, seg_name):
+    other = connect(seg_name)
+    try:
+        _stocked(mgr)
+        k = b"contended"
+        mine = mgr.prepare_store([k])
+        theirs = other.prepare_store([k] + [b"theirs-%d" % i for i in range(40)])
+        procs.fill_all(mgr.segment.planes(), mine.block_ids, [k])
+        procs.fill_all(mgr.segment.planes(), theirs.block_ids, theirs.keys_to_store)
+        mgr.complete_store([k])
+        other.complete_store(theirs.keys_to_store)
+        assert mgr.lookup([k]) == 1
+        assert mgr.prepare_load([k]) != mine.block_ids  # theirs won: it was indexed first
+        mgr.complete_load([k])
+        assert _states(mgr.segment)[mine.block_ids[0]] == L.FREE
+    finally:
+        other.shutdown()
+
+
+def test_a_block_still_in_the_grant_ring_cannot_be_published(mgr):
+    _stocked(mgr, 2)
+    words, ids = slots.grants(mgr.segment, mgr.slot)
+    untaken = int(ids[mgr._taken % L.GRANT_CAPACITY])
+    mgr._link.push(P.Publish(0, [b"forged"], [untaken], True))  # a buggy client's frame
+    mgr.take_events()  # a round trip after it: the owner has applied (ignored) it
+    assert mgr.lookup([b"forged"]) == 0
+    assert _states(mgr.segment)[untaken] == L.GRANTED
+
+
+def test_an_owner_dying_while_it_hands_grants_over_leaks_none(seg_name):
+    from test_exactly_once import owner_proc
+    from kvshm.shm.segment import Segment
+    Segment.create(seg_name, TEST_LAYOUT, 64, max_clients=4, ring_capacity=8192).close()
+    first = owner_proc(seg_name, "owner.grant.before_count:1")
+    m = connect(seg_name)
+    try:
+        procs.store(m, [b"rt-%d" % i for i in range(5)])  # a round trip: then it refills
+        assert first.wait() == -signal.SIGKILL  # blocks GRANTED, ids in the ring, no count
+        procs.store(m, [b"rt2-%d" % i for i in range(5)])  # a successor serves (and refills)
+        words, _ = slots.grants(m.segment, m.slot)
+        wait_for(lambda: int(words[L.GRANT_WORD_GRANTED]) - m._taken >= 4, "grants")
+        level = int(words[L.GRANT_WORD_GRANTED]) - m._taken
+        assert _states(m.segment).count(L.GRANTED) == level  # none stranded
+    finally:
+        pid = m.segment.owner_record()[0]
+        m.shutdown()
+        stop_owner(pid)

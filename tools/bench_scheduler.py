@@ -311,7 +311,7 @@ class _Shared:
         self.layout = _layout(page_bytes, planes)
         self.mgr = kvshm.connect(self.name, self.layout, num_blocks=capacity,
                                  max_clients=max(8, clients + 2))
-        self.owner = self.mgr._owner_proc  # the owner this process started
+        self.owner = self.mgr._link.owner_proc  # the owner this process started
 
     def close(self) -> None:
         from kvshm.index.owner_link import owner_log_path

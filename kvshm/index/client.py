@@ -97,8 +97,7 @@ class SharedManager(OffloadingManager):
             self._gw, self._gi = memoryview(words), memoryview(ids)
             self._taken = 0  # blocks taken from the grant ring (we alone store the word)
             self._inflight: dict[bytes, int] = {}  # key -> granted block, not yet completed
-            # key -> request ring position past the Publish of its store: until the owner
-            # took that frame the key is ours but not yet in the index
+            # key -> ring position past its Publish: ours, but in the index only once taken
             self._unconfirmed: dict[bytes, int] = {}
             slots.activate(segment, self.slot, self.gen)
             self._link = OwnerLink(segment, self.slot, self.gen, timeout,
@@ -115,10 +114,6 @@ class SharedManager(OffloadingManager):
             # the only one that may, since it may have adopted it already.
             slots.unlock(segment, self.slot)
             raise
-
-    @property
-    def _owner_proc(self):  # the owner this client started, if any (tests stop it)
-        return self._link.owner_proc
 
     # --- owner link hooks ---------------------------------------------------------------
     def _after_failover(self) -> None:
@@ -402,15 +397,17 @@ class SharedManager(OffloadingManager):
             L.check_key(k)
         inflight, mine, rest = self._inflight, {}, []
         for k in keys:
-            b = inflight.pop(k, None)
+            b = inflight.get(k)
             if b is not None:
                 mine[k] = b
             elif k not in mine and k not in self._unconfirmed:  # unconfirmed: done already
                 rest.append(k)
         if mine:
             ks, bs, n = list(mine), list(mine.values()), self._chunk_keys
-            for i in range(0, len(ks), n):
+            for i in range(0, len(ks), n):  # in flight until sent: a failed push can be redone
                 pos = self._link.push(P.Publish(0, ks[i:i + n], bs[i:i + n], success))
+                for k in ks[i:i + n]:
+                    del inflight[k]
                 if success:
                     self._unconfirmed.update(dict.fromkeys(ks[i:i + n], pos))
         for part in self._chunks(rest) if rest else ():  # a subset is a valid completion

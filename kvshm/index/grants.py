@@ -9,8 +9,15 @@ owner alone enters keys into the index, so two clients that stored the same key 
 here: the first published wins, the other block goes back to the free list.
 
 Invariants (the table says it all, so a successor rebuilds it):
-* a granted block is GRANTED in the table with its client's (slot, gen) and no key, from
-  before its id enters the ring until the owner publishes or frees it; nobody else gets it;
+* a granted block is GRANTED in the table with its client's (slot, gen), no key, and in
+  ``writer_req`` its position in the client's ring, from before its id enters the ring until
+  the owner publishes or frees it; nobody else gets it. A successor frees the blocks whose
+  position the ring's ``granted`` count never reached (their predecessor died handing them
+  over: the client cannot have taken them), and keeps the others, taken or not;
+* a client may publish only blocks it has taken (position below its ``taken`` count);
+* a published key that another client's unfinished round-trip store holds waits for that
+  store (``deferred``): the completed block is published if that store fails or its writer
+  dies, and freed if it succeeds, so a completed store is never lost to an unfinished one;
 * ``publish`` of a block that is not granted to the sender is ignored, which makes a
   replayed ``Publish`` (an owner died applying it) harmless;
 * a dead client's grants are freed only once no process registered to copy for it lives
@@ -52,15 +59,33 @@ class Grants:
     def __init__(self, manager: "LocalManager") -> None:
         self.m = manager
         self.blocks: dict[tuple[int, int], set[int]] = {}  # (slot, gen) -> granted blocks
+        self.pos: dict[int, int] = {}  # granted block -> its position in its client's ring
+        self.deferred: dict[bytes, int] = {}  # key -> completed block waiting for a store
 
     def __len__(self) -> int:
         return sum(len(b) for b in self.blocks.values())
 
-    def adopt(self, block: int, writer: tuple[int, int]) -> None:
-        """A rebuild found ``block`` GRANTED to a live ``writer``: it stays theirs."""
+    def adopt(self, block: int, writer: tuple[int, int], pos: int) -> None:
+        """A rebuild found ``block`` GRANTED to a live ``writer`` at ring position ``pos``."""
         self.blocks.setdefault(writer, set()).add(block)
+        self.pos[block] = pos
 
-    def grant(self, slot: int, gen: int, n: int) -> list[int]:
+    def settle(self, slot: int, gen: int, granted: int) -> int:
+        """At takeover: free the blocks of (slot, gen) whose position its ring's ``granted``
+        count never reached (never handed over). Returns how many."""
+        mine = self.blocks.get((slot, gen), set())
+        lost = [b for b in mine if self.pos[b] >= granted]
+        for b in lost:
+            mine.discard(b)
+            self._free(b)
+        return len(lost)
+
+    def _free(self, b: int) -> None:
+        self.pos.pop(b, None)
+        self.m.table.write(b, L.FREE, b"")
+        self.m._free.append(b)
+
+    def grant(self, slot: int, gen: int, n: int, first: int) -> list[int]:
         """Up to ``n`` blocks for (slot, gen), evicting if the free list is short (fewer when
         too little can be evicted). Each is GRANTED in the table before the caller rings it."""
         m = self.m
@@ -68,34 +93,38 @@ class Grants:
         if short > 0 and m._evict(short, set(), ALL_HOLDS) is None:
             n = len(m._free)
         out = [m._free.popleft() for _ in range(n)]
-        for b in out:
-            m.table.write(b, L.GRANTED, b"", slot, gen, 0, m.tick)
+        for i, b in enumerate(out):
+            m.table.write(b, L.GRANTED, b"", slot, gen, first + i, m.tick)
+            self.pos[b] = first + i
         if out:
             self.blocks.setdefault((slot, gen), set()).update(out)
             m.segment.counter_add("granted_blocks", len(out))
         return out
 
     def publish(self, slot: int, gen: int, keys: list[bytes], blocks: list[int],
-                success: bool) -> int:
+                success: bool, taken: int) -> int:
         """Apply a client's ``Publish``: each granted block becomes its key, READY and in the
         index (unless the key is cached already, or the store failed: then it is freed).
-        Blocks not granted to the sender are ignored. Returns how many keys were published."""
+        Blocks not granted to the sender, or not yet taken by it (position at or above its
+        ``taken`` count), are ignored. Returns how many keys were published."""
         m = self.m
         mine = self.blocks.get((slot, gen), set())
-        now = time.time_ns()
         m.tick += 1
         done, freed = [], 0
         for k, b in zip(keys, blocks):
-            if b not in mine:
-                continue  # published already (a replayed frame) or never ours
+            if b not in mine or self.pos[b] >= taken:
+                continue  # published already (a replayed frame), never ours, or not taken
             mine.discard(b)
-            if not success or k in m._entries:  # failed, or another client stored it first
-                m.table.write(b, L.FREE, b"")
-                m._free.append(b)
+            e = m._entries.get(k)
+            if success and e is not None and not e.ready and k not in self.deferred:
+                self.deferred[k] = b  # another client's store of k is unfinished: wait
+                self.pos.pop(b, None)
+                continue
+            if not success or e is not None:  # failed, or another client stored it first
+                self._free(b)
                 freed += 1
                 continue
-            m.table.write(b, L.READY, k, -1, 0, 0, m.tick, now)
-            m._adopt(b, k, None)
+            self._make_ready(k, b)
             done.append(k)
             if len(done) == 1:
                 crash_point("owner.publish.mid")
@@ -110,12 +139,31 @@ class Grants:
             m.segment.counter_add("store_failed_blocks", freed)
         return len(done)
 
+    def _make_ready(self, k: bytes, b: int) -> None:
+        m = self.m
+        self.pos.pop(b, None)
+        m.table.write(b, L.READY, k, -1, 0, 0, m.tick, time.time_ns())
+        m._adopt(b, k, None)
+
+    def resolve(self, key: bytes) -> None:
+        """The unfinished store of ``key`` ended: a block deferred behind it is published if
+        the key is gone (that store failed, or its writer died), else freed."""
+        b = self.deferred.pop(key, None)
+        if b is None:
+            return
+        if key in self.m._entries:
+            self._free(b)
+            return
+        self._make_ready(key, b)
+        self.m.segment.counter_add("store_blocks")
+        if self.m.enable_events:
+            self.m._events.append(OffloadingEvent([key], removed=False))
+
     def free(self, writer: tuple[int, int]) -> int:
         """Free every block granted to ``writer`` (its client is gone, with its copiers)."""
         blocks = self.blocks.pop(writer, set())
         for b in sorted(blocks):
-            self.m.table.write(b, L.FREE, b"")
-            self.m._free.append(b)
+            self._free(b)
         return len(blocks)
 
 
@@ -130,7 +178,7 @@ def refill(grants: Grants, words: np.ndarray, ids: np.ndarray, slot: int, gen: i
         return -1
     if level > target // 2:
         return 0
-    blocks = grants.grant(slot, gen, target - level)
+    blocks = grants.grant(slot, gen, target - level, granted)
     for i, b in enumerate(blocks):
         ids[(granted + i) % L.GRANT_CAPACITY] = b
     crash_point("owner.grant.before_count")

@@ -111,7 +111,7 @@ class LocalManager(Eviction, OffloadingManager):
             elif e.state in (L.WRITING, L.GRANTED) and not torn and e.writer >= 0 and \
                     writer_alive(e.writer, e.writer_gen):
                 if e.state == L.GRANTED:
-                    self.grants.adopt(b, (e.writer, e.writer_gen))
+                    self.grants.adopt(b, (e.writer, e.writer_gen), e.writer_req)
                 else:
                     writing.append((b, e.key, (e.writer, e.writer_gen)))
                 continue
@@ -327,6 +327,8 @@ class LocalManager(Eviction, OffloadingManager):
                 done.append(k)
             else:
                 self._drop(k)
+        for k in done if self.grants.deferred else ():
+            self.grants.resolve(k)  # a completed grant store of k waited for this one
         if success:
             self.segment.counter_add("stores")
             self.segment.counter_add("store_blocks", len(done))
@@ -376,6 +378,8 @@ class LocalManager(Eviction, OffloadingManager):
         self.index.remove(key, b)
         self.table.write(b, L.FREE, b"")
         self._free.append(b)
+        if not e.ready and key in self.grants.deferred:  # an unfinished store of key ended
+            self.grants.resolve(key)
 
     def _require_ready(self, key: bytes) -> None:
         e = self._entries.get(key)

@@ -188,9 +188,11 @@ class Owner(RequestHandlers):
                     c = self.clients[slot] = _Client(self.seg, slot, rec.gen, False)
                     if c.quarantined:
                         self._quarantine(c, c.why)
-                    # a client a predecessor stocked keeps being stocked (not one leaving)
-                    c.stores = bool(c.grant_words[L.GRANT_WORD_GRANTED]) and \
-                        rec.state == L.SlotState.CLIENT
+                    # a client a predecessor stocked keeps being stocked (not one leaving);
+                    # blocks it died handing over never reached the client: free them
+                    granted = int(c.grant_words[L.GRANT_WORD_GRANTED])
+                    c.stores = bool(granted) and rec.state == L.SlotState.CLIENT
+                    self.manager.grants.settle(slot, rec.gen, granted)
                     self._last_client = time.monotonic()
 
     def serve_once(self) -> int:

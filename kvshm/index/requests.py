@@ -123,7 +123,8 @@ class RequestHandlers:
         for k in m.keys:
             L.check_key(k)
         c.stores = True
-        self.manager.grants.publish(c.slot, c.gen, m.keys, m.blocks, m.success)
+        self.manager.grants.publish(c.slot, c.gen, m.keys, m.blocks, m.success,
+                                    int(c.grant_words[L.GRANT_WORD_TAKEN]))
         self._fan_out()
         return []
 
