@@ -101,3 +101,24 @@ def layout_refusal(field: str = "dtype", value: str = "bfloat16") -> str:
     except LayoutMismatchError as e:
         return str(e)
     return ""
+
+
+def prometheus_samples(prefix: str = "vllm:k") -> dict[str, float]:
+    """This process's Prometheus exposition (what ``vllm serve`` shows on ``/metrics``) as
+    ``{"name{labels}": value}`` for the samples whose name starts with ``prefix``, with the
+    per-engine labels (model name, engine index) left out."""
+    import re
+
+    from prometheus_client import REGISTRY, generate_latest
+
+    out: dict[str, float] = {}
+    for line in generate_latest(REGISTRY).decode().splitlines():
+        if not line.startswith(prefix):
+            continue
+        sample, value = line.rsplit(" ", 1)
+        name, _, labels = sample.partition("{")
+        keep = [kv for kv in re.findall(r'(\w+="[^"]*")', labels)
+                if not kv.startswith(("model_name=", "engine="))]
+        key = name + ("{" + ",".join(keep) + "}" if keep else "")
+        out[key] = out.get(key, 0.0) + float(value)
+    return out

@@ -30,8 +30,12 @@ from kvshm.integrations.vllm import compat as V
 from kvshm.integrations.vllm.core import (KvshmOptions, ManagerCore, check_layout, explain_mismatch,
                                           layout_for, num_blocks_for, open_segment)
 from kvshm.integrations.vllm.jobs import WorkerCore
+from kvshm.integrations.vllm.stats import KINDS, METRICS, StatsReader
 
 logger = logging.getLogger(__name__)
+
+
+CONFIG_INFO_KEYS = ("kvshm_segment", "kvshm_policy", "kvshm_blocks", "kvshm_block_bytes")
 
 
 class KvshmLoadStoreSpec(V.CPULoadStoreSpec):
@@ -41,9 +45,11 @@ class KvshmLoadStoreSpec(V.CPULoadStoreSpec):
 class KvshmOffloadingManager(V.OffloadingManager):
     """Scheduler side: vLLM's per-key calls mapped onto kvshm's shared index."""
 
-    def __init__(self, shared: SharedManager, events: bool):
+    def __init__(self, shared: SharedManager, events: bool, info: dict[str, Any] | None = None):
         self.core = ManagerCore(shared, reset_flush_signal=V.RESET_FLUSH_SIGNAL)
         self._events = events
+        self._stats = StatsReader(shared.segment, shared.slot)
+        self._info = info or {}
 
     def lookup(self, key: bytes, req_context: V.ReqContext) -> V.LookupResult:
         return V.LOOKUP_FROM_KVSHM[self.core.lookup(key, req_context.req_id).value]
@@ -88,6 +94,13 @@ class KvshmOffloadingManager(V.OffloadingManager):
         if not self._events:
             return ()  # called every step: no owner round trip unless events were asked for
         return [V.event(list(e.keys), e.removed) for e in self.core.mgr.take_events()]
+
+    def get_stats(self) -> Any:
+        # every step: this engine's counter deltas, the shared segment's state once a second
+        return V.connector_stats(self._stats.take(), KINDS)
+
+    def config_info(self) -> list[dict[str, Any]]:  # vLLM 0.33: vllm:kv_offload_config_info
+        return [dict(self._info)]
 
     def reset_cache(self) -> None:
         self.core.reset()
@@ -153,6 +166,16 @@ class KvshmOffloadingSpec(V.OffloadingSpec):
         self._manager: KvshmOffloadingManager | None = None
         self._worker: KvshmOffloadingWorker | None = None
 
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, Any]:
+        """kvshm's ``vllm:kvshm_*`` metrics (see ``stats``); vLLM adds its own."""
+        return V.metric_definitions(METRICS)
+
+    @classmethod
+    def config_info_keys(cls, extra_config: dict[str, Any]) -> tuple[str, ...]:
+        """vLLM 0.33's ``vllm:kv_offload_config_info`` labels that the manager fills."""
+        return CONFIG_INFO_KEYS
+
     def get_manager(self) -> KvshmOffloadingManager:
         if self._manager is None:
             o, events = self.options, bool(self.kv_events_config.enable_kv_cache_events)
@@ -164,7 +187,9 @@ class KvshmOffloadingSpec(V.OffloadingSpec):
                                  events=events, **create)
             except LayoutMismatchError as e:
                 raise explain_mismatch(e, o.segment) from None
-            self._manager = KvshmOffloadingManager(shared, events)
+            g = shared.segment.geometry
+            self._manager = KvshmOffloadingManager(shared, events, dict(zip(CONFIG_INFO_KEYS, (
+                o.segment, shared.segment.policy, g.num_blocks, self.layout.block_bytes))))
             logger.info("kvshm: scheduler attached to segment %r (%d blocks of %d bytes)",
                         o.segment, shared.segment.geometry.num_blocks, self.layout.block_bytes)
         return self._manager
