@@ -270,58 +270,6 @@ def test_without_vllm_the_compat_module_names_the_supported_version():
         import kvshm.integrations.vllm.compat  # noqa: F401
 
 
-# --- the auto-started owner outlives the process group that started it ---------------------
-_GROUP_CHILD = """
-import os, subprocess, sys
-from kvshm.index.client import connect
-from kvshm.shm.layout import Layout
-mgr = connect(sys.argv[1], Layout((4096,), 16, "t"), num_blocks=8)  # starts the owner
-out = mgr.prepare_store([b"k" * 36]); mgr.complete_store(out.keys_to_store)
-# a second member of the group, as vLLM's workers are of the EngineCore's
-mate = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
-                        stdin=subprocess.PIPE)
-print(mgr.segment.owner_record()[0], mgr.segment.counter("failovers"), os.getpgid(0),
-      mate.pid, flush=True)
-sys.stdin.read()  # until the test kills the whole group
-"""
-
-
-def test_the_owner_survives_a_sigkill_of_the_starting_engines_process_group():
-    """vLLM's EngineCore (here a plain client in a process group of its own, with a second
-    member) auto-starts the owner; ``killpg(SIGKILL)`` of that group leaves the owner
-    serving: another client finds the same owner pid, no failover, the stored block."""
-    name = unique_name()
-    child = subprocess.Popen([sys.executable, "-c", _GROUP_CHILD, name], cwd=REPO,
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                             start_new_session=True,
-                             env=dict(os.environ, PYTHONPATH=str(REPO)))
-    try:
-        owner, failovers, pgid, mate = map(int, child.stdout.readline().split())
-        assert pgid == child.pid and os.getpgid(mate) == pgid
-        assert owner not in (child.pid, mate) and os.getpgid(owner) != pgid  # detached
-        os.killpg(pgid, signal.SIGKILL)
-        assert child.wait(30) == -signal.SIGKILL
-        deadline = time.monotonic() + 30
-        while _alive(mate):  # the group's other member dies too (a zombie: reparented)
-            assert time.monotonic() < deadline, "the group's second member outlived SIGKILL"
-            time.sleep(0.005)  # polling a state; the assertions are on states
-        assert _alive(owner)
-        mgr = connect(name)
-        try:
-            assert mgr.key_status(b"k" * 36) is LookupResult.HIT
-            out = mgr.prepare_store([b"n" * 36])  # a round trip the same owner answers
-            mgr.complete_store(out.keys_to_store)
-            assert mgr.segment.owner_record()[0] == owner and _alive(owner)
-            assert mgr.segment.counter("failovers") == failovers
-        finally:
-            mgr.shutdown()
-    finally:
-        if child.poll() is None:
-            os.killpg(child.pid, signal.SIGKILL)
-            child.wait()
-        remove_segment(name)
-
-
 # --- end to end with real vLLM engines ------------------------------------------------------
 def vllm_python() -> str:
     if os.environ.get("KVSHM_VLLM_PYTHON"):

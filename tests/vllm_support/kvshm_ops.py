@@ -52,7 +52,7 @@ def self_checks() -> dict[str, Any]:
     from kvshm.integrations.vllm import spec as integ
     from kvshm.integrations.vllm import compat as compat
 
-    spec = integ.KvshmLoadStoreSpec([5, 3, 9])
+    spec = integ.KvshmLoadStoreSpec([5, 3, 9], (4, 7))  # with its writer (slot, gen)
     back = pickle.loads(pickle.dumps(spec))
     out = compat.PrepareStoreOutput(
         keys_to_store=[b"k" * 36], store_spec=spec, evicted_keys=[]
@@ -70,7 +70,7 @@ def self_checks() -> dict[str, Any]:
         compat.installed_version = real  # type: ignore[assignment]
     return {
         "pickle_ok": type(back) is integ.KvshmLoadStoreSpec
-        and back.block_ids.dtype == np.int32
+        and back.block_ids.dtype == np.int32 and back.writer == (4, 7)
         and back.block_ids.tolist() == [5, 3, 9]
         and out_back.store_spec.block_ids.tolist() == [5, 3, 9],
         "version": real(),

@@ -25,6 +25,7 @@ from typing import Any, Collection, Iterable
 
 from kvshm.index.client import SharedManager, connect
 from kvshm.errors import LayoutMismatchError
+from kvshm.shm import writers
 from kvshm.shm.segment import Segment
 from kvshm.integrations.vllm import compat as V
 from kvshm.integrations.vllm.core import (KvshmOptions, ManagerCore, check_layout, explain_mismatch,
@@ -39,7 +40,13 @@ CONFIG_INFO_KEYS = ("kvshm_segment", "kvshm_policy", "kvshm_blocks", "kvshm_bloc
 
 
 class KvshmLoadStoreSpec(V.CPULoadStoreSpec):
-    """Segment block ids (vLLM "chunk ids") in key order; small and picklable."""
+    """Segment block ids (vLLM "chunk ids") in key order, and the scheduler's kvshm client
+    (slot, generation) that the worker copies a store for; small and picklable (vLLM sends
+    it to worker processes in the connector metadata)."""
+
+    def __init__(self, block_ids: Any, writer: tuple[int, int] = (-1, 0)):
+        super().__init__(block_ids)
+        self.writer = (int(writer[0]), int(writer[1]))
 
 
 class KvshmOffloadingManager(V.OffloadingManager):
@@ -48,6 +55,7 @@ class KvshmOffloadingManager(V.OffloadingManager):
     def __init__(self, shared: SharedManager, events: bool, info: dict[str, Any] | None = None):
         self.core = ManagerCore(shared, reset_flush_signal=V.RESET_FLUSH_SIGNAL)
         self._events = events
+        self._writer = (shared.slot, shared.gen)
         self._stats = StatsReader(shared.segment, shared.slot)
         self._info = info or {}
 
@@ -73,7 +81,7 @@ class KvshmOffloadingManager(V.OffloadingManager):
         if out is None:
             return None  # vLLM counts an allocation failure and offers the chunks again
         return V.PrepareStoreOutput(keys_to_store=out.keys_to_store,
-                                    store_spec=KvshmLoadStoreSpec(out.block_ids),
+                                    store_spec=KvshmLoadStoreSpec(out.block_ids, self._writer),
                                     evicted_keys=out.evicted_keys)
 
     def complete_store(self, keys: Collection[bytes], req_context: V.ReqContext,
@@ -127,7 +135,8 @@ class KvshmOffloadingWorker(V.OffloadingWorker):
     def submit_store(self, job_id: int, src_spec: V.GPULoadStoreSpec,
                      dst_spec: V.LoadStoreSpec) -> bool:
         return self.core.submit(job_id, "store", *self._gpu(src_spec),
-                                dst_spec.block_ids)  # type: ignore[attr-defined]
+                                dst_spec.block_ids,  # type: ignore[attr-defined]
+                                writer=getattr(dst_spec, "writer", None))
 
     def submit_load(self, job_id: int, src_spec: V.LoadStoreSpec,
                     dst_spec: V.GPULoadStoreSpec, expedited: bool = False) -> bool:
@@ -210,7 +219,8 @@ class KvshmOffloadingSpec(V.OffloadingSpec):
                                             turn=seg.pin_turn, progress=seg.pin_progress())
                     options["pin"] = pin
                 core = WorkerCore(tensors, groups, plane, self.blocks_per_chunk,
-                                  make_handler=make_handler, **options)
+                                  make_handler=make_handler,
+                                  writers=writers.Registrations(seg), **options)
             except BaseException:
                 if pin is not None:
                     pin.unregister()
