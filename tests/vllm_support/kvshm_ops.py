@@ -122,3 +122,16 @@ def prometheus_samples(prefix: str = "vllm:k") -> dict[str, float]:
         key = name + ("{" + ",".join(keep) + "}" if keep else "")
         out[key] = out.get(key, 0.0) + float(value)
     return out
+
+
+def writer_registrations(name: str) -> list[dict[str, Any]]:
+    """Live writer registrations of the segment (``kvshm.shm.writers``), each with the pid
+    of the client slot it copies for (``slot_pid``)."""
+    from kvshm.shm import slots, writers
+
+    seg = Segment.attach(name)
+    try:
+        return [{**r, "slot_pid": slots.record(seg, r["slot"]).pid}
+                for r in writers.registrations(seg)]
+    finally:
+        seg.close()
