@@ -35,10 +35,13 @@ recomputed. Requests run one at a time, cycling over --prompts distinct prompts 
   kvshm    vLLM's OffloadingConnector with KvshmOffloadingSpec on a fresh segment (the
            owner process is started by the engine).
 
+Each configuration runs --repeat engines, in alternating order (none,cpu,kvshm then
+kvshm,cpu,none, ...), so that load from other processes on the host hits them alike.
 Reported per configuration: median / p90 / mean latency of one request (wall time of
-llm.generate), external prefix-cache hit tokens, and batch throughput (--batch prompts in one
-generate call, generated tokens per second). For kvshm also the owner's CPU time (utime +
-stime from /proc/PID/stat) per timed request, and kvshm's median relative to cpu.
+llm.generate, pooled over its engines; also each engine's median), external prefix-cache hit
+tokens per request, and batch throughput per engine (--batch prompts in one generate call,
+generated tokens per second). For kvshm also the owner's CPU time (utime + stime from
+/proc/PID/stat, 10 ms ticks) per timed request, and kvshm's pooled median relative to cpu.
 """
 
 
@@ -76,18 +79,16 @@ def run_config(name: str, model: str, extra: dict | None, args: argparse.Namespa
                 E.generate(llm, [p], args.max_tokens)
                 lat.append(time.perf_counter() - t)
         out: dict[str, Any] = {
+            "lat": lat,
             "requests": len(lat),
             "median_ms": round(1e3 * statistics.median(lat), 3),
             "p90_ms": round(1e3 * sorted(lat)[int(0.9 * (len(lat) - 1))], 3),
             "mean_ms": round(1e3 * statistics.fmean(lat), 3),
             "hit_tokens_per_request": (E.external_prefix_cache_hits(llm) - hits0) / len(lat),
         }
-        if args.latencies:
-            out["latencies_ms"] = [round(1e3 * x, 3) for x in lat]
         if owner is not None:
             out["owner_pid"] = owner
-            out["owner_cpu_ms_per_request"] = round(
-                1e3 * (_cpu_seconds(owner) - cpu0) / len(lat), 3)
+            out["owner_cpu_s"] = _cpu_seconds(owner) - cpu0
         batch = [E.random_prompt(1000 + i) for i in range(args.batch)]
         t = time.perf_counter()
         res = E.generate(llm, batch, args.batch_tokens)
@@ -96,6 +97,26 @@ def run_config(name: str, model: str, extra: dict | None, args: argparse.Namespa
         return out
     finally:
         E.shutdown_llm(llm)
+
+
+def _pooled(rs: list[dict[str, Any]], latencies: bool) -> dict[str, Any]:
+    """One configuration's engines: latencies pooled, throughput and hits per engine."""
+    lat = sorted(x for r in rs for x in r["lat"])
+    out: dict[str, Any] = {
+        "engines": len(rs), "requests": len(lat),
+        "median_ms": round(1e3 * statistics.median(lat), 3),
+        "p90_ms": round(1e3 * lat[int(0.9 * (len(lat) - 1))], 3),
+        "mean_ms": round(1e3 * statistics.fmean(lat), 3),
+        "median_ms_per_engine": [round(1e3 * statistics.median(r["lat"]), 3) for r in rs],
+        "hit_tokens_per_request": [r["hit_tokens_per_request"] for r in rs],
+        "batch_tok_s": [r["batch_tok_s"] for r in rs],
+    }
+    if "owner_cpu_s" in rs[0]:
+        out["owner_cpu_ms_per_request"] = round(
+            1e3 * sum(r["owner_cpu_s"] for r in rs) / len(lat), 3)
+    if latencies:
+        out["latencies_ms"] = [[round(1e3 * x, 3) for x in r["lat"]] for r in rs]
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -107,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=8, help="prompts in the batch run (8)")
     ap.add_argument("--batch-tokens", type=int, default=32, help="tokens each (32)")
     ap.add_argument("--configs", default="none,cpu,kvshm", help="which, in this order")
+    ap.add_argument("--repeat", type=int, default=2,
+                    help="engines per configuration, run in alternating order (ABBA...) so "
+                    "that load from other processes hits all alike; latencies are pooled")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--latencies", action="store_true", help="also every request's latency")
     args = ap.parse_args(argv)
@@ -127,12 +151,18 @@ def main(argv: list[str] | None = None) -> int:
     }
     result: dict[str, Any] = {"loadavg_before": _loadavg(), "cpus": os.cpu_count(),
                               "args": vars(args), "configs": {}}
+    names = args.configs.split(",")
+    runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
     try:
-        for name in args.configs.split(","):
-            result["configs"][name] = run_config(
-                name, model, extras[name], args, segment if name == "kvshm" else None)
-            if not args.json:
-                print(name, result["configs"][name], flush=True)
+        for r in range(args.repeat):
+            for name in (names if r % 2 == 0 else names[::-1]):
+                runs[name].append(run_config(
+                    name, model, extras[name], args, segment if name == "kvshm" else None))
+                if not args.json:
+                    print(name, {k: v for k, v in runs[name][-1].items() if k != "lat"},
+                          flush=True)
+        for name, rs in runs.items():
+            result["configs"][name] = _pooled(rs, args.latencies)
     finally:
         from kvshm.shm.segment import Segment
         Segment.unlink(segment)  # its owner exits by itself once the segment is gone

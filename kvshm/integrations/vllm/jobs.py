@@ -98,7 +98,8 @@ class WorkerCore:
 
     def __init__(self, tensors: Sequence[Any], group_tensors: Sequence[Sequence[int]],
                  plane: Any, bpc: int, *, make_handler: Callable[..., TransferHandler],
-                 writers: W.Registrations | None = None, **handler_options: Any):
+                 writers: W.Registrations | None = None, finish_loads: bool = False,
+                 **handler_options: Any):
         cols = plane_columns([t.shape[1] for t in tensors], bpc, plane.shape[1])
         self._handlers: dict[tuple[int, ...], TransferHandler] = {}
         self._group_handler: list[TransferHandler | None] = []
@@ -116,6 +117,10 @@ class WorkerCore:
         self._jobs: dict[int, _Job] = {}
         self._done: list[tuple[int, bool, int, float]] = []
         self._writers = writers
+        # CPU KV caches: a load's request cannot run before it, and a copy thread racing the
+        # engine's own threads for the cores gains nothing: get_finished waits for loads.
+        self._finish_loads = finish_loads
+        self._loading: set[int] = set()  # parts of unreported loads
         self._writing: dict[int, tuple[int, int]] = {}  # store job -> the writer it copies for
 
     def submit(self, job_id: int, kind: str, block_ids: Sequence[int],
@@ -142,6 +147,8 @@ class WorkerCore:
             handler.transfer_async(part, TransferSpec(kind, dev, seg, skip, expedited))  # type: ignore[arg-type]
             job.parts.add(part)
             self._part_job[part] = (job_id, handler)
+            if kind == "load":
+                self._loading.add(part)
         return True
 
     def _admit(self, job_id: int, writer: tuple[int, int]) -> bool:
@@ -157,9 +164,13 @@ class WorkerCore:
         return True
 
     def get_finished(self) -> list[tuple[int, bool, int, float]]:
-        """(vLLM job id, success, bytes, seconds) of every job whose parts all finished."""
+        """(vLLM job id, success, bytes, seconds) of every job whose parts all finished
+        (with ``finish_loads``, every load submitted so far among them)."""
+        if self._finish_loads and self._loading:
+            self.wait({self._part_job[p][0] for p in self._loading if p in self._part_job})
         for handler in self._handlers.values():
             for r in handler.get_finished():
+                self._loading.discard(r.job_id)
                 job_id, _ = self._part_job.pop(r.job_id)
                 job = self._jobs[job_id]
                 job.parts.discard(r.job_id)

@@ -213,6 +213,7 @@ class KvshmOffloadingSpec(V.OffloadingSpec):
                 tensors = [t.tensor for t in kv_caches.tensors]
                 groups = [[r.tensor_idx for r in refs] for refs in kv_caches.group_data_refs]
                 options: dict[str, Any] = {}
+                options["finish_loads"] = bool(tensors) and tensors[0].device.type == "cpu"
                 if tensors and tensors[0].device.type == "cuda":
                     from kvshm.transfer.pinning import pin_in_background
                     pin = pin_in_background(plane.data_ptr(), plane.numel(),
