@@ -131,6 +131,20 @@ def test_worker_core_stores_and_loads_through_plane_columns():
         core.shutdown()
 
 
+def test_a_cpu_worker_reports_a_load_in_the_step_it_was_submitted():
+    """CPU KV caches (``finish_loads``): get_finished waits for submitted loads, so the
+    request they block runs in the next step, as with vLLM's synchronous CPU copies."""
+    dev = [torch.randint(-128, 127, (8, 128), dtype=torch.int8)]
+    plane = torch.randint(0, 255, (6, 128), dtype=torch.uint8)
+    core = WorkerCore(dev, [[0]], plane, 1, make_handler=make_handler, finish_loads=True)
+    try:
+        assert core.submit(3, "load", [1, 2], [2], [0], [4, 5])
+        assert [r[:3] for r in core.get_finished()] == [(3, True, 2 * 128)]
+        assert torch.equal(_rows(dev[0], 2), plane[5])
+    finally:
+        core.shutdown()
+
+
 def test_worker_core_reports_a_multi_group_job_once():
     dev = [torch.randint(-128, 127, (8, 128), dtype=torch.int8) for _ in range(2)]
     plane = torch.zeros(6, 256, dtype=torch.uint8)
