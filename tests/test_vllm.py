@@ -131,6 +131,20 @@ def test_worker_core_stores_and_loads_through_plane_columns():
         core.shutdown()
 
 
+def test_a_cpu_worker_reports_a_load_in_the_step_it_was_submitted():
+    """CPU KV caches (``finish_loads``): get_finished waits for submitted loads, so the
+    request they block runs in the next step, as with vLLM's synchronous CPU copies."""
+    dev = [torch.randint(-128, 127, (8, 128), dtype=torch.int8)]
+    plane = torch.randint(0, 255, (6, 128), dtype=torch.uint8)
+    core = WorkerCore(dev, [[0]], plane, 1, make_handler=make_handler, finish_loads=True)
+    try:
+        assert core.submit(3, "load", [1, 2], [2], [0], [4, 5])
+        assert [r[:3] for r in core.get_finished()] == [(3, True, 2 * 128)]
+        assert torch.equal(_rows(dev[0], 2), plane[5])
+    finally:
+        core.shutdown()
+
+
 def test_worker_core_reports_a_multi_group_job_once():
     dev = [torch.randint(-128, 127, (8, 128), dtype=torch.int8) for _ in range(2)]
     plane = torch.zeros(6, 256, dtype=torch.uint8)
@@ -190,6 +204,46 @@ def test_manager_core_leases_pins_and_reset(seg_name):
         core.schedule_end()
         assert mgr.held_blocks() == 0
         assert mgr.key_status(b"p" * 36) is LookupResult.MISS  # freed, never published
+    finally:
+        core.shutdown()
+        other.shutdown()
+
+
+def test_stats_reader_reports_this_engines_deltas_and_the_segments_state(seg_name):
+    """What ``get_stats`` hands vLLM each step: counter deltas of this engine only (another
+    engine's work is not in them), the segment's blocks and totals as snapshots."""
+    from kvshm.integrations.vllm.stats import KINDS, METRICS, StatsReader
+
+    mgr = connect(seg_name, Layout((4096,), 16, "t"), num_blocks=8, ring_capacity=8192,
+                  hold_capacity=64)
+    other = connect(seg_name)
+    core = ManagerCore(mgr)
+    try:
+        reader = StatsReader(mgr.segment, mgr.slot)
+        first = {(n, lab): v for n, v, lab in reader.take()}
+        assert first[("vllm:kvshm_blocks", ("free",))] == 8
+        assert first[("vllm:kvshm_usage_perc", ())] == 0
+        assert not any(KINDS[n] == "counter" for n, _ in first)  # nothing happened yet
+        assert first[("vllm:kvshm_owner_cpu_seconds", ())] >= 0
+        keys = [bytes([i]) * 36 for i in range(3)]
+        out = core.prepare_store(keys, "w")
+        core.complete_store(set(out.keys_to_store), "w")
+        assert core.lookup(keys[0], "r") is LookupResult.HIT
+        core.prepare_load([keys[0]], "r")
+        core.complete_load({keys[0]}, "r")
+        other.prepare_store([b"o" * 36])  # another engine: in the segment, not our counters
+        got = {(n, lab): v for n, v, lab in reader.take()}
+        assert got[("vllm:kvshm_store_bytes", ())] == 3 * 4096
+        assert got[("vllm:kvshm_load_bytes", ())] == 4096
+        assert got[("vllm:kvshm_load_blocks", ())] == 1
+        assert got[("vllm:kvshm_hits", ())] == got[("vllm:kvshm_lookups", ())] == 1
+        assert got[("vllm:kvshm_blocks", ("ready",))] == 3
+        assert got[("vllm:kvshm_blocks", ("writing",))] == 1
+        assert got[("vllm:kvshm_usage_perc", ())] == 0.5
+        assert got[("vllm:kvshm_segment_stores", ())] >= 1
+        again = {n for n, _, _ in reader.take()}
+        assert not any(KINDS[n] == "counter" for n in again)  # deltas: reported once
+        assert {n for n, _ in got} <= {m.name for m in METRICS}  # all declared to vLLM
     finally:
         core.shutdown()
         other.shutdown()
@@ -329,6 +383,7 @@ def engines(tiny_model, tmp_path_factory):
            {"op": "wait_file", "path": b_done, "timeout": 300},
            gen("A1", a), gen("B", b), gen("C", c), gen("D", d), gen("A2", a),
            {"op": "metrics", "tag": "m2"}, seg_info,
+           {"op": "call", "tag": "prom", "fn": ops + "prometheus_samples"},
            {"op": "call", "tag": "checks", "fn": ops + "self_checks"},
            {"op": "call", "tag": "refusal", "fn": ops + "layout_refusal"},
            gen("B2", b), gen("C2", c), gen("D2", d),
@@ -359,6 +414,18 @@ def test_a_prompt_evicted_from_the_device_comes_back_from_kvshm(engines):
     assert m["vllm:kv_offload_load_bytes"] == 12 * 65536  # 12 blocks x 2 layers x 32 KiB
     info = res["steps"]["seg"]
     assert info["counters"]["store_blocks"] >= 4 * 12 and info["page_bytes"] == [65536]
+    # kvshm's own metrics reach vLLM's stats path (llm.get_metrics and the /metrics text)
+    assert m["vllm:kvshm_load_bytes"] == 12 * 65536 and m["vllm:kvshm_load_blocks"] == 12
+    assert m["vllm:kvshm_hits"] >= 12 and m["vllm:kvshm_lookups"] > m["vllm:kvshm_hits"]
+    assert m["vllm:kvshm_store_bytes"] >= 5 * 12 * 65536  # P, A, B, C, D
+    assert m["vllm:kvshm_blocks"] == info["num_blocks"]  # summed over the states
+    assert m["vllm:kvshm_segment_stores"] >= 5
+    prom = res["steps"]["prom"]
+    assert prom['vllm:kvshm_blocks{state="ready"}'] >= 5 * 12
+    assert prom["vllm:kvshm_owner_cpu_seconds"] > 0
+    assert prom["vllm:kv_offload_store_bytes_total"] == m["vllm:kvshm_store_bytes"]
+    assert prom["vllm:kv_offload_store_time_total"] > 0  # the worker's transfer times
+    assert prom["vllm:kv_offload_load_time_total"] > 0
     assert '"dtype":"float32"' in info["layout"]
     checks = res["steps"]["checks"]
     assert checks["pickle_ok"] and checks["supported"], checks

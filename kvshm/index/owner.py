@@ -31,6 +31,7 @@ from kvshm.shm.fence import full_fence
 from kvshm.index.grants import grant_target, refill
 from kvshm.index.manager import LocalManager
 from kvshm.index.requests import RequestHandlers, _Client
+from kvshm.index.spin import SpinPolicy
 from kvshm.shm.ring import Doorbell
 from kvshm.shm.segment import Segment, sem_name
 
@@ -41,7 +42,6 @@ DEFAULT_LOG_LEVEL = "INFO"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 SCAN_INTERVAL_S = 0.2  # a dead client is reclaimed within about this long
-SPIN_S = 0.005  # keep polling this long after the last frame before sleeping
 # Slots an owner serves: clients, and clients a dead predecessor was saying goodbye to
 # (their goodbye is still at the head of their ring and is finished like any request).
 _SERVED = (L.SlotState.CLIENT, L.SlotState.LEAVING)
@@ -366,20 +366,24 @@ class Owner(RequestHandlers):
 
     def run(self) -> None:
         next_scan = 0.0
-        last_work = time.monotonic()
+        spin = SpinPolicy()  # busy-polls only while recent gaps between frames were short
+        idle_since: float | None = None
         while self._running:
             if self.serve_once():
-                last_work = time.monotonic()
+                if idle_since is not None:
+                    spin.observe(time.monotonic() - idle_since)
+                    idle_since = None
                 continue
             now = time.monotonic()
+            if idle_since is None:
+                idle_since = now
             if now >= next_scan:
                 self._discover()
                 self._scan()
                 self._refill()
                 next_scan = now + SCAN_INTERVAL_S
-            spin = SPIN_S if now - last_work < SPIN_S else 0.0
             self.bell.wait(min(SCAN_INTERVAL_S, max(0.0, next_scan - now)), self._pending,
-                           spin_s=spin)
+                           spin_s=spin.budget(now - idle_since))
 
     def stop(self) -> None:
         self._running = False

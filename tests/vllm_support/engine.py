@@ -84,9 +84,13 @@ def vllm_importable() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
+_OVERRIDES: dict[str, str] = {}  # a subprocess's own env (kept when make_llm applies ENGINE_ENV)
+
+
 def apply_engine_env(overrides: dict[str, str] | None = None) -> None:
+    _OVERRIDES.update(overrides or {})
     env = dict(ENGINE_ENV)
-    env.update(overrides or {})
+    env.update(_OVERRIDES)
     os.environ.update(env)
 
 

@@ -52,7 +52,7 @@ def self_checks() -> dict[str, Any]:
     from kvshm.integrations.vllm import spec as integ
     from kvshm.integrations.vllm import compat as compat
 
-    spec = integ.KvshmLoadStoreSpec([5, 3, 9])
+    spec = integ.KvshmLoadStoreSpec([5, 3, 9], (4, 7))  # with its writer (slot, gen)
     back = pickle.loads(pickle.dumps(spec))
     out = compat.PrepareStoreOutput(
         keys_to_store=[b"k" * 36], store_spec=spec, evicted_keys=[]
@@ -70,7 +70,7 @@ def self_checks() -> dict[str, Any]:
         compat.installed_version = real  # type: ignore[assignment]
     return {
         "pickle_ok": type(back) is integ.KvshmLoadStoreSpec
-        and back.block_ids.dtype == np.int32
+        and back.block_ids.dtype == np.int32 and back.writer == (4, 7)
         and back.block_ids.tolist() == [5, 3, 9]
         and out_back.store_spec.block_ids.tolist() == [5, 3, 9],
         "version": real(),
@@ -101,3 +101,37 @@ def layout_refusal(field: str = "dtype", value: str = "bfloat16") -> str:
     except LayoutMismatchError as e:
         return str(e)
     return ""
+
+
+def prometheus_samples(prefix: str = "vllm:k") -> dict[str, float]:
+    """This process's Prometheus exposition (what ``vllm serve`` shows on ``/metrics``) as
+    ``{"name{labels}": value}`` for the samples whose name starts with ``prefix``, with the
+    per-engine labels (model name, engine index) left out."""
+    import re
+
+    from prometheus_client import REGISTRY, generate_latest
+
+    out: dict[str, float] = {}
+    for line in generate_latest(REGISTRY).decode().splitlines():
+        if not line.startswith(prefix):
+            continue
+        sample, value = line.rsplit(" ", 1)
+        name, _, labels = sample.partition("{")
+        keep = [kv for kv in re.findall(r'(\w+="[^"]*")', labels)
+                if not kv.startswith(("model_name=", "engine="))]
+        key = name + ("{" + ",".join(keep) + "}" if keep else "")
+        out[key] = out.get(key, 0.0) + float(value)
+    return out
+
+
+def writer_registrations(name: str) -> list[dict[str, Any]]:
+    """Live writer registrations of the segment (``kvshm.shm.writers``), each with the pid
+    of the client slot it copies for (``slot_pid``)."""
+    from kvshm.shm import slots, writers
+
+    seg = Segment.attach(name)
+    try:
+        return [{**r, "slot_pid": slots.record(seg, r["slot"]).pid}
+                for r in writers.registrations(seg)]
+    finally:
+        seg.close()

@@ -12,6 +12,8 @@ from deep inside vLLM.
 """
 from __future__ import annotations
 
+from typing import Any
+
 SUPPORTED_SERIES = ("0.32", "0.33")  # major.minor of the offloading APIs kvshm implements
 SUPPORTED_TEXT = " and ".join(f"{s}.x" for s in SUPPORTED_SERIES)
 
@@ -75,6 +77,13 @@ try:
         TransferResult,
     )
     from vllm.v1.kv_offload.base import get_offload_group_idx
+    from vllm.v1.kv_offload.base import (  # noqa: F401
+        OffloadingCounterMetadata,
+        OffloadingGaugeMetadata,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (  # noqa: F401
+        OffloadingConnectorStats,
+    )
     from vllm.v1.kv_offload.config import OffloadingConfig  # noqa: F401
     from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec  # noqa: F401
     from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: F401
@@ -91,6 +100,26 @@ LOOKUP_FROM_KVSHM = {
 RESET_FLUSH_SIGNAL = hasattr(OffloadingManager, "on_reset_flushed")
 HOST_SOURCE = CacheHitSource.HOST  # hit-source label of loads from kvshm (host memory)
 CPU_MEDIUM = Medium.CPU
+
+
+def metric_definitions(metrics: Any) -> dict[str, Any]:
+    """vLLM metric metadata for kvshm's ``stats.METRICS`` (a counter or a gauge each)."""
+    kinds = {"counter": OffloadingCounterMetadata, "gauge": OffloadingGaugeMetadata}
+    return {m.name: kinds[m.kind](documentation=m.help, labelnames=tuple(m.labels))
+            for m in metrics}
+
+
+def connector_stats(samples: Any, kinds: dict[str, str]) -> OffloadingConnectorStats | None:
+    """One step's kvshm samples as vLLM's stats payload (None when there are none)."""
+    if not samples:
+        return None
+    stats = OffloadingConnectorStats()
+    for name, value, labels in samples:
+        if kinds[name] == "counter":
+            stats.increase_counter(name, value, labels)
+        else:
+            stats.set_gauge(name, value, labels)
+    return stats
 
 
 def event(keys: list[bytes], removed: bool) -> OffloadingEvent:

@@ -5,6 +5,14 @@ the translation of a vLLM GPU block spec plus segment block ids into kvshm ``Tra
 (one per KV cache group), and ``WorkerCore``: the transfer handlers over the tensors and the
 plane, and the bookkeeping that reports a vLLM job once every part of it has finished.
 
+A worker may be a process apart from its scheduler (tensor parallelism, vLLM's multiprocess
+executors) and outlive it. With a writer registry (``writers=``), a store job names its
+scheduler's kvshm client (slot, generation), and the worker copies only while registered
+under it (``kvshm.shm.writers``): registered before the copy starts, a store of a generation
+that is already dead is skipped (nobody will complete it), and the registration goes once
+that generation is dead and none of its copies is in flight. Meanwhile the owner keeps the
+dead scheduler's WRITING blocks from being reused.
+
 Inputs from vLLM are duck-typed. It must never import vLLM or import torch at module level
 (it receives tensors), and never report a job before all of its bytes are in place.
 """
@@ -15,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
 from kvshm.errors import InvalidArgumentError
+from kvshm.shm import writers as W
 from kvshm.transfer.spec import TransferHandler, TransferSpec
 
 logger = logging.getLogger(__name__)
@@ -89,6 +98,7 @@ class WorkerCore:
 
     def __init__(self, tensors: Sequence[Any], group_tensors: Sequence[Sequence[int]],
                  plane: Any, bpc: int, *, make_handler: Callable[..., TransferHandler],
+                 writers: W.Registrations | None = None, finish_loads: bool = False,
                  **handler_options: Any):
         cols = plane_columns([t.shape[1] for t in tensors], bpc, plane.shape[1])
         self._handlers: dict[tuple[int, ...], TransferHandler] = {}
@@ -106,12 +116,23 @@ class WorkerCore:
         self._part_job: dict[int, tuple[int, TransferHandler]] = {}
         self._jobs: dict[int, _Job] = {}
         self._done: list[tuple[int, bool, int, float]] = []
+        self._writers = writers
+        # CPU KV caches: a load's request cannot run before it, and a copy thread racing the
+        # engine's own threads for the cores gains nothing: get_finished waits for loads.
+        self._finish_loads = finish_loads
+        self._loading: set[int] = set()  # parts of unreported loads
+        self._writing: dict[int, tuple[int, int]] = {}  # store job -> the writer it copies for
 
     def submit(self, job_id: int, kind: str, block_ids: Sequence[int],
                group_sizes: Sequence[int], block_indices: Sequence[int],
-               segment_ids: Sequence[int], expedited: bool = False) -> bool:
-        """Queue vLLM job ``job_id``; an ``expedited`` load runs ahead of queued work."""
+               segment_ids: Sequence[int], expedited: bool = False,
+               writer: tuple[int, int] | None = None) -> bool:
+        """Queue vLLM job ``job_id``; an ``expedited`` load runs ahead of queued work.
+        A store names ``writer``, its scheduler's (client slot, generation)."""
         parts = split_job(block_ids, group_sizes, block_indices, segment_ids, self.bpc)
+        if parts and kind == "store" and writer is not None and writer[0] >= 0 \
+                and self._writers is not None and not self._admit(job_id, writer):
+            parts = []  # its scheduler is gone: its blocks may belong to someone else now
         if not parts:
             self._done.append((job_id, True, 0, 0.0))
             return True
@@ -126,12 +147,30 @@ class WorkerCore:
             handler.transfer_async(part, TransferSpec(kind, dev, seg, skip, expedited))  # type: ignore[arg-type]
             job.parts.add(part)
             self._part_job[part] = (job_id, handler)
+            if kind == "load":
+                self._loading.add(part)
+        return True
+
+    def _admit(self, job_id: int, writer: tuple[int, int]) -> bool:
+        """Register under ``writer`` and say whether the store may copy (False: skip it)."""
+        assert self._writers is not None
+        if not self._writers.register(*writer):  # full registry: logged by the registry
+            logger.error("kvshm: store job %d copies unregistered", job_id)
+        elif not W.generation_alive(self._writers.seg, *writer):
+            logger.warning("kvshm: store job %d skipped: its scheduler (client slot %d "
+                           "generation %d) is gone", job_id, *writer)
+            return False
+        self._writing[job_id] = writer
         return True
 
     def get_finished(self) -> list[tuple[int, bool, int, float]]:
-        """(vLLM job id, success, bytes, seconds) of every job whose parts all finished."""
+        """(vLLM job id, success, bytes, seconds) of every job whose parts all finished
+        (with ``finish_loads``, every load submitted so far among them)."""
+        if self._finish_loads and self._loading:
+            self.wait({self._part_job[p][0] for p in self._loading if p in self._part_job})
         for handler in self._handlers.values():
             for r in handler.get_finished():
+                self._loading.discard(r.job_id)
                 job_id, _ = self._part_job.pop(r.job_id)
                 job = self._jobs[job_id]
                 job.parts.discard(r.job_id)
@@ -144,6 +183,10 @@ class WorkerCore:
                     del self._jobs[job_id]
                     self._done.append((job_id, job.success, job.nbytes, job.seconds))
         out, self._done = self._done, []
+        if self._writers is not None:
+            for job_id, *_ in out:
+                self._writing.pop(job_id, None)
+            self._writers.retire(set(self._writing.values()))
         return out
 
     def wait(self, job_ids: Iterable[int]) -> None:
@@ -161,3 +204,5 @@ class WorkerCore:
         for handler in self._handlers.values():
             handler.shutdown()
         self._handlers.clear()
+        if self._writers is not None:  # nothing copies any more
+            self._writers.close()

@@ -25,25 +25,39 @@ from typing import Any, Collection, Iterable
 
 from kvshm.index.client import SharedManager, connect
 from kvshm.errors import LayoutMismatchError
+from kvshm.shm import writers
 from kvshm.shm.segment import Segment
 from kvshm.integrations.vllm import compat as V
 from kvshm.integrations.vllm.core import (KvshmOptions, ManagerCore, check_layout, explain_mismatch,
                                           layout_for, num_blocks_for, open_segment)
 from kvshm.integrations.vllm.jobs import WorkerCore
+from kvshm.integrations.vllm.stats import KINDS, METRICS, StatsReader
 
 logger = logging.getLogger(__name__)
 
 
+CONFIG_INFO_KEYS = ("kvshm_segment", "kvshm_policy", "kvshm_blocks", "kvshm_block_bytes")
+
+
 class KvshmLoadStoreSpec(V.CPULoadStoreSpec):
-    """Segment block ids (vLLM "chunk ids") in key order; small and picklable."""
+    """Segment block ids (vLLM "chunk ids") in key order, and the scheduler's kvshm client
+    (slot, generation) that the worker copies a store for; small and picklable (vLLM sends
+    it to worker processes in the connector metadata)."""
+
+    def __init__(self, block_ids: Any, writer: tuple[int, int] = (-1, 0)):
+        super().__init__(block_ids)
+        self.writer = (int(writer[0]), int(writer[1]))
 
 
 class KvshmOffloadingManager(V.OffloadingManager):
     """Scheduler side: vLLM's per-key calls mapped onto kvshm's shared index."""
 
-    def __init__(self, shared: SharedManager, events: bool):
+    def __init__(self, shared: SharedManager, events: bool, info: dict[str, Any] | None = None):
         self.core = ManagerCore(shared, reset_flush_signal=V.RESET_FLUSH_SIGNAL)
         self._events = events
+        self._writer = (shared.slot, shared.gen)
+        self._stats = StatsReader(shared.segment, shared.slot)
+        self._info = info or {}
 
     def lookup(self, key: bytes, req_context: V.ReqContext) -> V.LookupResult:
         return V.LOOKUP_FROM_KVSHM[self.core.lookup(key, req_context.req_id).value]
@@ -67,7 +81,7 @@ class KvshmOffloadingManager(V.OffloadingManager):
         if out is None:
             return None  # vLLM counts an allocation failure and offers the chunks again
         return V.PrepareStoreOutput(keys_to_store=out.keys_to_store,
-                                    store_spec=KvshmLoadStoreSpec(out.block_ids),
+                                    store_spec=KvshmLoadStoreSpec(out.block_ids, self._writer),
                                     evicted_keys=out.evicted_keys)
 
     def complete_store(self, keys: Collection[bytes], req_context: V.ReqContext,
@@ -88,6 +102,13 @@ class KvshmOffloadingManager(V.OffloadingManager):
         if not self._events:
             return ()  # called every step: no owner round trip unless events were asked for
         return [V.event(list(e.keys), e.removed) for e in self.core.mgr.take_events()]
+
+    def get_stats(self) -> Any:
+        # every step: this engine's counter deltas, the shared segment's state once a second
+        return V.connector_stats(self._stats.take(), KINDS)
+
+    def config_info(self) -> list[dict[str, Any]]:  # vLLM 0.33: vllm:kv_offload_config_info
+        return [dict(self._info)]
 
     def reset_cache(self) -> None:
         self.core.reset()
@@ -114,7 +135,8 @@ class KvshmOffloadingWorker(V.OffloadingWorker):
     def submit_store(self, job_id: int, src_spec: V.GPULoadStoreSpec,
                      dst_spec: V.LoadStoreSpec) -> bool:
         return self.core.submit(job_id, "store", *self._gpu(src_spec),
-                                dst_spec.block_ids)  # type: ignore[attr-defined]
+                                dst_spec.block_ids,  # type: ignore[attr-defined]
+                                writer=getattr(dst_spec, "writer", None))
 
     def submit_load(self, job_id: int, src_spec: V.LoadStoreSpec,
                     dst_spec: V.GPULoadStoreSpec, expedited: bool = False) -> bool:
@@ -153,6 +175,16 @@ class KvshmOffloadingSpec(V.OffloadingSpec):
         self._manager: KvshmOffloadingManager | None = None
         self._worker: KvshmOffloadingWorker | None = None
 
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, Any]:
+        """kvshm's ``vllm:kvshm_*`` metrics (see ``stats``); vLLM adds its own."""
+        return V.metric_definitions(METRICS)
+
+    @classmethod
+    def config_info_keys(cls, extra_config: dict[str, Any]) -> tuple[str, ...]:
+        """vLLM 0.33's ``vllm:kv_offload_config_info`` labels that the manager fills."""
+        return CONFIG_INFO_KEYS
+
     def get_manager(self) -> KvshmOffloadingManager:
         if self._manager is None:
             o, events = self.options, bool(self.kv_events_config.enable_kv_cache_events)
@@ -164,7 +196,9 @@ class KvshmOffloadingSpec(V.OffloadingSpec):
                                  events=events, **create)
             except LayoutMismatchError as e:
                 raise explain_mismatch(e, o.segment) from None
-            self._manager = KvshmOffloadingManager(shared, events)
+            g = shared.segment.geometry
+            self._manager = KvshmOffloadingManager(shared, events, dict(zip(CONFIG_INFO_KEYS, (
+                o.segment, shared.segment.policy, g.num_blocks, self.layout.block_bytes))))
             logger.info("kvshm: scheduler attached to segment %r (%d blocks of %d bytes)",
                         o.segment, shared.segment.geometry.num_blocks, self.layout.block_bytes)
         return self._manager
@@ -179,13 +213,15 @@ class KvshmOffloadingSpec(V.OffloadingSpec):
                 tensors = [t.tensor for t in kv_caches.tensors]
                 groups = [[r.tensor_idx for r in refs] for refs in kv_caches.group_data_refs]
                 options: dict[str, Any] = {}
+                options["finish_loads"] = bool(tensors) and tensors[0].device.type == "cpu"
                 if tensors and tensors[0].device.type == "cuda":
                     from kvshm.transfer.pinning import pin_in_background
                     pin = pin_in_background(plane.data_ptr(), plane.numel(),
                                             turn=seg.pin_turn, progress=seg.pin_progress())
                     options["pin"] = pin
                 core = WorkerCore(tensors, groups, plane, self.blocks_per_chunk,
-                                  make_handler=make_handler, **options)
+                                  make_handler=make_handler,
+                                  writers=writers.Registrations(seg), **options)
             except BaseException:
                 if pin is not None:
                     pin.unregister()
