@@ -269,6 +269,8 @@ class Mover:
         bell = self.area.bell()
         name = self.seg.name
         while not stop.is_set():
+            if not self.connected:
+                self._usable()  # join at once (and retry after backoffs), not on first use
             if self.step():
                 continue
             if not os.path.exists(SHM_DIR + shm_name(name)):
