@@ -188,3 +188,20 @@ def test_one_mover_per_segment(hosts):
     b, mb = hosts(fake)
     with pytest.raises(MoverRunningError):
         Mover(b.segment.name, FakeTier(fake))
+
+
+def test_kvshm_inspect_shows_the_lower_tier(hosts):
+    from kvshm.inspect.cli import render_show
+    from kvshm.inspect.snapshot import prometheus, snapshot
+    fake = FakeStore()
+    a, ma = hosts(fake)
+    store(a, KEYS)
+    spill_all(ma, fake, len(KEYS))
+    snap = snapshot(a.segment)
+    t = snap["tier"]
+    assert t["mover_alive"] and t["state"] == "connected" and t["backend"] == FakeTier.description
+    assert t["counters"]["puts"] == len(KEYS)
+    assert "tier      mover pid" in render_show(snap)
+    text = prometheus([snap])
+    assert f'kvshm_tier_puts_total{{segment="{a.segment.name}"}} {len(KEYS)}' in text
+    assert f'kvshm_tier_up{{segment="{a.segment.name}"}} 1' in text
