@@ -63,6 +63,7 @@ class Options:
     user_tokens: int = 48
     reply_tokens: int = 16
     cache_mib: float = 16.0
+    global_segment_mib: int = 128  # what each host's mover contributes to Mooncake's pool
     seed: int = 0
 
 
@@ -161,7 +162,7 @@ def run(o: Options) -> dict[str, Any]:
             with open(os.path.join(logdir, f"mover-{name}.log"), "ab") as log:
                 movers.append(subprocess.Popen(
                     [sys.executable, "-m", "kvshm.cli", "mover", name, *master.args(),
-                     "--global-segment", "128M", "--local-buffer", "32M"],
+                     "--global-segment", f"{o.global_segment_mib}M", "--local-buffer", "32M"],
                     stdout=log, stderr=subprocess.STDOUT,
                     env={**os.environ, "PYTHONPATH": ROOT + os.pathsep +
                          os.environ.get("PYTHONPATH", "")}))
@@ -261,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     d = Options()
     for f in ("engines_per_host", "conversations", "turns", "system_prompts", "system_tokens",
-              "user_tokens", "reply_tokens", "seed"):
+              "user_tokens", "reply_tokens", "global_segment_mib", "seed"):
         ap.add_argument("--" + f.replace("_", "-"), type=int, default=getattr(d, f),
                         help=f"{f.replace('_', ' ')} (default {getattr(d, f)})")
     ap.add_argument("--cache-mib", type=float, default=d.cache_mib,

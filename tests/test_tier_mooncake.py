@@ -247,3 +247,15 @@ def test_which_ports_listen_beyond_loopback(master):
     wide = {p for a, p in _listening(m.proc.pid) if a not in loopback}
     assert m.rpc_port not in wide and m.metrics_port not in wide
     assert wide <= {m.metadata_port}, wide
+
+
+def test_the_two_hosts_demo_hits_across_hosts_and_verifies_every_block():
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "two_hosts.py"),
+                        "--json", "--conversations", "4", "--turns", "3"],
+                       capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": ROOT})
+    assert p.returncode == 0, p.stderr[-3000:]
+    import json
+    r = json.loads(p.stdout)
+    assert r["cross_host_blocks"] > 0 and r["mismatched"] == 0 and r["wrong_outputs"] == 0
+    assert r["total"]["blocks_verified"] >= r["cross_host_blocks"]

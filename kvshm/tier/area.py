@@ -14,7 +14,7 @@ purpose (a lost want is a miss); nothing in the index depends on them.
 Layout (native u64 words)::
 
     0     magic | version | max_clients | ring_entries | mover pid | mover state | since_ns
-          | last_error | last_error_ns | sleeping flag (the doorbell's)     (header, 512 bytes)
+          | last_error | last_error_ns | sleeping flag (the doorbell's) | kick (header, 512 B)
     128   counters, COUNTERS order (the mover is their only writer)
     384   backend description, 128 bytes of UTF-8 (what the mover talks to)
     512   per client slot s: tail (producer) | done (mover) | ring_entries x entry
@@ -56,7 +56,7 @@ _SLOT0 = 512
 _ENTRY = 16 + MAX_KEY_BYTES
 _SLOT_BYTES = 128 + RING_ENTRIES * _ENTRY
 (_W_MAGIC, _W_VERSION, _W_CLIENTS, _W_ENTRIES, _W_PID, _W_STATE, _W_SINCE, _W_ERR,
- _W_ERR_NS, _W_SLEEP) = range(10)
+ _W_ERR_NS, _W_SLEEP, _W_KICK) = range(11)
 LOCK_MOVER = 0
 
 STATES = ("stopped", "connecting", "connected", "down")
@@ -223,6 +223,22 @@ class TierArea:
             self._bell = Doorbell(self.buf[8 * _W_SLEEP:8 * _W_SLEEP + 8], _bell_name(self.name),
                                   like_fd=self.fd)
         return self._bell
+
+    def kick(self) -> None:
+        """An engine completed a store: wake the mover to read the store events now rather
+        than at its next poll (any process may; a lost kick only delays the write-through)."""
+        self.w[_W_KICK] = 1
+        self.bell().ring()
+
+    def kicked(self) -> bool:
+        return bool(self.w[_W_KICK])
+
+    def take_kick(self) -> bool:
+        """Mover: whether a kick came since the last call (and clear it)."""
+        if not self.w[_W_KICK]:
+            return False
+        self.w[_W_KICK] = 0
+        return True
 
     def pending(self) -> bool:
         """Whether any want ring holds unread entries."""

@@ -122,6 +122,8 @@ class TieredManager(OffloadingManager):
 
     def complete_store(self, keys: Sequence[bytes], success: bool = True) -> None:
         self.manager.complete_store(keys, success)
+        if success and keys and (area := self._tier()) is not None:
+            area.kick()  # write-through starts now, not at the mover's next events poll
 
     def release(self, keys: Sequence[bytes] | None = None) -> None:
         self.manager.release(keys)

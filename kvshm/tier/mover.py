@@ -31,9 +31,11 @@ import signal
 import threading
 import time
 from collections import OrderedDict, deque
+from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
 import numpy as np
+import posix_ipc
 
 from kvshm.errors import KvshmError
 from kvshm.index.client import SharedManager
@@ -77,7 +79,8 @@ class Mover:
         self.block_bytes = sum(self.page)
         self.hdr = api.header_bytes(len(self.page))
         self.sums = BlockSums(self.mgr.segment) if g.checksums else None
-        self._hbuf = mmap.mmap(-1, max(4096, self.hdr * batch * 2))  # headers: registered
+        self._hbuf = mmap.mmap(-1, max(4096, self.hdr * batch * 2))  # 2 halves, registered
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvshm-mover-sums")
         self._haddr = ctypes.addressof(ctypes.c_char.from_buffer(self._hbuf))
         self._hview = memoryview(self._hbuf)
         self._queue: deque[bytes] = deque()
@@ -152,10 +155,16 @@ class Mover:
         while len(self._skip) > _REMEMBER:
             self._skip.popitem(last=False)
 
-    def _buffers(self, blocks: Sequence[int]) -> list[list[tuple[int, int]]]:
-        return [[(self._haddr + i * self.hdr, self.hdr)] +
+    def _buffers(self, blocks: Sequence[int], half: int) -> list[list[tuple[int, int]]]:
+        """Per block: its header slot in half ``half`` of the header buffer, then its pages."""
+        h0 = self._haddr + half * self.batch * self.hdr
+        return [[(h0 + i * self.hdr, self.hdr)] +
                 [(int(p.ctypes.data) + b * n, n) for p, n in zip(self.planes, self.page)]
                 for i, b in enumerate(blocks)]
+
+    def _header(self, half: int, i: int) -> memoryview:
+        o = (half * self.batch + i) * self.hdr
+        return self._hview[o:o + self.hdr]
 
     def _fill(self) -> int:
         keys, done = self.area.drain(_WANTS_PER_ROUND)
@@ -166,8 +175,7 @@ class Mover:
         if not keys or not self._usable():
             self.area.publish(done)
             return len(keys)
-        names = [api.tier_key(self.fp, k) for k in keys]
-        codes = self.tier.exists(names)
+        codes = self.tier.exists([api.tier_key(self.fp, k) for k in keys])
         self._codes(codes)
         there = [k for k, c in zip(keys, codes) if c == Code.OK]
         self.area.add("get_misses", sum(1 for c in codes if c == Code.NOT_FOUND))
@@ -178,27 +186,25 @@ class Mover:
         self.area.publish(done)  # the fetched keys are WRITING now: lookups say "not yet"
         if not out or not out.keys_to_store:
             return len(keys)
-        good, bad = [], []
-        for lo in range(0, len(out.keys_to_store), self.batch * 2):
-            ks = out.keys_to_store[lo:lo + self.batch * 2]
-            bs = out.block_ids[lo:lo + self.batch * 2]
-            got = self.tier.get([api.tier_key(self.fp, k) for k in ks], self._buffers(bs))
+        ks, bs, bt = out.keys_to_store, out.block_ids, self.batch
+        chunks = [(ks[i:i + bt], bs[i:i + bt]) for i in range(0, len(ks), bt)]
+        good: list[bytes] = []
+        bad: list[bytes] = []
+        verifying = None
+        # Two stages: chunk i+1 travels while the helper thread checks chunk i (zlib and the
+        # transfer both release the GIL), in alternate halves of the header buffer.
+        for c, (ck, cb) in enumerate(chunks):
+            got = self.tier.get([api.tier_key(self.fp, k) for k in ck], self._buffers(cb, c % 2))
             self._codes([g if g < 0 else 0 for g in got])
-            for i, (k, b, n) in enumerate(zip(ks, bs, got)):
-                if n == self.hdr + self.block_bytes:
-                    why = api.check_value(self._hview[i * self.hdr:(i + 1) * self.hdr], self.fp,
-                                          k, [p[b] for p in self.planes])
-                    if why is not None:  # never READY: wrong bytes would poison the host
-                        self.area.add("get_rejected")
-                        log.warning("fetched block %s… rejected: %s", k.hex()[:16], why)
-                else:
-                    why = f"code {n}" if n < 0 else f"{n} bytes"
-                    self.area.add("get_misses" if n == Code.NOT_FOUND else "get_failed")
-                (good if why is None else bad).append(k)
-        self._remember(out.keys_to_store)
+            if verifying is not None:
+                verifying.result()
+            verifying = self._pool.submit(self._check_chunk, c % 2, ck, cb, got, good, bad)
+        if verifying is not None:
+            verifying.result()
+        self._remember(ks)
         if good:
             if self.sums is not None:  # the segment checks loads: give it the pages' sums
-                where = dict(zip(out.keys_to_store, out.block_ids))
+                where = dict(zip(ks, bs))
                 self.sums.store(np.array([where[k] for k in good]), list(range(len(self.page))))
             self.mgr.complete_store(good, True)
             self.area.add("gets", len(good))
@@ -207,9 +213,24 @@ class Mover:
             self.mgr.complete_store(bad, False)
         return len(keys)
 
+    def _check_chunk(self, half: int, ks: list[bytes], bs: list[int], got: list[int],
+                     good: list[bytes], bad: list[bytes]) -> None:
+        """Helper thread: sort one fetched chunk into good and bad (never READY) keys."""
+        for i, (k, b, n) in enumerate(zip(ks, bs, got)):
+            if n == self.hdr + self.block_bytes:
+                why = api.check_value(self._header(half, i), self.fp, k,
+                                      [p[b] for p in self.planes])
+                if why is not None:  # wrong bytes would poison every engine on the host
+                    self.area.add("get_rejected")
+                    log.warning("fetched block %s… rejected: %s", k.hex()[:16], why)
+            else:
+                why = f"code {n}" if n < 0 else f"{n} bytes"
+                self.area.add("get_misses" if n == Code.NOT_FOUND else "get_failed")
+            (good if why is None else bad).append(k)
+
     def _events(self) -> None:
         now = time.monotonic()
-        if now < self._next_events:
+        if now < self._next_events and not self.area.take_kick():
             return
         events = self.mgr.take_events()
         self._next_events = now + (self.poll_s if events else _IDLE_EVENTS_S)
@@ -235,7 +256,7 @@ class Mover:
             self._queue.clear()
             self._queued.clear()
             return 0
-        take = [self._queue.popleft() for _ in range(min(self.batch, len(self._queue)))]
+        take = [self._queue.popleft() for _ in range(min(4 * self.batch, len(self._queue)))]
         self._queued.difference_update(take)
         hit = [k for k in take if self.mgr.key_status(k) == LookupResult.HIT]
         self.area.add("put_skipped", len(take) - len(hit))
@@ -247,11 +268,19 @@ class Mover:
             self.mgr.release(hit)
             self.area.add("put_skipped", len(hit))
             return len(take)
+        bt = self.batch
+        chunks = [(hit[i:i + bt], blocks[i:i + bt]) for i in range(0, len(hit), bt)]
+        codes: list[Code] = []
         try:
-            for i, (k, b) in enumerate(zip(hit, blocks)):
-                api.pack_header(self._hview[i * self.hdr:(i + 1) * self.hdr], self.fp, k,
-                                [p[b] for p in self.planes])
-            codes = self.tier.put([api.tier_key(self.fp, k) for k in hit], self._buffers(blocks))
+            # Two stages: the helper thread sums chunk i+1 while chunk i travels.
+            self._headers(0, *chunks[0])
+            for c, (ck, cb) in enumerate(chunks):
+                nxt = (self._pool.submit(self._headers, (c + 1) % 2, *chunks[c + 1])
+                       if c + 1 < len(chunks) else None)
+                codes += self.tier.put([api.tier_key(self.fp, k) for k in ck],
+                                       self._buffers(cb, c % 2))
+                if nxt is not None:
+                    nxt.result()
         finally:
             self.mgr.complete_load(hit)
         self._codes(codes)
@@ -259,9 +288,13 @@ class Mover:
         self.area.add("puts", ok)
         self.area.add("put_bytes", ok * self.block_bytes)
         self.area.add("put_refused_space", sum(1 for c in codes if c == Code.NO_SPACE))
-        self.area.add("put_failed", sum(1 for c in codes if c not in (Code.OK, Code.NO_SPACE)))
+        self.area.add("put_failed", len(hit) - ok - sum(1 for c in codes if c == Code.NO_SPACE))
         self._remember([k for k, c in zip(hit, codes) if c == Code.OK])
         return len(take)
+
+    def _headers(self, half: int, ks: list[bytes], bs: list[int]) -> None:
+        for i, (k, b) in enumerate(zip(ks, bs)):
+            api.pack_header(self._header(half, i), self.fp, k, [p[b] for p in self.planes])
 
     # --- loop -----------------------------------------------------------------------------
     def run(self, stop: threading.Event) -> None:
@@ -277,9 +310,16 @@ class Mover:
                 log.info("segment %r was removed; the mover exits", name)
                 return
             wait = max(0.0, self._next_events - time.monotonic()) if self.spill else 0.05
-            bell.wait(min(wait, _IDLE_EVENTS_S), self.area.pending)
+            try:
+                bell.wait(min(wait, _IDLE_EVENTS_S), self._woken)
+            except posix_ipc.SignalError:  # SIGTERM/SIGINT: the handler set ``stop``
+                pass
+
+    def _woken(self) -> bool:
+        return self.area.pending() or self.area.kicked()
 
     def close(self) -> None:
+        self._pool.shutdown()
         self.area.set_state("stopped")
         self.area.skip_all()
         try:
