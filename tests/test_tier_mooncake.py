@@ -65,12 +65,14 @@ class Host:
         self.start_mover()
         self.eng = TieredManager(connect(seg.name), max_wait=30.0)
 
-    def start_mover(self) -> None:
+    def start_mover(self, crash_at: str | None = None) -> None:
+        env = {**os.environ, "PYTHONPATH": ROOT}
+        if crash_at:
+            env["KVSHM_CRASH_AT"] = crash_at
         cmd = [sys.executable, "-m", "kvshm.cli", "mover", self.seg.name, *self.master.args(),
                "--global-segment", "64M", "--local-buffer", "16M", "--log-level", "INFO"]
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                         env={**os.environ, "PYTHONPATH": ROOT})
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         assert poll_until(lambda: self.tier()["state"] == "connected" or
                           self.proc.poll() is not None, 90), self.log()
         assert self.proc.poll() is None, self.log()
@@ -214,6 +216,42 @@ def test_host_1_mover_killed(master, hosts):
     fresh = write_through_fresh(h1, "fresh")
     assert h2.lookup_settled(fresh) == len(fresh)
     h2.verify(fresh)
+
+
+@pytest.mark.parametrize("point", ["mover.fill.after_prepare", "mover.fill.after_get"])
+def test_a_mover_killed_mid_fetch_leaves_no_block_half_fetched(master, hosts, point):
+    from kvshm.inspect.snapshot import verify
+    m = master()
+    h1, h2 = hosts(m), hosts(m)
+    keys = keys_of("crash")
+    store(h1.eng, keys)
+    spilled(h1, len(keys))
+    h2.kill_mover()
+    h2.start_mover(crash_at=point)
+    assert h2.eng.lookup(keys) is None  # asks the armed mover, which dies at the point
+    assert h2.proc.wait(60) == -signal.SIGKILL
+    hits = h2.lookup_settled(keys)  # its WRITING blocks are freed by the owner: misses
+    assert hits == 0 or h2.verify(keys[:hits]) is None
+    assert poll_until(lambda: verify(h2.seg) == [], 30), verify(h2.seg)
+    # A new mover works. (The killed one took its share of the pool along, which may have
+    # held some of host 1's blocks: check with prefixes written through after it died.)
+    h2.start_mover()
+    fresh = write_through_fresh(h1, "after-crash")
+    assert h2.lookup_settled(fresh) == len(fresh)
+    h2.verify(fresh)
+
+
+def test_a_mover_killed_with_blocks_pinned_for_a_put(master, hosts):
+    from kvshm.inspect.snapshot import verify
+    m = master()
+    h1 = hosts(m)
+    h1.kill_mover()
+    h1.start_mover(crash_at="mover.spill.after_pin")
+    store(h1.eng, keys_of("pinned"))
+    assert h1.proc.wait(60) == -signal.SIGKILL
+    assert poll_until(lambda: verify(h1.seg) == [], 60), verify(h1.seg)
+    h1.start_mover()
+    write_through_fresh(h1, "unpinned")
 
 
 def _listening(pid: int) -> set[tuple[str, int]]:

@@ -37,6 +37,7 @@ from typing import Sequence
 import numpy as np
 import posix_ipc
 
+from kvshm.crashpoints import crash_point
 from kvshm.errors import KvshmError
 from kvshm.index.client import SharedManager
 from kvshm.index.api import LookupResult
@@ -75,6 +76,8 @@ class Mover:
         g = self.seg.geometry
         self.fp = self.seg.layout.fingerprint()
         self.planes = self.mgr.segment.planes()
+        # Blocks one spill round pins: a lookup refuses leases past half the hold table.
+        self._spill_max = max(1, min(4 * batch, g.hold_capacity // 4))
         self.page = list(g.page_bytes)
         self.block_bytes = sum(self.page)
         self.hdr = api.header_bytes(len(self.page))
@@ -184,6 +187,7 @@ class Mover:
         if there and out is None:
             self.area.add("get_no_room", len(there))
         self.area.publish(done)  # the fetched keys are WRITING now: lookups say "not yet"
+        crash_point("mover.fill.after_prepare")
         if not out or not out.keys_to_store:
             return len(keys)
         ks, bs, bt = out.keys_to_store, out.block_ids, self.batch
@@ -201,6 +205,7 @@ class Mover:
             verifying = self._pool.submit(self._check_chunk, c % 2, ck, cb, got, good, bad)
         if verifying is not None:
             verifying.result()
+        crash_point("mover.fill.after_get")
         self._remember(ks)
         if good:
             if self.sums is not None:  # the segment checks loads: give it the pages' sums
@@ -256,7 +261,7 @@ class Mover:
             self._queue.clear()
             self._queued.clear()
             return 0
-        take = [self._queue.popleft() for _ in range(min(4 * self.batch, len(self._queue)))]
+        take = [self._queue.popleft() for _ in range(min(self._spill_max, len(self._queue)))]
         self._queued.difference_update(take)
         hit = [k for k in take if self.mgr.key_status(k) == LookupResult.HIT]
         self.area.add("put_skipped", len(take) - len(hit))
@@ -268,6 +273,7 @@ class Mover:
             self.mgr.release(hit)
             self.area.add("put_skipped", len(hit))
             return len(take)
+        crash_point("mover.spill.after_pin")
         bt = self.batch
         chunks = [(hit[i:i + bt], blocks[i:i + bt]) for i in range(0, len(hit), bt)]
         codes: list[Code] = []
