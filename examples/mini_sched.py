@@ -14,6 +14,8 @@ One ``step()`` is one engine iteration, in vLLM's order:
 """
 from __future__ import annotations
 
+import time
+
 
 class EngineLoop:
     """Mixin: the scheduling logic of ``mini_engine.Engine`` (state lives there)."""
@@ -40,8 +42,11 @@ class EngineLoop:
 
     def run_until_idle(self) -> None:
         while self.busy():
-            if not self.step() and self.jobs:
-                self._complete(self.worker.wait([min(self.jobs)]))  # nothing to compute
+            if not self.step():
+                if self.jobs:
+                    self._complete(self.worker.wait([min(self.jobs)]))  # nothing to compute
+                else:  # only lookups answered "not yet": let the host's mover have the CPU
+                    time.sleep(0.001)
 
     def drain(self) -> None:
         """Wait for every job in flight (e.g. so that stores are published before a barrier)."""
@@ -146,6 +151,9 @@ class EngineLoop:
         cached = self.pool.cached_prefix(r.hashes, (len(r.tokens) - 1) // bt)
         local = len(cached) * bt
         ext = self.conn.get_num_new_matched_tokens(r.req_id, r.hashes, local)
+        if ext is None:  # kvshm's lower tier is fetching this prefix: admit it next step
+            self.stats["not_yet"] = self.stats.get("not_yet", 0) + 1
+            return False
         self.pool.acquire(cached)  # before allocating, so that allocation cannot evict them
         new = self.pool.allocate(-(-len(r.tokens) // bt) - len(cached))
         if new is None:

@@ -26,6 +26,7 @@ _PUBLIC = {
     "SchedulerChannel": "engine.channel", "WorkerChannel": "engine.channel",
     "block_hashes": "engine.hashing", "offload_key": "engine.hashing",
     "KvshmError": "errors",
+    "TieredManager": "tier.client", "connect_tiered": "tier.client",
 }
 __all__ = sorted(_PUBLIC) + ["errors"]
 
@@ -53,3 +54,4 @@ if TYPE_CHECKING:  # for type checkers and IDEs only
     from kvshm.shm.segment import Segment, list_segments
     from kvshm.transfer.spec import TransferHandler, TransferResult, TransferSpec, make_handler
     from kvshm.engine.worker import WorkerConnector
+    from kvshm.tier.client import TieredManager, connect_tiered

@@ -1,6 +1,7 @@
 """The ``kvshm`` command: run an owner in the foreground for people who want a daemon.
 
 This module owns only argument parsing for ``kvshm serve``; serving lives in ``owner.py``.
+``kvshm mover`` (the host's lower-tier mover) is parsed and run by ``kvshm.tier.mover``.
 It never imports torch.
 """
 from __future__ import annotations
@@ -26,7 +27,19 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--log-level", default=DEFAULT_LOG_LEVEL, type=str.upper,
                        choices=LOG_LEVELS, help=f"logging level, case-insensitive "
                        f"(default {DEFAULT_LOG_LEVEL}); the log goes to stderr")
+    mover = sub.add_parser(
+        "mover", help="move segment NAME's blocks to and from Mooncake Store (one per host)",
+        description="Run the host's lower-tier mover for segment NAME until SIGTERM/SIGINT: "
+                    "write every stored block through to Mooncake Store and fetch engines' "
+                    "misses from it. Exits 0 at once if another mover serves NAME. Needs "
+                    "pip install 'kvshm[mooncake]'. Example: kvshm mover mycache --master "
+                    "10.0.0.1:50051 --metadata http://10.0.0.1:8080/metadata --local-host "
+                    "10.0.0.2")
+    from kvshm.tier.mover import add_arguments, run_from_args
+    add_arguments(mover)
     args = ap.parse_args(argv)
+    if args.cmd == "mover":
+        return run_from_args(args)
     return owner_main([args.name, "--log-level", args.log_level])
 
 

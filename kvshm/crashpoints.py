@@ -51,6 +51,10 @@ POINTS = (
     "segment.create.after_reserve",  # space reserved, header (magic) not written
     # copy workers
     "worker.store.mid_copy",  # a store job half copied into the segment
+    # the lower tier's mover
+    "mover.fill.after_prepare",  # fetched keys WRITING in the segment, nothing fetched
+    "mover.fill.after_get",  # values fetched into their blocks, not verified or completed
+    "mover.spill.after_pin",  # blocks pinned for their put, nothing put
 )
 
 _ENV = os.environ.get("KVSHM_CRASH_AT")

@@ -101,3 +101,10 @@ class TransferError(KvshmError):
 
 class PinningError(KvshmError):
     """Registering the segment with CUDA failed (copies continue unpinned)."""
+
+
+# --- lower tier --------------------------------------------------------------------------
+class LowerTierUnavailableError(KvshmError):
+    """The lower tier's client cannot be used at all: its package (or a system library it
+    loads) is missing, or its configuration is invalid. Raised where a mover starts, never
+    to an engine: a lower tier that is merely down is a miss, not an error."""

@@ -138,8 +138,11 @@ class SchedulerConnector:
         return st.keys
 
     def get_num_new_matched_tokens(self, req_id: str, block_hashes: Sequence[bytes],
-                                   num_computed_tokens: int) -> int:
+                                   num_computed_tokens: int) -> int | None:
         """Tokens beyond ``num_computed_tokens`` (the device-cached prefix) loadable from kvshm.
+
+        None (vLLM's "ask again later"): the manager's lookup said a fetch from a lower tier
+        may bring more (``kvshm.tier.TieredManager``); leave the request waiting this step.
 
         ``block_hashes`` (one per full device block) is kept by reference: an engine that
         appends hashes as blocks fill during decode gets those blocks stored too.
@@ -162,6 +165,8 @@ class SchedulerConnector:
             return 0  # less than one whole offloaded block left to gain
         start = num_computed_tokens // obs
         hits = self.manager.lookup(keys[start:])
+        if hits is None:  # a lower-tier fetch is in flight; nothing is leased meanwhile
+            return None
         if hits == 0:
             return 0
         st.lookup = (start, hits, num_computed_tokens)

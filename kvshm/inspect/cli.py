@@ -23,6 +23,7 @@ from kvshm.index.owner_link import OWNER_IDLE_EXIT_S
 from kvshm.errors import OwnerUnavailableError, SegmentNotFoundError, SegmentPermissionError
 from kvshm.shm.segment import PREFIX, SHM_DIR, Segment, list_segments, shm_name
 from kvshm.inspect.schema import encode
+from kvshm.tier.area import TierArea
 from kvshm.inspect.snapshot import block_rows, metric_samples, prometheus, snapshot, verify
 
 PROG = "kvshm-inspect"
@@ -88,7 +89,21 @@ def render_show(s: dict[str, Any]) -> str:
              "yes" if p["alive"] else "no"] for p in s["pinners"]])
     items = [f"{k} {v}" for k, v in s["counters"].items()]
     return "\n".join(out + ["counters"] + ["  " + "  ".join(items[i:i + 7])
-                                           for i in range(0, len(items), 7)])
+                                           for i in range(0, len(items), 7)] + _tier_lines(s))
+
+
+def _tier_lines(s: dict[str, Any]) -> list[str]:
+    t = s.get("tier")
+    if t is None:
+        return []
+    c = t["counters"]
+    who = (f"mover pid {t['mover_pid']}  {t['state']}" if t["mover_alive"] else
+           f"no mover alive (last: pid {t['mover_pid'] or '-'})")
+    items = [f"{k} {v}" for k, v in c.items()]
+    return [f"tier      {who}  {t['backend'] or '-'}  wants queued {t['wants_queued']}"
+            + (f"  last error {t['last_error']}" if t["last_error"] else ""),
+            f"          put {_size(c['put_bytes'])}  got {_size(c['get_bytes'])}"] + [
+        "  " + "  ".join(items[i:i + 6]) for i in range(0, len(items), 6)]
 
 
 def _ls_row(name: str) -> dict[str, Any]:
@@ -290,6 +305,7 @@ def cmd_rm(args: Args) -> int:
             print(encode(out))
         return 1
     out["removed"] = Segment.unlink(args.name)
+    TierArea.unlink(args.name)  # the mover's area goes with its segment
     _emit(args, out, lambda: f"removed {args.name}" if out["removed"] else
           f"{args.name} was already gone")
     return 0

@@ -143,6 +143,23 @@ class Pinner(_Doc):
     updated_ns: _d(int, "last progress")
 
 
+class Tier(_Doc):
+    """`tier`: the host's lower-tier mover and what it moved (its tier area)."""
+    mover_pid: _d(int, "pid of the last mover (0: none yet)")
+    mover_alive: _d(bool, "whether a mover process holds the mover lock")
+    state: _d(Literal["stopped", "connecting", "connected", "down"],
+              "`connected`: the lower tier answers; `down`: it failed and the mover backs off "
+              "(every want is a miss meanwhile); `stopped`: no mover alive")
+    backend: _d(str, "what the mover talks to (e.g. `mooncake master HOST:PORT (tcp)`)")
+    since_ns: _d(int, "when the last mover started")
+    last_error: _d(int, "the last failure code the lower tier answered (Mooncake's; 0: none)")
+    last_error_ns: _d(int, "when (0: never)")
+    wants_queued: _d(int, "keys engines asked for that the mover has not read yet")
+    counters: _d(dict[str, int], "the mover's counters (`kvshm.tier.area.COUNTERS`): wants, "
+                 "gets/get_bytes/get_misses/get_failed/get_rejected/get_no_room, puts/put_bytes/"
+                 "put_failed/put_refused_space/put_dropped/put_skipped, rpc_failures, reconnects")
+
+
 class Show(_Doc):
     """`kvshm-inspect show` (and each line of `watch --json`)."""
     schema: _d(Literal["kvshm.show/1"], "its kind and version")
@@ -157,6 +174,7 @@ class Show(_Doc):
     clients_dead: _d(int, "taken slots whose process died (not reclaimed yet)")
     pinners: _d(list[Pinner], "CUDA pin progress per process")
     counters: _d(dict[str, int], "counters, see below")
+    tier: _d(_Opt[Tier, None], "the lower tier (null: no mover ever ran for this segment)")
 
 
 # --- blocks, verify, metrics, gc, rm ------------------------------------------------------

@@ -23,6 +23,7 @@ from kvshm.shm.ring import Ring
 from kvshm.shm.segment import Segment
 from kvshm.shm.table import BlockTable, KeyIndex
 from kvshm.index.owner_link import owner_log_path
+from kvshm.tier.area import COUNTERS as TIER_COUNTERS, TierArea
 
 _ENTRY_DT = np.dtype({"names": [n for n, _ in L.ENTRY_FIELDS],
                       "formats": ["<" + c for _, c in L.ENTRY_FIELDS],
@@ -163,7 +164,18 @@ def snapshot(seg: Segment) -> dict[str, Any]:
                   "log": owner_log_path(seg.name)},
         "clients": clients, "clients_alive": sum(c["alive"] for c in clients),
         "clients_dead": sum(c["state"] != SLOT_FREE and not c["alive"] for c in clients),
-        "pinners": pinners, "counters": counters}
+        "pinners": pinners, "counters": counters, "tier": tier_snapshot(seg.name)}
+
+
+def tier_snapshot(name: str) -> dict[str, Any] | None:
+    """The lower tier's part of a snapshot, or None when no mover ever ran here."""
+    area = TierArea.attach(name)
+    if area is None:
+        return None
+    try:
+        return area.snapshot()
+    finally:
+        area.close()
 
 
 def block_rows(seg: Segment, states: set[str], limit: int) -> tuple[int, list[dict[str, Any]]]:
@@ -351,6 +363,15 @@ def metric_samples(snaps: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for key, text in _COUNTERS:
             add(f"kvshm_{_RENAMED.get(key, key)}_total", "counter", text, s["counters"][key],
                 segment=seg)
+        t = s.get("tier")
+        if t is not None:
+            add("kvshm_tier_mover_up", "gauge", "1 while the host's lower-tier mover is alive.",
+                int(t["mover_alive"]), segment=seg)
+            add("kvshm_tier_up", "gauge", "1 while the mover's lower tier answers.",
+                int(t["state"] == "connected"), segment=seg)
+            for key in TIER_COUNTERS:
+                add(f"kvshm_tier_{key}_total", "counter", f"Lower tier: {key.replace('_', ' ')}.",
+                    t["counters"][key], segment=seg)
         for c in s["clients"]:
             add("kvshm_client_holds", "gauge", "Hold entries (load pins and leases) of a client.",
                 c["holds"], segment=seg, slot=c["slot"], pid=c["pid"], alive=int(c["alive"]))

@@ -1,0 +1,120 @@
+"""The lower-tier interface: what a mover needs from a cluster-wide KV store.
+
+This module owns ``LowerTier`` (the abstract backend), its typed per-key results, and the
+value format of a block in the lower tier (a header with the layout fingerprint, the key's
+checksum and one length+crc32 per plane, followed by the planes' pages). It never talks to a
+network, never touches a segment and never imports torch or a backend's package.
+
+A backend moves bytes between registered memory (the segment's data region, the mover's
+header buffers) and its store, keyed by strings. Every call answers per key and never raises
+for a store that is down, slow, full or restarted: those are codes (``Code``) the mover counts
+and turns into misses. Raising is for programming errors and for ``connect`` finding the
+backend unusable (``LowerTierUnavailableError``).
+"""
+from __future__ import annotations
+
+import enum
+import struct
+import zlib
+from abc import ABC, abstractmethod
+from typing import Sequence
+
+from kvshm.shm.checksums import page_sum
+
+
+class Code(enum.IntEnum):
+    """One key's outcome. Values are Mooncake's where it has one (they are what the logs
+    show); a backend maps its own codes onto these."""
+    OK = 0
+    NOT_FOUND = -704
+    NO_SPACE = -200
+    LEASE_HELD = -706
+    TRANSFER_FAILED = -800
+    RPC_FAILED = -900
+    OTHER = -1
+
+    @classmethod
+    def of(cls, rc: int) -> "Code":
+        try:
+            return cls(rc)
+        except ValueError:
+            return cls.OTHER
+
+
+class LowerTier(ABC):
+    """A cluster-wide store of blocks, used by exactly one mover per host.
+
+    Buffers are ``(address, length)`` pairs in memory given to ``register`` first. A value is
+    stored from, and fetched into, a list of buffers (the header, then one page per plane):
+    the segment's planes are separate arrays, so one block is several pieces.
+    """
+
+    description: str = "lower tier"
+
+    @abstractmethod
+    def connect(self) -> bool:
+        """Join the store. False (logged) when it cannot be reached now; the mover retries.
+        Raises ``LowerTierUnavailableError`` when it can never work (missing package)."""
+
+    @abstractmethod
+    def register(self, address: int, length: int) -> bool:
+        """Make ``length`` bytes at ``address`` usable as a transfer buffer."""
+
+    @abstractmethod
+    def exists(self, keys: Sequence[str]) -> list[Code]:
+        """Per key: OK (present), NOT_FOUND, or a failure code."""
+
+    @abstractmethod
+    def put(self, keys: Sequence[str], buffers: Sequence[Sequence[tuple[int, int]]]) -> list[Code]:
+        """Store each key's value gathered from its buffers."""
+
+    @abstractmethod
+    def get(self, keys: Sequence[str], buffers: Sequence[Sequence[tuple[int, int]]]) -> list[int]:
+        """Fetch each key's value scattered into its buffers: per key the bytes read (>= 0)
+        or a negative ``Code`` value. A value of another length than the buffers is not OK."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Leave the store (this host's share of it goes too)."""
+
+
+# --- the value of one block in the lower tier ----------------------------------------------
+VALUE_MAGIC = b"KVT1"
+VALUE_VERSION = 1
+_FIXED = struct.Struct("<4sHHI8s")  # magic, version, planes, crc32(key), fingerprint[:8]
+_PLANE = struct.Struct("<II")       # page length, crc32 of the page
+
+
+def header_bytes(num_planes: int) -> int:
+    """Bytes of a value's header: rounded up to 64 so every page starts aligned."""
+    return -(-(_FIXED.size + _PLANE.size * num_planes) // 64) * 64
+
+
+def tier_key(fingerprint: bytes, key: bytes) -> str:
+    """The lower-tier key of segment key ``key`` under layout ``fingerprint``: engines of
+    different models or layouts never see each other's blocks."""
+    return f"kvshm1-{fingerprint[:16].hex()}-{key.hex()}"  # 128 bits tell layouts apart
+
+
+def pack_header(out: memoryview, fingerprint: bytes, key: bytes, pages: Sequence) -> None:
+    """Write the header of a block whose plane pages are ``pages`` into ``out``."""
+    _FIXED.pack_into(out, 0, VALUE_MAGIC, VALUE_VERSION, len(pages), zlib.crc32(key),
+                     fingerprint[:8])
+    for i, page in enumerate(pages):
+        _PLANE.pack_into(out, _FIXED.size + i * _PLANE.size, len(page), page_sum(page))
+
+
+def check_value(header: memoryview, fingerprint: bytes, key: bytes, pages: Sequence) -> str | None:
+    """Why the fetched block (``header`` + ``pages``) is not ``key``'s, or None if it is."""
+    magic, version, n, key_sum, fp = _FIXED.unpack_from(header, 0)
+    if magic != VALUE_MAGIC or version != VALUE_VERSION:
+        return f"header magic/version {magic!r}/{version}"
+    if n != len(pages) or fp != fingerprint[:8] or key_sum != zlib.crc32(key):
+        return "header names another layout or key"
+    for i, page in enumerate(pages):
+        length, crc = _PLANE.unpack_from(header, _FIXED.size + i * _PLANE.size)
+        if length != len(page):
+            return f"plane {i} length {length} != {len(page)}"
+        if crc != page_sum(page):
+            return f"plane {i} checksum mismatch"
+    return None

@@ -1,0 +1,341 @@
+"""The tier area: a small shared-memory object beside a segment, owned by its mover.
+
+This module owns the byte layout of ``/dev/shm/kvshmtier-NAME``: the mover's liveness lock
+and state, the lower-tier counters (which ``kvshm-inspect`` shows), and one *want ring* per
+client slot through which engines ask the mover to fetch keys their lookups missed. It never
+talks to a lower tier, never touches the segment's index and never imports torch.
+
+Why a separate object and not a frame to the owner: a want is a hint on the engine's lookup
+path, which reads shared memory and never waits for the owner. Writing a want is two stores
+and, when the mover sleeps, one semaphore post; the owner's exactly-once protocol and its
+rings stay untouched, and an owner failover never loses or replays a want. Wants are lossy on
+purpose (a lost want is a miss); nothing in the index depends on them.
+
+Layout (native u64 words)::
+
+    0     magic | version | max_clients | ring_entries | mover pid | mover state | since_ns
+          | last_error | last_error_ns | sleeping flag (the doorbell's) | kick (header, 512 B)
+    128   counters, COUNTERS order (the mover is their only writer)
+    384   backend description, 128 bytes of UTF-8 (what the mover talks to)
+    512   per client slot s: tail (producer) | done (mover) | ring_entries x entry
+          entry = seq u64 | key length u64 | key 64 bytes
+
+A want ring has one producer, the client holding slot ``s`` (slots are exclusive by kernel
+lock), and one consumer, the mover. The producer writes an entry's key, then its ``seq``, then
+publishes ``tail`` (seq numbers are 1-based and never reused; a new client in the slot goes on
+from ``tail``). The mover reads entries ``done+1 .. tail``; one whose ``seq`` is not the one
+expected was overwritten by a producer that lapped the mover, and is counted as dropped. After
+handling a batch (a fetch started, or the key found absent below) the mover publishes ``done``:
+a client whose want ``seq <= done`` knows its answer is already visible in the segment (the
+key is WRITING or READY, or it stays a miss). Only x86/ARM-aligned 8-byte stores are used, as
+``kvshm.shm.ring`` explains; the mover's lock (byte 0, an OFD lock) says whether it is alive.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import stat
+import time
+from typing import Iterator
+
+import posix_ipc
+
+from kvshm.errors import InvalidArgumentError
+from kvshm.shm import locks
+from kvshm.shm.fence import full_fence
+from kvshm.shm.layout import MAX_KEY_BYTES
+from kvshm.shm.ring import Doorbell
+from kvshm.shm.segment import SHM_DIR, Segment, shm_name
+
+PREFIX = "kvshmtier-"
+MAGIC = int.from_bytes(b"KVTIER01", "little")
+VERSION = 1
+RING_ENTRIES = 256
+_HDR, _CTR, _DESC = 0, 128, 384
+_SLOT0 = 512
+_ENTRY = 16 + MAX_KEY_BYTES
+_SLOT_BYTES = 128 + RING_ENTRIES * _ENTRY
+(_W_MAGIC, _W_VERSION, _W_CLIENTS, _W_ENTRIES, _W_PID, _W_STATE, _W_SINCE, _W_ERR,
+ _W_ERR_NS, _W_SLEEP, _W_KICK) = range(11)
+LOCK_MOVER = 0
+
+STATES = ("stopped", "connecting", "connected", "down")
+COUNTERS = (
+    "wants",            # keys engines asked the mover to fetch
+    "wants_dropped",    # wants overwritten before the mover read them (a miss)
+    "gets",             # blocks fetched, verified and published READY
+    "get_bytes",        # bytes of those blocks (the block, not the stored header)
+    "get_misses",       # wanted keys the lower tier does not have
+    "get_failed",       # fetches that failed (transfer, RPC, lost share): a miss
+    "get_rejected",     # fetched values whose header, length or checksum was wrong
+    "get_no_room",      # wanted keys present below but the segment had no room
+    "puts",             # blocks written to the lower tier
+    "put_bytes",        # bytes of those blocks
+    "put_failed",       # puts that failed (transfer, RPC)
+    "put_refused_space",  # puts the lower tier refused for space
+    "put_dropped",      # stores not spilled: the tier was down or the queue full
+    "put_skipped",      # stored blocks evicted before their put, or fetched from below
+    "rpc_failures",     # calls answered with an RPC failure (lower tier unreachable)
+    "reconnects",       # times the mover (re)connected to its lower tier
+)
+
+
+def area_name(name: str) -> str:
+    """POSIX name of segment ``name``'s tier area (validates ``name`` like a segment's)."""
+    shm_name(name)
+    return "/" + PREFIX + name
+
+
+def _bell_name(name: str) -> str:
+    return area_name(name) + "-bell"
+
+
+def area_bytes(max_clients: int) -> int:
+    return _SLOT0 + max_clients * _SLOT_BYTES
+
+
+class TierArea:
+    """A mapped tier area. ``create`` is for the mover, ``attach`` for everyone else."""
+
+    def __init__(self, name: str, fd: int, mm: mmap.mmap) -> None:
+        self.name, self.fd, self._mm = name, fd, mm
+        self.buf = memoryview(mm)
+        self.w = self.buf[:_CTR].cast("Q")
+        self.counters = self.buf[_CTR:_CTR + 8 * len(COUNTERS)].cast("Q")
+        self.max_clients = int(self.w[_W_CLIENTS])
+        self._slots = [self.buf[_SLOT0 + s * _SLOT_BYTES:_SLOT0 + (s + 1) * _SLOT_BYTES]
+                       for s in range(self.max_clients)]
+        self._words = [v[:128].cast("Q") for v in self._slots]
+        self._entry_words = [v[128:].cast("Q") for v in self._slots]
+        self._bell: Doorbell | None = None
+        self._qfd: int | None = None
+
+    # --- lifecycle ----------------------------------------------------------------------
+    @classmethod
+    def create(cls, seg: Segment) -> "TierArea":
+        """Open or create segment ``seg``'s area (the mover, holding no lock yet). An area
+        of another version or geometry is re-initialised: nothing in it outlives a mover
+        except counters, and those only when the geometry matches."""
+        name, n = seg.name, seg.geometry.max_clients
+        mode = stat.S_IMODE(os.fstat(seg.fd).st_mode)
+        shm = posix_ipc.SharedMemory(area_name(name), posix_ipc.O_CREAT, mode=mode)
+        fd = shm.fd
+        size = area_bytes(n)
+        if os.fstat(fd).st_size != size:
+            os.ftruncate(fd, size)
+        mm = mmap.mmap(fd, size)
+        area = cls.__new__(cls)
+        w = memoryview(mm)[:_CTR].cast("Q")
+        if w[_W_MAGIC] != MAGIC or w[_W_VERSION] != VERSION or w[_W_CLIENTS] != n \
+                or w[_W_ENTRIES] != RING_ENTRIES:
+            w[_W_MAGIC] = 0
+            mm[:] = bytes(size)
+            w[_W_CLIENTS], w[_W_ENTRIES], w[_W_VERSION] = n, RING_ENTRIES, VERSION
+            full_fence()
+            w[_W_MAGIC] = MAGIC  # last: an attacher sees a whole header or none
+        w.release()
+        area.__init__(name, fd, mm)
+        return area
+
+    @classmethod
+    def attach(cls, name: str) -> "TierArea | None":
+        """The area of segment ``name``, or None when no mover ever made one (or it is not
+        initialised yet): then there is no lower tier to ask."""
+        try:
+            shm = posix_ipc.SharedMemory(area_name(name))
+        except (posix_ipc.ExistentialError, posix_ipc.PermissionsError):
+            return None
+        fd = shm.fd
+        size = os.fstat(fd).st_size
+        if size < _SLOT0:
+            os.close(fd)
+            return None
+        mm = mmap.mmap(fd, size)
+        w = memoryview(mm)[:_CTR].cast("Q")
+        ok = (w[_W_MAGIC] == MAGIC and w[_W_VERSION] == VERSION and
+              w[_W_ENTRIES] == RING_ENTRIES and size == area_bytes(w[_W_CLIENTS]))
+        w.release()
+        if not ok:
+            mm.close()
+            os.close(fd)
+            return None
+        return cls(name, fd, mm)
+
+    @staticmethod
+    def unlink(name: str) -> bool:
+        """Remove segment ``name``'s area and its doorbell. True if the area existed."""
+        Doorbell.unlink(_bell_name(name))
+        try:
+            posix_ipc.unlink_shared_memory(area_name(name))
+            return True
+        except posix_ipc.ExistentialError:
+            return False
+
+    @staticmethod
+    def exists(name: str) -> bool:
+        return os.path.exists(SHM_DIR + area_name(name))
+
+    def close(self) -> None:
+        if self._bell is not None:
+            self._bell.close()
+            self._bell = None
+        for v in self._words + self._entry_words + self._slots:
+            v.release()
+        self.w.release()
+        self.counters.release()
+        self.buf.release()
+        self._mm.close()
+        os.close(self.fd)
+        if self._qfd is not None:
+            os.close(self._qfd)
+
+    # --- the mover's side -------------------------------------------------------------
+    def try_lock_mover(self) -> bool:
+        """Become this segment's mover (False: another live process is)."""
+        return locks.try_lock(self.fd, LOCK_MOVER)
+
+    def mover_alive(self) -> bool:
+        if self._qfd is None:  # our own OFD locks are invisible through our own descriptor
+            self._qfd = os.open(SHM_DIR + area_name(self.name), os.O_RDWR | os.O_CLOEXEC)
+        return locks.is_held(self._qfd, LOCK_MOVER)
+
+    def set_mover(self, pid: int, description: str) -> None:
+        self.w[_W_PID] = pid
+        self.w[_W_SINCE] = time.time_ns()
+        raw = description.encode()[:127]
+        self.buf[_DESC:_DESC + 128] = raw + bytes(128 - len(raw))
+
+    def set_state(self, state: str) -> None:
+        self.w[_W_STATE] = STATES.index(state)
+
+    def set_error(self, code: int) -> None:
+        self.w[_W_ERR] = code & 0xFFFFFFFFFFFFFFFF
+        self.w[_W_ERR_NS] = time.time_ns()
+
+    def add(self, counter: str, n: int = 1) -> None:
+        """Mover only (the single writer of the counters)."""
+        if n:
+            i = COUNTERS.index(counter)
+            self.counters[i] = (self.counters[i] + n) & 0xFFFFFFFFFFFFFFFF
+
+    def bell(self) -> Doorbell:
+        if self._bell is None:
+            self._bell = Doorbell(self.buf[8 * _W_SLEEP:8 * _W_SLEEP + 8], _bell_name(self.name),
+                                  like_fd=self.fd)
+        return self._bell
+
+    def kick(self) -> None:
+        """An engine completed a store: wake the mover to read the store events now rather
+        than at its next poll (any process may; a lost kick only delays the write-through)."""
+        self.w[_W_KICK] = 1
+        self.bell().ring()
+
+    def kicked(self) -> bool:
+        return bool(self.w[_W_KICK])
+
+    def take_kick(self) -> bool:
+        """Mover: whether a kick came since the last call (and clear it)."""
+        if not self.w[_W_KICK]:
+            return False
+        self.w[_W_KICK] = 0
+        return True
+
+    def pending(self) -> bool:
+        """Whether any want ring holds unread entries."""
+        return any(w[0] != w[8] for w in self._words)
+
+    def drain(self, limit: int = 4096) -> tuple[list[bytes], dict[int, int]]:
+        """Read up to ``limit`` wanted keys; returns them and, per slot, the ``done`` value
+        to publish (with ``publish``) once they are handled."""
+        keys: list[bytes] = []
+        done: dict[int, int] = {}
+        for s, w in enumerate(self._words):
+            tail, seen = w[0], w[8]
+            if tail == seen:
+                continue
+            if tail - seen > RING_ENTRIES:  # lapped: the oldest are overwritten
+                self.add("wants_dropped", tail - seen - RING_ENTRIES)
+                seen = tail - RING_ENTRIES
+            e = self._entry_words[s]
+            view = self._slots[s]
+            while seen < tail and len(keys) < limit:
+                seen += 1
+                i = (seen - 1) % RING_ENTRIES
+                full_fence()
+                if e[i * (_ENTRY // 8)] != seen:
+                    self.add("wants_dropped")
+                    continue
+                n = min(e[i * (_ENTRY // 8) + 1], MAX_KEY_BYTES)
+                off = 128 + i * _ENTRY + 16
+                key = bytes(view[off:off + n])
+                full_fence()
+                if e[i * (_ENTRY // 8)] != seen:  # overwritten while we copied it
+                    self.add("wants_dropped")
+                    continue
+                keys.append(key)
+            done[s] = seen
+        self.add("wants", len(keys))
+        return keys, done
+
+    def publish(self, done: dict[int, int]) -> None:
+        """Answer the wants ``drain`` returned: their effect is visible in the segment."""
+        full_fence()
+        for s, seen in done.items():
+            self._words[s][8] = seen
+
+    def skip_all(self) -> None:
+        """Mark every want answered (as misses): the mover is stopping or the tier is down."""
+        _, done = self.drain()
+        self.publish(done)
+
+    # --- the engine's side ------------------------------------------------------------
+    def want(self, slot: int, keys: list[bytes]) -> int:
+        """Producer of ring ``slot``: ask for ``keys``; returns the seq of the last one."""
+        if not 0 <= slot < self.max_clients:
+            raise InvalidArgumentError(f"slot {slot} is not a client slot of {self.name!r}")
+        w, e, view = self._words[slot], self._entry_words[slot], self._slots[slot]
+        tail = w[0]
+        for k in keys[:RING_ENTRIES]:
+            tail += 1
+            i = (tail - 1) % RING_ENTRIES
+            base = i * (_ENTRY // 8)
+            e[base] = 0  # a reader mid-copy sees the entry change and drops it
+            off = 128 + i * _ENTRY + 16
+            view[off:off + len(k)] = k
+            e[base + 1] = len(k)
+            full_fence()
+            e[base] = tail
+        full_fence()
+        w[0] = tail
+        self.bell().ring()
+        return tail
+
+    def answered(self, slot: int, seq: int) -> bool:
+        """Whether the mover has handled want ``seq`` of ring ``slot``."""
+        return self._words[slot][8] >= seq
+
+    # --- what kvshm-inspect shows -----------------------------------------------------
+    def snapshot(self) -> dict[str, object]:
+        w = self.w
+        alive = self.mover_alive()
+        err = int(w[_W_ERR])
+        return {
+            "mover_pid": int(w[_W_PID]), "mover_alive": alive,
+            "state": STATES[w[_W_STATE]] if alive and w[_W_STATE] < len(STATES) else "stopped",
+            "backend": bytes(self.buf[_DESC:_DESC + 128]).rstrip(b"\0").decode(errors="replace"),
+            "since_ns": int(w[_W_SINCE]),
+            "last_error": err - (1 << 64) if err >= 1 << 63 else err,
+            "last_error_ns": int(w[_W_ERR_NS]),
+            "wants_queued": sum(int(v[0] - v[8]) for v in self._words),
+            "counters": dict(zip(COUNTERS, (int(c) for c in self.counters)))}
+
+
+def iter_areas() -> Iterator[str]:
+    """Segment names that have a tier area on this host."""
+    try:
+        entries = os.listdir(SHM_DIR)
+    except FileNotFoundError:
+        return iter(())
+    return iter(sorted(e[len(PREFIX):] for e in entries
+                       if e.startswith(PREFIX) and not e.endswith("-bell")))
+

@@ -1,0 +1,156 @@
+"""The engine's side of the lower tier: a manager whose lookup may answer "not yet".
+
+This module owns ``TieredManager``, an ``OffloadingManager`` over a ``SharedManager`` that adds
+one thing: a lookup that misses the segment asks the host's mover (through the tier area's want
+ring of this client's slot) to fetch the missing keys from the lower tier, and answers None —
+vLLM's "retry this lookup later" — instead of a miss, so no scheduler step waits on the
+network. Every other call goes straight to the SharedManager. It never talks to the lower
+tier, never blocks, never raises for anything the lower tier does, and never imports torch.
+
+When a lookup answers None, and for how long (per first missing key):
+
+* key absent from the segment, never asked for (or last asked ``retry_after`` s ago): the
+  missing run (up to ``want_ahead`` keys) is posted to the mover — None.
+* asked, and the mover has not handled the want yet — None, until ``max_wait`` seconds after
+  the ask; then (the mover is stuck behind an unreachable store) a plain miss.
+* the key is WRITING (the mover's fetch, or another engine's store, in flight) — None, also
+  bounded by ``max_wait``; READY by now — None once more, and the next lookup hits.
+* asked and answered, still absent — the lower tier does not have it: a plain miss, and the
+  key is not asked for again within ``retry_after`` s.
+* no mover alive (or no tier area) — plain SharedManager semantics.
+
+So a key absent everywhere costs one "not yet" and then misses; a key below costs one fetch.
+A None answer releases the leases of the hits before it (a later lookup takes them again).
+"""
+from __future__ import annotations
+
+import time
+from typing import Iterable, Sequence
+
+from kvshm.index.api import LookupResult, OffloadingEvent, OffloadingManager, PrepareStoreOutput
+from kvshm.index.client import SharedManager
+from kvshm.shm import layout as L
+from kvshm.tier.area import TierArea
+
+_ATTACH_EVERY_S = 1.0   # how often a client without a tier area looks for one again
+_MAX_TRACKED = 16384    # asked-for keys remembered; older ones are forgotten first
+
+
+class TieredManager(OffloadingManager):
+    """``SharedManager`` plus lower-tier fills on miss. Same thread rules as SharedManager."""
+
+    def __init__(self, manager: SharedManager, *, max_wait: float = 2.0,
+                 want_ahead: int = 64, retry_after: float = 5.0) -> None:
+        self.manager = manager
+        self.segment = manager.segment
+        self.slot, self.gen = manager.slot, manager.gen
+        self.max_wait, self.want_ahead, self.retry_after = max_wait, want_ahead, retry_after
+        self._area: TierArea | None = None
+        self._next_attach = 0.0
+        self._asked: dict[bytes, tuple[int, float]] = {}  # key -> (want seq or 0, first seen)
+        self.not_yet = 0  # lookups answered None (for tests and demos)
+
+    # --- the lookup that may hit below ---------------------------------------------------
+    def _tier(self) -> TierArea | None:
+        if self._area is None:
+            now = time.monotonic()
+            if now < self._next_attach:
+                return None
+            self._next_attach = now + _ATTACH_EVERY_S
+            self._area = TierArea.attach(self.segment.name)
+            if self._area is None:
+                return None
+        return self._area if self._area.mover_alive() else None
+
+    def lookup(self, keys: Sequence[bytes]) -> int | None:  # type: ignore[override]
+        """Prefix length of ready blocks, or None: retry later, a fetch may bring more."""
+        n = self.manager.lookup(keys)
+        if n >= len(keys):
+            return n
+        area = self._tier()
+        if area is None:
+            return n
+        key = keys[n]
+        now = time.monotonic()
+        seen = self._asked.get(key)
+        _, state = self.manager.index.find(key)
+        if state == L.READY or state == L.WRITING:
+            if seen is None:
+                seen = self._asked[key] = (0, now)
+            if state == L.READY or now - seen[1] < self.max_wait:
+                return self._not_yet(keys, n)
+            return n
+        if seen is not None and seen[0] and now - seen[1] < self.retry_after:
+            if area.answered(self.slot, seen[0]) or now - seen[1] >= self.max_wait:
+                return n  # the mover looked: the lower tier has nothing for it (or stalls)
+            return self._not_yet(keys, n)
+        ask = [k for k in keys[n:n + self.want_ahead]
+               if (s := self._asked.get(k)) is None or now - s[1] >= self.retry_after
+               or not s[0]]
+        if not ask:
+            return n
+        seq = area.want(self.slot, ask)
+        if len(self._asked) > _MAX_TRACKED:
+            for old in list(self._asked)[:_MAX_TRACKED // 2]:
+                del self._asked[old]
+        for k in ask:
+            self._asked.pop(k, None)
+            self._asked[k] = (seq, now)
+        return self._not_yet(keys, n)
+
+    def _not_yet(self, keys: Sequence[bytes], n: int) -> None:
+        if n:
+            self.manager.release(list(keys[:n]))
+        self.not_yet += 1
+        return None
+
+    # --- everything else is the SharedManager's -------------------------------------------
+    def key_status(self, key: bytes) -> LookupResult:
+        return self.manager.key_status(key)
+
+    def prepare_load(self, keys: Sequence[bytes]) -> list[int]:
+        return self.manager.prepare_load(keys)
+
+    def touch(self, keys: Sequence[bytes], how: bytes | None = None) -> None:
+        self.manager.touch(keys, how)
+
+    def complete_load(self, keys: Sequence[bytes]) -> None:
+        self.manager.complete_load(keys)
+
+    def prepare_store(self, keys: Iterable[bytes]) -> PrepareStoreOutput | None:
+        return self.manager.prepare_store(keys)
+
+    def complete_store(self, keys: Sequence[bytes], success: bool = True) -> None:
+        self.manager.complete_store(keys, success)
+        if success and keys and (area := self._tier()) is not None:
+            area.kick()  # write-through starts now, not at the mover's next events poll
+
+    def release(self, keys: Sequence[bytes] | None = None) -> None:
+        self.manager.release(keys)
+
+    def add_bytes(self, loaded: int = 0, stored: int = 0) -> None:
+        self.manager.add_bytes(loaded, stored)
+
+    def held_blocks(self) -> int:
+        return self.manager.held_blocks()
+
+    def take_events(self) -> list[OffloadingEvent]:
+        return self.manager.take_events()
+
+    def shutdown(self) -> None:
+        if self._area is not None:
+            self._area.close()
+            self._area = None
+        self.manager.shutdown()
+
+    def __enter__(self) -> "TieredManager":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+def connect_tiered(name: str, layout: L.Layout | None = None, **kw: object) -> TieredManager:
+    """``kvshm.connect(name, layout, **kw)`` wrapped in a ``TieredManager`` (its defaults)."""
+    from kvshm.index.client import connect
+    return TieredManager(connect(name, layout, **kw))  # type: ignore[arg-type]

@@ -1,0 +1,395 @@
+"""The mover: the one process per host that moves blocks between its segment and the lower tier.
+
+This module owns the mover's loop. The mover is an ordinary kvshm client of the segment (a
+``SharedManager`` subscribed to events) plus the only ``LowerTier`` client on the host:
+
+* **fill** (lower tier -> segment), first in every round: drain the engines' wants (tier
+  area), drop keys the segment has, ask the tier which exist, ``prepare_store`` those (the
+  keys are WRITING: engines' lookups answer "not yet"), publish the wants as answered, fetch
+  each value straight into its block (header into the mover's buffer, pages into the planes),
+  check length, header and per-plane crc32, then ``complete_store`` the good ones
+  (``success=False`` frees the rest). A block becomes READY only after that check.
+* **spill** (segment -> lower tier), write-through: every store event of the segment (any
+  engine's completed store) queues its keys; a round leases and pins up to ``batch`` of them
+  (``key_status`` + ``prepare_load``), writes their headers, puts header + pages straight from
+  the segment, and unpins. Keys the mover fetched itself are not put back.
+
+Faults never reach an engine: a call answered with an RPC failure marks the tier *down* for a
+backoff (1 s doubling to 8 s) during which wants are answered at once (misses) and store
+events are dropped (counted); then the next real call probes it. Every outcome is a counter in
+the tier area (``kvshm-inspect show``), and a state change is one log line. The mover never
+waits for an engine, never holds a pin across rounds, and never imports torch.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import logging
+import mmap
+import os
+import signal
+import threading
+import time
+from collections import OrderedDict, deque
+from concurrent.futures import ThreadPoolExecutor
+from typing import Sequence
+
+import numpy as np
+import posix_ipc
+
+from kvshm.crashpoints import crash_point
+from kvshm.errors import KvshmError
+from kvshm.index.client import SharedManager
+from kvshm.index.api import LookupResult
+from kvshm.shm.checksums import BlockSums
+from kvshm.shm.segment import SHM_DIR, Segment, shm_name
+from kvshm.tier import api
+from kvshm.tier.api import Code, LowerTier
+from kvshm.tier.area import TierArea
+
+log = logging.getLogger("kvshm.mover")
+
+_REMEMBER = 1 << 16          # keys fetched/put recently, not spilled (again)
+_QUEUE_MAX = 1 << 16         # store events waiting for their put; beyond: dropped
+_BACKOFF_S, _BACKOFF_MAX_S = 1.0, 8.0
+_IDLE_EVENTS_S = 0.05        # take_events period while no store happens
+_WANTS_PER_ROUND = 1024      # wanted keys one fill round handles (gets go in batches)
+
+
+class MoverRunningError(RuntimeError):
+    """Another live mover serves the segment (``kvshm mover`` then exits 0)."""
+
+
+class Mover:
+    """Serve segment ``name`` against ``tier``. ``step()`` does one round; ``run()`` loops."""
+
+    def __init__(self, name: str, tier: LowerTier, *, spill: bool = True, batch: int = 64,
+                 poll_s: float = 0.005) -> None:
+        self.seg = Segment.attach(name)
+        self.area = TierArea.create(self.seg)
+        if not self.area.try_lock_mover():
+            self.area.close()
+            self.seg.close()
+            raise MoverRunningError(f"another mover serves segment {name!r}")
+        self.tier, self.spill, self.batch, self.poll_s = tier, spill, batch, poll_s
+        self.mgr = SharedManager(Segment.attach(name), events=True)
+        g = self.seg.geometry
+        self.fp = self.seg.layout.fingerprint()
+        self.planes = self.mgr.segment.planes()
+        # Blocks one spill round pins: a lookup refuses leases past half the hold table.
+        self._spill_max = max(1, min(4 * batch, g.hold_capacity // 4))
+        self.page = list(g.page_bytes)
+        self.block_bytes = sum(self.page)
+        self.hdr = api.header_bytes(len(self.page))
+        self.sums = BlockSums(self.mgr.segment) if g.checksums else None
+        self._hbuf = mmap.mmap(-1, max(4096, self.hdr * batch * 2))  # 2 halves, registered
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvshm-mover-sums")
+        self._haddr = ctypes.addressof(ctypes.c_char.from_buffer(self._hbuf))
+        self._hview = memoryview(self._hbuf)
+        self._queue: deque[bytes] = deque()
+        self._queued: set[bytes] = set()
+        self._skip: OrderedDict[bytes, None] = OrderedDict()  # fetched or put: not again
+        self.connected = False
+        self._down_until = 0.0
+        self._backoff = _BACKOFF_S
+        self._next_events = 0.0
+        self.area.set_mover(os.getpid(), tier.description)
+        self.area.set_state("connecting")
+
+    # --- connection ---------------------------------------------------------------------
+    def _usable(self) -> bool:
+        now = time.monotonic()
+        if now < self._down_until:
+            return False
+        if not self.connected:
+            if not self.tier.connect():
+                self._down(None, "cannot connect")
+                return False
+            addr, n = self.mgr.segment.data_address()
+            if not (self.tier.register(addr, n) and
+                    self.tier.register(self._haddr, len(self._hbuf))):
+                self.tier.close()
+                self._down(None, "cannot register the segment's memory")
+                return False
+            self.connected = True
+            self.area.add("reconnects")
+            self.area.set_state("connected")
+            log.info("connected to %s", self.tier.description)
+        return True
+
+    def _down(self, code: int | None, why: str) -> None:
+        if code is not None:
+            self.area.set_error(int(code))
+        if self._down_until == 0.0 or time.monotonic() >= self._down_until:
+            log.warning("lower tier unusable (%s%s); misses until it answers again, next try "
+                        "in %.0f s", why, f", code {int(code)}" if code is not None else "",
+                        self._backoff)
+        self._down_until = time.monotonic() + self._backoff
+        self._backoff = min(self._backoff * 2, _BACKOFF_MAX_S)
+        self.area.set_state("down")
+
+    def _up(self) -> None:
+        if self._backoff > _BACKOFF_S:
+            log.info("lower tier answers again")
+            self.area.set_state("connected")
+        self._backoff = _BACKOFF_S
+
+    def _codes(self, codes: Sequence[int]) -> None:
+        rpc = sum(1 for c in codes if c == Code.RPC_FAILED)
+        if rpc:
+            self.area.add("rpc_failures", rpc)
+            self._down(Code.RPC_FAILED, "RPC failed")
+        elif any(c >= 0 or c == Code.NOT_FOUND for c in codes):
+            self._up()
+
+    # --- one round ------------------------------------------------------------------------
+    def step(self) -> int:
+        """Fill the wants, then spill one batch. Returns how many keys it handled."""
+        try:
+            return self._fill() + self._spill()
+        except KvshmError as e:  # the owner's answer to a bad state: log, go on
+            log.warning("mover round failed: %s", e)
+            return 0
+
+    def _remember(self, keys: Sequence[bytes]) -> None:
+        for k in keys:
+            self._skip[k] = None
+            self._skip.move_to_end(k)
+        while len(self._skip) > _REMEMBER:
+            self._skip.popitem(last=False)
+
+    def _buffers(self, blocks: Sequence[int], half: int) -> list[list[tuple[int, int]]]:
+        """Per block: its header slot in half ``half`` of the header buffer, then its pages."""
+        h0 = self._haddr + half * self.batch * self.hdr
+        return [[(h0 + i * self.hdr, self.hdr)] +
+                [(int(p.ctypes.data) + b * n, n) for p, n in zip(self.planes, self.page)]
+                for i, b in enumerate(blocks)]
+
+    def _header(self, half: int, i: int) -> memoryview:
+        o = (half * self.batch + i) * self.hdr
+        return self._hview[o:o + self.hdr]
+
+    def _fill(self) -> int:
+        keys, done = self.area.drain(_WANTS_PER_ROUND)
+        if not keys:
+            return 0
+        find = self.mgr.index.find
+        keys = list(dict.fromkeys(k for k in keys if find(k)[1] < 0))
+        if not keys or not self._usable():
+            self.area.publish(done)
+            return len(keys)
+        codes = self.tier.exists([api.tier_key(self.fp, k) for k in keys])
+        self._codes(codes)
+        there = [k for k, c in zip(keys, codes) if c == Code.OK]
+        self.area.add("get_misses", sum(1 for c in codes if c == Code.NOT_FOUND))
+        self.area.add("get_failed", sum(1 for c in codes if c not in (Code.OK, Code.NOT_FOUND)))
+        out = self.mgr.prepare_store(there) if there else None
+        if there and out is None:
+            self.area.add("get_no_room", len(there))
+        self.area.publish(done)  # the fetched keys are WRITING now: lookups say "not yet"
+        crash_point("mover.fill.after_prepare")
+        if not out or not out.keys_to_store:
+            return len(keys)
+        ks, bs, bt = out.keys_to_store, out.block_ids, self.batch
+        chunks = [(ks[i:i + bt], bs[i:i + bt]) for i in range(0, len(ks), bt)]
+        good: list[bytes] = []
+        bad: list[bytes] = []
+        verifying = None
+        # Two stages: chunk i+1 travels while the helper thread checks chunk i (zlib and the
+        # transfer both release the GIL), in alternate halves of the header buffer.
+        for c, (ck, cb) in enumerate(chunks):
+            got = self.tier.get([api.tier_key(self.fp, k) for k in ck], self._buffers(cb, c % 2))
+            self._codes([g if g < 0 else 0 for g in got])
+            if verifying is not None:
+                verifying.result()
+            verifying = self._pool.submit(self._check_chunk, c % 2, ck, cb, got, good, bad)
+        if verifying is not None:
+            verifying.result()
+        crash_point("mover.fill.after_get")
+        self._remember(ks)
+        if good:
+            if self.sums is not None:  # the segment checks loads: give it the pages' sums
+                where = dict(zip(ks, bs))
+                self.sums.store(np.array([where[k] for k in good]), list(range(len(self.page))))
+            self.mgr.complete_store(good, True)
+            self.area.add("gets", len(good))
+            self.area.add("get_bytes", len(good) * self.block_bytes)
+        if bad:
+            self.mgr.complete_store(bad, False)
+        return len(keys)
+
+    def _check_chunk(self, half: int, ks: list[bytes], bs: list[int], got: list[int],
+                     good: list[bytes], bad: list[bytes]) -> None:
+        """Helper thread: sort one fetched chunk into good and bad (never READY) keys."""
+        for i, (k, b, n) in enumerate(zip(ks, bs, got)):
+            if n == self.hdr + self.block_bytes:
+                why = api.check_value(self._header(half, i), self.fp, k,
+                                      [p[b] for p in self.planes])
+                if why is not None:  # wrong bytes would poison every engine on the host
+                    self.area.add("get_rejected")
+                    log.warning("fetched block %s… rejected: %s", k.hex()[:16], why)
+            else:
+                why = f"code {n}" if n < 0 else f"{n} bytes"
+                self.area.add("get_misses" if n == Code.NOT_FOUND else "get_failed")
+            (good if why is None else bad).append(k)
+
+    def _events(self) -> None:
+        now = time.monotonic()
+        if now < self._next_events and not self.area.take_kick():
+            return
+        events = self.mgr.take_events()
+        self._next_events = now + (self.poll_s if events else _IDLE_EVENTS_S)
+        for ev in events:
+            if ev.removed or not self.spill:
+                continue
+            for k in ev.keys:
+                if k in self._skip or k in self._queued:
+                    self.area.add("put_skipped", k in self._skip)
+                    continue
+                if len(self._queue) >= _QUEUE_MAX:
+                    self.area.add("put_dropped")
+                    continue
+                self._queue.append(k)
+                self._queued.add(k)
+
+    def _spill(self) -> int:
+        self._events()
+        if not self._queue:
+            return 0
+        if not self._usable():
+            self.area.add("put_dropped", len(self._queue))
+            self._queue.clear()
+            self._queued.clear()
+            return 0
+        take = [self._queue.popleft() for _ in range(min(self._spill_max, len(self._queue)))]
+        self._queued.difference_update(take)
+        hit = [k for k in take if self.mgr.key_status(k) == LookupResult.HIT]
+        self.area.add("put_skipped", len(take) - len(hit))
+        if not hit:
+            return len(take)
+        try:
+            blocks = self.mgr.prepare_load(hit)
+        except KvshmError:  # evicted between the lease and the pin: nothing to put
+            self.mgr.release(hit)
+            self.area.add("put_skipped", len(hit))
+            return len(take)
+        crash_point("mover.spill.after_pin")
+        bt = self.batch
+        chunks = [(hit[i:i + bt], blocks[i:i + bt]) for i in range(0, len(hit), bt)]
+        codes: list[Code] = []
+        try:
+            # Two stages: the helper thread sums chunk i+1 while chunk i travels.
+            self._headers(0, *chunks[0])
+            for c, (ck, cb) in enumerate(chunks):
+                nxt = (self._pool.submit(self._headers, (c + 1) % 2, *chunks[c + 1])
+                       if c + 1 < len(chunks) else None)
+                codes += self.tier.put([api.tier_key(self.fp, k) for k in ck],
+                                       self._buffers(cb, c % 2))
+                if nxt is not None:
+                    nxt.result()
+        finally:
+            self.mgr.complete_load(hit)
+        self._codes(codes)
+        ok = sum(1 for c in codes if c == Code.OK)
+        self.area.add("puts", ok)
+        self.area.add("put_bytes", ok * self.block_bytes)
+        self.area.add("put_refused_space", sum(1 for c in codes if c == Code.NO_SPACE))
+        self.area.add("put_failed", len(hit) - ok - sum(1 for c in codes if c == Code.NO_SPACE))
+        self._remember([k for k, c in zip(hit, codes) if c == Code.OK])
+        return len(take)
+
+    def _headers(self, half: int, ks: list[bytes], bs: list[int]) -> None:
+        for i, (k, b) in enumerate(zip(ks, bs)):
+            api.pack_header(self._header(half, i), self.fp, k, [p[b] for p in self.planes])
+
+    # --- loop -----------------------------------------------------------------------------
+    def run(self, stop: threading.Event) -> None:
+        """Rounds until ``stop`` is set or the segment is removed."""
+        bell = self.area.bell()
+        name = self.seg.name
+        while not stop.is_set():
+            if not self.connected:
+                self._usable()  # join at once (and retry after backoffs), not on first use
+            if self.step():
+                continue
+            if not os.path.exists(SHM_DIR + shm_name(name)):
+                log.info("segment %r was removed; the mover exits", name)
+                return
+            wait = max(0.0, self._next_events - time.monotonic()) if self.spill else 0.05
+            try:
+                bell.wait(min(wait, _IDLE_EVENTS_S), self._woken)
+            except posix_ipc.SignalError:  # SIGTERM/SIGINT: the handler set ``stop``
+                pass
+
+    def _woken(self) -> bool:
+        return self.area.pending() or self.area.kicked()
+
+    def close(self) -> None:
+        self._pool.shutdown()
+        self.area.set_state("stopped")
+        self.area.skip_all()
+        try:
+            self.tier.close()
+        finally:
+            self.mgr.shutdown()
+            self._hview.release()
+            self.area.close()
+            self.seg.close()
+
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``kvshm mover NAME --master HOST:PORT --metadata URL ...`` (see ``kvshm mover -h``)."""
+    ap = argparse.ArgumentParser(prog="kvshm mover")
+    add_arguments(ap)
+    return run_from_args(ap.parse_args(argv))
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("name", help="segment name (the one engines pass to kvshm.connect)")
+    ap.add_argument("--master", required=True, help="mooncake_master RPC address, host:port")
+    ap.add_argument("--metadata", required=True,
+                    help="metadata server URL, e.g. http://host:port/metadata (the master's "
+                         "--enable_http_metadata_server)")
+    ap.add_argument("--local-host", default="127.0.0.1",
+                    help="this host's address as the other hosts reach it (default 127.0.0.1)")
+    ap.add_argument("--global-segment", type=_size, default=512 << 20, metavar="BYTES",
+                    help="memory this host contributes to the Mooncake pool (default 512M; "
+                         "suffixes K, M, G)")
+    ap.add_argument("--local-buffer", type=_size, default=64 << 20, metavar="BYTES",
+                    help="Mooncake client's local buffer (default 64M)")
+    ap.add_argument("--protocol", default="tcp", help="tcp (default) or rdma")
+    ap.add_argument("--devices", default="", help="RDMA devices for --protocol rdma")
+    ap.add_argument("--no-spill", action="store_true",
+                    help="fetch on miss only; never write the segment's blocks below")
+    ap.add_argument("--batch", type=int, default=64, help="blocks per put/get call (default 64)")
+    ap.add_argument("--log-level", default="INFO", type=str.upper,
+                    choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+
+
+def _size(text: str) -> int:
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:].upper(), 1)
+    return int(float(text[:-1] if mult > 1 else text) * mult)
+
+
+def run_from_args(a: argparse.Namespace) -> int:
+    from kvshm.tier.mooncake import MooncakeConfig, MooncakeTier
+    logging.basicConfig(level=a.log_level, format="%(asctime)s kvshm-mover %(process)d "
+                        "%(levelname)s %(message)s")
+    tier = MooncakeTier(MooncakeConfig(a.master, a.metadata, a.local_host, a.global_segment,
+                                       a.local_buffer, a.protocol, a.devices))
+    try:
+        mover = Mover(a.name, tier, spill=not a.no_spill, batch=a.batch)
+    except MoverRunningError as e:
+        log.info("%s; exiting", e)
+        return 0
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    log.info("mover of segment %r: %s, spill %s", a.name, tier.description,
+             "write-through" if not a.no_spill else "off")
+    try:
+        mover.run(stop)
+    finally:
+        mover.close()
+    return 0

@@ -1,0 +1,207 @@
+"""kvshm's own lower-tier logic against an in-memory fake store (tests/tier_fake.py).
+
+Two "hosts" are two segments with their own owners and movers (stepped by the test, in this
+process) over one ``FakeStore``. What is proven here: a block stored on one host is put below
+and fetched on a miss on the other, byte for byte; a lookup that may hit below answers "not
+yet" (None) and never waits; a key absent everywhere becomes a plain miss after one round; a
+value with a wrong checksum, length or layout never becomes READY; a store that is down or full
+degrades to misses with counters and recovers by itself. The same against a real
+mooncake_master: tests/test_tier_mooncake.py.
+"""
+from __future__ import annotations
+
+import pytest
+
+from kvshm.index.client import connect
+from kvshm.shm.layout import Layout
+from kvshm.shm.wait import poll_until
+from kvshm.tier.area import TierArea
+from kvshm.tier.client import TieredManager
+from kvshm.tier.mover import Mover, MoverRunningError
+
+from conftest import TEST_LAYOUT, stop_owner, unique_name
+from procs import check, store
+from tier_fake import FakeStore, FakeTier
+
+KEYS = [b"tier-key-%03d" % i for i in range(8)]
+
+
+@pytest.fixture
+def hosts(make_segment):
+    """Factory: ``host(store, layout=TEST_LAYOUT) -> (engine TieredManager, Mover)``."""
+    made = []
+
+    def host(fake: FakeStore, layout: Layout = TEST_LAYOUT, num_blocks: int = 32,
+             spill: bool = True):
+        seg = make_segment(unique_name(), layout, num_blocks)
+        mover = Mover(seg.name, FakeTier(fake), spill=spill, batch=4)
+        eng = TieredManager(connect(seg.name), max_wait=60.0)
+        made.append((seg, mover, eng))
+        return eng, mover
+
+    yield host
+    for seg, mover, eng in made:
+        eng.shutdown()
+        mover.close()
+        pid = seg.owner_record()[0]
+        TierArea.unlink(seg.name)
+        if pid:
+            stop_owner(pid)
+
+
+def spill_all(mover: Mover, fake: FakeStore, n: int) -> None:
+    assert poll_until(lambda: (mover.step(), len(fake.values) >= n)[1], 30), \
+        f"the mover put {len(fake.values)} of {n} blocks"
+
+
+def fill(eng: TieredManager, mover: Mover, keys: list[bytes]) -> int:
+    """Look up until the answer is a number, stepping the mover between tries."""
+    answers = []
+
+    def looked() -> bool:
+        answers.append(eng.lookup(keys))
+        if answers[-1] is None:
+            mover.step()
+            return False
+        return True
+
+    assert poll_until(looked, 30), "lookups kept answering 'not yet'"
+    assert None in answers[:1] or answers[0] == len(keys)  # the first miss says "not yet"
+    return answers[-1]
+
+
+def counters(mover: Mover) -> dict[str, int]:
+    return mover.area.snapshot()["counters"]
+
+
+def test_a_block_stored_on_one_host_is_a_hit_on_the_other(hosts):
+    fake = FakeStore()
+    a, ma = hosts(fake)
+    b, mb = hosts(fake)
+    assert store(a, KEYS) == KEYS
+    spill_all(ma, fake, len(KEYS))
+    assert counters(ma)["puts"] == len(KEYS)
+    assert b.lookup(KEYS) is None  # not yet: the mover of host b was asked
+    assert fill(b, mb, KEYS) == len(KEYS)
+    blocks = b.prepare_load(KEYS)
+    planes = b.segment.planes()
+    assert all(check(planes, blk, k) for blk, k in zip(blocks, KEYS))
+    b.complete_load(KEYS)
+    c = counters(mb)
+    assert c["gets"] == len(KEYS) and c["get_bytes"] == len(KEYS) * TEST_LAYOUT.block_bytes
+    # The fetched blocks are stored in b's segment, but never put back below.
+    mb.step()
+    mb._next_events = 0
+    mb.step()
+    assert counters(mb)["puts"] == 0
+
+
+def test_a_key_absent_everywhere_is_a_plain_miss_after_one_round(hosts):
+    fake = FakeStore()
+    b, mb = hosts(fake)
+    assert b.lookup(KEYS) is None
+    mb.step()
+    assert b.lookup(KEYS) == 0
+    assert b.lookup(KEYS) == 0  # and is not asked for again at once
+    assert counters(mb)["get_misses"] == len(KEYS)
+
+
+def test_a_prefix_partly_below_hits_as_far_as_it_goes(hosts):
+    fake = FakeStore()
+    a, ma = hosts(fake)
+    b, mb = hosts(fake)
+    store(a, KEYS[:5])
+    spill_all(ma, fake, 5)
+    assert fill(b, mb, KEYS) == 5
+
+
+@pytest.mark.parametrize("fault", ["corrupt", "unreadable"])
+def test_a_bad_value_never_becomes_ready(hosts, fault):
+    fake = FakeStore()
+    a, ma = hosts(fake)
+    b, mb = hosts(fake)
+    store(a, KEYS)
+    spill_all(ma, fake, len(KEYS))
+    setattr(fake, fault, True)
+    assert fill(b, mb, KEYS) == 0
+    c = counters(mb)
+    assert c["get_rejected" if fault == "corrupt" else "get_failed"] == len(KEYS)
+    assert all(b.manager.index.find(k)[0] < 0 for k in KEYS)  # freed, not READY
+    setattr(fake, fault, False)
+    b._asked.clear()  # the engine asks again (a later request for the same prefix)
+    assert fill(b, mb, KEYS) == len(KEYS)
+
+
+def test_another_layout_never_sees_the_blocks(hosts):
+    fake = FakeStore()
+    a, ma = hosts(fake)
+    other = Layout((4096, 4096), 16, "another-model")
+    b, mb = hosts(fake, other)
+    store(a, KEYS)
+    spill_all(ma, fake, len(KEYS))
+    assert fill(b, mb, KEYS) == 0
+    assert counters(mb)["get_misses"] == len(KEYS)
+
+
+def test_a_store_that_is_down_is_a_miss_and_recovers_by_itself(hosts):
+    fake = FakeStore()
+    a, ma = hosts(fake)
+    b, mb = hosts(fake)
+    store(a, KEYS[:4])
+    spill_all(ma, fake, 4)
+    assert fill(b, mb, [b"absent"]) == 0  # b's mover has connected
+    fake.down = True
+    assert fill(b, mb, KEYS[:4]) == 0  # misses, no error
+    assert counters(mb)["rpc_failures"] >= 1
+    assert mb.area.snapshot()["state"] == "down"
+    store(a, KEYS[4:])  # host a's spills while down are dropped, counted
+    assert poll_until(lambda: (ma.step(), counters(ma)["put_dropped"] +
+                               counters(ma)["put_failed"] >= 4)[1], 30)
+    fake.down = False
+    b._asked.clear()
+    # It comes back by itself once its backoff ends; engines only ever saw misses meanwhile.
+    assert poll_until(lambda: fill(b, mb, KEYS[:4]) == 4 or b._asked.clear(), 60)
+    assert mb.area.snapshot()["state"] == "connected"
+
+
+def test_puts_refused_for_space_are_counted_not_raised(hosts):
+    fake = FakeStore()
+    fake.full = True
+    a, ma = hosts(fake)
+    store(a, KEYS)
+    assert poll_until(lambda: (ma.step(), counters(ma)["put_refused_space"] == len(KEYS))[1], 30)
+    assert fake.values == {}
+
+
+def test_without_a_mover_a_lookup_is_plain(make_segment):
+    seg = make_segment()
+    eng = TieredManager(connect(seg.name))
+    try:
+        assert eng.lookup(KEYS) == 0
+    finally:
+        eng.shutdown()
+        stop_owner(seg.owner_record()[0])
+
+
+def test_one_mover_per_segment(hosts):
+    fake = FakeStore()
+    b, mb = hosts(fake)
+    with pytest.raises(MoverRunningError):
+        Mover(b.segment.name, FakeTier(fake))
+
+
+def test_kvshm_inspect_shows_the_lower_tier(hosts):
+    from kvshm.inspect.cli import render_show
+    from kvshm.inspect.snapshot import prometheus, snapshot
+    fake = FakeStore()
+    a, ma = hosts(fake)
+    store(a, KEYS)
+    spill_all(ma, fake, len(KEYS))
+    snap = snapshot(a.segment)
+    t = snap["tier"]
+    assert t["mover_alive"] and t["state"] == "connected" and t["backend"] == FakeTier.description
+    assert t["counters"]["puts"] == len(KEYS)
+    assert "tier      mover pid" in render_show(snap)
+    text = prometheus([snap])
+    assert f'kvshm_tier_puts_total{{segment="{a.segment.name}"}} {len(KEYS)}' in text
+    assert f'kvshm_tier_up{{segment="{a.segment.name}"}} 1' in text
