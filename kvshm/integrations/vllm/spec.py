@@ -13,8 +13,11 @@ kv_connector_extra_config={"spec_name": "KvshmOffloadingSpec", "spec_module_path
 * ``KvshmOffloadingWorker`` — vLLM's worker over kvshm's transfer handlers (CUDA when the KV
   cache is on a GPU, the CPU copy path otherwise), on this rank's plane of the segment.
 
-Version-specific vLLM names come from ``vllm_compat``; the logic lives in ``vllm_core`` and
-``vllm_jobs`` (testable without vLLM). Importing this module imports vLLM and torch; ``import kvshm``
+Version-specific vLLM names come from ``compat``; the logic lives in ``core``, ``jobs`` and
+``stats`` (testable without vLLM). The manager reports kvshm's statistics through vLLM's
+``get_stats`` (``vllm:kvshm_*``, declared in ``build_metric_definitions``); a store's spec
+carries the scheduler's kvshm client (slot, generation), under which the worker registers
+before copying. Importing this module imports vLLM and torch; ``import kvshm``
 never imports it. It must never return False from a submit or report a failed job (vLLM 0.32
 and 0.33 assert on both), and never let a lookup cost a round trip to the owner.
 """
