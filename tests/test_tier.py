@@ -205,3 +205,22 @@ def test_kvshm_inspect_shows_the_lower_tier(hosts):
     text = prometheus([snap])
     assert f'kvshm_tier_puts_total{{segment="{a.segment.name}"}} {len(KEYS)}' in text
     assert f'kvshm_tier_up{{segment="{a.segment.name}"}} 1' in text
+
+
+def test_a_want_ring_drops_what_its_producer_laps(make_segment):
+    from kvshm.tier.area import RING_ENTRIES
+    seg = make_segment()
+    area = TierArea.create(seg)
+    try:
+        first = [b"a%d" % i for i in range(RING_ENTRIES)]
+        area.want(0, first)
+        last = area.want(0, [b"b%d" % i for i in range(10)])
+        keys, done = area.drain(10 * RING_ENTRIES)
+        assert keys == first[10:] + [b"b%d" % i for i in range(10)]
+        assert area.snapshot()["counters"]["wants_dropped"] == 10
+        assert not area.answered(0, last)  # answered only once the mover publishes
+        area.publish(done)
+        assert area.answered(0, last) and not area.pending()
+    finally:
+        area.close()
+        TierArea.unlink(seg.name)

@@ -91,6 +91,7 @@ class Mover:
         self._skip: OrderedDict[bytes, None] = OrderedDict()  # fetched or put: not again
         self.connected = False
         self._down_until = 0.0
+        self._is_down = False
         self._backoff = _BACKOFF_S
         self._next_events = 0.0
         self.area.set_mover(os.getpid(), tier.description)
@@ -111,7 +112,7 @@ class Mover:
                 self.tier.close()
                 self._down(None, "cannot register the segment's memory")
                 return False
-            self.connected = True
+            self.connected, self._is_down, self._backoff = True, False, _BACKOFF_S
             self.area.add("reconnects")
             self.area.set_state("connected")
             log.info("connected to %s", self.tier.description)
@@ -120,19 +121,26 @@ class Mover:
     def _down(self, code: int | None, why: str) -> None:
         if code is not None:
             self.area.set_error(int(code))
-        if self._down_until == 0.0 or time.monotonic() >= self._down_until:
-            log.warning("lower tier unusable (%s%s); misses until it answers again, next try "
-                        "in %.0f s", why, f", code {int(code)}" if code is not None else "",
-                        self._backoff)
+        if not self._is_down:
+            log.warning("lower tier unusable (%s%s); misses until it answers again",
+                        why, f", code {int(code)}" if code is not None else "")
+        self._is_down = True
         self._down_until = time.monotonic() + self._backoff
         self._backoff = min(self._backoff * 2, _BACKOFF_MAX_S)
         self.area.set_state("down")
 
     def _up(self) -> None:
-        if self._backoff > _BACKOFF_S:
+        if self._is_down:
             log.info("lower tier answers again")
+            self._is_down = False
             self.area.set_state("connected")
         self._backoff = _BACKOFF_S
+
+    def _probe(self) -> None:
+        """After a backoff, one cheap call tells whether the tier is back, so recovery (and
+        the state kvshm-inspect shows) does not wait for the next block to move."""
+        if self._is_down and self.connected and time.monotonic() >= self._down_until:
+            self._codes(self.tier.exists(["kvshm1-probe"]))
 
     def _codes(self, codes: Sequence[int]) -> None:
         rpc = sum(1 for c in codes if c == Code.RPC_FAILED)
@@ -211,9 +219,9 @@ class Mover:
             if self.sums is not None:  # the segment checks loads: give it the pages' sums
                 where = dict(zip(ks, bs))
                 self.sums.store(np.array([where[k] for k in good]), list(range(len(self.page))))
-            self.mgr.complete_store(good, True)
-            self.area.add("gets", len(good))
+            self.area.add("gets", len(good))  # counted first: whoever sees READY sees it counted
             self.area.add("get_bytes", len(good) * self.block_bytes)
+            self.mgr.complete_store(good, True)
         if bad:
             self.mgr.complete_store(bad, False)
         return len(keys)
@@ -310,6 +318,7 @@ class Mover:
         while not stop.is_set():
             if not self.connected:
                 self._usable()  # join at once (and retry after backoffs), not on first use
+            self._probe()
             if self.step():
                 continue
             if not os.path.exists(SHM_DIR + shm_name(name)):
@@ -376,13 +385,16 @@ def run_from_args(a: argparse.Namespace) -> int:
     from kvshm.tier.mooncake import MooncakeConfig, MooncakeTier
     logging.basicConfig(level=a.log_level, format="%(asctime)s kvshm-mover %(process)d "
                         "%(levelname)s %(message)s")
-    tier = MooncakeTier(MooncakeConfig(a.master, a.metadata, a.local_host, a.global_segment,
-                                       a.local_buffer, a.protocol, a.devices))
     try:
+        tier = MooncakeTier(MooncakeConfig(a.master, a.metadata, a.local_host, a.global_segment,
+                                           a.local_buffer, a.protocol, a.devices))
         mover = Mover(a.name, tier, spill=not a.no_spill, batch=a.batch)
     except MoverRunningError as e:
         log.info("%s; exiting", e)
         return 0
+    except KvshmError as e:  # no such segment, bad arguments: say what to do, no traceback
+        log.error("%s", e)
+        return 1
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -390,6 +402,9 @@ def run_from_args(a: argparse.Namespace) -> int:
              "write-through" if not a.no_spill else "off")
     try:
         mover.run(stop)
+    except KvshmError as e:  # LowerTierUnavailableError: the backend can never work here
+        log.error("%s", e)
+        return 1
     finally:
         mover.close()
     return 0
