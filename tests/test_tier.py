@@ -224,3 +224,25 @@ def test_a_want_ring_drops_what_its_producer_laps(make_segment):
     finally:
         area.close()
         TierArea.unlink(seg.name)
+
+
+def test_a_checksummed_segment_sends_its_own_sums_and_gets_them_back(hosts):
+    from kvshm.shm.checksums import BlockSums
+    lay = Layout((4096, 4096), 16, "test", checksums=True)
+    fake = FakeStore()
+    a, ma = hosts(fake, lay)
+    b, mb = hosts(fake, lay)
+    out = a.prepare_store(KEYS)
+    planes = a.segment.planes()
+    for k, blk in zip(out.keys_to_store, out.block_ids):
+        for p, plane in enumerate(planes):
+            plane[blk] = (len(k) + p) % 251
+    import numpy as np
+    BlockSums(a.segment).store(np.array(out.block_ids), [0, 1])  # what a CPU handler does
+    a.complete_store(out.keys_to_store)
+    spill_all(ma, fake, len(KEYS))
+    assert fill(b, mb, KEYS) == len(KEYS)
+    sums = BlockSums(b.segment)
+    blocks = b.prepare_load(KEYS)
+    assert sums.bad(np.array(blocks), [0, 1]) == []  # fetched blocks carry valid sums
+    b.complete_load(KEYS)

@@ -96,12 +96,15 @@ def tier_key(fingerprint: bytes, key: bytes) -> str:
     return f"kvshm1-{fingerprint[:16].hex()}-{key.hex()}"  # 128 bits tell layouts apart
 
 
-def pack_header(out: memoryview, fingerprint: bytes, key: bytes, pages: Sequence) -> None:
-    """Write the header of a block whose plane pages are ``pages`` into ``out``."""
+def pack_header(out: memoryview, fingerprint: bytes, key: bytes, pages: Sequence,
+                sums: Sequence[int] | None = None) -> None:
+    """Write the header of a block whose plane pages are ``pages`` into ``out``. ``sums``:
+    the pages' crc32 when the segment already keeps them (``Layout(checksums=True)``)."""
     _FIXED.pack_into(out, 0, VALUE_MAGIC, VALUE_VERSION, len(pages), zlib.crc32(key),
                      fingerprint[:8])
     for i, page in enumerate(pages):
-        _PLANE.pack_into(out, _FIXED.size + i * _PLANE.size, len(page), page_sum(page))
+        _PLANE.pack_into(out, _FIXED.size + i * _PLANE.size, len(page),
+                         page_sum(page) if sums is None else int(sums[i]))
 
 
 def check_value(header: memoryview, fingerprint: bytes, key: bytes, pages: Sequence) -> str | None:

@@ -307,8 +307,12 @@ class Mover:
         return len(take)
 
     def _headers(self, half: int, ks: list[bytes], bs: list[int]) -> None:
+        # A checksummed segment already holds each page's crc32 (its writers computed it):
+        # those travel with the block, so a spill costs no pass over the data.
+        sums = self.sums.sums if self.sums is not None else None
         for i, (k, b) in enumerate(zip(ks, bs)):
-            api.pack_header(self._header(half, i), self.fp, k, [p[b] for p in self.planes])
+            api.pack_header(self._header(half, i), self.fp, k, [p[b] for p in self.planes],
+                            None if sums is None else sums[b])
 
     # --- loop -----------------------------------------------------------------------------
     def run(self, stop: threading.Event) -> None:
