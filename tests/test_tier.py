@@ -246,3 +246,22 @@ def test_a_checksummed_segment_sends_its_own_sums_and_gets_them_back(hosts):
     blocks = b.prepare_load(KEYS)
     assert sums.bad(np.array(blocks), [0, 1]) == []  # fetched blocks carry valid sums
     b.complete_load(KEYS)
+
+
+@pytest.mark.parametrize("algo", ["crc32", "xxh3"])
+def test_a_value_header_catches_another_key_layout_length_or_byte(algo):
+    import numpy as np
+    from kvshm.tier import api
+    code = {"crc32": api.SUM_CRC32, "xxh3": api.SUM_XXH3}[algo]
+    if api._summer(code) is None:
+        pytest.skip("xxhash is not installed (pip install 'kvshm[mooncake]')")
+    fp = bytes(range(32))
+    pages = [np.arange(4096, dtype=np.uint8), np.full(4096, 7, np.uint8)]
+    hdr = memoryview(bytearray(api.header_bytes(2)))
+    api.pack_header(hdr, fp, b"key", pages, code)
+    assert api.check_value(hdr, fp, b"key", pages) is None
+    assert "key" in api.check_value(hdr, fp, b"other", pages)
+    assert "layout" in api.check_value(hdr, bytes(32), b"key", pages)
+    assert "length" in api.check_value(hdr, fp, b"key", [pages[0], pages[1][:100]])
+    pages[1][5] ^= 1
+    assert "checksum" in api.check_value(hdr, fp, b"key", pages)

@@ -7,7 +7,7 @@ This module owns the mover's loop. The mover is an ordinary kvshm client of the 
   area), drop keys the segment has, ask the tier which exist, ``prepare_store`` those (the
   keys are WRITING: engines' lookups answer "not yet"), publish the wants as answered, fetch
   each value straight into its block (header into the mover's buffer, pages into the planes),
-  check length, header and per-plane crc32, then ``complete_store`` the good ones
+  check length, header and each page's checksum, then ``complete_store`` the good ones
   (``success=False`` frees the rest). A block becomes READY only after that check.
 * **spill** (segment -> lower tier), write-through: every store event of the segment (any
   engine's completed store) queues its keys; a round leases and pins up to ``batch`` of them
@@ -82,6 +82,7 @@ class Mover:
         self.block_bytes = sum(self.page)
         self.hdr = api.header_bytes(len(self.page))
         self.sums = BlockSums(self.mgr.segment) if g.checksums else None
+        self.algo = api.default_algo()
         self._hbuf = mmap.mmap(-1, max(4096, self.hdr * batch * 2))  # 2 halves, registered
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvshm-mover-sums")
         self._haddr = ctypes.addressof(ctypes.c_char.from_buffer(self._hbuf))
@@ -312,7 +313,7 @@ class Mover:
         sums = self.sums.sums if self.sums is not None else None
         for i, (k, b) in enumerate(zip(ks, bs)):
             api.pack_header(self._header(half, i), self.fp, k, [p[b] for p in self.planes],
-                            None if sums is None else sums[b])
+                            self.algo, None if sums is None else sums[b])
 
     # --- loop -----------------------------------------------------------------------------
     def run(self, stop: threading.Event) -> None:
