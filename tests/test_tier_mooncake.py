@@ -62,8 +62,12 @@ class Host:
     def __init__(self, seg, master, log_path):
         self.seg, self.master, self.log_path = seg, master, log_path
         self.proc: subprocess.Popen | None = None
+        self.eng: TieredManager | None = None
+
+    def start(self) -> "Host":
         self.start_mover()
-        self.eng = TieredManager(connect(seg.name), max_wait=30.0)
+        self.eng = TieredManager(connect(self.seg.name), max_wait=30.0)
+        return self
 
     def start_mover(self, crash_at: str | None = None) -> None:
         env = {**os.environ, "PYTHONPATH": ROOT}
@@ -115,7 +119,8 @@ class Host:
             self.eng.complete_load(keys)
 
     def close(self) -> None:
-        self.eng.shutdown()
+        if self.eng is not None:
+            self.eng.shutdown()
         self.kill_mover()
         TierArea.unlink(self.seg.name)
         pid = self.seg.owner_record()[0]
@@ -130,8 +135,8 @@ def hosts(make_segment, tmp_path):
     def host(master) -> Host:
         seg = make_segment(unique_name(), num_blocks=64)
         h = Host(seg, master, str(tmp_path / f"mover-{len(made)}.log"))
-        made.append(h)
-        return h
+        made.append(h)  # cleaned up even when its mover fails to start
+        return h.start()
 
     yield host
     for h in made:
