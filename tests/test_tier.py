@@ -205,3 +205,63 @@ def test_kvshm_inspect_shows_the_lower_tier(hosts):
     text = prometheus([snap])
     assert f'kvshm_tier_puts_total{{segment="{a.segment.name}"}} {len(KEYS)}' in text
     assert f'kvshm_tier_up{{segment="{a.segment.name}"}} 1' in text
+
+
+def test_a_want_ring_drops_what_its_producer_laps(make_segment):
+    from kvshm.tier.area import RING_ENTRIES
+    seg = make_segment()
+    area = TierArea.create(seg)
+    try:
+        first = [b"a%d" % i for i in range(RING_ENTRIES)]
+        area.want(0, first)
+        last = area.want(0, [b"b%d" % i for i in range(10)])
+        keys, done = area.drain(10 * RING_ENTRIES)
+        assert keys == first[10:] + [b"b%d" % i for i in range(10)]
+        assert area.snapshot()["counters"]["wants_dropped"] == 10
+        assert not area.answered(0, last)  # answered only once the mover publishes
+        area.publish(done)
+        assert area.answered(0, last) and not area.pending()
+    finally:
+        area.close()
+        TierArea.unlink(seg.name)
+
+
+def test_a_checksummed_segment_sends_its_own_sums_and_gets_them_back(hosts):
+    from kvshm.shm.checksums import BlockSums
+    lay = Layout((4096, 4096), 16, "test", checksums=True)
+    fake = FakeStore()
+    a, ma = hosts(fake, lay)
+    b, mb = hosts(fake, lay)
+    out = a.prepare_store(KEYS)
+    planes = a.segment.planes()
+    for k, blk in zip(out.keys_to_store, out.block_ids):
+        for p, plane in enumerate(planes):
+            plane[blk] = (len(k) + p) % 251
+    import numpy as np
+    BlockSums(a.segment).store(np.array(out.block_ids), [0, 1])  # what a CPU handler does
+    a.complete_store(out.keys_to_store)
+    spill_all(ma, fake, len(KEYS))
+    assert fill(b, mb, KEYS) == len(KEYS)
+    sums = BlockSums(b.segment)
+    blocks = b.prepare_load(KEYS)
+    assert sums.bad(np.array(blocks), [0, 1]) == []  # fetched blocks carry valid sums
+    b.complete_load(KEYS)
+
+
+@pytest.mark.parametrize("algo", ["crc32", "xxh3"])
+def test_a_value_header_catches_another_key_layout_length_or_byte(algo):
+    import numpy as np
+    from kvshm.tier import api
+    code = {"crc32": api.SUM_CRC32, "xxh3": api.SUM_XXH3}[algo]
+    if api._summer(code) is None:
+        pytest.skip("xxhash is not installed (pip install 'kvshm[mooncake]')")
+    fp = bytes(range(32))
+    pages = [np.arange(4096, dtype=np.uint8), np.full(4096, 7, np.uint8)]
+    hdr = memoryview(bytearray(api.header_bytes(2)))
+    api.pack_header(hdr, fp, b"key", pages, code)
+    assert api.check_value(hdr, fp, b"key", pages) is None
+    assert "key" in api.check_value(hdr, fp, b"other", pages)
+    assert "layout" in api.check_value(hdr, bytes(32), b"key", pages)
+    assert "length" in api.check_value(hdr, fp, b"key", [pages[0], pages[1][:100]])
+    pages[1][5] ^= 1
+    assert "checksum" in api.check_value(hdr, fp, b"key", pages)

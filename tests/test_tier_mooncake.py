@@ -62,8 +62,12 @@ class Host:
     def __init__(self, seg, master, log_path):
         self.seg, self.master, self.log_path = seg, master, log_path
         self.proc: subprocess.Popen | None = None
+        self.eng: TieredManager | None = None
+
+    def start(self) -> "Host":
         self.start_mover()
-        self.eng = TieredManager(connect(seg.name), max_wait=30.0)
+        self.eng = TieredManager(connect(self.seg.name), max_wait=30.0)
+        return self
 
     def start_mover(self, crash_at: str | None = None) -> None:
         env = {**os.environ, "PYTHONPATH": ROOT}
@@ -115,7 +119,8 @@ class Host:
             self.eng.complete_load(keys)
 
     def close(self) -> None:
-        self.eng.shutdown()
+        if self.eng is not None:
+            self.eng.shutdown()
         self.kill_mover()
         TierArea.unlink(self.seg.name)
         pid = self.seg.owner_record()[0]
@@ -130,8 +135,8 @@ def hosts(make_segment, tmp_path):
     def host(master) -> Host:
         seg = make_segment(unique_name(), num_blocks=64)
         h = Host(seg, master, str(tmp_path / f"mover-{len(made)}.log"))
-        made.append(h)
-        return h
+        made.append(h)  # cleaned up even when its mover fails to start
+        return h.start()
 
     yield host
     for h in made:
@@ -142,18 +147,26 @@ def keys_of(tag: str, n: int = 8) -> list[bytes]:
     return [f"{tag}-{i:03d}".encode() for i in range(n)]
 
 
-def write_through_fresh(h: Host, tag: str) -> list[bytes]:
+def write_through_fresh(h: Host, tag: str, timeout: float = 180) -> list[bytes]:
     """Store fresh prefixes on ``h`` until one is written through whole; return its keys.
-    (Stores made while the mover backs off are dropped, and puts fail while the master still
-    lists a dead client's share: either way the next fresh prefix tries again.)"""
-    for attempt in range(60):
+    (A store is dropped while the mover backs off, and puts fail while the master still lists
+    a dead client's share or has no share mounted yet: each failure is seen in a counter, and
+    after one the next prefix waits until the mover reports its tier answering again.)"""
+    import time
+    deadline = time.monotonic() + timeout
+    attempt = 0
+    while time.monotonic() < deadline:
+        attempt += 1
         keys = keys_of(f"{tag}{attempt}")
-        base, bad = h.count("puts"), h.count("put_dropped") + h.count("put_failed")
+        base, bad = h.count("puts"), h.count("put_dropped") + h.count("put_failed") + \
+            h.count("put_refused_space")
         store(h.eng, keys)
         assert poll_until(lambda: h.count("puts") >= base + len(keys) or
-                          h.count("put_dropped") + h.count("put_failed") > bad, 60), h.log()
+                          h.count("put_dropped") + h.count("put_failed") +
+                          h.count("put_refused_space") > bad, 60), h.log()
         if h.count("puts") >= base + len(keys):
             return keys
+        assert poll_until(lambda: h.tier()["state"] == "connected", 60), h.log()
     raise AssertionError("no prefix was written through\n" + h.log())
 
 
@@ -189,6 +202,8 @@ def test_master_killed_and_restarted_mid_run(master, hosts):
     assert poll_until(lambda: h1.count("put_dropped") + h1.count("put_failed") > 0, 120), \
         h1.log()
     m2 = master(ports=(m.rpc_port, m.metadata_port, m.metrics_port))
+    for h in (h1, h2):  # each mover's probe finds the master back, with no traffic
+        assert poll_until(lambda: h.tier()["state"] == "connected", 120), h.log()
     # Back by itself: new stores are written through again and hit on host 2.
     after = write_through_fresh(h1, "after")
     assert h2.lookup_settled(after) == len(after)

@@ -10,6 +10,7 @@ import argparse
 import ctypes
 import json
 import mmap
+import multiprocessing as mp
 import os
 import platform
 import subprocess
@@ -28,12 +29,13 @@ Starts a mooncake_master on free loopback ports and measures, in one run:
 
   spill   kvshm: N blocks are stored in host A's segment; time until A's mover has put them
           all (write-through: header + pages straight from the segment, crc32 per plane).
-          raw:   a Mooncake client puts the same N blocks (same sizes, same batch) with
-                 batch_put_from from a registered buffer (one buffer per block).
+          raw:   a Mooncake client in another process puts the same N blocks (same sizes,
+                 same batch) with batch_put_from from a registered buffer, one per block.
   fill    kvshm: an engine on host B looks the N keys up (TieredManager); time until the
           lookup answers N (B's mover checked existence, prepare_store'd, batch-fetched into
           the blocks, verified length + header + crc32, complete_store'd).
-          raw:   a second client (like host B's mover) gets them with batch_get_into.
+          raw:   a client in this process (like host B's mover) gets them with
+                 batch_get_into.
   ratio   kvshm throughput / raw throughput (goal: >= 80%). Rounds alternate raw and kvshm.
 
 and the hit rate of the two-hosts demo's workload (examples/two_hosts.py: consecutive turns on
@@ -66,31 +68,63 @@ def _tier(name: str) -> dict[str, int]:
 
 def _wait(cond, timeout: float, what: str) -> None:
     from kvshm.shm.wait import poll_until
-    if not poll_until(cond, timeout, first=1e-4, cap=1e-3):
+    # Polls back off to 2 ms: cheap enough not to take the movers' CPU on a small machine.
+    if not poll_until(cond, timeout, first=1e-4, cap=2e-3):
         raise RuntimeError(f"timed out waiting for {what}")
+
+
+def _raw_putter(cfg: tuple[str, str, str], global_mib: int, n: int, bb: int, batch: int,
+                conn) -> None:
+    """Child process: a plain Mooncake client that puts what it is told, timing its calls."""
+    from mooncake.store import MooncakeDistributedStore
+    host, metadata, master = cfg
+    raw = MooncakeDistributedStore()
+    buf = mmap.mmap(-1, n * bb)
+    addr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    ok = raw.setup(host, metadata, global_mib << 20, 64 << 20, "tcp", "", master) == 0
+    conn.send(ok and raw.register_buffer(addr, n * bb) == 0)
+    while (msg := conn.recv()) is not None:
+        if isinstance(msg, tuple):  # ("remove", keys)
+            raw.batch_remove(msg[1])
+            conn.send(True)
+            continue
+        t0 = time.perf_counter()
+        for lo in range(0, n, batch):
+            rc = raw.batch_put_from(msg[lo:lo + batch],
+                                    [addr + i * bb for i in range(lo, min(n, lo + batch))],
+                                    [bb] * len(msg[lo:lo + batch]))
+            assert all(x == 0 for x in rc), rc
+        conn.send(time.perf_counter() - t0)
+    raw.close()
 
 
 def throughput(a: argparse.Namespace, master) -> dict[str, Any]:
     import kvshm
     from mooncake.store import MooncakeDistributedStore
-    from kvshm.tier.area import TierArea
+    from kvshm.tier.area import COUNTERS as TIER_COUNTERS, TierArea
     from kvshm.tier.client import TieredManager
     page = a.block_kib * 1024 // 2
     lay = kvshm.Layout((page, page), 16, "bench-tier")
     n, bb = a.blocks, lay.block_bytes
     names = [f"benchtier-{os.getpid()}-{uuid.uuid4().hex[:6]}-{h}" for h in "ab"]
     movers, mgrs = [], []
-    # Raw: two clients like the two movers (each contributing the same share), one putting
-    # and the other getting, so the blocks take the same cross-client path as kvshm's.
+    # Raw: two clients in two processes, like the two movers (each contributing the same
+    # share): a child puts, this process gets, so blocks take the same cross-process path as
+    # kvshm's. (Two clients in one process would let Mooncake copy in memory.)
     c = master.config
-    raw, raw_b = MooncakeDistributedStore(), MooncakeDistributedStore()
+    ctx = mp.get_context("spawn")
+    parent_end, child_end = ctx.Pipe()
+    putter = ctx.Process(target=_raw_putter, args=((c.local_host, c.metadata, c.master),
+                                                   a.global_mib, n, bb, a.batch, child_end))
+    putter.start()
+    if not parent_end.recv():
+        raise RuntimeError("raw Mooncake putter setup failed")
+    raw_b = MooncakeDistributedStore()
     buf = mmap.mmap(-1, n * bb)
     addr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
-    for client in (raw, raw_b):
-        if client.setup(c.local_host, c.metadata, a.global_mib << 20, 64 << 20, "tcp", "",
-                        c.master):
-            raise RuntimeError("raw Mooncake client setup failed")
-        client.register_buffer(addr, n * bb)
+    if raw_b.setup(c.local_host, c.metadata, a.global_mib << 20, 64 << 20, "tcp", "", c.master):
+        raise RuntimeError("raw Mooncake client setup failed")
+    raw_b.register_buffer(addr, n * bb)
     rounds: list[dict[str, float]] = []
     try:
         for name in names:
@@ -104,18 +138,16 @@ def throughput(a: argparse.Namespace, master) -> dict[str, Any]:
             _wait(lambda: (t := _T.attach(name)) is not None and
                   (t.snapshot()["state"] == "connected", t.close())[0], 120, "movers")
         ma = TieredManager(kvshm.connect(names[0]))  # its complete_store wakes the mover
+        area_a = TierArea.attach(names[0])
+        puts = lambda: int(area_a.counters[0 + TIER_COUNTERS.index("puts")])  # noqa: E731
         mb = TieredManager(kvshm.connect(names[1]), max_wait=600.0, want_ahead=n)
         mgrs += [ma, mb]
         for r in range(a.rounds):
             keys = [b"bench-r%03d-%08d" % (r, i) for i in range(n)]
             # raw
             rk = [f"raw-{r}-{i}" for i in range(n)]
-            t0 = time.perf_counter()
-            for lo in range(0, n, a.batch):
-                rc = raw.batch_put_from(rk[lo:lo + a.batch],
-                                        [addr + i * bb for i in range(lo, min(n, lo + a.batch))],
-                                        [bb] * len(rk[lo:lo + a.batch]))
-                assert all(x == 0 for x in rc), rc
+            parent_end.send(rk)
+            put_s = parent_end.recv()
             t1 = time.perf_counter()
             for lo in range(0, n, a.batch):
                 rc = raw_b.batch_get_into(rk[lo:lo + a.batch],
@@ -123,27 +155,30 @@ def throughput(a: argparse.Namespace, master) -> dict[str, Any]:
                                         [bb] * len(rk[lo:lo + a.batch]))
                 assert all(x == bb for x in rc), rc
             t2 = time.perf_counter()
-            raw.batch_remove(rk)
+            parent_end.send(("remove", rk))
+            parent_end.recv()
             # kvshm spill (A) and fill (B)
-            base = _tier(names[0]).get("puts", 0)
+            base = puts()
             _store_blocks(ma, keys)
             t3 = time.perf_counter()
-            _wait(lambda: _tier(names[0]).get("puts", 0) >= base + n, 300, "spill")
+            _wait(lambda: puts() >= base + n, 300, "spill")
             t4 = time.perf_counter()
             got: list = []
             _wait(lambda: got.append(mb.lookup(keys)) or got[-1] == n, 300, "fill")
             t5 = time.perf_counter()
             mb.release(keys)
-            rounds.append({"raw_put_s": t1 - t0, "raw_get_s": t2 - t1, "spill_s": t4 - t3,
+            rounds.append({"raw_put_s": put_s, "raw_get_s": t2 - t1, "spill_s": t4 - t3,
                            "fill_s": t5 - t4})
         tb, ta = _tier(names[1]), _tier(names[0])
+        area_a.close()
     finally:
         for m in mgrs:
             m.shutdown()
         for p in movers:
             p.terminate()
             p.wait(30)
-        raw.close()
+        parent_end.send(None)
+        putter.join(30)
         raw_b.close()
         from colocated_engines import release_cache
         for name in names:

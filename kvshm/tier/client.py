@@ -48,6 +48,7 @@ class TieredManager(OffloadingManager):
         self._area: TierArea | None = None
         self._next_attach = 0.0
         self._asked: dict[bytes, tuple[int, float]] = {}  # key -> (want seq or 0, first seen)
+        self._waiting_on: tuple[int, bytes, int, bytes] | None = None  # see _still_waiting
         self.not_yet = 0  # lookups answered None (for tests and demos)
 
     # --- the lookup that may hit below ---------------------------------------------------
@@ -64,6 +65,10 @@ class TieredManager(OffloadingManager):
 
     def lookup(self, keys: Sequence[bytes]) -> int | None:  # type: ignore[override]
         """Prefix length of ready blocks, or None: retry later, a fetch may bring more."""
+        if self._waiting_on is not None and self._still_waiting(keys):
+            self.not_yet += 1
+            return None
+        self._waiting_on = None
         n = self.manager.lookup(keys)
         if n >= len(keys):
             return n
@@ -102,7 +107,20 @@ class TieredManager(OffloadingManager):
         if n:
             self.manager.release(list(keys[:n]))
         self.not_yet += 1
+        if n < len(keys):
+            self._waiting_on = (len(keys), keys[0], n, keys[n])
         return None
+
+    def _still_waiting(self, keys: Sequence[bytes]) -> bool:
+        """Fast path for a scheduler re-asking the same prefix: while the key the last "not
+        yet" waited on is still WRITING (its fetch in flight), answer again without a new
+        lookup of the whole prefix. Anything else (READY, gone, another prefix) re-runs it."""
+        size, first, n, key = self._waiting_on  # type: ignore[misc]
+        if len(keys) != size or keys[0] != first or keys[n] != key:
+            return False
+        seen = self._asked.get(key)
+        return (seen is not None and time.monotonic() - seen[1] < self.max_wait and
+                self.manager.index.find(key)[1] == L.WRITING)
 
     # --- everything else is the SharedManager's -------------------------------------------
     def key_status(self, key: bytes) -> LookupResult:

@@ -7,7 +7,7 @@ This module owns the mover's loop. The mover is an ordinary kvshm client of the 
   area), drop keys the segment has, ask the tier which exist, ``prepare_store`` those (the
   keys are WRITING: engines' lookups answer "not yet"), publish the wants as answered, fetch
   each value straight into its block (header into the mover's buffer, pages into the planes),
-  check length, header and per-plane crc32, then ``complete_store`` the good ones
+  check length, header and each page's checksum, then ``complete_store`` the good ones
   (``success=False`` frees the rest). A block becomes READY only after that check.
 * **spill** (segment -> lower tier), write-through: every store event of the segment (any
   engine's completed store) queues its keys; a round leases and pins up to ``batch`` of them
@@ -82,6 +82,7 @@ class Mover:
         self.block_bytes = sum(self.page)
         self.hdr = api.header_bytes(len(self.page))
         self.sums = BlockSums(self.mgr.segment) if g.checksums else None
+        self.algo = api.default_algo()
         self._hbuf = mmap.mmap(-1, max(4096, self.hdr * batch * 2))  # 2 halves, registered
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvshm-mover-sums")
         self._haddr = ctypes.addressof(ctypes.c_char.from_buffer(self._hbuf))
@@ -91,6 +92,7 @@ class Mover:
         self._skip: OrderedDict[bytes, None] = OrderedDict()  # fetched or put: not again
         self.connected = False
         self._down_until = 0.0
+        self._is_down = False
         self._backoff = _BACKOFF_S
         self._next_events = 0.0
         self.area.set_mover(os.getpid(), tier.description)
@@ -111,7 +113,7 @@ class Mover:
                 self.tier.close()
                 self._down(None, "cannot register the segment's memory")
                 return False
-            self.connected = True
+            self.connected, self._is_down, self._backoff = True, False, _BACKOFF_S
             self.area.add("reconnects")
             self.area.set_state("connected")
             log.info("connected to %s", self.tier.description)
@@ -120,19 +122,26 @@ class Mover:
     def _down(self, code: int | None, why: str) -> None:
         if code is not None:
             self.area.set_error(int(code))
-        if self._down_until == 0.0 or time.monotonic() >= self._down_until:
-            log.warning("lower tier unusable (%s%s); misses until it answers again, next try "
-                        "in %.0f s", why, f", code {int(code)}" if code is not None else "",
-                        self._backoff)
+        if not self._is_down:
+            log.warning("lower tier unusable (%s%s); misses until it answers again",
+                        why, f", code {int(code)}" if code is not None else "")
+        self._is_down = True
         self._down_until = time.monotonic() + self._backoff
         self._backoff = min(self._backoff * 2, _BACKOFF_MAX_S)
         self.area.set_state("down")
 
     def _up(self) -> None:
-        if self._backoff > _BACKOFF_S:
+        if self._is_down:
             log.info("lower tier answers again")
+            self._is_down = False
             self.area.set_state("connected")
         self._backoff = _BACKOFF_S
+
+    def _probe(self) -> None:
+        """After a backoff, one cheap call tells whether the tier is back, so recovery (and
+        the state kvshm-inspect shows) does not wait for the next block to move."""
+        if self._is_down and self.connected and time.monotonic() >= self._down_until:
+            self._codes(self.tier.exists(["kvshm1-probe"]))
 
     def _codes(self, codes: Sequence[int]) -> None:
         rpc = sum(1 for c in codes if c == Code.RPC_FAILED)
@@ -211,9 +220,9 @@ class Mover:
             if self.sums is not None:  # the segment checks loads: give it the pages' sums
                 where = dict(zip(ks, bs))
                 self.sums.store(np.array([where[k] for k in good]), list(range(len(self.page))))
-            self.mgr.complete_store(good, True)
-            self.area.add("gets", len(good))
+            self.area.add("gets", len(good))  # counted first: whoever sees READY sees it counted
             self.area.add("get_bytes", len(good) * self.block_bytes)
+            self.mgr.complete_store(good, True)
         if bad:
             self.mgr.complete_store(bad, False)
         return len(keys)
@@ -299,8 +308,12 @@ class Mover:
         return len(take)
 
     def _headers(self, half: int, ks: list[bytes], bs: list[int]) -> None:
+        # A checksummed segment already holds each page's crc32 (its writers computed it):
+        # those travel with the block, so a spill costs no pass over the data.
+        sums = self.sums.sums if self.sums is not None else None
         for i, (k, b) in enumerate(zip(ks, bs)):
-            api.pack_header(self._header(half, i), self.fp, k, [p[b] for p in self.planes])
+            api.pack_header(self._header(half, i), self.fp, k, [p[b] for p in self.planes],
+                            self.algo, None if sums is None else sums[b])
 
     # --- loop -----------------------------------------------------------------------------
     def run(self, stop: threading.Event) -> None:
@@ -310,6 +323,7 @@ class Mover:
         while not stop.is_set():
             if not self.connected:
                 self._usable()  # join at once (and retry after backoffs), not on first use
+            self._probe()
             if self.step():
                 continue
             if not os.path.exists(SHM_DIR + shm_name(name)):
@@ -376,13 +390,16 @@ def run_from_args(a: argparse.Namespace) -> int:
     from kvshm.tier.mooncake import MooncakeConfig, MooncakeTier
     logging.basicConfig(level=a.log_level, format="%(asctime)s kvshm-mover %(process)d "
                         "%(levelname)s %(message)s")
-    tier = MooncakeTier(MooncakeConfig(a.master, a.metadata, a.local_host, a.global_segment,
-                                       a.local_buffer, a.protocol, a.devices))
     try:
+        tier = MooncakeTier(MooncakeConfig(a.master, a.metadata, a.local_host, a.global_segment,
+                                           a.local_buffer, a.protocol, a.devices))
         mover = Mover(a.name, tier, spill=not a.no_spill, batch=a.batch)
     except MoverRunningError as e:
         log.info("%s; exiting", e)
         return 0
+    except KvshmError as e:  # no such segment, bad arguments: say what to do, no traceback
+        log.error("%s", e)
+        return 1
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -390,6 +407,9 @@ def run_from_args(a: argparse.Namespace) -> int:
              "write-through" if not a.no_spill else "off")
     try:
         mover.run(stop)
+    except KvshmError as e:  # LowerTierUnavailableError: the backend can never work here
+        log.error("%s", e)
+        return 1
     finally:
         mover.close()
     return 0
