@@ -22,6 +22,7 @@ from kvshm.index.grants import grant_target
 from kvshm.index.api import LookupResult
 from kvshm.shm import layout as L
 from kvshm.shm import slots
+from kvshm.inspect.snapshot import verify
 from kvshm.shm.table import BlockTable
 
 from conftest import TEST_LAYOUT, stop_owner
@@ -138,7 +139,9 @@ def test_two_clients_storing_one_key_keep_one_block(mgr, seg_name):
         procs.fill_all(planes, a.block_ids, [b"both"])
         procs.fill_all(planes, b.block_ids, [b"both"])
         mgr.complete_store([b"both"])
+        mgr.take_events()  # a round trip after its publish: applied first
         other.complete_store([b"both"])
+        other.take_events()
         assert mgr.lookup([b"both"]) == 1 and other.lookup([b"both"]) == 1
         assert _blocks_of(mgr.segment, b"both") == a.block_ids  # the first published won
         assert _states(mgr.segment)[b.block_ids[0]] == L.FREE  # the other came back
@@ -188,27 +191,64 @@ procs.store(m, [b"holder-warm"])
 words, _ = slots.grants(m.segment, m.slot)
 while int(words[L.GRANT_WORD_GRANTED]) - m._taken < 4:
     time.sleep(0.01)
-m.prepare_store([b"holder-%d" % i for i in range(4)])  # taken, never completed
-print(m.slot, flush=True)
+out = m.prepare_store([b"holder-%d" % i for i in range(4)])  # taken, never completed
+print(m.slot, m.gen, *out.block_ids, flush=True)
+sys.stdin.read()
+"""
+
+_COPIER = """
+import sys
+from kvshm.shm import writers
+from kvshm.shm.segment import Segment
+reg = writers.Registrations(Segment.attach(sys.argv[1]))
+assert reg.register(int(sys.argv[2]), int(sys.argv[3]))
+print("registered", flush=True)
 sys.stdin.read()
 """
 
 
-def test_a_dead_clients_granted_blocks_come_back(mgr, seg_name):
+def _holder(seg_name: str) -> tuple[subprocess.Popen, int, int, list[int]]:
+    """A client process holding 4 blocks taken from its grants, never completed."""
     p = subprocess.Popen([sys.executable, "-c", _HOLDER, seg_name, os.path.dirname(__file__)],
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-    slot = int(p.stdout.readline())
-    assert L.GRANTED in _states(mgr.segment)
+    slot, gen, *blocks = map(int, p.stdout.readline().split())
+    return p, slot, gen, blocks
+
+
+def _kill(p: subprocess.Popen) -> None:
     p.kill()
     p.wait()
     p.stdin.close()
     p.stdout.close()
+
+
+def test_a_dead_clients_granted_blocks_come_back(mgr, seg_name):
+    p, slot, _, _ = _holder(seg_name)
+    assert L.GRANTED in _states(mgr.segment)
+    _kill(p)
     wait_for(lambda: slots.record(mgr.segment, slot).state == L.SlotState.FREE,
              "the dead client to be reclaimed")
     theirs = [b for b, s in enumerate(_states(mgr.segment)) if s == L.GRANTED]
     words, ids = slots.grants(mgr.segment, mgr.slot)
     assert set(theirs) <= {int(ids[i % L.GRANT_CAPACITY]) for i in
                            range(mgr._taken, int(words[L.GRANT_WORD_GRANTED]))}  # only ours
+
+
+def test_a_dead_clients_taken_grants_wait_for_its_live_copier(mgr, seg_name):
+    # A process copying for the client (registered under its slot and generation) may still
+    # write into the blocks it took: they stay out of reach until that process is gone.
+    p, slot, gen, blocks = _holder(seg_name)
+    copier = subprocess.Popen([sys.executable, "-c", _COPIER, seg_name, str(slot), str(gen)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert copier.stdout.readline().strip() == b"registered"
+    _kill(p)
+    wait_for(lambda: slots.record(mgr.segment, slot).state == L.SlotState.FREE,
+             "the dead client to be reclaimed")
+    assert mgr.segment.counters()["quarantined_blocks"] > 0
+    assert [_states(mgr.segment)[b] for b in blocks] == [L.GRANTED] * 4  # nobody got them
+    _kill(copier)
+    wait_for(lambda: all(_states(mgr.segment)[b] == L.FREE for b in blocks),
+             "the blocks to come back once the copier is gone")
 
 
 def test_grants_and_unpublished_stores_survive_an_owner_death(mgr):
@@ -226,46 +266,48 @@ def test_grants_and_unpublished_stores_survive_an_owner_death(mgr):
     assert all(procs.check(mgr.segment.planes(), b, k) for b, k in zip(blocks, keys))
     mgr.complete_load(keys)
 
-
-def test_a_completed_store_is_not_lost_to_another_clients_unfinished_store(mgr, seg_name):
-    # mgr stores k from its grants while other's round-trip store of k is still unfinished:
-    # mgr's completed block waits for it, and is published when that store fails.
-    other = connect(seg_name)
-    try:
-        _stocked(mgr)
-        k = b"contended"
-        mine = mgr.prepare_store([k])
-        theirs = other.prepare_store([k] + [b"theirs-%d" % i for i in range(40)])  # round trip
-        assert k in theirs.keys_to_store
-        procs.fill_all(mgr.segment.planes(), mine.block_ids, [k])
-        mgr.complete_store([k])
-        assert mgr.key_status(k) == LookupResult.PENDING  # their store of k is unfinished
-        other.complete_store(theirs.keys_to_store, success=False)
-        assert mgr.lookup([k]) == 1
-        assert mgr.prepare_load([k]) == mine.block_ids
-        assert procs.check(mgr.segment.planes(), mine.block_ids[0], k)
-        mgr.complete_load([k])
-    finally:
-        other.shutdown()
+K = b"contended"
 
 
-def test_a_completed_store_behind_a_successful_one_gives_its_block_back(mgr, seg_name):
-    other = connect(seg_name)
-    try:
-        _stocked(mgr)
-        k = b"contended"
-        mine = mgr.prepare_store([k])
-        theirs = other.prepare_store([k] + [b"theirs-%d" % i for i in range(40)])
-        procs.fill_all(mgr.segment.planes(), mine.block_ids, [k])
-        procs.fill_all(mgr.segment.planes(), theirs.block_ids, theirs.keys_to_store)
-        mgr.complete_store([k])
-        other.complete_store(theirs.keys_to_store)
-        assert mgr.lookup([k]) == 1
-        assert mgr.prepare_load([k]) != mine.block_ids  # theirs won: it was indexed first
-        mgr.complete_load([k])
-        assert _states(mgr.segment)[mine.block_ids[0]] == L.FREE
-    finally:
-        other.shutdown()
+def _contend(mgr, other):
+    """mgr takes K from its grants and writes it; other's round-trip store of K (and 40
+    more keys) is still unfinished. Returns both PrepareStoreOutputs."""
+    _stocked(mgr)
+    mine = mgr.prepare_store([K])
+    theirs = other.prepare_store([K] + [b"theirs-%d" % i for i in range(40)])  # round trip
+    assert K in theirs.keys_to_store
+    procs.fill_all(mgr.segment.planes(), mine.block_ids, [K])
+    return mine, theirs
+
+
+@pytest.fixture
+def other(mgr, seg_name):
+    o = connect(seg_name)
+    yield o
+    o.shutdown()
+
+
+def test_a_completed_store_is_not_lost_to_another_clients_unfinished_store(mgr, other):
+    # mgr's completed block waits for other's store of K, and is published when it fails.
+    mine, theirs = _contend(mgr, other)
+    mgr.complete_store([K])
+    assert mgr.key_status(K) == LookupResult.PENDING  # their store of K is unfinished
+    other.complete_store(theirs.keys_to_store, success=False)
+    assert mgr.lookup([K]) == 1
+    assert mgr.prepare_load([K]) == mine.block_ids
+    assert procs.check(mgr.segment.planes(), mine.block_ids[0], K)
+    mgr.complete_load([K])
+
+
+def test_a_completed_store_behind_a_successful_one_gives_its_block_back(mgr, other):
+    mine, theirs = _contend(mgr, other)
+    procs.fill_all(mgr.segment.planes(), theirs.block_ids, theirs.keys_to_store)
+    mgr.complete_store([K])
+    other.complete_store(theirs.keys_to_store)
+    assert mgr.lookup([K]) == 1
+    assert mgr.prepare_load([K]) != mine.block_ids  # theirs won: it was indexed first
+    mgr.complete_load([K])
+    assert _states(mgr.segment)[mine.block_ids[0]] == L.FREE
 
 
 def test_a_block_still_in_the_grant_ring_cannot_be_published(mgr):
@@ -296,3 +338,26 @@ def test_an_owner_dying_while_it_hands_grants_over_leaks_none(seg_name):
         pid = m.segment.owner_record()[0]
         m.shutdown()
         stop_owner(pid)
+
+
+def test_a_deferred_store_survives_an_owner_death(mgr, other):
+    mine, theirs = _contend(mgr, other)
+    mgr.complete_store([K])
+    mgr.take_events()  # a round trip after the publish: the owner has deferred it
+    assert verify(mgr.segment) == []  # a deferred store is no damage
+    os.kill(mgr.segment.owner_record()[0], signal.SIGKILL)
+    wait_for(lambda: not mgr.segment.owner_alive(), "the owner to die")
+    other.complete_store(theirs.keys_to_store, success=False)  # a successor serves it
+    assert mgr.lookup([K]) == 1
+    assert mgr.prepare_load([K]) == mine.block_ids
+    assert procs.check(mgr.segment.planes(), mine.block_ids[0], K)
+    mgr.complete_load([K])
+    words, _ = slots.grants(mgr.segment, mgr.slot)
+    level = int(words[L.GRANT_WORD_GRANTED]) - mgr._taken
+    t = BlockTable(mgr.segment.buf, mgr.segment.geometry)
+    try:
+        mine_granted = sum(t.read(b).state == L.GRANTED and t.read(b).writer == mgr.slot
+                           for b in range(BLOCKS))
+    finally:
+        t.close()
+    assert mine_granted == level  # nothing stranded

@@ -29,6 +29,7 @@ from kvshm.shm.segment import Segment
 from kvshm.transfer.spec import make_handler
 
 from conftest import unique_name
+import procs
 from test_vllm import REPO, VLLM_PY, E, _alive, needs_vllm, remove_segment
 from test_vllm import tiny_model  # noqa: F401  (a fixture)
 
@@ -178,14 +179,6 @@ def _regs(name: str) -> list[dict]:
         return []
 
 
-def _state(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return "gone"
-
-
 @needs_vllm
 def test_tp2_engines_share_hits_and_their_workers_register_under_the_scheduler(
         tiny_model, tmp_path):
@@ -236,8 +229,8 @@ def test_tp2_engine_core_sigkilled_while_both_workers_copy(tiny_model):
     mgr = None
     try:
         regs = wait_until(lambda: (r := _regs(name)) and len(r) == 2 and all(
-            _state(x["pid"]) in "Tt" for x in r) and r, "both workers stopped mid-copy",
-            [proc])
+            procs._proc_state(x["pid"]) in ("T", "t") for x in r) and r,
+            "both workers stopped mid-copy", [proc])
         slot, engine_core = regs[0]["slot"], regs[0]["slot_pid"]
         assert engine_core != proc.proc.pid  # the EngineCore, not the frontend
         workers = [r["pid"] for r in regs]
@@ -265,6 +258,6 @@ def test_tp2_engine_core_sigkilled_while_both_workers_copy(tiny_model):
             mgr.shutdown()
         proc.kill()
         for r in _regs(name):
-            if _state(r["pid"]) != "gone":
+            if procs._proc_state(r["pid"]):  # not gone
                 os.kill(r["pid"], signal.SIGKILL)
         remove_segment(name)

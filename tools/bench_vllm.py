@@ -49,12 +49,6 @@ def _loadavg() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
-def _cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def run_config(name: str, model: str, extra: dict | None, args: argparse.Namespace,
                segment: str | None) -> dict[str, Any]:
     from tests.vllm_support import engine as E
@@ -67,11 +61,12 @@ def run_config(name: str, model: str, extra: dict | None, args: argparse.Namespa
         hits0 = E.external_prefix_cache_hits(llm)
         owner = cpu0 = None
         if segment is not None:
+            from kvshm.integrations.vllm.stats import owner_cpu_seconds
             from kvshm.shm.segment import Segment
             seg = Segment.attach(segment)
             owner = int(seg.owner_record()[0])
             seg.close()
-            cpu0 = _cpu_seconds(owner)
+            cpu0 = owner_cpu_seconds(owner)
         lat = []
         for _ in range(args.rounds):
             for p in prompts:
@@ -88,7 +83,7 @@ def run_config(name: str, model: str, extra: dict | None, args: argparse.Namespa
         }
         if owner is not None:
             out["owner_pid"] = owner
-            out["owner_cpu_s"] = _cpu_seconds(owner) - cpu0
+            out["owner_cpu_s"] = owner_cpu_seconds(owner) - cpu0
         batch = [E.random_prompt(1000 + i) for i in range(args.batch)]
         t = time.perf_counter()
         res = E.generate(llm, batch, args.batch_tokens)

@@ -69,6 +69,16 @@ def connect(name: str, layout: Layout | None = None, *, num_blocks: int | None =
 
 
 _HIT = LookupResult.HIT
+
+
+def _key_array(keys: Sequence[bytes]) -> np.ndarray | None:
+    """Equal-length bytes keys as an (n, len) uint8 array; None if they are not that."""
+    klen = len(keys[0])
+    joined = b"".join(keys)
+    if len(joined) != len(keys) * klen or not all(type(k) is bytes and len(k) == klen
+                                                  for k in keys):
+        return None
+    return np.frombuffer(joined, np.uint8).reshape(len(keys), klen)
 _EVICTING_SPINS = 10_000  # an owner decides an eviction in microseconds; past this it died
 
 
@@ -159,34 +169,27 @@ class SharedManager(OffloadingManager):
         if held:
             self._count_lookup(held, held)
             return held + self._lookup(keys[held:])
-        if n >= 64:  # measured: below this the per-key loop is cheaper than numpy's setup
-            klen = len(keys[0])
-            joined = b"".join(keys)
-            if len(joined) == n * klen and all(type(k) is bytes and len(k) == klen
-                                               for k in keys):
-                karr = np.frombuffer(joined, np.uint8).reshape(n, klen)
-                blocks, states = self.index.find_prefix(keys, karr)
-                ready = states == L.READY
-                hits = n if ready.all() else int(np.argmin(ready))
-                hits = self._h.lease_many(keys, karr, blocks, hits)
-                self._count_lookup(n, hits)
-                if hits < n and keys[hits] in self._unconfirmed and self._confirm(keys[hits]):
-                    return hits + self._lookup(keys[hits:])
-                return hits
-        hits = 0
-        lease, index = self._h.lease_key, self.index
-        for k in keys:
-            if type(k) is not bytes:  # never lease under a str or a caller's buffer
-                L.check_key(k)
-            if lease(k, index) != L.READY:
-                break
-            hits += 1
+        karr = _key_array(keys) if n >= 64 else None  # measured: below 64 keys the per-key
+        if karr is not None:                            # loop is cheaper than numpy's setup
+            blocks, states = self.index.find_prefix(keys, karr)
+            ready = states == L.READY
+            hits = n if ready.all() else int(np.argmin(ready))
+            hits = self._h.lease_many(keys, karr, blocks, hits)
+        else:
+            hits = 0
+            lease, index = self._h.lease_key, self.index
+            for k in keys:
+                if type(k) is not bytes:  # never lease under a str or a caller's buffer
+                    L.check_key(k)
+                if lease(k, index) != L.READY:
+                    break
+                hits += 1
         self._count_lookup(n, hits)
         if hits < n and keys[hits] in self._unconfirmed and self._confirm(keys[hits]):
             return hits + self._lookup(keys[hits:])  # our own store, now in the index
         return hits
 
-    def _count_lookup(self, n: int, hits: int) -> None:
+    def _count_lookup(self, n: int = 0, hits: int = 0) -> None:
         """Store the lookup counters (kvshm-inspect's), with what key_status counted."""
         ctr = self._ctr
         ctr[0] += hits + (hits < n) + self._lk_n  # keys examined: the hits and the first miss
@@ -237,7 +240,7 @@ class SharedManager(OffloadingManager):
 
     def release(self, keys: Sequence[bytes] | None = None) -> None:
         """Drop the lookup leases of ``keys`` (all leases if None); pins are unaffected."""
-        self._count_lookup(0, 0)
+        self._count_lookup()
         self._h.release(keys)
 
     def prepare_load(self, keys: Sequence[bytes]) -> list[int]:
@@ -269,7 +272,7 @@ class SharedManager(OffloadingManager):
                 h.unhold(i)
             raise
         h.pin(taken)
-        self._count_lookup(0, 0)
+        self._count_lookup()
         self._ctr[2] += 1
         self._ctr[3] += len(blocks)
         return blocks
@@ -355,7 +358,7 @@ class SharedManager(OffloadingManager):
         for k in keys:
             L.check_key(k)
         self._prune_unconfirmed()
-        self._count_lookup(0, 0)
+        self._count_lookup()
         inflight, unconfirmed, probe = self._inflight, self._unconfirmed, self.index.probe
         new = []
         for k in dict.fromkeys(keys):  # present: ours in flight or unconfirmed, or indexed
@@ -424,7 +427,7 @@ class SharedManager(OffloadingManager):
             return
         seg = self.segment
         crash_point("client.shutdown.before_bye")
-        self._count_lookup(0, 0)  # before the goodbye: the owner folds them into the totals
+        self._count_lookup()  # before the goodbye: the owner folds them into the totals
         try:
             if seg.owner_alive():
                 self._link.call([P.Bye(self._link.next_req())])

@@ -16,8 +16,9 @@ Invariants (the table says it all, so a successor rebuilds it):
   over: the client cannot have taken them), and keeps the others, taken or not;
 * a client may publish only blocks it has taken (position below its ``taken`` count);
 * a published key that another client's unfinished round-trip store holds waits for that
-  store (``deferred``): the completed block is published if that store fails or its writer
-  dies, and freed if it succeeds, so a completed store is never lost to an unfinished one;
+  store (``deferred``, and GRANTED with its key in the table, so a successor knows): the
+  completed block is published if that store fails or its writer dies, and freed if it
+  succeeds, so a completed store is never lost to an unfinished one;
 * ``publish`` of a block that is not granted to the sender is ignored, which makes a
   replayed ``Publish`` (an owner died applying it) harmless;
 * a dead client's grants are freed only once no process registered to copy for it lives
@@ -34,7 +35,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvshm.crashpoints import crash_point
-from kvshm.index.api import OffloadingEvent
 from kvshm.shm import layout as L
 from kvshm.shm.fence import publish_fence
 from kvshm.shm.layout import Geometry
@@ -58,30 +58,25 @@ class Grants:
 
     def __init__(self, manager: "LocalManager") -> None:
         self.m = manager
-        self.blocks: dict[tuple[int, int], set[int]] = {}  # (slot, gen) -> granted blocks
-        self.pos: dict[int, int] = {}  # granted block -> its position in its client's ring
+        # (slot, gen) -> {granted block: its position in that client's ring}
+        self.blocks: dict[tuple[int, int], dict[int, int]] = {}
         self.deferred: dict[bytes, int] = {}  # key -> completed block waiting for a store
-
-    def __len__(self) -> int:
-        return sum(len(b) for b in self.blocks.values())
 
     def adopt(self, block: int, writer: tuple[int, int], pos: int) -> None:
         """A rebuild found ``block`` GRANTED to a live ``writer`` at ring position ``pos``."""
-        self.blocks.setdefault(writer, set()).add(block)
-        self.pos[block] = pos
+        self.blocks.setdefault(writer, {})[block] = pos
 
     def settle(self, slot: int, gen: int, granted: int) -> int:
         """At takeover: free the blocks of (slot, gen) whose position its ring's ``granted``
         count never reached (never handed over). Returns how many."""
-        mine = self.blocks.get((slot, gen), set())
-        lost = [b for b in mine if self.pos[b] >= granted]
+        mine = self.blocks.get((slot, gen), {})
+        lost = [b for b, pos in mine.items() if pos >= granted]
         for b in lost:
-            mine.discard(b)
+            del mine[b]
             self._free(b)
         return len(lost)
 
     def _free(self, b: int) -> None:
-        self.pos.pop(b, None)
         self.m.table.write(b, L.FREE, b"")
         self.m._free.append(b)
 
@@ -93,55 +88,48 @@ class Grants:
         if short > 0 and m._evict(short, set(), ALL_HOLDS) is None:
             n = len(m._free)
         out = [m._free.popleft() for _ in range(n)]
+        mine = self.blocks.setdefault((slot, gen), {})
         for i, b in enumerate(out):
             m.table.write(b, L.GRANTED, b"", slot, gen, first + i, m.tick)
-            self.pos[b] = first + i
-        if out:
-            self.blocks.setdefault((slot, gen), set()).update(out)
-            m.segment.counter_add("granted_blocks", len(out))
+            mine[b] = first + i
+        m.segment.counter_add("granted_blocks", len(out))
         return out
 
     def publish(self, slot: int, gen: int, keys: list[bytes], blocks: list[int],
-                success: bool, taken: int) -> int:
+                success: bool, taken: int) -> None:
         """Apply a client's ``Publish``: each granted block becomes its key, READY and in the
         index (unless the key is cached already, or the store failed: then it is freed).
         Blocks not granted to the sender, or not yet taken by it (position at or above its
-        ``taken`` count), are ignored. Returns how many keys were published."""
+        ``taken`` count), are ignored."""
         m = self.m
-        mine = self.blocks.get((slot, gen), set())
+        mine = self.blocks.get((slot, gen), {})
         m.tick += 1
         done, freed = [], 0
         for k, b in zip(keys, blocks):
-            if b not in mine or self.pos[b] >= taken:
+            pos = mine.get(b, taken)
+            if pos >= taken:
                 continue  # published already (a replayed frame), never ours, or not taken
-            mine.discard(b)
+            del mine[b]
             e = m._entries.get(k)
             if success and e is not None and not e.ready and k not in self.deferred:
-                self.deferred[k] = b  # another client's store of k is unfinished: wait
-                self.pos.pop(b, None)
-                continue
-            if not success or e is not None:  # failed, or another client stored it first
+                # Another client's store of k is unfinished: wait for it, keyed in the
+                # table so that a successor owner still knows (``adopt``).
+                m.table.write(b, L.GRANTED, k, slot, gen, pos, m.tick)
+                self.deferred[k] = b
+            elif not success or e is not None:  # failed, or another client stored it first
                 self._free(b)
                 freed += 1
-                continue
-            self._make_ready(k, b)
-            done.append(k)
-            if len(done) == 1:
-                crash_point("owner.publish.mid")
+            else:
+                self._make_ready(k, b)
+                done.append(k)
+                if len(done) == 1:
+                    crash_point("owner.publish.mid")
         if not mine:
             self.blocks.pop((slot, gen), None)
-        if success:
-            m.segment.counter_add("stores")
-            m.segment.counter_add("store_blocks", len(done))
-            if m.enable_events and done:
-                m._events.append(OffloadingEvent(done, removed=False))
-        else:
-            m.segment.counter_add("store_failed_blocks", freed)
-        return len(done)
+        m._stored(done, success, freed)
 
     def _make_ready(self, k: bytes, b: int) -> None:
         m = self.m
-        self.pos.pop(b, None)
         m.table.write(b, L.READY, k, -1, 0, 0, m.tick, time.time_ns())
         m._adopt(b, k, None)
 
@@ -155,13 +143,11 @@ class Grants:
             self._free(b)
             return
         self._make_ready(key, b)
-        self.m.segment.counter_add("store_blocks")
-        if self.m.enable_events:
-            self.m._events.append(OffloadingEvent([key], removed=False))
+        self.m._stored([key], True, 0)
 
     def free(self, writer: tuple[int, int]) -> int:
         """Free every block granted to ``writer`` (its client is gone, with its copiers)."""
-        blocks = self.blocks.pop(writer, set())
+        blocks = self.blocks.pop(writer, {})
         for b in sorted(blocks):
             self._free(b)
         return len(blocks)

@@ -69,59 +69,41 @@ class HoldTable:
         """
         if key in self.leases:
             return L.READY  # only our own stores evict a leased block, and they drop it
-        free, hv = self.free, self._hv
-        if not free or len(self.leases) >= self.lease_limit:
-            block, state = index.find(key)
+        if not self.free or len(self.leases) >= self.lease_limit:
+            state = index.find(key)[1]
             return -2 if state == L.READY else state
-        seen = self.seen.get(key)
+        seen = self.seen.pop(key, None)  # put back by _take while it still holds
         block = seen[0] if seen is not None else index.probe(key)
         if block < 0:
             return -1
-        i = free.pop()
-        hv[i] = -2 - block
-        full_fence()  # our hold before our re-check: the owner fences the other way round
-        if seen is not None and self.table.seq(block) == seen[1]:
-            self.leases[key] = i
-            return L.READY
-        seq, state = self.table.checked_state(block, key)
-        if state == L.READY:
-            self.leases[key] = i
-            if len(self.seen) >= self._seen_limit:
-                self.seen.clear()
-            self.seen[key] = (block, seq)
+        state = self._take(key, block, seen[1] if seen is not None else -1)
+        if state == L.READY or (seen is None and state >= 0):
             return state
-        hv[i] = -1
-        free.append(i)
-        if seen is not None or state < 0:  # moved, or a tag collision: the full search
-            self.seen.pop(key, None)
-            block, state = index.find(key)
-            if state == L.READY:
-                return L.READY if self.lease(key, block) else -1
-        return state
+        block, state = index.find(key)  # moved, or a tag collision: the full search
+        return self._take(key, block, -1) if state == L.READY else state
+
+    def _take(self, key: bytes, block: int, seq: int) -> int:
+        """Lease ``block`` for ``key`` if it holds it READY (proven by an unchanged ``seq``
+        when one is given, else by reading the entry); else its state there, unheld."""
+        i = self.free.pop()
+        self._hv[i] = -2 - block
+        full_fence()  # our hold before our re-check: the owner fences the other way round
+        if seq < 0 or self.table.seq(block) != seq:
+            seq, state = self.table.checked_state(block, key)
+            if state != L.READY:
+                self.unhold(i)
+                return state
+        self.leases[key] = i
+        if len(self.seen) >= self._seen_limit:
+            self.seen.clear()
+        self.seen[key] = (block, seq)
+        return L.READY
 
     def still_ready(self, key: bytes, block: int) -> bool:
         """Whether ``block`` provably still holds ``key`` READY, from ``seen`` alone (False:
         ask the table)."""
         seen = self.seen.get(key)
         return seen is not None and seen[0] == block and self.table.seq(block) == seen[1]
-
-    def lease(self, key: bytes, block: int) -> bool:
-        """Lease ``block`` for ``key`` if it still holds it READY. False: treat as a miss."""
-        i = self.leases.get(key)
-        if i is not None:
-            if self.block(i) == block:
-                return True
-            self.unhold(self.leases.pop(key))  # stale: our own store evicted it since
-        if not self.free or len(self.leases) >= self.lease_limit:
-            return False  # a miss is always safe; a hit we could not keep would not be
-        i = self.free.pop()
-        self._hv[i] = -2 - block
-        full_fence()  # our hold before our re-check: the owner fences the other way round
-        if self.table.state_if_key(block, key) != L.READY:
-            self.unhold(i)
-            return False
-        self.leases[key] = i
-        return True
 
     def lease_many(self, keys: Sequence[bytes], karr: np.ndarray, blocks: np.ndarray,
                    hits: int) -> int:
@@ -151,11 +133,6 @@ class HoldTable:
                 idx, new = idx[:bad], new[:bad]
             leases.update(zip((keys[i] for i in new), idx.tolist()))
         return hits
-
-    def leased_ready(self, key: bytes) -> bool:
-        """Whether ``key`` is leased and its block still holds it READY."""
-        i = self.leases.get(key)
-        return i is not None and self.table.state_if_key(self.block(i), key) == L.READY
 
     def release(self, keys: Sequence[bytes] | None = None) -> None:
         """Drop the leases of ``keys`` (all if None); pins are unaffected."""

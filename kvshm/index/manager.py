@@ -108,8 +108,12 @@ class LocalManager(Eviction, OffloadingManager):
             elif e.state in (L.READY, L.EVICTING) and e.key:
                 ready.append((e.last_use, b, e.key, e))
                 continue
+            elif e.state == L.GRANTED and e.key and not torn and \
+                    e.key not in self.grants.deferred:
+                self.grants.deferred[e.key] = b  # a completed store a dead owner deferred
+                continue
             elif e.state in (L.WRITING, L.GRANTED) and not torn and e.writer >= 0 and \
-                    writer_alive(e.writer, e.writer_gen):
+                    not (e.state == L.GRANTED and e.key) and writer_alive(e.writer, e.writer_gen):
                 if e.state == L.GRANTED:
                     self.grants.adopt(b, (e.writer, e.writer_gen), e.writer_req)
                 else:
@@ -140,6 +144,10 @@ class LocalManager(Eviction, OffloadingManager):
             self._adopt(b, key, writer)
             kept += 1
         self._free = deque(sorted(free))  # low block ids first, like vLLM's CPU backend
+        for key in list(self.grants.deferred):  # deferred behind a store that is over now
+            e = self._entries.get(key)
+            if e is None or e.ready:
+                self.grants.resolve(key)
         return {"ready": len(ready), "pending": kept, "freed": freed, "torn": torn_keys}
 
     def _adopt(self, block: int, key: bytes, writer: tuple[int, int] | None) -> None:
@@ -329,15 +337,19 @@ class LocalManager(Eviction, OffloadingManager):
                 self._drop(k)
         for k in done if self.grants.deferred else ():
             self.grants.resolve(k)  # a completed grant store of k waited for this one
+        self._stored(done, success, len(todo))
+        if problem is not None:
+            raise problem
+
+    def _stored(self, done: list[bytes], success: bool, failed: int) -> None:
+        """Count a completion (and report its keys): ``done`` published, ``failed`` freed."""
         if success:
             self.segment.counter_add("stores")
             self.segment.counter_add("store_blocks", len(done))
             if self.enable_events and done:
                 self._events.append(OffloadingEvent(done, removed=False))
         else:
-            self.segment.counter_add("store_failed_blocks", len(todo))
-        if problem is not None:
-            raise problem
+            self.segment.counter_add("store_failed_blocks", failed)
 
     def reclaim_writer(self, slot: int, gen: int) -> int:
         """Free every unfinished store of a writer that died. Returns the block count.

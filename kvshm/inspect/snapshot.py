@@ -268,9 +268,10 @@ def _verify_once(seg: Segment, sums: BlockSums | None = None) -> list[str]:
     for b, s, w, gen, keylen, keysum in zip(used.tolist(), *(m.e[k][used].tolist() for k in (
             "state", "writer", "writer_gen", "keylen", "keysum"))):
         key, name = m.key(b, keylen), L.STATE_NAMES.get(s, f"in unknown state {s}")
-        if s == L.GRANTED:  # no key yet: a free block in a client's grant ring
-            if keylen:
-                out.append(f"block {b} is granted but has a key {key.hex()[:16]}")
+        if s == L.GRANTED:  # in a client's grant ring; with a key, a completed store the
+            if keylen and L.key_checksum(key) != keysum:  # owner defers (not indexed yet)
+                out.append(f"block {b} is granted with key {key.hex()[:16]}, which does not "
+                           f"match the key checksum {keysum:#010x}")
         elif not 1 <= keylen <= L.MAX_KEY_BYTES:
             out.append(f"block {b} is {name} with key length {keylen}")
         elif L.key_checksum(key) != keysum:  # the next owner frees it instead of adopting it
@@ -282,8 +283,9 @@ def _verify_once(seg: Segment, sums: BlockSums | None = None) -> list[str]:
         elif m.find(key)[0] != b:
             out.append(f"block {b} ({name}, key {key.hex()[:16]}) is not reachable through "
                        "the key index")
-        owners.setdefault(key, b)
-        why = "" if s not in (L.WRITING, L.GRANTED) else (
+        if s != L.GRANTED:  # a deferred store's key is also its unfinished rival's
+            owners.setdefault(key, b)
+        why = "" if s != L.WRITING and (s != L.GRANTED or keylen) else (
             ("" if m.owner_alive else "the owner's own store, but no owner is alive") if w < 0
             else f"client slot {w}, beyond {g.max_clients} slots" if w >= g.max_clients
             else f"client slot {w}, which is dead" if not m.alive(w)
