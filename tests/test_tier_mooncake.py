@@ -15,6 +15,7 @@ import sys
 import pytest
 
 from kvshm.index.client import connect
+from kvshm.inspect.snapshot import tier_snapshot
 from kvshm.shm.wait import poll_until
 from kvshm.tier.area import TierArea
 from kvshm.tier.client import TieredManager
@@ -73,8 +74,8 @@ class Host:
         env = {**os.environ, "PYTHONPATH": ROOT}
         if crash_at:
             env["KVSHM_CRASH_AT"] = crash_at
-        cmd = [sys.executable, "-m", "kvshm.cli", "mover", self.seg.name, *self.master.args(),
-               "--global-segment", "64M", "--local-buffer", "16M", "--log-level", "INFO"]
+        cmd = self.master.mover_command(self.seg.name, "--global-segment", "64M",
+                                        "--local-buffer", "16M", "--log-level", "INFO")
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         assert poll_until(lambda: self.tier()["state"] == "connected" or
@@ -82,13 +83,7 @@ class Host:
         assert self.proc.poll() is None, self.log()
 
     def tier(self) -> dict:
-        area = TierArea.attach(self.seg.name)
-        if area is None:
-            return {"state": "none", "counters": {}}
-        try:
-            return area.snapshot()
-        finally:
-            area.close()
+        return tier_snapshot(self.seg.name) or {"state": "none", "counters": {}}
 
     def count(self, name: str) -> int:
         return self.tier()["counters"].get(name, 0)

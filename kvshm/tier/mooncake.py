@@ -27,6 +27,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -141,6 +142,11 @@ class Master:
         """``kvshm mover`` arguments that point at this master."""
         c = self.config
         return ["--master", c.master, "--metadata", c.metadata, "--local-host", c.local_host]
+
+    def mover_command(self, name: str, *extra: str) -> list[str]:
+        """The command line of a ``kvshm mover`` of segment ``name`` served by this master,
+        run by this Python (``extra``: more ``kvshm mover`` options)."""
+        return [sys.executable, "-m", "kvshm.cli", "mover", name, *self.args(), *extra]
 
     def stop(self) -> None:
         if self.proc.poll() is None:
