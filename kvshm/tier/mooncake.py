@@ -97,8 +97,8 @@ class MooncakeTier(LowerTier):
 
     def exists(self, keys: Sequence[str]) -> list[Code]:
         out = self._store.batch_is_exist(list(keys))
-        return [Code.OK if r == 1 else Code.NOT_FOUND if r == 0 else Code.RPC_FAILED
-                if r == -900 else Code.of(r) if r < -1 else Code.OTHER for r in out]
+        return [Code.OK if r == 1 else Code.NOT_FOUND if r == 0 else Code.of(min(r, -1))
+                for r in out]  # 1/0: present/absent; below 0 an error code
 
     def put(self, keys: Sequence[str], buffers: Sequence[Sequence[tuple[int, int]]]) -> list[Code]:
         rcs = self._store.batch_put_from_multi_buffers(
