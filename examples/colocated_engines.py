@@ -134,33 +134,11 @@ def run(o: Options) -> dict[str, Any]:
     try:
         for name in names:
             kvshm.Segment.create(name, lay, num_blocks, max_clients=2 * o.engines + 2).close()
-        ctx = mp.get_context("spawn")
-        for cfg in cfgs:
-            parent, child = ctx.Pipe()
-            p = ctx.Process(target=engine_main, args=(cfg, child), name=cfg.name)
-            p.start()
-            procs.append(p)
-            pipes.append(parent)
-        for pipe in pipes:
-            _expect(pipe, "ready")
-        wrong = 0
-        for turns in rounds:
-            for i, pipe in enumerate(pipes):
-                pipe.send(("round", [t for t in turns if t.engine == i]))
-            outputs = {}
-            for pipe in pipes:
-                outputs.update(_expect(pipe, "done"))
-            wrong += sum(outputs[t.req_id] != t.reply for t in turns)
-        for pipe in pipes:
-            pipe.send(("stop", None))
-        stats = [_expect(pipe, "stats") for pipe in pipes]
-        for p in procs:
-            p.join()
+        start_engines(cfgs, engine_main, procs, pipes)
+        wrong = sum(play_round(pipes, turns) for turns in rounds)
+        stats = stop_engines(procs, pipes)
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
+        kill_engines(procs)
         for name in names:
             release_cache(name, remove=not o.keep)
     total = {k: sum(s[k] for s in stats) for k in STAT_KEYS}
@@ -171,7 +149,51 @@ def run(o: Options) -> dict[str, Any]:
             "wrong_outputs": wrong, "seconds": round(time.monotonic() - t0, 2)}
 
 
-def _expect(pipe, what: str) -> Any:
+def start_engines(cfgs: list[EngineConfig], target, procs: list, pipes: list) -> None:
+    """Spawn one process per config running ``target(cfg, pipe)`` (an ``engine_main``) and
+    wait until each is ready. ``procs`` and ``pipes`` grow as processes start, so that the
+    caller's ``kill_engines(procs)`` also stops those started before a failure."""
+    ctx = mp.get_context("spawn")
+    for cfg in cfgs:
+        parent, child = ctx.Pipe()
+        p = ctx.Process(target=target, args=(cfg, child), name=cfg.name)
+        p.start()
+        procs.append(p)
+        pipes.append(parent)
+    for pipe in pipes:
+        expect(pipe, "ready")
+
+
+def play_round(pipes: list, turns: list[Turn]) -> int:
+    """Send every engine its turns of one round, wait for all; returns the wrong replies."""
+    for i, pipe in enumerate(pipes):
+        pipe.send(("round", [t for t in turns if t.engine == i]))
+    outputs: dict[str, list[int]] = {}
+    for pipe in pipes:
+        outputs.update(expect(pipe, "done"))
+    return sum(outputs[t.req_id] != t.reply for t in turns)
+
+
+def stop_engines(procs: list, pipes: list) -> list[Any]:
+    """Tell every engine to stop; returns what each reported, and joins the processes."""
+    for pipe in pipes:
+        pipe.send(("stop", None))
+    results = [expect(pipe, "stats") for pipe in pipes]
+    for p in procs:
+        p.join()
+    return results
+
+
+def kill_engines(procs: list) -> None:
+    """Kill the engine processes still alive (cleanup after a failure)."""
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+def expect(pipe, what: str) -> Any:
+    """The payload of an engine's next message, which must be ``what``."""
     kind, payload = pipe.recv()
     if kind == "error":
         raise RuntimeError(f"an engine process failed:\n{payload}")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import subprocess
 import sys
@@ -26,8 +25,10 @@ sys.path.insert(0, HERE)
 sys.path.append(ROOT)  # a repository checkout works without installing kvshm
 
 import kvshm  # noqa: E402
+from kvshm.shm.wait import poll_until  # noqa: E402
 from colocated_engines import Options as DemoOptions  # noqa: E402
-from colocated_engines import release_cache, workload  # noqa: E402
+from colocated_engines import (kill_engines, play_round, release_cache,  # noqa: E402
+                               start_engines, stop_engines, workload)
 from mini_engine import STAT_KEYS, Engine, EngineConfig, layout_for  # noqa: E402
 
 DESCRIPTION = """\
@@ -100,37 +101,23 @@ def engine_main(cfg: EngineConfig, conn) -> None:
         conn.send(("error", traceback.format_exc()))
 
 
-def _expect(pipe, what: str) -> Any:
-    kind, payload = pipe.recv()
-    if kind == "error":
-        raise RuntimeError(f"an engine process failed:\n{payload}")
-    assert kind == what, (kind, what)
-    return payload
-
-
 def _tier(name: str) -> dict[str, Any]:
-    from kvshm.tier.area import TierArea
-    area = TierArea.attach(name)
-    if area is None:
-        return {"state": "none", "counters": {}}
-    try:
-        return area.snapshot()
-    finally:
-        area.close()
+    from kvshm.inspect.snapshot import tier_snapshot
+    return tier_snapshot(name) or {"state": "none", "counters": {}}
 
 
 def _written_through(name: str, timeout: float = 30.0) -> None:
-    """Wait until the host's mover has handled every block stored in its segment."""
+    """Wait (at most ``timeout`` s) until the host's mover has handled every block stored in
+    its segment."""
+    def handled() -> bool:
+        c = _tier(name)["counters"]
+        return sum(c.get(k, 0) for k in ("puts", "put_failed", "put_refused_space",
+                                         "put_dropped", "put_skipped")) \
+            >= seg.counter("store_blocks")
+
     seg = kvshm.Segment.attach(name)
     try:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            c = _tier(name)["counters"]
-            handled = sum(c.get(k, 0) for k in ("puts", "put_failed", "put_refused_space",
-                                                 "put_dropped", "put_skipped"))
-            if handled >= seg.counter("store_blocks"):
-                return
-            time.sleep(0.01)  # polling another process's progress, bounded by the deadline
+        poll_until(handled, timeout)
     finally:
         seg.close()
 
@@ -161,47 +148,25 @@ def run(o: Options) -> dict[str, Any]:
             kvshm.Segment.create(name, lay, num_blocks, max_clients=2 * n + 4).close()
             with open(os.path.join(logdir, f"mover-{name}.log"), "ab") as log:
                 movers.append(subprocess.Popen(
-                    [sys.executable, "-m", "kvshm.cli", "mover", name, *master.args(),
-                     "--global-segment", f"{o.global_segment_mib}M", "--local-buffer", "32M"],
+                    master.mover_command(name, "--global-segment", f"{o.global_segment_mib}M",
+                                         "--local-buffer", "32M"),
                     stdout=log, stderr=subprocess.STDOUT,
                     env={**os.environ, "PYTHONPATH": ROOT + os.pathsep +
                          os.environ.get("PYTHONPATH", "")}))
         for name, mv in zip(names, movers):
-            deadline = time.monotonic() + 120
-            while _tier(name)["state"] != "connected":
-                if mv.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"the mover of {name} did not connect; see {logdir}")
-                time.sleep(0.05)  # polling the mover's state, bounded by the deadline
-        ctx = mp.get_context("spawn")
-        for cfg in cfgs:
-            parent, child = ctx.Pipe()
-            p = ctx.Process(target=engine_main, args=(cfg, child), name=cfg.name)
-            p.start()
-            procs.append(p)
-            pipes.append(parent)
-        for pipe in pipes:
-            _expect(pipe, "ready")
+            poll_until(lambda: _tier(name)["state"] == "connected" or mv.poll() is not None, 120)
+            if _tier(name)["state"] != "connected":
+                raise RuntimeError(f"the mover of {name} did not connect; see {logdir}")
+        start_engines(cfgs, engine_main, procs, pipes)
         wrong = 0
         for turns in workload(demo):
-            for i, pipe in enumerate(pipes):
-                pipe.send(("round", [t for t in turns if t.engine == i]))
-            outputs: dict[str, list[int]] = {}
-            for pipe in pipes:
-                outputs.update(_expect(pipe, "done"))
-            wrong += sum(outputs[t.req_id] != t.reply for t in turns)
+            wrong += play_round(pipes, turns)
             for name in names:
                 _written_through(name)
-        for pipe in pipes:
-            pipe.send(("stop", None))
-        results = [_expect(pipe, "stats") for pipe in pipes]
-        for p in procs:
-            p.join()
+        results = stop_engines(procs, pipes)
         tiers = [_tier(name) for name in names]
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
+        kill_engines(procs)
         for mv in movers:
             mv.terminate()
             try:

@@ -70,6 +70,17 @@ def fill(eng: TieredManager, mover: Mover, keys: list[bytes]) -> int:
     return answers[-1]
 
 
+def keys_below(hosts, n: int = len(KEYS), layout: Layout = TEST_LAYOUT):
+    """Two hosts over a new fake store, host a having stored ``KEYS[:n]`` and put them below;
+    host b has ``layout``. Returns the store, (a, its mover), (b, its mover)."""
+    fake = FakeStore()
+    a, ma = hosts(fake)
+    b, mb = hosts(fake, layout)
+    store(a, KEYS[:n])
+    spill_all(ma, fake, n)
+    return fake, (a, ma), (b, mb)
+
+
 def counters(mover: Mover) -> dict[str, int]:
     return mover.area.snapshot()["counters"]
 
@@ -107,21 +118,13 @@ def test_a_key_absent_everywhere_is_a_plain_miss_after_one_round(hosts):
 
 
 def test_a_prefix_partly_below_hits_as_far_as_it_goes(hosts):
-    fake = FakeStore()
-    a, ma = hosts(fake)
-    b, mb = hosts(fake)
-    store(a, KEYS[:5])
-    spill_all(ma, fake, 5)
+    _, _, (b, mb) = keys_below(hosts, 5)
     assert fill(b, mb, KEYS) == 5
 
 
 @pytest.mark.parametrize("fault", ["corrupt", "unreadable"])
 def test_a_bad_value_never_becomes_ready(hosts, fault):
-    fake = FakeStore()
-    a, ma = hosts(fake)
-    b, mb = hosts(fake)
-    store(a, KEYS)
-    spill_all(ma, fake, len(KEYS))
+    fake, _, (b, mb) = keys_below(hosts)
     setattr(fake, fault, True)
     assert fill(b, mb, KEYS) == 0
     c = counters(mb)
@@ -133,22 +136,13 @@ def test_a_bad_value_never_becomes_ready(hosts, fault):
 
 
 def test_another_layout_never_sees_the_blocks(hosts):
-    fake = FakeStore()
-    a, ma = hosts(fake)
-    other = Layout((4096, 4096), 16, "another-model")
-    b, mb = hosts(fake, other)
-    store(a, KEYS)
-    spill_all(ma, fake, len(KEYS))
+    _, _, (b, mb) = keys_below(hosts, layout=Layout((4096, 4096), 16, "another-model"))
     assert fill(b, mb, KEYS) == 0
     assert counters(mb)["get_misses"] == len(KEYS)
 
 
 def test_a_store_that_is_down_is_a_miss_and_recovers_by_itself(hosts):
-    fake = FakeStore()
-    a, ma = hosts(fake)
-    b, mb = hosts(fake)
-    store(a, KEYS[:4])
-    spill_all(ma, fake, 4)
+    fake, (a, ma), (b, mb) = keys_below(hosts, 4)
     assert fill(b, mb, [b"absent"]) == 0  # b's mover has connected
     fake.down = True
     assert fill(b, mb, KEYS[:4]) == 0  # misses, no error

@@ -15,6 +15,7 @@ import sys
 import pytest
 
 from kvshm.index.client import connect
+from kvshm.inspect.snapshot import tier_snapshot
 from kvshm.shm.wait import poll_until
 from kvshm.tier.area import TierArea
 from kvshm.tier.client import TieredManager
@@ -73,8 +74,8 @@ class Host:
         env = {**os.environ, "PYTHONPATH": ROOT}
         if crash_at:
             env["KVSHM_CRASH_AT"] = crash_at
-        cmd = [sys.executable, "-m", "kvshm.cli", "mover", self.seg.name, *self.master.args(),
-               "--global-segment", "64M", "--local-buffer", "16M", "--log-level", "INFO"]
+        cmd = self.master.mover_command(self.seg.name, "--global-segment", "64M",
+                                        "--local-buffer", "16M", "--log-level", "INFO")
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         assert poll_until(lambda: self.tier()["state"] == "connected" or
@@ -82,13 +83,7 @@ class Host:
         assert self.proc.poll() is None, self.log()
 
     def tier(self) -> dict:
-        area = TierArea.attach(self.seg.name)
-        if area is None:
-            return {"state": "none", "counters": {}}
-        try:
-            return area.snapshot()
-        finally:
-            area.close()
+        return tier_snapshot(self.seg.name) or {"state": "none", "counters": {}}
 
     def count(self, name: str) -> int:
         return self.tier()["counters"].get(name, 0)
@@ -174,6 +169,16 @@ def spilled(h: Host, n: int) -> None:
     assert poll_until(lambda: h.count("puts") >= n, 60), h.log()
 
 
+def two_hosts_sharing(master, hosts, tag: str):
+    """A fresh master, two hosts on it, and keys stored on host 1 and written through."""
+    m = master()
+    h1, h2 = hosts(m), hosts(m)
+    keys = keys_of(tag)
+    store(h1.eng, keys)
+    spilled(h1, len(keys))
+    return m, h1, h2, keys
+
+
 def test_a_prefix_stored_on_host_1_is_a_hit_on_host_2(master, hosts):
     m = master()
     h1, h2 = hosts(m), hosts(m)
@@ -189,11 +194,7 @@ def test_a_prefix_stored_on_host_1_is_a_hit_on_host_2(master, hosts):
 
 
 def test_master_killed_and_restarted_mid_run(master, hosts):
-    m = master()
-    h1, h2 = hosts(m), hosts(m)
-    before = keys_of("before")
-    store(h1.eng, before)
-    spilled(h1, len(before))
+    m, h1, h2, before = two_hosts_sharing(master, hosts, "before")
     m.stop()
     # Master down: lookups on host 2 settle as misses (never an error), spills are dropped.
     assert h2.lookup_settled(before) == 0
@@ -213,11 +214,7 @@ def test_master_killed_and_restarted_mid_run(master, hosts):
 
 
 def test_host_1_mover_killed(master, hosts):
-    m = master()
-    h1, h2 = hosts(m), hosts(m)
-    keys = keys_of("orphan")
-    store(h1.eng, keys)
-    spilled(h1, len(keys))
+    _, h1, h2, keys = two_hosts_sharing(master, hosts, "orphan")
     h1.kill_mover()
     # Host 1's share of the pool is gone with its mover: host 2 gets a miss or (while the
     # master still lists the share) a verified hit; never an error, never wrong bytes.
@@ -236,11 +233,7 @@ def test_host_1_mover_killed(master, hosts):
 @pytest.mark.parametrize("point", ["mover.fill.after_prepare", "mover.fill.after_get"])
 def test_a_mover_killed_mid_fetch_leaves_no_block_half_fetched(master, hosts, point):
     from kvshm.inspect.snapshot import verify
-    m = master()
-    h1, h2 = hosts(m), hosts(m)
-    keys = keys_of("crash")
-    store(h1.eng, keys)
-    spilled(h1, len(keys))
+    _, h1, h2, keys = two_hosts_sharing(master, hosts, "crash")
     h2.kill_mover()
     h2.start_mover(crash_at=point)
     assert h2.eng.lookup(keys) is None  # asks the armed mover, which dies at the point

@@ -56,14 +56,9 @@ def _store_blocks(mgr, keys: list[bytes]) -> None:
     mgr.complete_store(out.keys_to_store)
 
 
-def _tier(name: str) -> dict[str, int]:
-    from kvshm.tier.area import TierArea
-    a = TierArea.attach(name)
-    try:
-        return a.snapshot()["counters"] if a else {}
-    finally:
-        if a:
-            a.close()
+def _tier(name: str) -> dict[str, Any]:
+    from kvshm.inspect.snapshot import tier_snapshot
+    return tier_snapshot(name) or {"state": "none", "counters": {}}
 
 
 def _wait(cond, timeout: float, what: str) -> None:
@@ -130,13 +125,11 @@ def throughput(a: argparse.Namespace, master) -> dict[str, Any]:
         for name in names:
             kvshm.Segment.create(name, lay, n + 8, max_clients=8).close()
             movers.append(subprocess.Popen(
-                [sys.executable, "-m", "kvshm.cli", "mover", name, *master.args(),
-                 "--global-segment", f"{a.global_mib}M", "--batch", str(a.batch),
-                 "--log-level", "WARNING"], env={**os.environ, "PYTHONPATH": ROOT}))
+                master.mover_command(name, "--global-segment", f"{a.global_mib}M", "--batch",
+                                     str(a.batch), "--log-level", "WARNING"),
+                env={**os.environ, "PYTHONPATH": ROOT}))
         for name in names:
-            from kvshm.tier.area import TierArea as _T
-            _wait(lambda: (t := _T.attach(name)) is not None and
-                  (t.snapshot()["state"] == "connected", t.close())[0], 120, "movers")
+            _wait(lambda: _tier(name)["state"] == "connected", 120, "movers")
         ma = TieredManager(kvshm.connect(names[0]))  # its complete_store wakes the mover
         area_a = TierArea.attach(names[0])
         puts = lambda: int(area_a.counters[0 + TIER_COUNTERS.index("puts")])  # noqa: E731
@@ -169,7 +162,7 @@ def throughput(a: argparse.Namespace, master) -> dict[str, Any]:
             mb.release(keys)
             rounds.append({"raw_put_s": put_s, "raw_get_s": t2 - t1, "spill_s": t4 - t3,
                            "fill_s": t5 - t4})
-        tb, ta = _tier(names[1]), _tier(names[0])
+        tb, ta = _tier(names[1])["counters"], _tier(names[0])["counters"]
         area_a.close()
     finally:
         for m in mgrs:

@@ -15,6 +15,7 @@ backend unusable (``LowerTierUnavailableError``).
 from __future__ import annotations
 
 import enum
+import functools
 import struct
 import zlib
 from abc import ABC, abstractmethod
@@ -88,6 +89,7 @@ _FIXED = struct.Struct("<4sHHI8sB7x")
 _PLANE = struct.Struct("<IIQ")  # page length, reserved, checksum of the page
 
 
+@functools.cache  # once per process: the header of every block asks
 def _xxh3():
     try:
         from xxhash import xxh3_64_intdigest

@@ -78,6 +78,7 @@ COUNTERS = (
     "rpc_failures",     # calls answered with an RPC failure (lower tier unreachable)
     "reconnects",       # times the mover (re)connected to its lower tier
 )
+_COUNTER = {name: i for i, name in enumerate(COUNTERS)}
 
 
 def area_name(name: str) -> str:
@@ -215,7 +216,7 @@ class TierArea:
     def add(self, counter: str, n: int = 1) -> None:
         """Mover only (the single writer of the counters)."""
         if n:
-            i = COUNTERS.index(counter)
+            i = _COUNTER[counter]
             self.counters[i] = (self.counters[i] + n) & 0xFFFFFFFFFFFFFFFF
 
     def bell(self) -> Doorbell:

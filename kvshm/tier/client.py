@@ -107,8 +107,7 @@ class TieredManager(OffloadingManager):
         if n:
             self.manager.release(list(keys[:n]))
         self.not_yet += 1
-        if n < len(keys):
-            self._waiting_on = (len(keys), keys[0], n, keys[n])
+        self._waiting_on = (len(keys), keys[0], n, keys[n])  # lookup calls us with n < len
         return None
 
     def _still_waiting(self, keys: Sequence[bytes]) -> bool:

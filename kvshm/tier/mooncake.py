@@ -27,6 +27,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -96,8 +97,8 @@ class MooncakeTier(LowerTier):
 
     def exists(self, keys: Sequence[str]) -> list[Code]:
         out = self._store.batch_is_exist(list(keys))
-        return [Code.OK if r == 1 else Code.NOT_FOUND if r == 0 else Code.RPC_FAILED
-                if r == -900 else Code.of(r) if r < -1 else Code.OTHER for r in out]
+        return [Code.OK if r == 1 else Code.NOT_FOUND if r == 0 else Code.of(min(r, -1))
+                for r in out]  # 1/0: present/absent; below 0 an error code
 
     def put(self, keys: Sequence[str], buffers: Sequence[Sequence[tuple[int, int]]]) -> list[Code]:
         rcs = self._store.batch_put_from_multi_buffers(
@@ -141,6 +142,11 @@ class Master:
         """``kvshm mover`` arguments that point at this master."""
         c = self.config
         return ["--master", c.master, "--metadata", c.metadata, "--local-host", c.local_host]
+
+    def mover_command(self, name: str, *extra: str) -> list[str]:
+        """The command line of a ``kvshm mover`` of segment ``name`` served by this master,
+        run by this Python (``extra``: more ``kvshm mover`` options)."""
+        return [sys.executable, "-m", "kvshm.cli", "mover", name, *self.args(), *extra]
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -30,8 +30,9 @@ import os
 import signal
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
+from itertools import islice
 from typing import Sequence
 
 import numpy as np
@@ -72,23 +73,22 @@ class Mover:
             self.seg.close()
             raise MoverRunningError(f"another mover serves segment {name!r}")
         self.tier, self.spill, self.batch, self.poll_s = tier, spill, batch, poll_s
-        self.mgr = SharedManager(Segment.attach(name), events=True)
+        self.mgr = SharedManager(self.seg, events=True)  # one mapping; the manager closes it
         g = self.seg.geometry
         self.fp = self.seg.layout.fingerprint()
-        self.planes = self.mgr.segment.planes()
+        self.planes = self.seg.planes()
         # Blocks one spill round pins: a lookup refuses leases past half the hold table.
         self._spill_max = max(1, min(4 * batch, g.hold_capacity // 4))
         self.page = list(g.page_bytes)
         self.block_bytes = sum(self.page)
         self.hdr = api.header_bytes(len(self.page))
-        self.sums = BlockSums(self.mgr.segment) if g.checksums else None
+        self.sums = BlockSums(self.seg) if g.checksums else None
         self.algo = api.default_algo()
         self._hbuf = mmap.mmap(-1, max(4096, self.hdr * batch * 2))  # 2 halves, registered
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvshm-mover-sums")
         self._haddr = ctypes.addressof(ctypes.c_char.from_buffer(self._hbuf))
         self._hview = memoryview(self._hbuf)
-        self._queue: deque[bytes] = deque()
-        self._queued: set[bytes] = set()
+        self._queue: dict[bytes, None] = {}  # store events waiting for their put, in order
         self._skip: OrderedDict[bytes, None] = OrderedDict()  # fetched or put: not again
         self.connected = False
         self._down_until = 0.0
@@ -107,7 +107,7 @@ class Mover:
             if not self.tier.connect():
                 self._down(None, "cannot connect")
                 return False
-            addr, n = self.mgr.segment.data_address()
+            addr, n = self.seg.data_address()
             if not (self.tier.register(addr, n) and
                     self.tier.register(self._haddr, len(self._hbuf))):
                 self.tier.close()
@@ -174,6 +174,11 @@ class Mover:
                 [(int(p.ctypes.data) + b * n, n) for p, n in zip(self.planes, self.page)]
                 for i, b in enumerate(blocks)]
 
+    def _chunks(self, keys: list[bytes], blocks: list[int]) -> list[tuple[list[bytes], list[int]]]:
+        """``keys`` and their ``blocks`` in calls of ``batch`` (one header-buffer half each)."""
+        bt = self.batch
+        return [(keys[i:i + bt], blocks[i:i + bt]) for i in range(0, len(keys), bt)]
+
     def _header(self, half: int, i: int) -> memoryview:
         o = (half * self.batch + i) * self.hdr
         return self._hview[o:o + self.hdr]
@@ -199,8 +204,8 @@ class Mover:
         crash_point("mover.fill.after_prepare")
         if not out or not out.keys_to_store:
             return len(keys)
-        ks, bs, bt = out.keys_to_store, out.block_ids, self.batch
-        chunks = [(ks[i:i + bt], bs[i:i + bt]) for i in range(0, len(ks), bt)]
+        ks, bs = out.keys_to_store, out.block_ids
+        chunks = self._chunks(ks, bs)
         good: list[bytes] = []
         bad: list[bytes] = []
         verifying = None
@@ -252,14 +257,13 @@ class Mover:
             if ev.removed or not self.spill:
                 continue
             for k in ev.keys:
-                if k in self._skip or k in self._queued:
+                if k in self._skip or k in self._queue:
                     self.area.add("put_skipped", k in self._skip)
                     continue
                 if len(self._queue) >= _QUEUE_MAX:
                     self.area.add("put_dropped")
                     continue
-                self._queue.append(k)
-                self._queued.add(k)
+                self._queue[k] = None
 
     def _spill(self) -> int:
         self._events()
@@ -268,10 +272,10 @@ class Mover:
         if not self._usable():
             self.area.add("put_dropped", len(self._queue))
             self._queue.clear()
-            self._queued.clear()
             return 0
-        take = [self._queue.popleft() for _ in range(min(self._spill_max, len(self._queue)))]
-        self._queued.difference_update(take)
+        take = list(islice(self._queue, self._spill_max))
+        for k in take:
+            del self._queue[k]
         hit = [k for k in take if self.mgr.key_status(k) == LookupResult.HIT]
         self.area.add("put_skipped", len(take) - len(hit))
         if not hit:
@@ -283,8 +287,7 @@ class Mover:
             self.area.add("put_skipped", len(hit))
             return len(take)
         crash_point("mover.spill.after_pin")
-        bt = self.batch
-        chunks = [(hit[i:i + bt], blocks[i:i + bt]) for i in range(0, len(hit), bt)]
+        chunks = self._chunks(hit, blocks)
         codes: list[Code] = []
         try:
             # Two stages: the helper thread sums chunk i+1 while chunk i travels.
@@ -302,8 +305,9 @@ class Mover:
         ok = sum(1 for c in codes if c == Code.OK)
         self.area.add("puts", ok)
         self.area.add("put_bytes", ok * self.block_bytes)
-        self.area.add("put_refused_space", sum(1 for c in codes if c == Code.NO_SPACE))
-        self.area.add("put_failed", len(hit) - ok - sum(1 for c in codes if c == Code.NO_SPACE))
+        space = sum(1 for c in codes if c == Code.NO_SPACE)
+        self.area.add("put_refused_space", space)
+        self.area.add("put_failed", len(hit) - ok - space)
         self._remember([k for k, c in zip(hit, codes) if c == Code.OK])
         return len(take)
 
@@ -348,8 +352,6 @@ class Mover:
             self.mgr.shutdown()
             self._hview.release()
             self.area.close()
-            self.seg.close()
-
 
 
 def main(argv: list[str] | None = None) -> int:
