@@ -281,3 +281,75 @@ def test_writer_lock_bytes_overlap_no_client_or_channel_lock():
     from kvshm.engine.channel import WORKER_LOCK_BASE
     last_client_byte = max(L.LOCK_CLIENT_BASE, WORKER_LOCK_BASE) + 1024
     assert L.LOCK_WRITER_BASE >= last_client_byte
+
+
+# --- kvshm-inspect gc: a temporary owner honours the registry as an owner does -------------
+_GC_SCHED = """
+import sys
+from kvshm.index.client import connect
+m = connect(sys.argv[1])
+out = m.prepare_store([b"victim-%d" % i for i in range(4)])  # a round trip: WRITING
+print(m.slot, m.gen, *out.block_ids, flush=True)
+sys.stdin.read()
+"""
+
+_GC_COPIER = """
+import sys
+import numpy as np
+from kvshm.shm import writers
+from kvshm.shm.segment import Segment
+seg = Segment.attach(sys.argv[1])
+print(int(writers.Registrations(seg).admit(int(sys.argv[2]), int(sys.argv[3]))), flush=True)
+sys.stdin.readline()  # still copying for the scheduler: the late copy lands when told
+for b in map(int, sys.argv[4:]):
+    for plane in seg.planes():
+        plane[b] = 0xAB
+print("copied", flush=True)
+"""
+
+
+def _popen(code: str, *args: object) -> "subprocess.Popen[str]":
+    import subprocess
+    import sys
+    return subprocess.Popen([sys.executable, "-c", code, *map(str, args)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+
+def test_gc_keeps_the_stores_a_live_copier_may_still_write(seg_name):
+    """The owner and the scheduler die, the scheduler's copier lives on, an operator runs
+    gc: the blocks it may still write into are kept, so its late copy lands in no key that
+    the next owner handed out."""
+    from kvshm.inspect.cli import _gc
+    from conftest import TEST_LAYOUT, stop_owner
+    from test_shared import wait_for
+    Segment.create(seg_name, TEST_LAYOUT, 32, max_clients=4, ring_capacity=8192).close()
+    seg = Segment.attach(seg_name)
+    sched = _popen(_GC_SCHED, seg_name)
+    slot, gen, *blocks = map(int, sched.stdout.readline().split())
+    copier = _popen(_GC_COPIER, seg_name, slot, gen, *blocks)
+    m = None
+    try:
+        assert copier.stdout.readline().strip() == "1"  # admitted: it may copy now
+        stop_owner(seg.owner_record()[0])
+        wait_for(lambda: not seg.owner_alive(), "the owner to die")
+        sched.kill()
+        sched.wait()
+        assert _gc(seg)["acted"]
+        m = connect(seg_name)  # a new engine and owner fill the cache
+        stored = procs.store(m, [b"innocent-%d" % i for i in range(24)])
+        copier.stdin.write("go\n")
+        copier.stdin.flush()
+        assert copier.stdout.readline().strip() == "copied"
+        hits = m.lookup(stored)
+        got = m.prepare_load(stored[:hits])
+        assert all(procs.check(m.segment.planes(), b, k) for b, k in zip(got, stored))
+        m.complete_load(stored[:hits])
+    finally:
+        for p in (sched, copier):
+            p.kill()
+            p.wait()
+        if m is not None:
+            pid = m.segment.owner_record()[0]
+            m.shutdown()
+            stop_owner(pid)
+        seg.close()

@@ -49,7 +49,9 @@ class LocalManager(Eviction, OffloadingManager):
 
     ``held(requester_slot)`` returns the blocks that clients hold against a store of that
     requester (leases and pins live in the clients' slots); those are never evicted.
-    ``writer_alive`` decides, in a rebuild, whether a half-finished store has its writer.
+    ``writer_alive`` decides, in a rebuild, whether a half-finished store's client lives;
+    a process registered to copy for it (``kvshm.shm.writers``) keeps it too, whoever
+    rebuilds (an owner, or ``kvshm-inspect gc``).
     """
 
     def __init__(self, segment: Segment, policy: str | None = None, *,
@@ -81,7 +83,9 @@ class LocalManager(Eviction, OffloadingManager):
         pid, epoch, _, tick = segment.owner_record()
         self.epoch = epoch + 1
         self.tick = tick
-        self.recovered = self._rebuild(writer_alive or (lambda slot, gen: False))
+        client_alive = writer_alive or (lambda slot, gen: False)
+        self.recovered = self._rebuild(lambda slot, gen: client_alive(slot, gen)
+                                       or writers.alive(segment, slot, gen))
         segment.write_owner_record(os.getpid(), self.epoch, time.time_ns(), self.tick)
         if pid:  # the last owner died holding the segment (a clean exit writes pid 0)
             segment.counter_add("failovers")

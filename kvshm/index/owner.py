@@ -24,7 +24,6 @@ from kvshm.shm import layout as L
 from kvshm.shm import locks
 from kvshm.index import protocol as P
 from kvshm.shm import slots
-from kvshm.shm import writers
 from kvshm.errors import KvshmError, OwnerUnavailableError
 from kvshm.crashpoints import crash_point
 from kvshm.shm.fence import full_fence
@@ -55,10 +54,8 @@ class Owner(RequestHandlers):
     def __init__(self, name: str, *, idle_exit_s: float | None = None):
         self.seg = Segment.attach(name)
         self.clients: dict[int, _Client] = {}
-        # A rebuild keeps a dead client's stores while a registered copier lives
         self.manager = LocalManager(self.seg, enable_events=True, held=self._held,
-                                    writer_alive=lambda s, g: self._writer_alive(s, g)
-                                    or writers.alive(self.seg, s, g))
+                                    writer_alive=self._writer_alive)
         self.epoch = self.manager.epoch
         self._max_keys = 4 * self.seg.geometry.num_blocks + 65536  # per request
         self.bell = Doorbell(self.seg.buf[L.OFF_OWNER_BELL:L.OFF_OWNER_BELL + 8],
