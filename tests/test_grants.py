@@ -20,6 +20,7 @@ from kvshm.index import protocol as P
 from kvshm.index.client import connect
 from kvshm.index.grants import grant_target
 from kvshm.index.api import LookupResult
+from kvshm.errors import BlockStateError
 from kvshm.shm import layout as L
 from kvshm.shm import slots
 from kvshm.inspect.snapshot import verify
@@ -46,7 +47,7 @@ def _stocked(m, n: int = 1) -> None:
     """Make ``m`` a storing client (one round-trip store) and wait for its grants."""
     procs.store(m, [b"warm-%d-%d" % (m.slot, i) for i in range(2)])
     words, _ = slots.grants(m.segment, m.slot)
-    wait_for(lambda: int(words[L.GRANT_WORD_GRANTED]) - m._taken >= n, "grants to arrive")
+    wait_for(lambda: int(words[L.GRANT_WORD_GRANTED]) - m._own.taken >= n, "grants to arrive")
 
 
 def _states(seg) -> list[int]:
@@ -189,7 +190,7 @@ import procs
 m = connect(sys.argv[1])
 procs.store(m, [b"holder-warm"])
 words, _ = slots.grants(m.segment, m.slot)
-while int(words[L.GRANT_WORD_GRANTED]) - m._taken < 4:
+while int(words[L.GRANT_WORD_GRANTED]) - m._own.taken < 4:
     time.sleep(0.01)
 out = m.prepare_store([b"holder-%d" % i for i in range(4)])  # taken, never completed
 print(m.slot, m.gen, *out.block_ids, flush=True)
@@ -231,7 +232,7 @@ def test_a_dead_clients_granted_blocks_come_back(mgr, seg_name):
     theirs = [b for b, s in enumerate(_states(mgr.segment)) if s == L.GRANTED]
     words, ids = slots.grants(mgr.segment, mgr.slot)
     assert set(theirs) <= {int(ids[i % L.GRANT_CAPACITY]) for i in
-                           range(mgr._taken, int(words[L.GRANT_WORD_GRANTED]))}  # only ours
+                           range(mgr._own.taken, int(words[L.GRANT_WORD_GRANTED]))}  # only ours
 
 
 def test_a_dead_clients_taken_grants_wait_for_its_live_copier(mgr, seg_name):
@@ -313,7 +314,7 @@ def test_a_completed_store_behind_a_successful_one_gives_its_block_back(mgr, oth
 def test_a_block_still_in_the_grant_ring_cannot_be_published(mgr):
     _stocked(mgr, 2)
     words, ids = slots.grants(mgr.segment, mgr.slot)
-    untaken = int(ids[mgr._taken % L.GRANT_CAPACITY])
+    untaken = int(ids[mgr._own.taken % L.GRANT_CAPACITY])
     mgr._link.push(P.Publish(0, [b"forged"], [untaken], True))  # a buggy client's frame
     mgr.take_events()  # a round trip after it: the owner has applied (ignored) it
     assert mgr.lookup([b"forged"]) == 0
@@ -331,8 +332,8 @@ def test_an_owner_dying_while_it_hands_grants_over_leaks_none(seg_name):
         assert first.wait() == -signal.SIGKILL  # blocks GRANTED, ids in the ring, no count
         procs.store(m, [b"rt2-%d" % i for i in range(5)])  # a successor serves (and refills)
         words, _ = slots.grants(m.segment, m.slot)
-        wait_for(lambda: int(words[L.GRANT_WORD_GRANTED]) - m._taken >= 4, "grants")
-        level = int(words[L.GRANT_WORD_GRANTED]) - m._taken
+        wait_for(lambda: int(words[L.GRANT_WORD_GRANTED]) - m._own.taken >= 4, "grants")
+        level = int(words[L.GRANT_WORD_GRANTED]) - m._own.taken
         assert _states(m.segment).count(L.GRANTED) == level  # none stranded
     finally:
         pid = m.segment.owner_record()[0]
@@ -353,7 +354,7 @@ def test_a_deferred_store_survives_an_owner_death(mgr, other):
     assert procs.check(mgr.segment.planes(), mine.block_ids[0], K)
     mgr.complete_load([K])
     words, _ = slots.grants(mgr.segment, mgr.slot)
-    level = int(words[L.GRANT_WORD_GRANTED]) - mgr._taken
+    level = int(words[L.GRANT_WORD_GRANTED]) - mgr._own.taken
     t = BlockTable(mgr.segment.buf, mgr.segment.geometry)
     try:
         mine_granted = sum(t.read(b).state == L.GRANTED and t.read(b).writer == mgr.slot
@@ -361,3 +362,26 @@ def test_a_deferred_store_survives_an_owner_death(mgr, other):
     finally:
         t.close()
     assert mine_granted == level  # nothing stranded
+
+
+def test_a_read_of_an_own_store_never_waits_out_a_stopped_owner(seg_name):
+    # Reads are the scheduler's per-step calls: while the owner is frozen, our own store it
+    # has not taken yet reads as still being stored (no error), and as a hit once it runs.
+    m = connect(seg_name, TEST_LAYOUT, num_blocks=BLOCKS, max_clients=CLIENTS,
+                ring_capacity=8192, timeout=2.0)
+    owner = m.segment.owner_record()[0]
+    try:
+        _stocked(m, 2)
+        os.kill(owner, signal.SIGSTOP)
+        try:
+            assert procs.store(m, [b"mine"]) == [b"mine"]  # from grants: one-way
+            assert m.key_status(b"mine") == LookupResult.PENDING
+            assert m.lookup([b"mine"]) == 0
+            with pytest.raises(BlockStateError):
+                m.prepare_load([b"mine"])
+        finally:
+            os.kill(owner, signal.SIGCONT)
+        wait_for(lambda: m.lookup([b"mine"]) == 1, "the owner to take the publish")
+    finally:
+        m.shutdown()
+        stop_owner(owner)

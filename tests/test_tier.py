@@ -259,3 +259,27 @@ def test_a_value_header_catches_another_key_layout_length_or_byte(algo):
     assert "length" in api.check_value(hdr, fp, b"key", [pages[0], pages[1][:100]])
     pages[1][5] ^= 1
     assert "checksum" in api.check_value(hdr, fp, b"key", pages)
+
+
+def test_an_engine_asking_while_a_later_fill_runs_hears_not_yet(hosts):
+    # The mover stores by round trip only (no grants): its fills show as WRITING in the
+    # index while they run, on its second fill as on its first.
+    fake = FakeStore()
+    a, ma = hosts(fake, num_blocks=1024)
+    b, mb = hosts(fake, num_blocks=1024)
+    warm, more = [b"warm-%d" % i for i in range(4)], [b"more-%d" % i for i in range(2)]
+    assert store(a, warm + more) == warm + more
+    spill_all(ma, fake, len(warm + more))
+    assert fill(b, mb, warm) == len(warm)  # the mover's first fill
+    seen = []
+    real_get = mb.tier.get
+
+    def get(keys, bufs):  # the fetch is in flight: what does the engine hear now?
+        seen.append(b.lookup(more))
+        return real_get(keys, bufs)
+
+    mb.tier.get = get
+    assert b.lookup(more) is None  # want posted
+    mb.step()
+    assert seen == [None]
+    assert fill(b, mb, more) == len(more)

@@ -13,7 +13,8 @@ and pins). Reads never go through the owner:
   a one-way ``Publish`` frame. A store larger than the ring holds is a round trip (one
   atomic operation, in as many frames as it needs), and so is its completion. Keys this
   client published are read back as soon as the owner has taken the frame: a lookup of such
-  a key waits for that, so a client always sees its own completed stores.
+  a key waits briefly for that (``own_stores.py``), so a client sees its own completed
+  stores; an owner that stalls longer makes them read as still being stored, never an error.
 
 When the owner dies mid-call, the client starts another and the successor finishes the call:
 callers see a delay, not an error. It never copies block data and never imports torch.
@@ -30,11 +31,12 @@ from kvshm.shm import slots
 from kvshm.index import protocol as P
 from kvshm.index.api import LookupResult, OffloadingEvent, OffloadingManager, PrepareStoreOutput
 from kvshm.crashpoints import crash_point
-from kvshm.shm.fence import full_fence, publish_fence
+from kvshm.shm.fence import full_fence
 from kvshm.errors import BlockStateError, HoldsExhaustedError, InvalidArgumentError, UnknownKeyError
 from kvshm.index.holds import HoldTable
 from kvshm.shm.layout import Layout
 from kvshm.index.owner_link import OwnerLink, start_owner
+from kvshm.index.own_stores import OwnStores
 from kvshm.shm.ring import Ring
 from kvshm.shm.segment import Segment
 from kvshm.shm.table import BlockTable, KeyIndex
@@ -42,13 +44,16 @@ from kvshm.shm.table import BlockTable, KeyIndex
 
 def connect(name: str, layout: Layout | None = None, *, num_blocks: int | None = None,
             nbytes: int | None = None, policy: str = "lru", mode: int = 0o600,
-            events: bool = False, timeout: float = 30.0, **create_kw: int) -> "SharedManager":
+            events: bool = False, grants: bool = True, timeout: float = 30.0,
+            **create_kw: int) -> "SharedManager":
     """Attach this process to shared cache ``name`` and return its manager.
 
     Give ``num_blocks`` or ``nbytes`` (with ``layout``) to create the segment if it does not
     exist yet; without them the segment must exist. ``layout``, when given, must match the
     segment's. An owner process is started if none is serving. ``events=True`` makes
-    ``take_events`` report every store and eviction in the shared cache.
+    ``take_events`` report every store and eviction in the shared cache. ``grants=False``
+    stores by round trip only, so that other clients see a store in flight as such (PENDING)
+    rather than as a miss: for a client others wait for, like the lower tier's mover.
     """
     if num_blocks is None and nbytes is not None:
         if layout is None:
@@ -62,13 +67,14 @@ def connect(name: str, layout: Layout | None = None, *, num_blocks: int | None =
     else:
         seg = Segment.attach(name, layout)
     try:
-        return SharedManager(seg, events=events, timeout=timeout)
+        return SharedManager(seg, events=events, grants=grants, timeout=timeout)
     except BaseException:
         seg.close()
         raise
 
 
 _HIT = LookupResult.HIT
+_CONFIRM_WAIT_S = 0.05  # a read of our own just-published store waits this long at most
 
 
 def _key_array(keys: Sequence[bytes]) -> np.ndarray | None:
@@ -89,9 +95,11 @@ class SharedManager(OffloadingManager):
     (calls to the owner are serialised internally).
     """
 
-    def __init__(self, segment: Segment, *, events: bool = False, timeout: float = 30.0):
+    def __init__(self, segment: Segment, *, events: bool = False, grants: bool = True,
+                 timeout: float = 30.0):
         self.segment = segment
         self.timeout = timeout
+        self._grants = grants
         g = segment.geometry
         self.table = BlockTable(segment.buf, g)
         self.index = KeyIndex(segment.buf, g, self.table)
@@ -103,22 +111,16 @@ class SharedManager(OffloadingManager):
             self._ctr = memoryview(slots.counters(segment, self.slot))
             self._lk_n = self._lk_hits = 0  # key_status counts, not yet in _ctr
             self._h = HoldTable(slots.holds(segment, self.slot), self.table)
-            words, ids = slots.grants(segment, self.slot)
-            self._gw, self._gi = memoryview(words), memoryview(ids)
-            self._taken = 0  # blocks taken from the grant ring (we alone store the word)
-            self._inflight: dict[bytes, int] = {}  # key -> granted block, not yet completed
-            # key -> ring position past its Publish: ours, but in the index only once taken
-            self._unconfirmed: dict[bytes, int] = {}
             slots.activate(segment, self.slot, self.gen)
             self._link = OwnerLink(segment, self.slot, self.gen, timeout,
                                    self._after_failover, self._abandoned)
+            self._own = OwnStores(segment, self.slot, self._link)
             self._newcomer = segment.buf[L.OFF_NEWCOMER:L.OFF_NEWCOMER + 8].cast("Q")
             self._newcomer[0] = 1  # after ACTIVE is visible: the owner clears, fences, scans
             crash_point("client.connect.after_activate")
             self._link.ensure_owner()
             self._link.ring_owner()
-            self._link.call([P.Hello(self._link.next_req(), self.slot, self.gen, os.getpid(),
-                                     events)])
+            self._link.call([self._hello()])
         except BaseException:
             # Leave the slot ACTIVE and unlocked: the owner (or gc) reclaims it, and it is
             # the only one that may, since it may have adopted it already.
@@ -129,9 +131,12 @@ class SharedManager(OffloadingManager):
     def _after_failover(self) -> None:
         """A new owner serves us: repair what the old one's death may have hidden."""
         self._h.revalidate()
-        if self._events:  # the new owner does not know we subscribed
-            self._link.post(P.Hello(self._link.next_req(), self.slot, self.gen, os.getpid(),
-                                    True))
+        if self._events or not self._grants:  # the new owner does not know what we asked
+            self._link.post(self._hello())
+
+    def _hello(self) -> P.Hello:
+        return P.Hello(self._link.next_req(), self.slot, self.gen, os.getpid(), self._events,
+                       self._grants)
 
     def _abandoned(self, reply: P._Msg) -> None:
         """A reply to a request we gave up on: forget leases its evictions took away."""
@@ -185,7 +190,7 @@ class SharedManager(OffloadingManager):
                     break
                 hits += 1
         self._count_lookup(n, hits)
-        if hits < n and keys[hits] in self._unconfirmed and self._confirm(keys[hits]):
+        if hits < n and keys[hits] in self._own.unconfirmed and self._own.confirm(keys[hits]):
             return hits + self._lookup(keys[hits:])  # our own store, now in the index
         return hits
 
@@ -214,29 +219,12 @@ class SharedManager(OffloadingManager):
         if state == L.READY:
             self._lk_hits += 1
             return _HIT
-        if state == -1 and key in self._unconfirmed and self._confirm(key):
+        if state == -1 and key in self._own.unconfirmed and self._own.confirm(key):
             self._lk_n -= 1
             return self.key_status(key)  # our own store, now in the index
-        if state == L.WRITING or key in self._inflight:
+        if state == L.WRITING or self._own.mine(key):
             return LookupResult.PENDING
         return LookupResult.MISS
-
-    def _confirm(self, key: bytes) -> bool:  # False: the owner had taken it already
-        """Wait until the owner took the Publish of our store of ``key``."""
-        pos = self._unconfirmed.pop(key)
-        if self._link.requests.consumed(pos):
-            return False
-        self._link.wait_consumed(pos)
-        return True
-
-    def _prune_unconfirmed(self) -> None:
-        """Forget our stores the owner has published (oldest first, in ring order)."""
-        u, consumed = self._unconfirmed, self._link.requests.consumed
-        while u:
-            k = next(iter(u))
-            if not consumed(u[k]):
-                return
-            del u[k]
 
     def release(self, keys: Sequence[bytes] | None = None) -> None:
         """Drop the lookup leases of ``keys`` (all leases if None); pins are unaffected."""
@@ -282,9 +270,9 @@ class SharedManager(OffloadingManager):
         says why it cannot be loaded."""
         h = self._h
         state = h.lease_key(k, self.index)
-        if state == -1 and k in self._unconfirmed and self._confirm(k):
+        if state == -1 and k in self._own.unconfirmed and self._own.confirm(k):
             state = h.lease_key(k, self.index)  # our own store, now in the index
-        if state == L.WRITING or (state == -1 and k in self._inflight):
+        if state == L.WRITING or (state == -1 and self._own.mine(k)):
             raise BlockStateError(f"key {k.hex()[:16]}… is still being stored; retry later")
         if state == -2 and not h.free:
             raise HoldsExhaustedError(
@@ -313,8 +301,7 @@ class SharedManager(OffloadingManager):
             L.check_key(k)
             need[k] = need.get(k, 0) + 1
             if len(pins.get(k, ())) < need[k]:
-                if self.index.find(k)[0] < 0 and k not in self._inflight and \
-                        k not in self._unconfirmed:
+                if self.index.find(k)[0] < 0 and not self._own.mine(k):
                     raise UnknownKeyError(f"complete_load of key {k.hex()[:16]}… which is "
                                           "not cached")
                 raise BlockStateError(f"complete_load of key {k.hex()[:16]}… without a "
@@ -357,26 +344,18 @@ class SharedManager(OffloadingManager):
             keys = L.key_seq(keys)
         for k in keys:
             L.check_key(k)
-        self._prune_unconfirmed()
+        own, probe = self._own, self.index.probe
+        own.prune()
         self._count_lookup()
-        inflight, unconfirmed, probe = self._inflight, self._unconfirmed, self.index.probe
-        new = []
-        for k in dict.fromkeys(keys):  # present: ours in flight or unconfirmed, or indexed
-            # (a tag alone says "indexed": a crc32 collision skips a store, never more)
-            if k not in inflight and k not in unconfirmed and probe(k) < 0:
-                new.append(k)
-        gw, n = self._gw, len(new)
-        if n <= gw[L.GRANT_WORD_GRANTED] - self._taken:
-            gi, cap, t = self._gi, L.GRANT_CAPACITY, self._taken
-            blocks = [gi[(t + i) % cap] for i in range(n)]
-            crash_point("client.store.after_take")
-            publish_fence()  # ids read before the count that lets the owner reuse their places
-            self._taken = gw[L.GRANT_WORD_TAKEN] = t + n
-            inflight.update(zip(new, blocks))
+        # Present: ours in flight or unconfirmed, or indexed (a tag alone says "indexed": a
+        # crc32 collision skips a store, never more).
+        new = [k for k in dict.fromkeys(keys) if not own.mine(k) and probe(k) < 0]
+        blocks = own.take(new) if self._grants else None
+        if blocks is not None:
             return PrepareStoreOutput(new, blocks, [])
         # The owner needs every offered key (none may be evicted for this store) but ours in
         # flight (it would grant them again); our earlier Publish frames are applied first.
-        chunks = self._chunks([k for k in keys if k not in inflight])
+        chunks = self._chunks([k for k in keys if k not in own.inflight])
         req = self._link.next_req()
         replies = self._link.call([P.PrepareStore(req, c, i + 1 < len(chunks), i)
                                    for i, c in enumerate(chunks)])
@@ -393,26 +372,13 @@ class SharedManager(OffloadingManager):
 
     def complete_store(self, keys: Sequence[bytes], success: bool = True) -> None:
         """See ``OffloadingManager.complete_store``: a one-way frame for stores served from
-        the grant ring (our own lookups wait for the owner to take it), else a round trip."""
+        the grant ring (our own lookups wait briefly for the owner to take it), else a round
+        trip."""
         if type(keys) is not list and type(keys) is not tuple:
             keys = L.key_seq(keys)
         for k in keys:
             L.check_key(k)
-        inflight, mine, rest = self._inflight, {}, []
-        for k in keys:
-            b = inflight.get(k)
-            if b is not None:
-                mine[k] = b
-            elif k not in mine and k not in self._unconfirmed:  # unconfirmed: done already
-                rest.append(k)
-        if mine:
-            ks, bs, n = list(mine), list(mine.values()), self._chunk_keys
-            for i in range(0, len(ks), n):  # in flight until sent: a failed push can be redone
-                pos = self._link.push(P.Publish(0, ks[i:i + n], bs[i:i + n], success))
-                for k in ks[i:i + n]:
-                    del inflight[k]
-                if success:
-                    self._unconfirmed.update(dict.fromkeys(ks[i:i + n], pos))
+        rest = self._own.complete(keys, success, self._chunk_keys)
         for part in self._chunks(rest) if rest else ():  # a subset is a valid completion
             self._link.call([P.CompleteStore(self._link.next_req(), part, success)])
 
@@ -436,8 +402,8 @@ class SharedManager(OffloadingManager):
         slots.unlock(seg, self.slot)
         self._link.close()
         self._newcomer.release()
-        for view in (self._ctr, self._gw, self._gi):
-            view.release()
+        self._ctr.release()
+        self._own.close()
         self._h.clear()
         del self._h
         seg.close()

@@ -41,6 +41,7 @@ class _Client:
         self.served = slots.served(seg, slot)  # epoch, consumed, answered, attempts
         self.grant_words, self.grant_ids = slots.grants(seg, slot)
         self.stores = False  # it stores: keep its grant ring stocked
+        self.grants = True  # it takes grants (Hello says)
         self.max_reply = Ring.max_payload(seg.geometry.ring_capacity)
         self.events_log: list[tuple[bool, list[bytes]]] = []
         # Reply frames of request `unsent_req` that did not fit the reply ring yet. While any
@@ -75,12 +76,13 @@ class RequestHandlers:
             return [P.Error(m.req, self.epoch, "ProtocolError",
                             f"hello names slot {m.slot} gen {m.gen} but came on slot {c.slot} "
                             f"gen {c.gen}")]
-        c.events = m.events
+        c.events, c.grants = m.events, m.grants
+        c.stores = c.stores and c.grants
         return [P.Ok(m.req, self.epoch, self.epoch)]
 
     def _prepare_store(self, c: _Client, m: P.PrepareStore, replay: bool) -> list[P._Msg]:
         writer = (c.slot, c.gen, m.req)
-        c.stores = True
+        c.stores = c.grants
         if replay:  # what the dead owner granted, and nothing more: evictions are unknown
             done = self.manager.pending_of(writer, m.req)
             return self._prepared(m.req, [k for k, _ in done], [b for _, b in done], [], True)
@@ -122,7 +124,7 @@ class RequestHandlers:
             raise ProtocolError(f"publish of {len(m.keys)} keys with {len(m.blocks)} blocks")
         for k in m.keys:
             L.check_key(k)
-        c.stores = True
+        c.stores = c.grants
         self.manager.grants.publish(c.slot, c.gen, m.keys, m.blocks, m.success,
                                     int(c.grant_words[L.GRANT_WORD_TAKEN]))
         self._fan_out()

@@ -227,6 +227,10 @@ class Ring:
         """Producer only: the position just past the last frame it put."""
         return self._tail
 
+    def head(self) -> int:
+        """The consumer's position now (any process may read it)."""
+        return self._w[_HEAD]
+
     def consumed(self, pos: int) -> bool:
         """Whether the consumer has taken every frame before position ``pos``."""
         return self._w[_HEAD] >= pos

@@ -73,7 +73,9 @@ class Mover:
             self.seg.close()
             raise MoverRunningError(f"another mover serves segment {name!r}")
         self.tier, self.spill, self.batch, self.poll_s = tier, spill, batch, poll_s
-        self.mgr = SharedManager(self.seg, events=True)  # one mapping; the manager closes it
+        # No grants: a fill must show as WRITING in the index while it runs, so that engines
+        # asking meanwhile hear "not yet" (a store from grants is invisible until published).
+        self.mgr = SharedManager(self.seg, events=True, grants=False)  # one mapping; the manager closes it
         g = self.seg.geometry
         self.fp = self.seg.layout.fingerprint()
         self.planes = self.seg.planes()
