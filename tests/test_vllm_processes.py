@@ -23,6 +23,7 @@ import torch
 from kvshm.index.api import LookupResult
 from kvshm.index.client import connect
 from kvshm.integrations.vllm.jobs import WorkerCore
+from kvshm.shm import layout as L
 from kvshm.shm import writers
 from kvshm.shm.layout import Layout
 from kvshm.shm.segment import Segment
@@ -243,9 +244,12 @@ def test_tp2_engine_core_sigkilled_while_both_workers_copy(tiny_model):
         os.kill(engine_core, signal.SIGKILL)
         mgr = connect(name)  # another engine's client
         wait_until(lambda: seg.counter("quarantined_blocks") >= len(writing), "quarantine")
-        free = seg.geometry.num_blocks - len(writing)
+        # the dead engine's blocks: its WRITING ones, and those granted for its next stores
+        held = [b for b in range(seg.geometry.num_blocks)
+                if (e := table.read(b)).state in (1, L.GRANTED) and e.writer == slot]
+        free = seg.geometry.num_blocks - len(held)
         out = mgr.prepare_store([i.to_bytes(4, "little") * 9 for i in range(free)])
-        assert out is not None and not set(out.block_ids) & set(writing)
+        assert out is not None and not set(out.block_ids) & set(held)
         assert mine() == writing  # still the dead engine's, unpublished
         assert seg.counter("stores") == 0  # the dead engine published nothing
         for pid in workers:
