@@ -73,6 +73,20 @@ def load_and_verify(name: str, conn, keys: list[bytes]) -> None:
     mgr.shutdown()
 
 
+def evict_and_store_again(name: str, conn, pinned: list[bytes], fresh: list[bytes],
+                          again: bytes) -> None:
+    """Pin ``pinned``, store ``fresh`` (evicting what is not pinned) and then ``again`` anew
+    (a key that was evicted), unpin; report."""
+    mgr = connect(name)
+    assert mgr.lookup(pinned) == len(pinned)
+    mgr.prepare_load(pinned)
+    assert store(mgr, fresh) == fresh
+    assert store(mgr, [again]) == [again]
+    mgr.complete_load(pinned)
+    conn.send("done")
+    mgr.shutdown()
+
+
 def connect_and_report(name: str, conn) -> None:
     mgr = connect(name)
     conn.send({"slot": mgr.slot, "owner": mgr.segment.owner_record()[:2]})

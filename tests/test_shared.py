@@ -20,6 +20,8 @@ from kvshm.errors import ProtocolError
 from kvshm.shm.segment import Segment
 from kvshm.shm.table import BlockTable
 
+from kvshm.index.api import LookupResult
+
 import procs
 from conftest import SMALL_GEOMETRY, TEST_LAYOUT, stop_owner
 
@@ -154,6 +156,27 @@ def test_lookup_hit_stays_loadable_while_another_client_evicts(cache, seg_name):
     assert cache.prepare_store(KEYS[14:16]) is None  # only the held blocks are left
     conn.send("go")
     p.join()
+
+
+def test_a_prefix_asked_for_again_leases_only_what_still_holds_its_key(cache, seg_name):
+    # Asking for the first key of a prefix loaded before leases the whole prefix at once; a
+    # key another client evicted meanwhile, or stored again elsewhere, is not leased with it.
+    prefix = KEYS[:8]
+    procs.store(cache, prefix)
+    assert cache.lookup(prefix) == 8
+    cache.prepare_load(prefix)
+    cache.complete_load(prefix)
+    cache.release()
+    p, conn = spawn(procs.evict_and_store_again, seg_name, prefix[:3], KEYS[8:13], prefix[5])
+    assert conn.recv() == "done"
+    p.join()
+    answers = [cache.key_status(k) for k in prefix]
+    assert answers == [LookupResult.HIT] * 3 + [LookupResult.MISS] * 2 + [LookupResult.HIT] + \
+        [LookupResult.MISS] * 2
+    blocks = cache.prepare_load([prefix[0], prefix[5]])
+    planes = cache.segment.planes()
+    assert all(procs.check(planes, b, k) for b, k in zip(blocks, [prefix[0], prefix[5]]))
+    cache.complete_load([prefix[0], prefix[5]])
 
 
 def test_own_lookup_does_not_stop_own_store(cache):

@@ -109,7 +109,7 @@ class SharedManager(OffloadingManager):
         self.slot, self.gen = slots.claim(segment, lambda: start_owner(segment))
         try:
             self._ctr = memoryview(slots.counters(segment, self.slot))
-            self._lk_n = self._lk_hits = 0  # key_status counts, not yet in _ctr
+            self._lk_n = self._lk_miss = 0  # key_status calls and non-hits, not yet in _ctr
             self._h = HoldTable(slots.holds(segment, self.slot), self.table)
             slots.activate(segment, self.slot, self.gen)
             self._link = OwnerLink(segment, self.slot, self.gen, timeout,
@@ -198,29 +198,34 @@ class SharedManager(OffloadingManager):
         """Store the lookup counters (kvshm-inspect's), with what key_status counted."""
         ctr = self._ctr
         ctr[0] += hits + (hits < n) + self._lk_n  # keys examined: the hits and the first miss
-        ctr[1] += hits + self._lk_hits
-        self._lk_n = self._lk_hits = 0
+        ctr[1] += hits + self._lk_n - self._lk_miss
+        self._lk_n = self._lk_miss = 0
 
     def key_status(self, key: bytes) -> LookupResult:
-        # The scheduler's per-key call: the leased case is a dict lookup, the counters are
-        # stored by the next call that ends a step (``_count_lookup``).
+        # The scheduler's per-key call: a leased key is a dict lookup; the first key asked
+        # for of a prefix loaded before leases that prefix (``relet``). Counters: calls and
+        # non-hits only, stored by the next call that ends a step (``_count_lookup``).
+        h = self._h
         try:
-            if key in self._h.leases:
+            if key in h.leases:
                 self._lk_n += 1
-                self._lk_hits += 1
+                return _HIT
+            if h.relet(key):
+                self._lk_n += 1
                 return _HIT
         except TypeError:  # unhashable: refuse it by name
             L.check_key(key)
             raise
+        self._lk_n += 1
         if type(key) is not bytes:
             L.check_key(key)
-        self._lk_n += 1
-        state = self._h.lease_key(key, self.index)
+        state = h.lease_key(key, self.index)
         if state == L.READY:
-            self._lk_hits += 1
             return _HIT
+        self._lk_miss += 1
         if state == -1 and key in self._own.unconfirmed and self._own.confirm(key):
             self._lk_n -= 1
+            self._lk_miss -= 1
             return self.key_status(key)  # our own store, now in the index
         if state == L.WRITING or self._own.mine(key):
             return LookupResult.PENDING
@@ -260,6 +265,7 @@ class SharedManager(OffloadingManager):
                 h.unhold(i)
             raise
         h.pin(taken)
+        h.follow(keys, blocks)
         self._count_lookup()
         self._ctr[2] += 1
         self._ctr[3] += len(blocks)

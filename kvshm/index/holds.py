@@ -16,11 +16,15 @@ verified, the block and the entry's sequence number then (``seen``). The table's
 the sequence number on every rewrite of an entry, so an unchanged number proves the entry
 still holds that key in that state: a repeated lookup skips the index search and the key
 comparison (a u32 that wrapped back to the same value in between, 2**31 rewrites of one
-block, is the one thing this trusts not to happen).
+block, is the one thing this trusts not to happen). A prefix the client loaded is kept the
+same way as a whole (``runs``: its keys, blocks and sequence numbers, read while pinned), so
+the next request's first lookup of it leases all of it with one fence and the lookups after
+it are dict hits: the scheduler asks key by key, and a fence per key was most of its cost.
 It never talks to the owner, never writes the block table and never imports torch.
 """
 from __future__ import annotations
 
+from itertools import repeat
 from typing import Sequence
 
 import numpy as np
@@ -29,6 +33,10 @@ from kvshm.shm import layout as L
 from kvshm.shm.fence import full_fence
 from kvshm.shm.table import BlockTable, KeyIndex
 
+# How many keys of a loaded prefix one ``relet`` leases (one fence for all of them), and the
+# shortest prefix worth remembering (below it numpy's set-up costs more than it saves).
+RUN_AHEAD = 128
+RUN_MIN = 8
 # A held block is READY, or EVICTING for the instant an eviction honours our hold.
 LOADABLE = (L.READY, L.EVICTING)
 
@@ -46,6 +54,9 @@ class HoldTable:
         self.lease_limit = len(holds) // 2
         self.seen: dict[bytes, tuple[int, int]] = {}  # key -> (block, seq) verified READY
         self._seen_limit = 4 * len(holds)
+        # key -> (its loaded prefix: keys, blocks, lease codes, READY seqs; its offset there)
+        self.runs: dict[bytes, tuple[tuple[list[bytes], np.ndarray, np.ndarray, np.ndarray],
+                                     int]] = {}
 
     def __len__(self) -> int:
         """How many holds (leases + pins) are taken."""
@@ -58,6 +69,56 @@ class HoldTable:
     def unhold(self, i: int) -> None:
         self._hv[i] = -1
         self.free.append(i)
+
+    def relet(self, key: bytes) -> bool:
+        """Lease ``key`` and the keys that followed it in a prefix this client loaded
+        (``follow``), all with one handshake: the scheduler asks for a prefix key by key, so
+        the next lookups are dict hits. Each key is leased only if its entry is unchanged
+        since the load proved it READY (same sequence number). False: ``key`` not leased
+        (not in a loaded prefix, changed, or no room), ask ``lease_key``."""
+        at = self.runs.get(key)
+        if at is None:
+            return False
+        (keys, blocks, codes, seqs), off = at
+        leases = self.leases
+        n = min(len(keys) - off, RUN_AHEAD, len(self.free), self.lease_limit - len(leases))
+        part = keys[off:off + n]
+        for i, k in enumerate(part):  # stop at a key leased already (never lease it twice)
+            if k in leases:
+                n, part = i, part[:i]
+                break
+        if n <= 0:
+            return False
+        free = self.free
+        idx = free[-n:]
+        del free[-n:]
+        ia = np.array(idx, np.intp)
+        self.holds[ia] = codes[off:off + n]
+        full_fence()  # our holds before our re-checks: the owner fences the other way round
+        ok = self.table.seqs(blocks[off:off + n]) == seqs[off:off + n]
+        if ok.all():
+            leases.update(zip(part, idx))
+            return True
+        bad = ~ok
+        self.holds[ia[bad]] = -1
+        free.extend(ia[bad].tolist())
+        leases.update((k, j) for k, j, good in zip(part, idx, ok.tolist()) if good)
+        return bool(ok[0])
+
+    def follow(self, keys: Sequence[bytes], blocks: Sequence[int]) -> None:
+        """``keys`` (a prefix, in order) were just pinned at ``blocks`` and found READY:
+        remember them with their entries' sequence numbers for ``relet``."""
+        n = len(keys)
+        if n < RUN_MIN:
+            return
+        b = np.array(blocks, np.intp)
+        seqs = self.table.ready_seqs(b)
+        if (seqs < 0).any():
+            return  # a rewrite in progress: no proof to keep
+        if len(self.runs) + n > self._seen_limit:
+            self.runs.clear()
+        run = (list(keys), b, L.lease_code(b).astype(np.int32), seqs)
+        self.runs.update(zip(run[0], zip(repeat(run), range(n))))
 
     def lease_key(self, key: bytes, index: KeyIndex) -> int:
         """Find ``key`` and lease it if it is READY: returns its state (READY: leased now),
@@ -100,10 +161,16 @@ class HoldTable:
         return L.READY
 
     def still_ready(self, key: bytes, block: int) -> bool:
-        """Whether ``block`` provably still holds ``key`` READY, from ``seen`` alone (False:
-        ask the table)."""
+        """Whether ``block`` provably still holds ``key`` READY, from ``seen`` or ``runs``
+        alone (False: ask the table)."""
         seen = self.seen.get(key)
-        return seen is not None and seen[0] == block and self.table.seq(block) == seen[1]
+        if seen is not None:
+            return seen[0] == block and self.table.seq(block) == seen[1]
+        at = self.runs.get(key)
+        if at is None:
+            return False
+        (_, blocks, _, seqs), off = at
+        return int(blocks[off]) == block and self.table.seq(block) == int(seqs[off])
 
     def lease_many(self, keys: Sequence[bytes], karr: np.ndarray, blocks: np.ndarray,
                    hits: int) -> int:
@@ -136,7 +203,14 @@ class HoldTable:
 
     def release(self, keys: Sequence[bytes] | None = None) -> None:
         """Drop the leases of ``keys`` (all if None); pins are unaffected."""
-        for k in list(self.leases) if keys is None else keys:
+        if keys is None:  # the scheduler's end of step: all at once
+            idx = list(self.leases.values())
+            self.leases.clear()
+            if idx:
+                self.holds[np.array(idx, np.intp)] = -1
+                self.free.extend(idx)
+            return
+        for k in keys:
             i = self.leases.pop(k, None)
             if i is not None:
                 self.unhold(i)
@@ -162,4 +236,5 @@ class HoldTable:
         self.leases.clear()
         self.pins.clear()
         self.seen.clear()
+        self.runs.clear()
         self._hv.release()

@@ -115,6 +115,21 @@ class BlockTable:
         stable = ((seq & 1) == 0) & (self._seqs[blocks] == seq)
         return np.where(same & stable, rows[:, _STATE_OFF].astype(np.int16), -1)
 
+    def ready_seqs(self, blocks: np.ndarray) -> np.ndarray:
+        """Each block's sequence number where its entry is READY and stable (int64; -1 where
+        not): with a key the caller knows the block holds (it pins it), an unchanged number
+        later proves the entry still holds that key READY."""
+        seq = self._seqs[blocks]
+        publish_fence()
+        state = self._rows[blocks, _STATE_OFF]
+        publish_fence()
+        ok = ((seq & 1) == 0) & (state == L.READY) & (self._seqs[blocks] == seq)
+        return np.where(ok, seq.astype(np.int64), -1)
+
+    def seqs(self, blocks: np.ndarray) -> np.ndarray:
+        """The blocks' sequence numbers now (vectorised ``seq``)."""
+        return self._seqs[blocks]
+
     def read(self, block: int) -> Entry:
         """A consistent snapshot of ``block``'s entry, retrying while the owner rewrites it.
 
