@@ -18,7 +18,7 @@ import pytest
 
 from kvshm.index import protocol as P
 from kvshm.index.client import connect
-from kvshm.index.grants import grant_target
+from kvshm.index.grants import grant_budget, grant_target
 from kvshm.index.api import LookupResult
 from kvshm.errors import BlockStateError
 from kvshm.shm import layout as L
@@ -71,6 +71,25 @@ def test_the_grant_target_is_a_small_share_of_the_cache(mgr):
     g = mgr.segment.geometry
     assert grant_target(g) == 16
     assert grant_target(g) * g.max_clients <= g.num_blocks // 4
+
+
+def test_a_client_storing_more_than_its_share_is_granted_enough_for_its_next_store(mgr):
+    g = mgr.segment.geometry
+    share, budget = grant_target(g), grant_budget(g)
+    size = share + 8  # more than the first share: this store is a round trip
+    _stocked(mgr, share)
+    req = mgr._link._req
+    first = [b"first-%d" % i for i in range(size)]
+    assert procs.store(mgr, first) == first
+    assert mgr._link._req > req
+    words, _ = slots.grants(mgr.segment, mgr.slot)
+    level = lambda: int(words[L.GRANT_WORD_GRANTED]) - mgr._own.taken  # noqa: E731
+    wait_for(lambda: level() >= 2 * size, "the grants to grow to twice the store")
+    req = mgr._link._req
+    second = [b"second-%d" % i for i in range(size)]
+    assert procs.store(mgr, second) == second
+    assert mgr._link._req == req  # from the grants: no round trip
+    assert level() <= 2 * size <= budget
 
 
 def test_a_steady_scheduler_step_sends_no_request_to_the_owner(mgr):

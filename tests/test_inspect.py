@@ -28,7 +28,7 @@ import pytest
 from kvshm.shm import layout as L
 from kvshm.inspect import snapshot as S
 from kvshm.inspect.cli import main
-from kvshm.index.grants import grant_target
+from kvshm.index.grants import grant_budget
 from kvshm.inspect.schema import DOCUMENTS, Show, render_docs
 from kvshm.shm.layout import Layout
 from kvshm.index.manager import LocalManager
@@ -479,11 +479,11 @@ def test_real_clients_live_then_killed(procs, name, capsys):
         assert c["alive"] and (c["pins"], c["leases"]) == (1, 3) and s["owner"]["pid"] == owner
         assert (s["blocks"]["ready"], s["blocks"]["pinned"]) == (4, 1)
         # its 2 unfinished stores are WRITING (a round trip) or in its granted blocks, with
-        # up to grant_target blocks it has not taken yet
+        # up to the grant budget's blocks it has not taken yet (its grants grow with its stores)
         unfinished = s["blocks"]["writing"] + c["granted"]
         assert c["stores_pending"] == s["blocks"]["writing"]
         with Segment.attach(name) as seg:
-            assert 2 <= unfinished <= 2 + grant_target(seg.geometry)
+            assert 2 <= unfinished <= 2 + grant_budget(seg.geometry)
         assert run(capsys, "verify", name)[0] == 0
         os.kill(owner, signal.SIGSTOP)  # so that it cannot reclaim before it dies
         engine.kill()

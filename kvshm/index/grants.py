@@ -24,8 +24,10 @@ Invariants (the table says it all, so a successor rebuilds it):
 * a dead client's grants are freed only once no process registered to copy for it lives
   (``LocalManager.reclaim_writer``), as its unfinished stores are.
 
-A granted block counts as used: grants never exceed ``grant_target`` per client, a small
-share of the cache. It never copies block data, never blocks and never imports torch.
+A granted block counts as used, so grants are kept small: a client is kept at
+``grant_target`` (its share of a quarter of the cache) or at twice its largest store, the
+growth beyond the share only while all grants together stay within ``grant_budget`` (that
+quarter again), so grants never hold more than half the cache. It never copies block data, never blocks and never imports torch.
 """
 from __future__ import annotations
 
@@ -48,9 +50,22 @@ ALL_HOLDS = -1
 
 
 def grant_target(g: Geometry) -> int:
-    """Blocks a storing client is kept stocked with: a small share of the cache, so that all
-    clients' grants together stay under a quarter of it (0: tiny caches store by round trip)."""
+    """Blocks a storing client is kept stocked with at first: its share of a quarter of the
+    cache (0: tiny caches store by round trip)."""
     return min(L.GRANT_CAPACITY, g.num_blocks // (4 * g.max_clients))
+
+
+def grant_budget(g: Geometry) -> int:
+    """Blocks all clients' grants together may hold: a quarter of the cache."""
+    return g.num_blocks // 4 if grant_target(g) else 0
+
+
+def grown_target(target: int, stored: int) -> int:
+    """A client's grant level once it stored ``stored`` keys at once: twice its largest
+    store, so one store takes at most half and a refill (at half) follows every store.
+    Never shrinks: a scheduler's step sizes recur. The budget caps the growth
+    (``Owner._refill``)."""
+    return min(L.GRANT_CAPACITY, max(target, 2 * stored))
 
 
 class Grants:
@@ -61,6 +76,12 @@ class Grants:
         # (slot, gen) -> {granted block: its position in that client's ring}
         self.blocks: dict[tuple[int, int], dict[int, int]] = {}
         self.deferred: dict[bytes, int] = {}  # key -> completed block waiting for a store
+
+    def held(self, writer: tuple[int, int] | None = None) -> int:
+        """Blocks granted (to ``writer``; to anyone if None) and not yet published or freed."""
+        if writer is not None:
+            return len(self.blocks.get(writer, ()))
+        return sum(map(len, self.blocks.values()))
 
     def adopt(self, block: int, writer: tuple[int, int], pos: int) -> None:
         """A rebuild found ``block`` GRANTED to a live ``writer`` at ring position ``pos``."""

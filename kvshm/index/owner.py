@@ -27,7 +27,7 @@ from kvshm.shm import slots
 from kvshm.errors import KvshmError, OwnerUnavailableError
 from kvshm.crashpoints import crash_point
 from kvshm.shm.fence import full_fence
-from kvshm.index.grants import grant_target, refill
+from kvshm.index.grants import grant_budget, grant_target, grown_target, refill
 from kvshm.index.manager import LocalManager
 from kvshm.index.requests import RequestHandlers, _Client
 from kvshm.index.spin import SpinPolicy
@@ -71,6 +71,7 @@ class Owner(RequestHandlers):
             P.Publish: self._publish, P.TakeEvents: self._take_events,
         }
         self._grant_target = grant_target(self.seg.geometry)
+        self._grant_budget = grant_budget(self.seg.geometry)
         self._newcomer = self.seg.buf[L.OFF_NEWCOMER:L.OFF_NEWCOMER + 8].cast("Q")
         # Clients attached before a failover keep working; slots of the dead are cleared.
         self._discover()
@@ -222,14 +223,28 @@ class Owner(RequestHandlers):
 
     def _refill(self) -> None:
         """Keep every storing client's grant ring stocked (evicting if need be), so that
-        its next stores need no round trip."""
+        its next stores need no round trip: at twice its largest store, all clients' grants
+        together within the budget."""
         if not self._grant_target:
             return
+        grants = self.manager.grants
+        room = self._grant_budget - grants.held()  # what may still be granted, to anyone
         for c in list(self.clients.values()):
-            if c.stores and not c.quarantined and refill(
-                    self.manager.grants, c.grant_words, c.grant_ids, c.slot, c.gen,
-                    self._grant_target) < 0:
+            if not c.stores or c.quarantined:
+                continue
+            words = c.grant_words
+            taken = int(words[L.GRANT_WORD_TAKEN])
+            if 0 < taken - c.taken_seen <= L.GRANT_CAPACITY:  # else scribbled: refill says
+                c.largest_store = max(c.largest_store, taken - c.taken_seen)
+            c.taken_seen = taken
+            level = int(words[L.GRANT_WORD_GRANTED]) - taken
+            target = min(grown_target(self._grant_target, c.largest_store),
+                         max(self._grant_target, level + room))  # a first share always
+            n = refill(grants, words, c.grant_ids, c.slot, c.gen, target)
+            if n < 0:
                 self._quarantine(c, "its grant ring counts are impossible")
+            else:
+                room -= n
         self._fan_out()
 
     def _serve_frame(self, c: _Client, frame: bytes) -> None:

@@ -41,6 +41,10 @@ class _Client:
         self.served = slots.served(seg, slot)  # epoch, consumed, answered, attempts
         self.grant_words, self.grant_ids = slots.grants(seg, slot)
         self.stores = False  # it stores: keep its grant ring stocked
+        # Its largest store so far, in keys (round trip, or grants taken between refills):
+        # the owner keeps its grant ring at twice that, within the budget (``grants.py``).
+        self.largest_store = 0
+        self.taken_seen = int(self.grant_words[L.GRANT_WORD_TAKEN])
         self.grants = True  # it takes grants (Hello says)
         self.max_reply = Ring.max_payload(seg.geometry.ring_capacity)
         self.events_log: list[tuple[bool, list[bytes]]] = []
@@ -83,6 +87,7 @@ class RequestHandlers:
     def _prepare_store(self, c: _Client, m: P.PrepareStore, replay: bool) -> list[P._Msg]:
         writer = (c.slot, c.gen, m.req)
         c.stores = c.grants
+        c.largest_store = max(c.largest_store, len(m.keys))
         if replay:  # what the dead owner granted, and nothing more: evictions are unknown
             done = self.manager.pending_of(writer, m.req)
             return self._prepared(m.req, [k for k, _ in done], [b for _, b in done], [], True)

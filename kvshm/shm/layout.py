@@ -35,7 +35,8 @@ from kvshm.shm.records import (  # noqa: F401  (re-exported: one definition, two
     SlotState, header_record)
 
 MAGIC = b"KVSHM\x00\x00\x01"
-FORMAT_VERSION = 3  # 2: 64-bit writer_req, keysum in every table entry; 3: block grants
+FORMAT_VERSION = 4  # 2: 64-bit writer_req, keysum in every table entry; 3: block grants;
+#                    4: grant rings of 1,024 blocks
 HEADER_BYTES = 4096
 DATA_ALIGN = 2 << 20
 MAX_PLANES = 32
@@ -114,7 +115,7 @@ RING_NAMES = ("request", "reply", "peer_in", "peer_out")
 # ring: the owner writes ids and then the ``granted`` count, the client reads ids below it
 # and then stores its ``taken`` count. Counts are u64 and never wrap; an id sits at
 # ``count % GRANT_CAPACITY``. Each count sits in its own cache line.
-GRANT_CAPACITY = 256
+GRANT_CAPACITY = 1024
 GRANT_WORD_GRANTED = 0  # u64 word index: owner-written, blocks ever pushed
 GRANT_WORD_TAKEN = 8    # u64 word index: client-written, blocks ever taken (<= granted)
 GRANT_HEAD_BYTES = 128
