@@ -18,6 +18,8 @@ import time
 import uuid
 from typing import Any, Callable, Sequence
 
+from proc_clock import cpu_ns, sched_ns
+
 DESCRIPTION = """\
 Round-trip latency and throughput of kvshm's manager operations through its shared-memory
 control ring, measured in the same run against the same request/reply over two baselines.
@@ -295,28 +297,6 @@ def _timed(fn: Callable[[list[bytes]], Any], batches: Sequence[list[bytes]],
     return clock() - start
 
 
-def _sched(pid: int) -> tuple[int, int]:
-    """(ns on a CPU, ns runnable but waiting for one) of ``pid``, from /proc/<pid>/schedstat."""
-    try:
-        with open(f"/proc/{pid}/schedstat") as f:
-            run_ns, wait_ns = f.read().split()[:2]
-        return int(run_ns), int(wait_ns)
-    except (OSError, ValueError):
-        return 0, 0
-
-
-def _cpu_ns(pid: int) -> int:
-    """CPU time (user+system) of ``pid`` in ns: schedstat's ns clock, else stat's ticks."""
-    try:
-        with open(f"/proc/{pid}/schedstat") as f:
-            return int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        ticks = int(fields[11]) + int(fields[12])  # utime, stime (fields 14, 15)
-        return ticks * 1_000_000_000 // os.sysconf("SC_CLK_TCK")
-
-
 def _machine() -> dict[str, Any]:
     model = platform.processor() or platform.machine()
     try:
@@ -401,9 +381,9 @@ def run(iterations: int, warmup: int, local_iterations: int, idle_s: float,
         me = os.getpid()
 
         def measure(t: _Transport, op: str, batches: Sequence[list[bytes]]) -> None:
-            s0, c0 = _sched(t.server_pid), _sched(me)
+            s0, c0 = sched_ns(t.server_pid), sched_ns(me)
             busy[t.name, op] += _timed(getattr(t, op), batches, lat[t.name, op])
-            s1, c1 = _sched(t.server_pid), _sched(me)
+            s1, c1 = sched_ns(t.server_pid), sched_ns(me)
             acc = sched[t.name, op]
             for j, (a, b) in enumerate(zip(s0 + c0, s1 + c1)):
                 acc[j] += b - a
@@ -502,9 +482,9 @@ def run(iterations: int, warmup: int, local_iterations: int, idle_s: float,
         log(f"idle CPU over {idle_s:g} s...")
         owner = ring.owner_pid
         time.sleep(0.5)  # past the owner's post-work spin
-        o0, c0, w0 = _cpu_ns(owner), _cpu_ns(os.getpid()), time.perf_counter_ns()
+        o0, c0, w0 = cpu_ns(owner), cpu_ns(os.getpid()), time.perf_counter_ns()
         time.sleep(idle_s)
-        o1, c1, w1 = _cpu_ns(owner), _cpu_ns(os.getpid()), time.perf_counter_ns()
+        o1, c1, w1 = cpu_ns(owner), cpu_ns(os.getpid()), time.perf_counter_ns()
         wall = w1 - w0
         result["idle_cpu_percent"] = {"owner": 100 * (o1 - o0) / wall,
                                       "client": 100 * (c1 - c0) / wall,

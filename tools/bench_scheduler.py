@@ -17,6 +17,8 @@ import time
 import uuid
 from typing import Any
 
+from proc_clock import cpu_ns
+
 DESCRIPTION = """\
 Per-key cost of the manager calls a vLLM scheduler makes, replayed from a synthetic trace
 through an in-process baseline and through kvshm (kvshm.connect -> SharedManager, with the
@@ -46,7 +48,10 @@ over the trace / keys it covered), p50/p99 over calls of us/key, whole-trace wal
 ms, and kvshm/baseline ratios (>1 means kvshm is slower). Each trace is replayed --repeat
 times, alternating baseline and kvshm, each repeat with fresh keys on the same cache (so
 later repeats start from a full cache, the steady state); the figures are the median over
-repeats of each repeat's mean, and p50/p99 pooled over repeats.
+repeats of each repeat's mean, and p50/p99 pooled over repeats. For kvshm also the owner
+process's CPU time during the replay per stored key (from /proc/PID/schedstat, ns clock):
+all it did meanwhile (publish, refill and evict, touches), the work a busy host pays for in
+the owner.
 
 Cache size: every manager gets --capacity blocks (default: the 4 system prompts of the
 longest trace plus half of the unique keys of one replay of the trace with the most), so
@@ -269,6 +274,7 @@ def replay(mgr: Any, trace: list[list[bytes]], deadline: float, tag: str) -> dic
             "mean_us_per_key": {op: (ns / 1e3 / n if n else None) for op, (ns, n) in tot.items()},
             "whole_ms": whole_ms, "requests": done, "truncated": done < len(trace),
             "keys": sum(len(k) for k in trace[:done]), "hit_keys": hits_total,
+            "stored_keys": tot["store"][1],
             "no_room": no_room}
 
 
@@ -288,6 +294,9 @@ def _summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
                    "p50_us_per_key": _pct(pooled, 0.50), "p99_us_per_key": _pct(pooled, 0.99),
                    "calls": len(pooled)}
     out["whole_ms"] = statistics.median(r["whole_ms"] for r in runs)
+    if all("owner_cpu_ns" in r and r["stored_keys"] for r in runs):
+        out["owner_us_per_stored_key"] = statistics.median(
+            r["owner_cpu_ns"] / 1e3 / r["stored_keys"] for r in runs)
     for k in ("requests", "keys", "hit_keys", "no_room"):
         out[k] = [r[k] for r in runs]
     out["truncated"] = any(r["truncated"] for r in runs)
@@ -312,6 +321,7 @@ class _Shared:
         self.mgr = kvshm.connect(self.name, self.layout, num_blocks=capacity,
                                  max_clients=max(8, clients + 2))
         self.owner = self.mgr._link.owner_proc  # the owner this process started
+        self.owner_pid = self.mgr.segment.owner_record()[0]
 
     def close(self) -> None:
         from kvshm.index.owner_link import owner_log_path
@@ -485,7 +495,10 @@ def main(argv: list[str] | None = None) -> int:
             for rep in range(a.repeat):
                 for m in managers:
                     trace = make_trace(pre, uni, n, f"{t}r{rep}{m.name}")
+                    o0 = cpu_ns(shared.owner_pid) if m is kv else 0
                     runs[m.name].append(replay(m, trace, deadline, f"{t}{rep}"))
+                    if m is kv:  # all the owner did meanwhile: publish, refill, touch, evict
+                        runs[m.name][-1]["owner_cpu_ns"] = cpu_ns(shared.owner_pid) - o0
             summ = {name: _summarise(rs) for name, rs in runs.items()}
             result["traces"][t] = {
                 "requests": n, "prefix_keys": pre, "unique_keys": uni, "managers": summ,
@@ -556,6 +569,8 @@ def _print(r: dict[str, Any]) -> None:
                   f"{_f(s['load']['p99_us_per_key'], '.2f')} / "
                   f"{_f(s['store']['p99_us_per_key'], '.2f')}"
                   f"{'  TRUNCATED' if s['truncated'] else ''}  no_room {s['no_room']}")
+            if "owner_us_per_stored_key" in s:
+                print(f"  {'':8} owner CPU {s['owner_us_per_stored_key']:.2f} us per stored key")
         for key in ("ratio_kvshm_over_baseline", "ratio_kvshm_over_local"):
             if key in d:
                 q = d[key]
