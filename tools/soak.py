@@ -56,6 +56,7 @@ import numpy as np
 
 from kvshm.shm import layout as L
 from kvshm.shm import slots
+from kvshm.index.api import LookupResult
 from kvshm.index.client import connect
 from kvshm.errors import KvshmError
 from kvshm.shm.layout import Layout
@@ -124,9 +125,16 @@ def store(mgr, planes, keys, inject: str | None, success: bool) -> bool:
     return True
 
 
-def load(mgr, planes, keys, rep: Reporter) -> None:
-    """lookup; prepare_load, verify and complete_load the hits."""
-    n = mgr.lookup(keys)
+def load(mgr, planes, keys, rep: Reporter, per_key: bool = False) -> None:
+    """lookup (``per_key``: key by key until the first miss, as vLLM's scheduler asks, so
+    a prefix loaded before is leased whole); prepare_load, verify and complete_load the
+    hits."""
+    if per_key:
+        n = 0
+        while n < len(keys) and mgr.key_status(keys[n]) is LookupResult.HIT:
+            n += 1
+    else:
+        n = mgr.lookup(keys)
     if n:
         blocks = mgr.prepare_load(keys[:n])
         rep.verify_load(planes, keys[:n], blocks)
@@ -171,8 +179,11 @@ def traffic(name: str, conn, seed: int, nkeys: int, inject: str | None,
                     stats["stores"] += 1
                 else:
                     stats["refused"] += 1
-            elif op < 0.8:
+            elif op < 0.6:
                 load(mgr, planes, ks, rep)
+            elif op < 0.8:  # a prefix, the same keys in the same order every time
+                start = rng.randrange(0, nkeys, 8)
+                load(mgr, planes, keys[start:start + rng.randint(8, 16)], rep, per_key=True)
             elif op < 0.9:
                 mgr.touch(ks)
             else:
