@@ -259,7 +259,8 @@ class ManagerCore:
     def prepare_store(self, keys: Sequence[bytes], req_id: str) -> PrepareStoreOutput | None:
         keys = list(keys)
         acc = self._access_of(req_id)
-        state = [self.mgr.index.find(k)[1] for k in keys]  # lock-free, takes no lease
+        index = self.mgr.index  # lock-free, takes no lease; a key with no slot of its tag
+        state = [index.find(k)[1] if index.probe(k) >= 0 else -1 for k in keys]  # is absent
         missing = [k for k, st in zip(keys, state) if st != L.READY and st != L.WRITING]
         ready = [k for k, st in zip(keys, state) if st == L.READY]
         new_misses = [k for k in missing if k not in acc.missed]
@@ -269,7 +270,7 @@ class ManagerCore:
         recorded = set(missing).union(ready)
         acc.record([k for k in keys if k in recorded], reused=ready)
         try:
-            out = self.mgr.prepare_store(keys)  # a round trip to the owner
+            out = self.mgr.prepare_store(keys)  # from the grants, or a round trip
         except KvshmError as e:
             logger.warning("kvshm: not storing %d chunks this step: %s", len(keys), e)
             return None  # vLLM offers them again next step
