@@ -41,7 +41,8 @@ class _Client:
         self.served = slots.served(seg, slot)  # epoch, consumed, answered, attempts
         self.grant_words, self.grant_ids = slots.grants(seg, slot)
         self.stores = False  # it stores: keep its grant ring stocked
-        self.grants = True  # it takes grants (Hello says)
+        # it takes grants: the slot says so from its activation, before any request
+        self.grants = not self.grant_words[L.GRANT_WORD_REFUSED]
         self.max_reply = Ring.max_payload(seg.geometry.ring_capacity)
         self.events_log: list[tuple[bool, list[bytes]]] = []
         # Reply frames of request `unsent_req` that did not fit the reply ring yet. While any
@@ -76,8 +77,7 @@ class RequestHandlers:
             return [P.Error(m.req, self.epoch, "ProtocolError",
                             f"hello names slot {m.slot} gen {m.gen} but came on slot {c.slot} "
                             f"gen {c.gen}")]
-        c.events, c.grants = m.events, m.grants
-        c.stores = c.stores and c.grants
+        c.events = m.events
         return [P.Ok(m.req, self.epoch, self.epoch)]
 
     def _prepare_store(self, c: _Client, m: P.PrepareStore, replay: bool) -> list[P._Msg]:

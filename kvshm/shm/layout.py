@@ -117,6 +117,7 @@ RING_NAMES = ("request", "reply", "peer_in", "peer_out")
 GRANT_CAPACITY = 256
 GRANT_WORD_GRANTED = 0  # u64 word index: owner-written, blocks ever pushed
 GRANT_WORD_TAKEN = 8    # u64 word index: client-written, blocks ever taken (<= granted)
+GRANT_WORD_REFUSED = 9  # u64 word index: written at activation, 1: never stock this client
 GRANT_HEAD_BYTES = 128
 BELL_NAMES = ("reply", "peer_in", "peer_out")
 
