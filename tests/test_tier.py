@@ -184,6 +184,27 @@ def test_one_mover_per_segment(hosts):
         Mover(b.segment.name, FakeTier(fake))
 
 
+def test_a_mover_that_cannot_become_a_client_leaves_the_segment_to_the_next(make_segment):
+    from kvshm.errors import ClientSlotsExhaustedError
+    seg = make_segment(max_clients=1)
+    eng = connect(seg.name)  # takes the only client slot
+    pid = seg.owner_record()[0]
+    try:
+        with pytest.raises(ClientSlotsExhaustedError):
+            Mover(seg.name, FakeTier(FakeStore()))
+        area = TierArea.attach(seg.name)
+        try:
+            assert not area.mover_alive()  # its lock went with it
+        finally:
+            area.close()
+        eng.shutdown()
+        Mover(seg.name, FakeTier(FakeStore())).close()  # the slot is free: a mover starts
+    finally:
+        eng.shutdown()
+        TierArea.unlink(seg.name)
+        stop_owner(pid)
+
+
 def test_kvshm_inspect_shows_the_lower_tier(hosts):
     from kvshm.inspect.cli import render_show
     from kvshm.inspect.snapshot import prometheus, snapshot
