@@ -47,6 +47,7 @@ from kvshm.shm.segment import SHM_DIR, Segment, shm_name
 from kvshm.tier import api
 from kvshm.tier.api import Code, LowerTier
 from kvshm.tier.area import TierArea
+from kvshm.units import parse_size
 
 log = logging.getLogger("kvshm.mover")
 
@@ -383,10 +384,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                          "--enable_http_metadata_server)")
     ap.add_argument("--local-host", default="127.0.0.1",
                     help="this host's address as the other hosts reach it (default 127.0.0.1)")
-    ap.add_argument("--global-segment", type=_size, default=512 << 20, metavar="BYTES",
+    ap.add_argument("--global-segment", type=parse_size, default=512 << 20, metavar="BYTES",
                     help="memory this host contributes to the Mooncake pool (default 512M; "
-                         "suffixes K, M, G)")
-    ap.add_argument("--local-buffer", type=_size, default=64 << 20, metavar="BYTES",
+                         "suffixes K, M, G, T)")
+    ap.add_argument("--local-buffer", type=parse_size, default=64 << 20, metavar="BYTES",
                     help="Mooncake client's local buffer (default 64M)")
     ap.add_argument("--protocol", default="tcp", help="tcp (default) or rdma")
     ap.add_argument("--devices", default="", help="RDMA devices for --protocol rdma")
@@ -395,11 +396,6 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--batch", type=int, default=64, help="blocks per put/get call (default 64)")
     ap.add_argument("--log-level", default="INFO", type=str.upper,
                     choices=["DEBUG", "INFO", "WARNING", "ERROR"])
-
-
-def _size(text: str) -> int:
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:].upper(), 1)
-    return int(float(text[:-1] if mult > 1 else text) * mult)
 
 
 def run_from_args(a: argparse.Namespace) -> int:
