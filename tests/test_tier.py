@@ -304,3 +304,31 @@ def test_an_engine_asking_while_a_later_fill_runs_hears_not_yet(hosts):
     mb.step()
     assert seen == [None]
     assert fill(b, mb, more) == len(more)
+
+
+def test_a_client_checks_that_the_mover_lives_at_most_once_per_interval(make_segment,
+                                                                        monkeypatch):
+    from kvshm.tier import client
+    seg = make_segment()
+    mover = Mover(seg.name, FakeTier(FakeStore()))
+    eng = TieredManager(connect(seg.name))
+    checks = []
+    alive = TierArea.mover_alive
+    monkeypatch.setattr(TierArea, "mover_alive", lambda self: checks.append(1) or alive(self))
+    clock = [client._now()]
+    monkeypatch.setattr(client, "_now", lambda: clock[0])  # the test's clock stands still
+    try:
+        for i in range(20):  # twenty misses asked for in one instant: one look at the lock
+            assert eng.lookup([b"absent-%d" % i]) is None
+        eng.complete_store([])
+        assert len(checks) == 1
+        mover.close()
+        assert eng.lookup([b"after"]) is None  # not looked again yet: one more "not yet"
+        clock[0] += client._ALIVE_EVERY_S
+        assert eng.lookup([b"after-2"]) == 0  # looked again: no mover, a plain miss
+        assert len(checks) == 2
+    finally:
+        eng.shutdown()
+        TierArea.unlink(seg.name)
+        stop_owner(seg.owner_record()[0])
+

@@ -17,7 +17,8 @@ When a lookup answers None, and for how long (per first missing key):
   bounded by ``max_wait``; READY by now — None once more, and the next lookup hits.
 * asked and answered, still absent — the lower tier does not have it: a plain miss, and the
   key is not asked for again within ``retry_after`` s.
-* no mover alive (or no tier area) — plain SharedManager semantics.
+* no mover alive (or no tier area) — plain SharedManager semantics. Whether the mover lives
+  (its kernel lock, a system call) is checked at most every ``_ALIVE_EVERY_S`` seconds.
 
 So a key absent everywhere costs one "not yet" and then misses; a key below costs one fetch.
 A None answer releases the leases of the hits before it (a later lookup takes them again).
@@ -33,7 +34,9 @@ from kvshm.shm import layout as L
 from kvshm.tier.area import TierArea
 
 _ATTACH_EVERY_S = 1.0   # how often a client without a tier area looks for one again
+_ALIVE_EVERY_S = 0.1    # how often a client checks that the mover lives, at most
 _MAX_TRACKED = 16384    # asked-for keys remembered; older ones are forgotten first
+_now = time.monotonic   # the clock (a module name, so that a test can stop it)
 
 
 class TieredManager(OffloadingManager):
@@ -46,22 +49,23 @@ class TieredManager(OffloadingManager):
         self.slot, self.gen = manager.slot, manager.gen
         self.max_wait, self.want_ahead, self.retry_after = max_wait, want_ahead, retry_after
         self._area: TierArea | None = None
-        self._next_attach = 0.0
+        self._live: TierArea | None = None  # the area while its mover was last seen alive
+        self._next_check = 0.0
         self._asked: dict[bytes, tuple[int, float]] = {}  # key -> (want seq or 0, first seen)
         self._waiting_on: tuple[int, bytes, int, bytes] | None = None  # see _still_waiting
         self.not_yet = 0  # lookups answered None (for tests and demos)
 
     # --- the lookup that may hit below ---------------------------------------------------
     def _tier(self) -> TierArea | None:
+        """The tier area if its mover lives (as last checked: at most every _ALIVE_EVERY_S)."""
+        now = _now()
+        if now < self._next_check:
+            return self._live
         if self._area is None:
-            now = time.monotonic()
-            if now < self._next_attach:
-                return None
-            self._next_attach = now + _ATTACH_EVERY_S
             self._area = TierArea.attach(self.segment.name)
-            if self._area is None:
-                return None
-        return self._area if self._area.mover_alive() else None
+        self._next_check = now + (_ALIVE_EVERY_S if self._area is not None else _ATTACH_EVERY_S)
+        self._live = self._area if self._area is not None and self._area.mover_alive() else None
+        return self._live
 
     def lookup(self, keys: Sequence[bytes]) -> int | None:  # type: ignore[override]
         """Prefix length of ready blocks, or None: retry later, a fetch may bring more."""
@@ -76,7 +80,7 @@ class TieredManager(OffloadingManager):
         if area is None:
             return n
         key = keys[n]
-        now = time.monotonic()
+        now = _now()
         seen = self._asked.get(key)
         _, state = self.manager.index.find(key)
         if state == L.READY or state == L.WRITING:
@@ -118,7 +122,7 @@ class TieredManager(OffloadingManager):
         if len(keys) != size or keys[0] != first or keys[n] != key:
             return False
         seen = self._asked.get(key)
-        return (seen is not None and time.monotonic() - seen[1] < self.max_wait and
+        return (seen is not None and _now() - seen[1] < self.max_wait and
                 self.manager.index.find(key)[1] == L.WRITING)
 
     # --- everything else is the SharedManager's -------------------------------------------
