@@ -332,3 +332,35 @@ def test_a_client_checks_that_the_mover_lives_at_most_once_per_interval(make_seg
         TierArea.unlink(seg.name)
         stop_owner(seg.owner_record()[0])
 
+
+def test_vllms_per_key_lookup_asks_once_a_step_and_hits_after_the_fetch(hosts):
+    from kvshm.index.api import LookupResult as R
+    from kvshm.integrations.vllm.core import ManagerCore
+    _, _, (b, mb) = keys_below(hosts)
+    core = ManagerCore(b)  # the vLLM scheduler's side, over a TieredManager
+    assert [core.lookup(k, "r") for k in KEYS] == [R.RETRY] * len(KEYS)
+    assert not mb.area.pending()  # asked for together, when the step ends
+    core.schedule_end()
+    assert counters(mb)["wants"] == 0 and mb.area.pending()
+    assert [core.lookup(k, "r") for k in KEYS] == [R.RETRY] * len(KEYS)
+    seen = []
+    real_get = mb.tier.get
+
+    def get(keys, bufs):  # the fetch is in flight: what does the scheduler hear now?
+        seen.append(core.lookup(KEYS[0], "r"))
+        return real_get(keys, bufs)
+
+    mb.tier.get = get
+    mb.step()
+    assert seen[:1] == [R.RETRY] and counters(mb)["wants"] == len(KEYS)
+    assert [core.lookup(k, "r") for k in KEYS] == [R.HIT] * len(KEYS)
+    blocks = core.prepare_load(KEYS, "r")
+    assert all(check(b.segment.planes(), blk, k) for blk, k in zip(blocks, KEYS))
+    core.complete_load(KEYS, "r")
+    core.schedule_end()
+    # absent everywhere: RETRY until the mover has looked, then a plain miss
+    assert core.lookup(b"nowhere", "r") is R.RETRY
+    core.schedule_end()
+    mb.step()
+    assert core.lookup(b"nowhere", "r") is R.MISS
+    assert b.held_blocks() == 0
