@@ -1,8 +1,8 @@
 """The import direction between kvshm's layers holds (import-linter contracts in setup.cfg).
 
-The layers, top to bottom: ``integrations`` > ``inspect`` | ``engine`` > ``index`` |
-``transfer`` > ``shm``; ``errors`` and ``crashpoints`` import nothing of kvshm. A module that
-reaches upwards fails here with the offending import chain.
+The layers, top to bottom: ``integrations`` > ``inspect`` | ``engine`` > ``tier`` > ``index``
+| ``transfer`` > ``shm``; ``errors``, ``crashpoints`` and ``units`` import nothing of kvshm. A
+module that reaches upwards fails here with the offending import chain.
 """
 from __future__ import annotations
 

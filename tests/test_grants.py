@@ -404,3 +404,24 @@ def test_a_read_of_an_own_store_never_waits_out_a_stopped_owner(seg_name):
     finally:
         m.shutdown()
         stop_owner(owner)
+
+
+def test_a_client_refusing_grants_is_not_stocked_by_a_successor(seg_name):
+    # The successor adopts the client before it hears from it: its first request after the
+    # failover (a store) must not get it stocked, whatever the client says afterwards.
+    m = connect(seg_name, TEST_LAYOUT, num_blocks=BLOCKS, max_clients=CLIENTS,
+                ring_capacity=8192, grants=False)
+    try:
+        procs.store(m, [b"before-%d" % i for i in range(2)])
+        words, _ = slots.grants(m.segment, m.slot)
+        assert int(words[L.GRANT_WORD_GRANTED]) == 0
+        os.kill(m.segment.owner_record()[0], signal.SIGKILL)
+        wait_for(lambda: not m.segment.owner_alive(), "the owner to die")
+        procs.store(m, [b"after-%d" % i for i in range(2)])  # starts and meets the successor
+        m.take_events()  # a round trip behind whatever the failover made the client send
+        assert int(words[L.GRANT_WORD_GRANTED]) == 0
+        assert _states(m.segment).count(L.GRANTED) == 0
+    finally:
+        pid = m.segment.owner_record()[0]
+        m.shutdown()
+        stop_owner(pid)

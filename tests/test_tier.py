@@ -184,6 +184,27 @@ def test_one_mover_per_segment(hosts):
         Mover(b.segment.name, FakeTier(fake))
 
 
+def test_a_mover_that_cannot_become_a_client_leaves_the_segment_to_the_next(make_segment):
+    from kvshm.errors import ClientSlotsExhaustedError
+    seg = make_segment(max_clients=1)
+    eng = connect(seg.name)  # takes the only client slot
+    pid = seg.owner_record()[0]
+    try:
+        with pytest.raises(ClientSlotsExhaustedError):
+            Mover(seg.name, FakeTier(FakeStore()))
+        area = TierArea.attach(seg.name)
+        try:
+            assert not area.mover_alive()  # its lock went with it
+        finally:
+            area.close()
+        eng.shutdown()
+        Mover(seg.name, FakeTier(FakeStore())).close()  # the slot is free: a mover starts
+    finally:
+        eng.shutdown()
+        TierArea.unlink(seg.name)
+        stop_owner(pid)
+
+
 def test_kvshm_inspect_shows_the_lower_tier(hosts):
     from kvshm.inspect.cli import render_show
     from kvshm.inspect.snapshot import prometheus, snapshot
@@ -283,3 +304,63 @@ def test_an_engine_asking_while_a_later_fill_runs_hears_not_yet(hosts):
     mb.step()
     assert seen == [None]
     assert fill(b, mb, more) == len(more)
+
+
+def test_a_client_checks_that_the_mover_lives_at_most_once_per_interval(make_segment,
+                                                                        monkeypatch):
+    from kvshm.tier import client
+    seg = make_segment()
+    mover = Mover(seg.name, FakeTier(FakeStore()))
+    eng = TieredManager(connect(seg.name))
+    checks = []
+    alive = TierArea.mover_alive
+    monkeypatch.setattr(TierArea, "mover_alive", lambda self: checks.append(1) or alive(self))
+    clock = [client._now()]
+    monkeypatch.setattr(client, "_now", lambda: clock[0])  # the test's clock stands still
+    try:
+        for i in range(20):  # twenty misses asked for in one instant: one look at the lock
+            assert eng.lookup([b"absent-%d" % i]) is None
+        eng.complete_store([])
+        assert len(checks) == 1
+        mover.close()
+        assert eng.lookup([b"after"]) is None  # not looked again yet: one more "not yet"
+        clock[0] += client._ALIVE_EVERY_S
+        assert eng.lookup([b"after-2"]) == 0  # looked again: no mover, a plain miss
+        assert len(checks) == 2
+    finally:
+        eng.shutdown()
+        TierArea.unlink(seg.name)
+        stop_owner(seg.owner_record()[0])
+
+
+def test_vllms_per_key_lookup_asks_once_a_step_and_hits_after_the_fetch(hosts):
+    from kvshm.index.api import LookupResult as R
+    from kvshm.integrations.vllm.core import ManagerCore
+    _, _, (b, mb) = keys_below(hosts)
+    core = ManagerCore(b)  # the vLLM scheduler's side, over a TieredManager
+    assert [core.lookup(k, "r") for k in KEYS] == [R.RETRY] * len(KEYS)
+    assert not mb.area.pending()  # asked for together, when the step ends
+    core.schedule_end()
+    assert counters(mb)["wants"] == 0 and mb.area.pending()
+    assert [core.lookup(k, "r") for k in KEYS] == [R.RETRY] * len(KEYS)
+    seen = []
+    real_get = mb.tier.get
+
+    def get(keys, bufs):  # the fetch is in flight: what does the scheduler hear now?
+        seen.append(core.lookup(KEYS[0], "r"))
+        return real_get(keys, bufs)
+
+    mb.tier.get = get
+    mb.step()
+    assert seen[:1] == [R.RETRY] and counters(mb)["wants"] == len(KEYS)
+    assert [core.lookup(k, "r") for k in KEYS] == [R.HIT] * len(KEYS)
+    blocks = core.prepare_load(KEYS, "r")
+    assert all(check(b.segment.planes(), blk, k) for blk, k in zip(blocks, KEYS))
+    core.complete_load(KEYS, "r")
+    core.schedule_end()
+    # absent everywhere: RETRY until the mover has looked, then a plain miss
+    assert core.lookup(b"nowhere", "r") is R.RETRY
+    core.schedule_end()
+    mb.step()
+    assert core.lookup(b"nowhere", "r") is R.MISS
+    assert b.held_blocks() == 0

@@ -48,12 +48,14 @@ def test_options_from_extra_config():
     o = KvshmOptions.from_extra({"kvshm_segment": "s", "cpu_bytes_to_use": "1024",
                                  "eviction_policy": "ARC", "kvshm_mode": "0660"})
     assert (o.segment, o.nbytes, o.policy, o.mode) == ("s", 1024, "arc", 0o660)
-    assert o.hold_capacity == 16384
+    assert o.hold_capacity == 16384 and o.tier is False
+    assert KvshmOptions.from_extra({"kvshm_segment": "s", "kvshm_tier": True}).tier
     assert KvshmOptions.from_extra({"kvshm_segment": "s"}).nbytes is None
     for bad in ({}, {"kvshm_segment": "s", "cpu_bytes_to_use": 0},
                 {"kvshm_segment": "s", "eviction_policy": "fifo"},
                 {"kvshm_segment": "s", "kvshm_mode": "rw"},
-                {"kvshm_segment": "s", "kvshm_hold_capacity": 4}):
+                {"kvshm_segment": "s", "kvshm_hold_capacity": 4},
+                {"kvshm_segment": "s", "kvshm_tier": "mooncake"}):
         with pytest.raises(InvalidArgumentError):
             KvshmOptions.from_extra(bad)
 

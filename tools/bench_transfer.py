@@ -51,14 +51,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from kvshm.errors import TransferError  # noqa: E402
 from kvshm.transfer.spec import TransferSpec, make_handler  # noqa: E402
+from kvshm.units import parse_size  # noqa: E402
 
 CUDA_METHODS = ("auto", "copy", "batch", "kernel")
-
-
-def parse_size(text: str) -> int:
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    text = text.strip().upper().removesuffix("IB").removesuffix("B")
-    return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
 
 
 def cpu_model() -> str:

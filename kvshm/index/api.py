@@ -14,10 +14,11 @@ from typing import Iterable, Sequence
 
 
 class LookupResult(enum.Enum):
-    """Per-key lookup answer (vLLM 0.32's ``LookupResult`` without RETRY)."""
+    """Per-key lookup answer (vLLM 0.32's ``LookupResult``)."""
     MISS = "miss"
     HIT = "hit"
     PENDING = "pending"  # present, but its store has not completed
+    RETRY = "retry"  # absent, but a lower tier may bring it: ask again (TieredManager only)
 
 
 @dataclass
@@ -49,7 +50,8 @@ class OffloadingManager(ABC):
 
     @abstractmethod
     def key_status(self, key: bytes) -> LookupResult:
-        """Whether one key is a hit, a miss, or present with its store still in flight."""
+        """Whether one key is a hit, a miss, or present with its store still in flight (a
+        ``TieredManager`` may also answer RETRY)."""
 
     @abstractmethod
     def prepare_load(self, keys: Sequence[bytes]) -> list[int]:

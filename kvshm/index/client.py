@@ -111,7 +111,7 @@ class SharedManager(OffloadingManager):
             self._ctr = memoryview(slots.counters(segment, self.slot))
             self._lk_n = self._lk_miss = 0  # key_status calls and non-hits, not yet in _ctr
             self._h = HoldTable(slots.holds(segment, self.slot), self.table)
-            slots.activate(segment, self.slot, self.gen)
+            slots.activate(segment, self.slot, self.gen, takes_grants=grants)
             self._link = OwnerLink(segment, self.slot, self.gen, timeout,
                                    self._after_failover, self._abandoned)
             self._own = OwnStores(segment, self.slot, self._link)
@@ -131,12 +131,11 @@ class SharedManager(OffloadingManager):
     def _after_failover(self) -> None:
         """A new owner serves us: repair what the old one's death may have hidden."""
         self._h.revalidate()
-        if self._events or not self._grants:  # the new owner does not know what we asked
+        if self._events:  # the new owner does not know what we asked
             self._link.post(self._hello())
 
     def _hello(self) -> P.Hello:
-        return P.Hello(self._link.next_req(), self.slot, self.gen, os.getpid(), self._events,
-                       self._grants)
+        return P.Hello(self._link.next_req(), self.slot, self.gen, os.getpid(), self._events)
 
     def _abandoned(self, reply: P._Msg) -> None:
         """A reply to a request we gave up on: forget leases its evictions took away."""

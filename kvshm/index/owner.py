@@ -189,7 +189,7 @@ class Owner(RequestHandlers):
                     # a client a predecessor stocked keeps being stocked (not one leaving);
                     # blocks it died handing over never reached the client: free them
                     granted = int(c.grant_words[L.GRANT_WORD_GRANTED])
-                    c.stores = bool(granted) and rec.state == L.SlotState.CLIENT
+                    c.stores = bool(granted) and c.grants and rec.state == L.SlotState.CLIENT
                     self.manager.grants.settle(slot, rec.gen, granted)
                     self._last_client = time.monotonic()
 

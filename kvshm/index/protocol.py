@@ -32,7 +32,6 @@ class Hello(_Msg):
     gen: int
     pid: int
     events: bool = False
-    grants: bool = True  # False: never stock this client with granted blocks
 
 
 class PrepareStore(_Msg):  # one atomic operation, however many frames it takes

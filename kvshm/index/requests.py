@@ -45,7 +45,8 @@ class _Client:
         # the owner keeps its grant ring at twice that, within the budget (``grants.py``).
         self.largest_store = 0
         self.taken_seen = int(self.grant_words[L.GRANT_WORD_TAKEN])
-        self.grants = True  # it takes grants (Hello says)
+        # it takes grants: the slot says so from its activation, before any request
+        self.grants = not self.grant_words[L.GRANT_WORD_REFUSED]
         self.max_reply = Ring.max_payload(seg.geometry.ring_capacity)
         self.events_log: list[tuple[bool, list[bytes]]] = []
         # Reply frames of request `unsent_req` that did not fit the reply ring yet. While any
@@ -80,8 +81,7 @@ class RequestHandlers:
             return [P.Error(m.req, self.epoch, "ProtocolError",
                             f"hello names slot {m.slot} gen {m.gen} but came on slot {c.slot} "
                             f"gen {c.gen}")]
-        c.events, c.grants = m.events, m.grants
-        c.stores = c.stores and c.grants
+        c.events = m.events
         return [P.Ok(m.req, self.epoch, self.epoch)]
 
     def _prepare_store(self, c: _Client, m: P.PrepareStore, replay: bool) -> list[P._Msg]:

@@ -36,7 +36,7 @@ from kvshm.shm.records import (  # noqa: F401  (re-exported: one definition, two
 
 MAGIC = b"KVSHM\x00\x00\x01"
 FORMAT_VERSION = 4  # 2: 64-bit writer_req, keysum in every table entry; 3: block grants;
-#                    4: grant rings of 1,024 blocks
+#                    4: grant rings of 1,024 blocks, a client's refusal of grants
 HEADER_BYTES = 4096
 DATA_ALIGN = 2 << 20
 MAX_PLANES = 32
@@ -118,6 +118,7 @@ RING_NAMES = ("request", "reply", "peer_in", "peer_out")
 GRANT_CAPACITY = 1024
 GRANT_WORD_GRANTED = 0  # u64 word index: owner-written, blocks ever pushed
 GRANT_WORD_TAKEN = 8    # u64 word index: client-written, blocks ever taken (<= granted)
+GRANT_WORD_REFUSED = 9  # u64 word index: written at activation, 1: never stock this client
 GRANT_HEAD_BYTES = 128
 BELL_NAMES = ("reply", "peer_in", "peer_out")
 

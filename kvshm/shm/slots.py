@@ -69,13 +69,17 @@ def _store(seg: Segment, slot: int, name: str, value: int | bytes) -> None:
                        **{name: value})
 
 
-def activate(seg: Segment, slot: int, gen: int, state: int = SlotState.CLIENT) -> None:
-    """Reset a claimed slot (holds, counters, served record, rings) and publish its record."""
+def activate(seg: Segment, slot: int, gen: int, state: int = SlotState.CLIENT,
+             takes_grants: bool = True) -> None:
+    """Reset a claimed slot (holds, counters, served record, rings) and publish its record.
+    ``takes_grants=False``: no owner ever stocks its grant ring (every owner reads this
+    when it adopts the slot, before it serves any request of it)."""
     g = seg.geometry
     holds(seg, slot)[:] = -1
     words, ids = grants(seg, slot)
     ids[:] = -1
     words[:] = 0
+    words[L.GRANT_WORD_REFUSED] = not takes_grants
     counters(seg, slot)[:] = 0
     served(seg, slot)[:] = 0
     for name in L.RING_NAMES:

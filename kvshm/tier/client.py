@@ -2,22 +2,29 @@
 
 This module owns ``TieredManager``, an ``OffloadingManager`` over a ``SharedManager`` that adds
 one thing: a lookup that misses the segment asks the host's mover (through the tier area's want
-ring of this client's slot) to fetch the missing keys from the lower tier, and answers None —
-vLLM's "retry this lookup later" — instead of a miss, so no scheduler step waits on the
+ring of this client's slot) to fetch the missing keys from the lower tier, and answers "not
+yet" — vLLM's "retry this lookup later" — instead of a miss, so no scheduler step waits on the
 network. Every other call goes straight to the SharedManager. It never talks to the lower
 tier, never blocks, never raises for anything the lower tier does, and never imports torch.
 
-When a lookup answers None, and for how long (per first missing key):
+Two ways to ask: ``lookup(keys)`` (a prefix; "not yet" is None, and the missing run is asked
+for at once) and ``key_status(key)`` (vLLM's per-key lookup; "not yet" is RETRY, and the keys
+are asked for together by ``flush_wants``, which the scheduler calls once per step).
+
+When a lookup answers "not yet", and for how long (per first missing key):
 
 * key absent from the segment, never asked for (or last asked ``retry_after`` s ago): the
-  missing run (up to ``want_ahead`` keys) is posted to the mover — None.
-* asked, and the mover has not handled the want yet — None, until ``max_wait`` seconds after
-  the ask; then (the mover is stuck behind an unreachable store) a plain miss.
-* the key is WRITING (the mover's fetch, or another engine's store, in flight) — None, also
+  missing run (up to ``want_ahead`` keys) is posted to the mover — not yet.
+* asked, and the mover has not handled the want yet — not yet, until ``max_wait`` seconds
+  after the ask; then (the mover is stuck behind an unreachable store) a plain miss.
+* the key is WRITING (the mover's fetch, or another engine's store, in flight) — not yet, also
   bounded by ``max_wait``; READY by now — None once more, and the next lookup hits.
+  (``key_status`` says RETRY only for a key it asked for; another engine's store in flight is
+  PENDING, as from the SharedManager.)
 * asked and answered, still absent — the lower tier does not have it: a plain miss, and the
   key is not asked for again within ``retry_after`` s.
-* no mover alive (or no tier area) — plain SharedManager semantics.
+* no mover alive (or no tier area) — plain SharedManager semantics. Whether the mover lives
+  (its kernel lock, a system call) is checked at most every ``_ALIVE_EVERY_S`` seconds.
 
 So a key absent everywhere costs one "not yet" and then misses; a key below costs one fetch.
 A None answer releases the leases of the hits before it (a later lookup takes them again).
@@ -33,7 +40,9 @@ from kvshm.shm import layout as L
 from kvshm.tier.area import TierArea
 
 _ATTACH_EVERY_S = 1.0   # how often a client without a tier area looks for one again
+_ALIVE_EVERY_S = 0.1    # how often a client checks that the mover lives, at most
 _MAX_TRACKED = 16384    # asked-for keys remembered; older ones are forgotten first
+_now = time.monotonic   # the clock (a module name, so that a test can stop it)
 
 
 class TieredManager(OffloadingManager):
@@ -42,26 +51,28 @@ class TieredManager(OffloadingManager):
     def __init__(self, manager: SharedManager, *, max_wait: float = 2.0,
                  want_ahead: int = 64, retry_after: float = 5.0) -> None:
         self.manager = manager
-        self.segment = manager.segment
+        self.segment, self.index = manager.segment, manager.index
         self.slot, self.gen = manager.slot, manager.gen
         self.max_wait, self.want_ahead, self.retry_after = max_wait, want_ahead, retry_after
         self._area: TierArea | None = None
-        self._next_attach = 0.0
+        self._live: TierArea | None = None  # the area while its mover was last seen alive
+        self._next_check = 0.0
         self._asked: dict[bytes, tuple[int, float]] = {}  # key -> (want seq or 0, first seen)
+        self._queued: dict[bytes, float] = {}  # key_status misses for flush_wants -> when
         self._waiting_on: tuple[int, bytes, int, bytes] | None = None  # see _still_waiting
         self.not_yet = 0  # lookups answered None (for tests and demos)
 
     # --- the lookup that may hit below ---------------------------------------------------
     def _tier(self) -> TierArea | None:
+        """The tier area if its mover lives (as last checked: at most every _ALIVE_EVERY_S)."""
+        now = _now()
+        if now < self._next_check:
+            return self._live
         if self._area is None:
-            now = time.monotonic()
-            if now < self._next_attach:
-                return None
-            self._next_attach = now + _ATTACH_EVERY_S
             self._area = TierArea.attach(self.segment.name)
-            if self._area is None:
-                return None
-        return self._area if self._area.mover_alive() else None
+        self._next_check = now + (_ALIVE_EVERY_S if self._area is not None else _ATTACH_EVERY_S)
+        self._live = self._area if self._area is not None and self._area.mover_alive() else None
+        return self._live
 
     def lookup(self, keys: Sequence[bytes]) -> int | None:  # type: ignore[override]
         """Prefix length of ready blocks, or None: retry later, a fetch may bring more."""
@@ -76,7 +87,7 @@ class TieredManager(OffloadingManager):
         if area is None:
             return n
         key = keys[n]
-        now = time.monotonic()
+        now = _now()
         seen = self._asked.get(key)
         _, state = self.manager.index.find(key)
         if state == L.READY or state == L.WRITING:
@@ -94,14 +105,16 @@ class TieredManager(OffloadingManager):
                or not s[0]]
         if not ask:
             return n
-        seq = area.want(self.slot, ask)
+        self._record(ask, area.want(self.slot, ask), now)
+        return self._not_yet(keys, n)
+
+    def _record(self, keys: list[bytes], seq: int, now: float) -> None:
         if len(self._asked) > _MAX_TRACKED:
             for old in list(self._asked)[:_MAX_TRACKED // 2]:
                 del self._asked[old]
-        for k in ask:
+        for k in keys:
             self._asked.pop(k, None)
             self._asked[k] = (seq, now)
-        return self._not_yet(keys, n)
 
     def _not_yet(self, keys: Sequence[bytes], n: int) -> None:
         if n:
@@ -118,12 +131,47 @@ class TieredManager(OffloadingManager):
         if len(keys) != size or keys[0] != first or keys[n] != key:
             return False
         seen = self._asked.get(key)
-        return (seen is not None and time.monotonic() - seen[1] < self.max_wait and
+        return (seen is not None and _now() - seen[1] < self.max_wait and
                 self.manager.index.find(key)[1] == L.WRITING)
 
-    # --- everything else is the SharedManager's -------------------------------------------
+    # --- vLLM's per-key lookup -------------------------------------------------------------
     def key_status(self, key: bytes) -> LookupResult:
-        return self.manager.key_status(key)
+        """The SharedManager's answer (a HIT takes a lease), or RETRY for a key the lower tier
+        may bring: absent and queued for the next ``flush_wants`` (at most ``want_ahead`` keys
+        a step; the rest are misses until then), asked and not answered yet, or asked and
+        being fetched (WRITING) — each bounded by ``max_wait`` like ``lookup``'s None."""
+        status = self.manager.key_status(key)
+        if status is LookupResult.HIT:
+            return status
+        now = _now()
+        if key in self._queued:
+            return LookupResult.RETRY if now - self._queued[key] < self.max_wait else status
+        seen = self._asked.get(key)
+        if status is LookupResult.PENDING:  # our fetch in flight, or someone else's store
+            return (LookupResult.RETRY if seen is not None and seen[0] and
+                    now - seen[1] < self.max_wait else status)
+        area = self._tier()
+        if area is None:
+            return status
+        if seen is not None and seen[0] and now - seen[1] < self.retry_after:
+            if area.answered(self.slot, seen[0]) or now - seen[1] >= self.max_wait:
+                return status  # the mover looked: the lower tier has nothing for it (or stalls)
+            return LookupResult.RETRY
+        if len(self._queued) >= self.want_ahead:
+            return status
+        self._queued[key] = now
+        return LookupResult.RETRY
+
+    def flush_wants(self) -> None:
+        """Ask the mover for the keys ``key_status`` queued, in one want (once per step)."""
+        if not self._queued:
+            return
+        keys = list(self._queued)
+        self._queued.clear()
+        if (area := self._tier()) is not None:  # else: no mover, they are plain misses
+            self._record(keys, area.want(self.slot, keys), _now())
+
+    # --- everything else is the SharedManager's -------------------------------------------
 
     def prepare_load(self, keys: Sequence[bytes]) -> list[int]:
         return self.manager.prepare_load(keys)

@@ -47,6 +47,7 @@ from kvshm.shm.segment import SHM_DIR, Segment, shm_name
 from kvshm.tier import api
 from kvshm.tier.api import Code, LowerTier
 from kvshm.tier.area import TierArea
+from kvshm.units import parse_size
 
 log = logging.getLogger("kvshm.mover")
 
@@ -72,10 +73,22 @@ class Mover:
             self.area.close()
             self.seg.close()
             raise MoverRunningError(f"another mover serves segment {name!r}")
+        self.mgr: SharedManager | None = None
+        try:
+            self._start(tier, spill, batch, poll_s)
+        except BaseException:  # the mover lock goes with the area: the next mover may start
+            if self.mgr is not None:
+                self.mgr.shutdown()  # and the segment's mapping with it
+            else:
+                self.seg.close()
+            self.area.close()
+            raise
+
+    def _start(self, tier: LowerTier, spill: bool, batch: int, poll_s: float) -> None:
         self.tier, self.spill, self.batch, self.poll_s = tier, spill, batch, poll_s
         # No grants: a fill must show as WRITING in the index while it runs, so that engines
         # asking meanwhile hear "not yet" (a store from grants is invisible until published).
-        self.mgr = SharedManager(self.seg, events=True, grants=False)  # one mapping; the manager closes it
+        self.mgr = SharedManager(self.seg, events=True, grants=False)  # one mapping; it closes it
         g = self.seg.geometry
         self.fp = self.seg.layout.fingerprint()
         self.planes = self.seg.planes()
@@ -371,10 +384,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                          "--enable_http_metadata_server)")
     ap.add_argument("--local-host", default="127.0.0.1",
                     help="this host's address as the other hosts reach it (default 127.0.0.1)")
-    ap.add_argument("--global-segment", type=_size, default=512 << 20, metavar="BYTES",
+    ap.add_argument("--global-segment", type=parse_size, default=512 << 20, metavar="BYTES",
                     help="memory this host contributes to the Mooncake pool (default 512M; "
-                         "suffixes K, M, G)")
-    ap.add_argument("--local-buffer", type=_size, default=64 << 20, metavar="BYTES",
+                         "suffixes K, M, G, T)")
+    ap.add_argument("--local-buffer", type=parse_size, default=64 << 20, metavar="BYTES",
                     help="Mooncake client's local buffer (default 64M)")
     ap.add_argument("--protocol", default="tcp", help="tcp (default) or rdma")
     ap.add_argument("--devices", default="", help="RDMA devices for --protocol rdma")
@@ -383,11 +396,6 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--batch", type=int, default=64, help="blocks per put/get call (default 64)")
     ap.add_argument("--log-level", default="INFO", type=str.upper,
                     choices=["DEBUG", "INFO", "WARNING", "ERROR"])
-
-
-def _size(text: str) -> int:
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:].upper(), 1)
-    return int(float(text[:-1] if mult > 1 else text) * mult)
 
 
 def run_from_args(a: argparse.Namespace) -> int:

@@ -95,6 +95,7 @@ LOOKUP_FROM_KVSHM = {
     "hit": LookupResult.HIT,
     "miss": LookupResult.MISS,
     "pending": LookupResult.HIT_PENDING,  # stored by someone, not yet readable: ask again
+    "retry": LookupResult.RETRY,  # the lower tier may have it: the mover was asked, ask again
 }
 # 0.33+: the connector says when a cache reset's flushed jobs are done (0.32: kvshm waits steps).
 RESET_FLUSH_SIGNAL = hasattr(OffloadingManager, "on_reset_flushed")

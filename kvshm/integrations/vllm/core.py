@@ -57,6 +57,9 @@ class KvshmOptions(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
     hold_capacity: Annotated[int, msgspec.Meta(ge=16, description=(
         "leases + pins per client, at creation"))] = msgspec.field(
         default=16384, name="kvshm_hold_capacity")
+    tier: Annotated[bool, msgspec.Meta(description=(
+        "look up misses in the lower tier through the host's kvshm mover (docs/tier.md)"
+    ))] = msgspec.field(default=False, name="kvshm_tier")
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any]) -> "KvshmOptions":
@@ -184,7 +187,8 @@ class ManagerCore:
 
     Pending keys: a key whose store is in flight is ``PENDING`` only if this engine stores it
     (vLLM then asks again next step); another engine's unfinished store is a ``MISS``, so a
-    slow or stuck engine never stalls this one.
+    slow or stuck engine never stalls this one. Over a ``TieredManager`` a key the lower tier
+    may bring is ``RETRY`` (vLLM asks again next step; no step waits on the network).
 
     After ``reset`` vLLM never completes the jobs it had in flight, so their pins and
     unfinished stores are dropped once the connector's flush of those jobs has run (before
@@ -206,6 +210,9 @@ class ManagerCore:
 
     def __init__(self, mgr: Any, reset_flush_signal: bool = False):
         self.mgr = mgr
+        # A TieredManager (``kvshm_tier``): the step's lookups that may hit below (RETRY)
+        # are asked for together when the step ends.
+        self._flush_wants = getattr(mgr, "flush_wants", None)
         self._flush_signal = reset_flush_signal
         self._lease_reqs: dict[bytes, set[str]] = {}  # leased key -> requests that hit it
         self._loads: dict[str, list[list[bytes]]] = {}  # request -> its unfinished loads
@@ -293,6 +300,8 @@ class ManagerCore:
     # --- life cycle -------------------------------------------------------------------
     def schedule_end(self) -> None:
         """A scheduler step ended: its loads are prepared, so no lease is needed any more."""
+        if self._flush_wants is not None:
+            self._flush_wants()
         if self._lease_reqs:
             self._lease_reqs.clear()
             self.mgr.release(None)

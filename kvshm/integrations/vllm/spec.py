@@ -9,7 +9,9 @@ kv_connector_extra_config={"spec_name": "KvshmOffloadingSpec", "spec_module_path
   construction, derives the segment layout and refuses one an existing segment does not
   match (before any KV cache is allocated), and builds the manager or the worker lazily
   (vLLM constructs the spec in every engine process without saying its role).
-* ``KvshmOffloadingManager`` — vLLM's scheduler-side manager over kvshm's ``SharedManager``.
+* ``KvshmOffloadingManager`` — vLLM's scheduler-side manager over kvshm's ``SharedManager``
+  (a ``TieredManager`` with ``"kvshm_tier": true``: misses may be fetched from the lower
+  tier, and the lookup answers RETRY meanwhile).
 * ``KvshmOffloadingWorker`` — vLLM's worker over kvshm's transfer handlers (CUDA when the KV
   cache is on a GPU, the CPU copy path otherwise), on this rank's plane of the segment.
 
@@ -27,6 +29,7 @@ import logging
 from typing import Any, Collection, Iterable
 
 from kvshm.index.client import SharedManager, connect
+from kvshm.tier.client import TieredManager
 from kvshm.errors import LayoutMismatchError
 from kvshm.shm import writers
 from kvshm.shm.segment import Segment
@@ -55,7 +58,8 @@ class KvshmLoadStoreSpec(V.CPULoadStoreSpec):
 class KvshmOffloadingManager(V.OffloadingManager):
     """Scheduler side: vLLM's per-key calls mapped onto kvshm's shared index."""
 
-    def __init__(self, shared: SharedManager, events: bool, info: dict[str, Any] | None = None):
+    def __init__(self, shared: SharedManager | TieredManager, events: bool,
+                 info: dict[str, Any] | None = None):
         self.core = ManagerCore(shared, reset_flush_signal=V.RESET_FLUSH_SIGNAL)
         self._events = events
         self._writer = (shared.slot, shared.gen)
@@ -200,10 +204,12 @@ class KvshmOffloadingSpec(V.OffloadingSpec):
             except LayoutMismatchError as e:
                 raise explain_mismatch(e, o.segment) from None
             g = shared.segment.geometry
-            self._manager = KvshmOffloadingManager(shared, events, dict(zip(CONFIG_INFO_KEYS, (
+            mgr = TieredManager(shared) if o.tier else shared
+            self._manager = KvshmOffloadingManager(mgr, events, dict(zip(CONFIG_INFO_KEYS, (
                 o.segment, shared.segment.policy, g.num_blocks, self.layout.block_bytes))))
-            logger.info("kvshm: scheduler attached to segment %r (%d blocks of %d bytes)",
-                        o.segment, shared.segment.geometry.num_blocks, self.layout.block_bytes)
+            logger.info("kvshm: scheduler attached to segment %r (%d blocks of %d bytes%s)",
+                        o.segment, g.num_blocks, self.layout.block_bytes,
+                        "; misses are looked up below" if o.tier else "")
         return self._manager
 
     def get_worker(self, kv_caches: V.CanonicalKVCaches) -> KvshmOffloadingWorker:

@@ -1,0 +1,19 @@
+"""Byte sizes as people write them on command lines ("512M", "8G", "64KiB", "4096").
+
+This module owns ``parse_size``, which ``kvshm mover`` and the tools share. It imports nothing
+of kvshm and nothing outside the standard library.
+"""
+from __future__ import annotations
+
+_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """Bytes of ``text``: a number, optionally with K, M, G or T (powers of 1024; "KiB",
+    "KB" and "kb" read the same). Raises ValueError for anything else."""
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    mult = _UNITS.get(t[-1:], 1)
+    n = int(float(t[:-1] if mult > 1 else t) * mult)
+    if n < 0:
+        raise ValueError(f"a size cannot be negative: {text!r}")
+    return n
