@@ -255,7 +255,9 @@ class SharedManager(OffloadingManager):
                 h._hv[i] = block
                 blocks.append(block)
             full_fence()  # one fence for the batch: every pin is stored before any re-check
-            for (k, _), block in zip(taken, blocks):
+            keys = keys if type(keys) is list else list(keys)
+            proven = h.proven(keys, blocks)  # a prefix loaded before, unchanged: all at once
+            for (k, _), block in zip(taken, blocks) if not proven else ():
                 if not h.still_ready(k, block) and not self._settled_ready(block, k):
                     raise UnknownKeyError(f"key {k.hex()[:16]}… is no longer cached; "
                                           "lookup() again")  # never half-written or reused
@@ -264,7 +266,8 @@ class SharedManager(OffloadingManager):
                 h.unhold(i)
             raise
         h.pin(taken)
-        h.follow(keys, blocks)
+        if not proven:
+            h.follow(keys, blocks)
         self._count_lookup()
         self._ctr[2] += 1
         self._ctr[3] += len(blocks)

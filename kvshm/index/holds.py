@@ -105,6 +105,19 @@ class HoldTable:
         leases.update((k, j) for k, j, good in zip(part, idx, ok.tolist()) if good)
         return bool(ok[0])
 
+    def proven(self, keys: list[bytes], blocks: list[int]) -> bool:
+        """Whether ``keys`` at ``blocks`` are the head of a prefix remembered by ``follow``
+        whose entries are all unchanged since (so each still holds its key READY): the
+        whole batch proven with one comparison."""
+        at = self.runs.get(keys[0])
+        if at is None or at[1] != 0:
+            return False
+        run_keys, run_blocks, _, seqs = at[0]
+        n = len(keys)
+        if run_keys[:n] != keys or run_blocks[:n].tolist() != blocks:
+            return False
+        return bool((self.table.seqs(run_blocks[:n]) == seqs[:n]).all())
+
     def follow(self, keys: Sequence[bytes], blocks: Sequence[int]) -> None:
         """``keys`` (a prefix, in order) were just pinned at ``blocks`` and found READY:
         remember them with their entries' sequence numbers for ``relet``."""
