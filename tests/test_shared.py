@@ -179,6 +179,27 @@ def test_a_prefix_asked_for_again_leases_only_what_still_holds_its_key(cache, se
     cache.complete_load([prefix[0], prefix[5]])
 
 
+def test_a_prefix_loaded_with_a_repeated_key_is_leased_again_without_a_leaked_hold(
+        cache, seg_name):
+    # A load may name a key twice (two pins); leasing that prefix again takes one lease per
+    # key, and releasing all leases leaves no hold behind: another client may evict it all.
+    prefix = KEYS[:8]
+    procs.store(cache, prefix)
+    load = prefix[:2] + prefix[1:]  # 9 keys, the second one twice
+    assert cache.lookup(prefix) == 8
+    cache.prepare_load(load)
+    cache.complete_load(load)
+    cache.release()
+    assert cache.held_blocks() == 0
+    assert [cache.key_status(k) for k in prefix] == [LookupResult.HIT] * 8
+    assert cache.held_blocks() == 8
+    cache.release()
+    assert cache.held_blocks() == 0
+    p, conn = spawn(procs.store_and_report, seg_name, KEYS[8:16])
+    assert conn.recv() == KEYS[8:16]  # every block was evictable
+    p.join()
+
+
 def test_own_lookup_does_not_stop_own_store(cache):
     procs.store(cache, KEYS[:8])
     assert cache.lookup(KEYS[:8]) == 8

@@ -107,10 +107,17 @@ class HoldTable:
 
     def follow(self, keys: Sequence[bytes], blocks: Sequence[int]) -> None:
         """``keys`` (a prefix, in order) were just pinned at ``blocks`` and found READY:
-        remember them with their entries' sequence numbers for ``relet``."""
+        remember them with their entries' sequence numbers for ``relet``. A key named twice
+        is kept once (``relet`` would lease it twice and leak one of the holds)."""
         n = len(keys)
         if n < RUN_MIN:
             return
+        if len(set(keys)) != n:
+            first = dict(zip(keys, blocks))  # in first-seen order; a key's block is one
+            keys, blocks = list(first), list(first.values())
+            n = len(keys)
+            if n < RUN_MIN:
+                return
         b = np.array(blocks, np.intp)
         seqs = self.table.ready_seqs(b)
         if (seqs < 0).any():
