@@ -200,6 +200,20 @@ def test_a_prefix_loaded_with_a_repeated_key_is_leased_again_without_a_leaked_ho
     p.join()
 
 
+def test_a_refused_key_status_counts_as_no_lookup_and_no_hit(cache, seg_name):
+    from kvshm.errors import InvalidArgumentError
+    from kvshm.shm import slots
+    procs.store(cache, KEYS[:1])
+    for bad in ("a str key", 5):
+        with pytest.raises(InvalidArgumentError):
+            cache.key_status(bad)
+    assert cache.key_status(KEYS[0]) == LookupResult.HIT
+    assert cache.key_status(KEYS[1]) == LookupResult.MISS
+    cache.release()
+    ctr = dict(zip(L.SLOT_COUNTERS, slots.counters(cache.segment, cache.slot).tolist()))
+    assert (ctr["lookups"], ctr["hits"]) == (2, 1)
+
+
 def test_own_lookup_does_not_stop_own_store(cache):
     procs.store(cache, KEYS[:8])
     assert cache.lookup(KEYS[:8]) == 8

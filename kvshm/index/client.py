@@ -216,9 +216,9 @@ class SharedManager(OffloadingManager):
         except TypeError:  # unhashable: refuse it by name
             L.check_key(key)
             raise
-        self._lk_n += 1
         if type(key) is not bytes:
-            L.check_key(key)
+            L.check_key(key)  # refused: not a lookup, counted nowhere
+        self._lk_n += 1
         state = h.lease_key(key, self.index)
         if state == L.READY:
             return _HIT
