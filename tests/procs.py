@@ -87,9 +87,9 @@ def evict_and_store_again(name: str, conn, pinned: list[bytes], fresh: list[byte
     mgr.shutdown()
 
 
-def store_and_report(name: str, conn, keys: list[bytes]) -> None:
+def store_and_report(name: str, conn, keys: list[bytes], grants: bool = True) -> None:
     """Connect, store ``keys`` (evicting what it must), report the keys stored."""
-    mgr = connect(name)
+    mgr = connect(name, grants=grants)
     conn.send(store(mgr, keys))
     mgr.shutdown()
 
