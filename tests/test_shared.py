@@ -200,6 +200,58 @@ def test_a_prefix_loaded_with_a_repeated_key_is_leased_again_without_a_leaked_ho
     p.join()
 
 
+def _loaded_before(cache, prefix) -> None:
+    procs.store(cache, prefix)
+    assert cache.lookup(prefix) == len(prefix)
+    cache.prepare_load(prefix)
+    cache.complete_load(prefix)
+    cache.release()
+    assert cache.held_blocks() == 0
+
+
+@pytest.mark.parametrize("then", ["load", "release"])
+def test_keys_leased_ahead_of_their_lookups_are_given_back(cache, seg_name, then):
+    # Asking for the first key of a prefix loaded before leases the keys after it too, ahead
+    # of their lookups. A caller that loads (the tier mover) or releases exactly what it
+    # asked for must not be left holding the others: another client may evict them all.
+    prefix = KEYS[:8]
+    _loaded_before(cache, prefix)
+    assert cache.key_status(prefix[0]) == LookupResult.HIT
+    if then == "load":
+        cache.prepare_load(prefix[:1])
+        cache.complete_load(prefix[:1])
+    else:
+        cache.release(prefix[:1])
+    assert cache.held_blocks() == 0
+    p, conn = spawn(procs.store_and_report, seg_name, KEYS[8:16])
+    assert conn.recv() == KEYS[8:16]  # every block was evictable
+    p.join()
+
+
+@pytest.mark.parametrize("ask", ["key_status", "lookup"])
+def test_keys_asked_for_stay_leased_when_the_keys_leased_ahead_are_given_back(cache, seg_name,
+                                                                              ask):
+    # The scheduler asked for four keys of the prefix and loads two: the other two it was
+    # told are hits stay leased (another client cannot evict them), the rest go.
+    prefix = KEYS[:8]
+    _loaded_before(cache, prefix)
+    if ask == "key_status":
+        assert [cache.key_status(k) for k in prefix[:4]] == [LookupResult.HIT] * 4
+    else:
+        assert cache.key_status(prefix[0]) == LookupResult.HIT  # leases the rest ahead
+        assert cache.lookup(prefix[:4]) == 4
+    cache.prepare_load(prefix[:2])
+    cache.complete_load(prefix[:2])
+    assert cache.held_blocks() == 2
+    p, conn = spawn(procs.store_and_report, seg_name, KEYS[8:14])
+    assert conn.recv() == KEYS[8:14]  # all but the two leased blocks
+    p.join()
+    blocks = cache.prepare_load(prefix[2:4])
+    planes = cache.segment.planes()
+    assert all(procs.check(planes, b, k) for b, k in zip(blocks, prefix[2:4]))
+    cache.complete_load(prefix[2:4])
+
+
 def test_a_refused_key_status_counts_as_no_lookup_and_no_hit(cache, seg_name):
     from kvshm.errors import InvalidArgumentError
     from kvshm.shm import slots

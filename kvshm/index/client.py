@@ -168,6 +168,8 @@ class SharedManager(OffloadingManager):
             if k not in leases:
                 break
             held += 1
+        if held and self._h.ahead:
+            self._h.asked(keys[:held])
         if held == n:
             self._count_lookup(n, n)
             return n
@@ -208,6 +210,8 @@ class SharedManager(OffloadingManager):
         h = self._h
         try:
             if key in h.leases:
+                if h.ahead:
+                    h.ahead.discard(key)
                 self._lk_n += 1
                 return _HIT
             if h.relet(key):
@@ -265,6 +269,7 @@ class SharedManager(OffloadingManager):
                 h.unhold(i)
             raise
         h.pin(taken)
+        h.drop_ahead()  # what a relet took ahead and nobody asked for: no load needs it
         h.follow(keys, blocks)
         self._count_lookup()
         self._ctr[2] += 1
