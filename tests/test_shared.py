@@ -200,6 +200,27 @@ def test_a_prefix_loaded_with_a_repeated_key_is_leased_again_without_a_leaked_ho
     p.join()
 
 
+def test_a_long_lookup_that_names_a_key_twice_leaks_no_hold(seg_name):
+    # A lookup of 64 keys or more leases them in one batch: a key named twice is one lease,
+    # so releasing all leases leaves no hold behind and another client may evict it all.
+    mgr = connect(seg_name, TEST_LAYOUT, num_blocks=80, ring_capacity=8192, hold_capacity=256)
+    try:
+        keys = [b"long-%03d" % i for i in range(70)]
+        assert procs.store(mgr, keys) == keys
+        assert mgr.lookup(keys[:1] + keys[:69]) == 70
+        assert mgr.held_blocks() == 69
+        mgr.release()
+        assert mgr.held_blocks() == 0
+        fresh = [b"fresh-%03d" % i for i in range(80)]
+        p, conn = spawn(procs.store_and_report, seg_name, fresh)
+        assert conn.recv() == fresh  # every block was evictable
+        p.join()
+    finally:
+        pid = mgr.segment.owner_record()[0]
+        mgr.shutdown()
+        stop_owner(pid)
+
+
 def _loaded_before(cache, prefix) -> None:
     procs.store(cache, prefix)
     assert cache.lookup(prefix) == len(prefix)

@@ -220,7 +220,11 @@ class HoldTable:
             j = leases.get(keys[i])
             if j is not None and self.block(j) != int(blocks[i]):
                 self.unhold(leases.pop(keys[i]))
-        new = [i for i in range(hits) if keys[i] not in leases]
+        first: dict[bytes, int] = {}  # a key asked for twice is leased once
+        for i in range(hits):
+            if keys[i] not in leases:
+                first.setdefault(keys[i], i)
+        new = list(first.values())
         room = max(0, min(len(self.free), self.lease_limit - len(leases)))
         if len(new) > room:
             hits, new = new[room], new[:room]
