@@ -273,6 +273,28 @@ def test_keys_asked_for_stay_leased_when_the_keys_leased_ahead_are_given_back(ca
     cache.complete_load(prefix[2:4])
 
 
+@pytest.mark.parametrize("ask", ["key_status", "prepare_load"])
+def test_keys_leased_ahead_never_take_the_room_of_a_key_asked_for(seg_name, ask):
+    # With the smallest hold capacity (8 leases), asking for a loaded prefix's first key
+    # leases the other 7 ahead; a lookup or a load of another key still gets its lease.
+    mgr = connect(seg_name, TEST_LAYOUT, num_blocks=16, ring_capacity=8192, hold_capacity=16)
+    try:
+        prefix, other = KEYS[:8], KEYS[8]
+        _loaded_before(mgr, prefix)
+        assert procs.store(mgr, [other]) == [other]
+        assert mgr.key_status(prefix[0]) == LookupResult.HIT
+        if ask == "key_status":
+            assert mgr.key_status(other) == LookupResult.HIT
+        else:
+            [block] = mgr.prepare_load([other])
+            assert procs.check(mgr.segment.planes(), block, other)
+            mgr.complete_load([other])
+    finally:
+        pid = mgr.segment.owner_record()[0]
+        mgr.shutdown()
+        stop_owner(pid)
+
+
 def test_a_refused_key_status_counts_as_no_lookup_and_no_hit(cache, seg_name):
     from kvshm.errors import InvalidArgumentError
     from kvshm.shm import slots

@@ -167,6 +167,8 @@ class HoldTable:
             if self.ahead:
                 self.ahead.discard(key)
             return L.READY  # only our own stores evict a leased block, and they drop it
+        if (not self.free or len(self.leases) >= self.lease_limit) and self.ahead:
+            self.drop_ahead()  # leases nobody asked for make room for one asked for
         if not self.free or len(self.leases) >= self.lease_limit:
             state = index.find(key)[1]
             return -2 if state == L.READY else state
@@ -220,12 +222,17 @@ class HoldTable:
             j = leases.get(keys[i])
             if j is not None and self.block(j) != int(blocks[i]):
                 self.unhold(leases.pop(keys[i]))
+        if self.ahead:
+            self.asked(keys[:hits])  # leased ahead and asked for now: hits, kept
         first: dict[bytes, int] = {}  # a key asked for twice is leased once
         for i in range(hits):
             if keys[i] not in leases:
                 first.setdefault(keys[i], i)
         new = list(first.values())
         room = max(0, min(len(self.free), self.lease_limit - len(leases)))
+        if len(new) > room and self.ahead:
+            self.drop_ahead()  # leases nobody asked for make room for these
+            room = max(0, min(len(self.free), self.lease_limit - len(leases)))
         if len(new) > room:
             hits, new = new[room], new[:room]
         if new:
@@ -242,8 +249,6 @@ class HoldTable:
                 self.free.extend(idx[bad:].tolist())
                 idx, new = idx[:bad], new[:bad]
             leases.update(zip((keys[i] for i in new), idx.tolist()))
-        if self.ahead:
-            self.asked(keys[:hits])
         return hits
 
     def release(self, keys: Sequence[bytes] | None = None) -> None:
