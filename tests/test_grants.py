@@ -113,6 +113,26 @@ def test_grants_grow_with_the_blocks_a_store_took_not_with_the_keys_it_offered(m
     assert level() == 2 * len(new) < grant_budget(g)
 
 
+def test_a_client_whose_taken_count_runs_ahead_is_not_granted_the_whole_cache(mgr, seg_name):
+    # A client that says it took every granted block and publishes none (its slot scribbled,
+    # or a bug) is refilled while its grants stay within the budget, not at every refill
+    # until the cache is all granted to it: other clients' blocks stay cached.
+    g = mgr.segment.geometry
+    share, budget = grant_target(g), grant_budget(g)
+    cached = [b"cached-%d" % i for i in range(g.num_blocks // 2)]
+    p, conn = spawn(procs.store_and_report, seg_name, cached, False)
+    assert conn.recv() == cached
+    p.join()
+    _stocked(mgr, share)
+    words, _ = slots.grants(mgr.segment, mgr.slot)
+    for _ in range(2 * g.num_blocks // share):  # refills enough to grant the whole cache
+        words[L.GRANT_WORD_TAKEN] = words[L.GRANT_WORD_GRANTED]
+        mgr.take_events()  # a round trip: the owner refills after each frame it serves
+    assert _states(mgr.segment).count(L.GRANTED) <= budget + share
+    assert mgr.lookup(cached) == len(cached)
+    mgr.release()
+
+
 def test_a_steady_scheduler_step_sends_no_request_to_the_owner(mgr):
     _stocked(mgr, 8)
     cached = procs.store(mgr, [b"cached-%d" % i for i in range(4)])
