@@ -87,6 +87,13 @@ def evict_and_store_again(name: str, conn, pinned: list[bytes], fresh: list[byte
     mgr.shutdown()
 
 
+def store_and_report(name: str, conn, keys: list[bytes], grants: bool = True) -> None:
+    """Connect, store ``keys`` (evicting what it must), report the keys stored."""
+    mgr = connect(name, grants=grants)
+    conn.send(store(mgr, keys))
+    mgr.shutdown()
+
+
 def connect_and_report(name: str, conn) -> None:
     mgr = connect(name)
     conn.send({"slot": mgr.slot, "owner": mgr.segment.owner_record()[:2]})

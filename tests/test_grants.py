@@ -28,7 +28,7 @@ from kvshm.shm.table import BlockTable
 
 from conftest import TEST_LAYOUT, stop_owner
 import procs
-from test_shared import wait_for
+from test_shared import spawn, wait_for
 
 BLOCKS, CLIENTS = 256, 4  # 16 blocks granted to each storing client
 
@@ -90,6 +90,47 @@ def test_a_client_storing_more_than_its_share_is_granted_enough_for_its_next_sto
     assert procs.store(mgr, second) == second
     assert mgr._link._req == req  # from the grants: no round trip
     assert level() <= 2 * size <= budget
+
+
+def test_grants_grow_with_the_blocks_a_store_took_not_with_the_keys_it_offered(mgr, seg_name):
+    # A store that offers many cached keys and a few new ones is sized by the new ones: the
+    # grants it leaves behind are blocks taken out of the cache.
+    cached = [b"cached-%d" % i for i in range(40)]
+    p, conn = spawn(procs.store_and_report, seg_name, cached, False)  # no grants of its own
+    assert conn.recv() == cached
+    p.join()
+    g = mgr.segment.geometry
+    share = grant_target(g)
+    _stocked(mgr, share)
+    words, _ = slots.grants(mgr.segment, mgr.slot)
+    level = lambda: int(words[L.GRANT_WORD_GRANTED]) - mgr._own.taken  # noqa: E731
+    assert level() == share
+    new = [b"new-%d" % i for i in range(share + 1)]  # one more than the ring holds
+    req = mgr._link._req
+    assert procs.store(mgr, cached + new) == new
+    assert mgr._link._req > req  # a round trip
+    wait_for(lambda: level() >= 2 * len(new), "the grants to grow to twice the store")
+    assert level() == 2 * len(new) < grant_budget(g)
+
+
+def test_a_client_whose_taken_count_runs_ahead_is_not_granted_the_whole_cache(mgr, seg_name):
+    # A client that says it took every granted block and publishes none (its slot scribbled,
+    # or a bug) is refilled while its grants stay within the budget, not at every refill
+    # until the cache is all granted to it: other clients' blocks stay cached.
+    g = mgr.segment.geometry
+    share, budget = grant_target(g), grant_budget(g)
+    cached = [b"cached-%d" % i for i in range(g.num_blocks // 2)]
+    p, conn = spawn(procs.store_and_report, seg_name, cached, False)
+    assert conn.recv() == cached
+    p.join()
+    _stocked(mgr, share)
+    words, _ = slots.grants(mgr.segment, mgr.slot)
+    for _ in range(2 * g.num_blocks // share):  # refills enough to grant the whole cache
+        words[L.GRANT_WORD_TAKEN] = words[L.GRANT_WORD_GRANTED]
+        mgr.take_events()  # a round trip: the owner refills after each frame it serves
+    assert _states(mgr.segment).count(L.GRANTED) <= budget + share
+    assert mgr.lookup(cached) == len(cached)
+    mgr.release()
 
 
 def test_a_steady_scheduler_step_sends_no_request_to_the_owner(mgr):

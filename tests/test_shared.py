@@ -179,6 +179,136 @@ def test_a_prefix_asked_for_again_leases_only_what_still_holds_its_key(cache, se
     cache.complete_load([prefix[0], prefix[5]])
 
 
+def test_a_prefix_loaded_with_a_repeated_key_is_leased_again_without_a_leaked_hold(
+        cache, seg_name):
+    # A load may name a key twice (two pins); leasing that prefix again takes one lease per
+    # key, and releasing all leases leaves no hold behind: another client may evict it all.
+    prefix = KEYS[:8]
+    procs.store(cache, prefix)
+    load = prefix[:2] + prefix[1:]  # 9 keys, the second one twice
+    assert cache.lookup(prefix) == 8
+    cache.prepare_load(load)
+    cache.complete_load(load)
+    cache.release()
+    assert cache.held_blocks() == 0
+    assert [cache.key_status(k) for k in prefix] == [LookupResult.HIT] * 8
+    assert cache.held_blocks() == 8
+    cache.release()
+    assert cache.held_blocks() == 0
+    p, conn = spawn(procs.store_and_report, seg_name, KEYS[8:16])
+    assert conn.recv() == KEYS[8:16]  # every block was evictable
+    p.join()
+
+
+def test_a_long_lookup_that_names_a_key_twice_leaks_no_hold(seg_name):
+    # A lookup of 64 keys or more leases them in one batch: a key named twice is one lease,
+    # so releasing all leases leaves no hold behind and another client may evict it all.
+    mgr = connect(seg_name, TEST_LAYOUT, num_blocks=80, ring_capacity=8192, hold_capacity=256)
+    try:
+        keys = [b"long-%03d" % i for i in range(70)]
+        assert procs.store(mgr, keys) == keys
+        assert mgr.lookup(keys[:1] + keys[:69]) == 70
+        assert mgr.held_blocks() == 69
+        mgr.release()
+        assert mgr.held_blocks() == 0
+        fresh = [b"fresh-%03d" % i for i in range(80)]
+        p, conn = spawn(procs.store_and_report, seg_name, fresh)
+        assert conn.recv() == fresh  # every block was evictable
+        p.join()
+    finally:
+        pid = mgr.segment.owner_record()[0]
+        mgr.shutdown()
+        stop_owner(pid)
+
+
+def _loaded_before(cache, prefix) -> None:
+    procs.store(cache, prefix)
+    assert cache.lookup(prefix) == len(prefix)
+    cache.prepare_load(prefix)
+    cache.complete_load(prefix)
+    cache.release()
+    assert cache.held_blocks() == 0
+
+
+@pytest.mark.parametrize("then", ["load", "release"])
+def test_keys_leased_ahead_of_their_lookups_are_given_back(cache, seg_name, then):
+    # Asking for the first key of a prefix loaded before leases the keys after it too, ahead
+    # of their lookups. A caller that loads (the tier mover) or releases exactly what it
+    # asked for must not be left holding the others: another client may evict them all.
+    prefix = KEYS[:8]
+    _loaded_before(cache, prefix)
+    assert cache.key_status(prefix[0]) == LookupResult.HIT
+    if then == "load":
+        cache.prepare_load(prefix[:1])
+        cache.complete_load(prefix[:1])
+    else:
+        cache.release(prefix[:1])
+    assert cache.held_blocks() == 0
+    p, conn = spawn(procs.store_and_report, seg_name, KEYS[8:16])
+    assert conn.recv() == KEYS[8:16]  # every block was evictable
+    p.join()
+
+
+@pytest.mark.parametrize("ask", ["key_status", "lookup"])
+def test_keys_asked_for_stay_leased_when_the_keys_leased_ahead_are_given_back(cache, seg_name,
+                                                                              ask):
+    # The scheduler asked for four keys of the prefix and loads two: the other two it was
+    # told are hits stay leased (another client cannot evict them), the rest go.
+    prefix = KEYS[:8]
+    _loaded_before(cache, prefix)
+    if ask == "key_status":
+        assert [cache.key_status(k) for k in prefix[:4]] == [LookupResult.HIT] * 4
+    else:
+        assert cache.key_status(prefix[0]) == LookupResult.HIT  # leases the rest ahead
+        assert cache.lookup(prefix[:4]) == 4
+    cache.prepare_load(prefix[:2])
+    cache.complete_load(prefix[:2])
+    assert cache.held_blocks() == 2
+    p, conn = spawn(procs.store_and_report, seg_name, KEYS[8:14])
+    assert conn.recv() == KEYS[8:14]  # all but the two leased blocks
+    p.join()
+    blocks = cache.prepare_load(prefix[2:4])
+    planes = cache.segment.planes()
+    assert all(procs.check(planes, b, k) for b, k in zip(blocks, prefix[2:4]))
+    cache.complete_load(prefix[2:4])
+
+
+@pytest.mark.parametrize("ask", ["key_status", "prepare_load"])
+def test_keys_leased_ahead_never_take_the_room_of_a_key_asked_for(seg_name, ask):
+    # With the smallest hold capacity (8 leases), asking for a loaded prefix's first key
+    # leases the other 7 ahead; a lookup or a load of another key still gets its lease.
+    mgr = connect(seg_name, TEST_LAYOUT, num_blocks=16, ring_capacity=8192, hold_capacity=16)
+    try:
+        prefix, other = KEYS[:8], KEYS[8]
+        _loaded_before(mgr, prefix)
+        assert procs.store(mgr, [other]) == [other]
+        assert mgr.key_status(prefix[0]) == LookupResult.HIT
+        if ask == "key_status":
+            assert mgr.key_status(other) == LookupResult.HIT
+        else:
+            [block] = mgr.prepare_load([other])
+            assert procs.check(mgr.segment.planes(), block, other)
+            mgr.complete_load([other])
+    finally:
+        pid = mgr.segment.owner_record()[0]
+        mgr.shutdown()
+        stop_owner(pid)
+
+
+def test_a_refused_key_status_counts_as_no_lookup_and_no_hit(cache, seg_name):
+    from kvshm.errors import InvalidArgumentError
+    from kvshm.shm import slots
+    procs.store(cache, KEYS[:1])
+    for bad in ("a str key", 5):
+        with pytest.raises(InvalidArgumentError):
+            cache.key_status(bad)
+    assert cache.key_status(KEYS[0]) == LookupResult.HIT
+    assert cache.key_status(KEYS[1]) == LookupResult.MISS
+    cache.release()
+    ctr = dict(zip(L.SLOT_COUNTERS, slots.counters(cache.segment, cache.slot).tolist()))
+    assert (ctr["lookups"], ctr["hits"]) == (2, 1)
+
+
 def test_own_lookup_does_not_stop_own_store(cache):
     procs.store(cache, KEYS[:8])
     assert cache.lookup(KEYS[:8]) == 8

@@ -167,6 +167,8 @@ class SharedManager(OffloadingManager):
             if k not in leases:
                 break
             held += 1
+        if held and self._h.ahead:
+            self._h.asked(keys[:held])
         if held == n:
             self._count_lookup(n, n)
             return n
@@ -207,6 +209,8 @@ class SharedManager(OffloadingManager):
         h = self._h
         try:
             if key in h.leases:
+                if h.ahead:
+                    h.ahead.discard(key)
                 self._lk_n += 1
                 return _HIT
             if h.relet(key):
@@ -215,9 +219,9 @@ class SharedManager(OffloadingManager):
         except TypeError:  # unhashable: refuse it by name
             L.check_key(key)
             raise
-        self._lk_n += 1
         if type(key) is not bytes:
-            L.check_key(key)
+            L.check_key(key)  # refused: not a lookup, counted nowhere
+        self._lk_n += 1
         state = h.lease_key(key, self.index)
         if state == L.READY:
             return _HIT
@@ -266,6 +270,7 @@ class SharedManager(OffloadingManager):
                 h.unhold(i)
             raise
         h.pin(taken)
+        h.drop_ahead()  # what a relet took ahead and nobody asked for: no load needs it
         if not proven:
             h.follow(keys, blocks)
         self._count_lookup()

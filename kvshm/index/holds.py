@@ -20,6 +20,9 @@ block, is the one thing this trusts not to happen). A prefix the client loaded i
 same way as a whole (``runs``: its keys, blocks and sequence numbers, read while pinned), so
 the next request's first lookup of it leases all of it with one fence and the lookups after
 it are dict hits: the scheduler asks key by key, and a fence per key was most of its cost.
+The keys leased so, ahead of their lookups, are ``ahead`` until asked for; nobody was told
+they are hits, so they are given back at the next ``relet``, ``prepare_load`` or
+``release`` (a caller that loads or releases exactly what it asked for holds nothing else).
 It never talks to the owner, never writes the block table and never imports torch.
 """
 from __future__ import annotations
@@ -57,6 +60,9 @@ class HoldTable:
         # key -> (its loaded prefix: keys, blocks, lease codes, READY seqs; its offset there)
         self.runs: dict[bytes, tuple[tuple[list[bytes], np.ndarray, np.ndarray, np.ndarray],
                                      int]] = {}
+        # Leased keys that ``relet`` took ahead of their lookups and nobody asked for yet.
+        # Every path that answers a leased key as a hit discards it here (``asked``).
+        self.ahead: set[bytes] = set()
 
     def __len__(self) -> int:
         """How many holds (leases + pins) are taken."""
@@ -70,6 +76,22 @@ class HoldTable:
         self._hv[i] = -1
         self.free.append(i)
 
+    def asked(self, keys: Sequence[bytes]) -> None:
+        """``keys``, leased, were answered as hits: theirs now, never dropped as ahead."""
+        if self.ahead:
+            self.ahead.difference_update(keys)
+
+    def drop_ahead(self) -> None:
+        """Give back the leases ``relet`` took ahead of lookups that never came."""
+        if not self.ahead:
+            return
+        leases = self.leases
+        for k in self.ahead:
+            i = leases.pop(k, None)
+            if i is not None:
+                self.unhold(i)
+        self.ahead.clear()
+
     def relet(self, key: bytes) -> bool:
         """Lease ``key`` and the keys that followed it in a prefix this client loaded
         (``follow``), all with one handshake: the scheduler asks for a prefix key by key, so
@@ -79,6 +101,7 @@ class HoldTable:
         at = self.runs.get(key)
         if at is None:
             return False
+        self.drop_ahead()
         (keys, blocks, codes, seqs), off = at
         leases = self.leases
         n = min(len(keys) - off, RUN_AHEAD, len(self.free), self.lease_limit - len(leases))
@@ -98,11 +121,16 @@ class HoldTable:
         ok = self.table.seqs(blocks[off:off + n]) == seqs[off:off + n]
         if ok.all():
             leases.update(zip(part, idx))
+            self.ahead.update(part[1:])
             return True
         bad = ~ok
         self.holds[ia[bad]] = -1
         free.extend(ia[bad].tolist())
-        leases.update((k, j) for k, j, good in zip(part, idx, ok.tolist()) if good)
+        good = [(k, j) for k, j, g in zip(part, idx, ok.tolist()) if g]
+        leases.update(good)
+        self.ahead.update(k for k, _ in good)
+        if ok[0]:
+            self.ahead.discard(key)
         return bool(ok[0])
 
     def proven(self, keys: list[bytes], blocks: list[int]) -> bool:
@@ -120,10 +148,17 @@ class HoldTable:
 
     def follow(self, keys: Sequence[bytes], blocks: Sequence[int]) -> None:
         """``keys`` (a prefix, in order) were just pinned at ``blocks`` and found READY:
-        remember them with their entries' sequence numbers for ``relet``."""
+        remember them with their entries' sequence numbers for ``relet``. A key named twice
+        is kept once (``relet`` would lease it twice and leak one of the holds)."""
         n = len(keys)
         if n < RUN_MIN:
             return
+        if len(set(keys)) != n:
+            first = dict(zip(keys, blocks))  # in first-seen order; a key's block is one
+            keys, blocks = list(first), list(first.values())
+            n = len(keys)
+            if n < RUN_MIN:
+                return
         b = np.array(blocks, np.intp)
         seqs = self.table.ready_seqs(b)
         if (seqs < 0).any():
@@ -142,7 +177,11 @@ class HoldTable:
         before costs one sequence-number read.
         """
         if key in self.leases:
+            if self.ahead:
+                self.ahead.discard(key)
             return L.READY  # only our own stores evict a leased block, and they drop it
+        if (not self.free or len(self.leases) >= self.lease_limit) and self.ahead:
+            self.drop_ahead()  # leases nobody asked for make room for one asked for
         if not self.free or len(self.leases) >= self.lease_limit:
             state = index.find(key)[1]
             return -2 if state == L.READY else state
@@ -168,6 +207,8 @@ class HoldTable:
                 self.unhold(i)
                 return state
         self.leases[key] = i
+        if self.ahead:
+            self.ahead.discard(key)
         if len(self.seen) >= self._seen_limit:
             self.seen.clear()
         self.seen[key] = (block, seq)
@@ -194,8 +235,17 @@ class HoldTable:
             j = leases.get(keys[i])
             if j is not None and self.block(j) != int(blocks[i]):
                 self.unhold(leases.pop(keys[i]))
-        new = [i for i in range(hits) if keys[i] not in leases]
+        if self.ahead:
+            self.asked(keys[:hits])  # leased ahead and asked for now: hits, kept
+        first: dict[bytes, int] = {}  # a key asked for twice is leased once
+        for i in range(hits):
+            if keys[i] not in leases:
+                first.setdefault(keys[i], i)
+        new = list(first.values())
         room = max(0, min(len(self.free), self.lease_limit - len(leases)))
+        if len(new) > room and self.ahead:
+            self.drop_ahead()  # leases nobody asked for make room for these
+            room = max(0, min(len(self.free), self.lease_limit - len(leases)))
         if len(new) > room:
             hits, new = new[room], new[:room]
         if new:
@@ -219,6 +269,7 @@ class HoldTable:
         if keys is None:  # the scheduler's end of step: all at once
             idx = list(self.leases.values())
             self.leases.clear()
+            self.ahead.clear()
             if idx:
                 self.holds[np.array(idx, np.intp)] = -1
                 self.free.extend(idx)
@@ -227,6 +278,7 @@ class HoldTable:
             i = self.leases.pop(k, None)
             if i is not None:
                 self.unhold(i)
+        self.drop_ahead()
 
     def revalidate(self) -> None:
         """After an owner failover: drop leases whose block no longer holds their key (a
@@ -247,6 +299,7 @@ class HoldTable:
 
     def clear(self) -> None:
         self.leases.clear()
+        self.ahead.clear()
         self.pins.clear()
         self.seen.clear()
         self.runs.clear()

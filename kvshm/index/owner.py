@@ -238,8 +238,12 @@ class Owner(RequestHandlers):
                 c.largest_store = max(c.largest_store, taken - c.taken_seen)
             c.taken_seen = taken
             level = int(words[L.GRANT_WORD_GRANTED]) - taken
+            # Its share always (counting its taken, unpublished blocks: a client whose
+            # taken count runs ahead of its publishes is not refilled without end), more
+            # within the budget.
+            inflight = grants.held((c.slot, c.gen)) - level
             target = min(grown_target(self._grant_target, c.largest_store),
-                         max(self._grant_target, level + room))  # a first share always
+                         max(self._grant_target - inflight, level + room, 0))
             n = refill(grants, words, c.grant_ids, c.slot, c.gen, target)
             if n < 0:
                 self._quarantine(c, "its grant ring counts are impossible")

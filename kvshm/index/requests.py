@@ -87,14 +87,16 @@ class RequestHandlers:
     def _prepare_store(self, c: _Client, m: P.PrepareStore, replay: bool) -> list[P._Msg]:
         writer = (c.slot, c.gen, m.req)
         c.stores = c.grants
-        c.largest_store = max(c.largest_store, len(m.keys))
         if replay:  # what the dead owner granted, and nothing more: evictions are unknown
             done = self.manager.pending_of(writer, m.req)
+            c.largest_store = max(c.largest_store, len(done))
             return self._prepared(m.req, [k for k, _ in done], [b for _, b in done], [], True)
         out = self.manager.prepare_store(m.keys, writer)
         self._fan_out()
         if out is None:
             return [P.NoRoom(m.req, self.epoch)]
+        # the blocks it took, not the keys it offered (most may be cached already)
+        c.largest_store = max(c.largest_store, len(out.keys_to_store))
         return self._prepared(m.req, out.keys_to_store, out.block_ids, out.evicted_keys, False)
 
     def _prepared(self, req: int, keys: list[bytes], blocks: list[int], evicted: list[bytes],
