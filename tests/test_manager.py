@@ -171,6 +171,14 @@ def test_prepare_load_returns_the_stored_block_ids(manager, view):
     manager.complete_load([C, A])
 
 
+def test_prepare_load_of_no_keys_loads_nothing(manager, view):
+    store(manager, [b"a", b"b"])
+    assert manager.prepare_load([]) == []
+    manager.complete_load([])
+    assert len(manager.prepare_load([b"a"])) == 1  # the empty load changed nothing
+    manager.complete_load([b"a"])
+
+
 def test_prepare_load_of_unknown_key_raises_and_pins_nothing(manager, view):
     full(manager)
     with pytest.raises(UnknownKeyError) as e:

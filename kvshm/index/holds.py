@@ -137,7 +137,7 @@ class HoldTable:
         """Whether ``keys`` at ``blocks`` are the head of a prefix remembered by ``follow``
         whose entries are all unchanged since (so each still holds its key READY): the
         whole batch proven with one comparison."""
-        at = self.runs.get(keys[0])
+        at = self.runs.get(keys[0]) if keys else None
         if at is None or at[1] != 0:
             return False
         run_keys, run_blocks, _, seqs = at[0]
