@@ -482,19 +482,25 @@ def test_an_engine_whose_layout_the_segment_refuses_fails_before_allocating_kv(t
 
 
 # --- differential: the same connector calls through vLLM's own manager and kvshm's ----------
-@needs_vllm
-def test_eviction_order_matches_vllms_own_manager():
-    """60 random connector-shaped sequences per policy (``vllm_support/recency_diff.py``):
-    lookups, keys to store, evicted keys and events equal vLLM's ``CPUOffloadingManager``
-    at every step. Before kvshm applied vLLM's request-finished recency rules, 95 of these
-    120 sequences differed."""
+def recency_diff(*wheel: str) -> dict:
+    """``vllm_support/recency_diff.py`` (60 sequences per policy, seed 7): its JSON result."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(REPO)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     proc = subprocess.run([VLLM_PY, str(REPO / "tests/vllm_support/recency_diff.py"),
-                           unique_name(), "60", "7"], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=500)
+                           unique_name(), "60", "7", *wheel], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=500)
     assert proc.returncode == 0, proc.stderr[-4000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     for policy in ("lru", "arc"):
         assert res[policy]["evicted"] > 50, res  # small capacity: evictions do happen
         assert res[policy]["mismatches"] == 0, res[policy]
+    return res
+
+
+@needs_vllm
+def test_eviction_order_matches_vllms_own_manager():
+    """60 random connector-shaped sequences per policy (``vllm_support/recency_diff.py``):
+    lookups, keys to store, evicted keys and events equal vLLM 0.32's ``CPUOffloadingManager``
+    at every step. Before kvshm applied vLLM's request-finished recency rules, 95 of these
+    120 sequences differed. (0.33's manager: ``test_vllm_versions.py``.)"""
+    recency_diff()

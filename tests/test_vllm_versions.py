@@ -1,8 +1,8 @@
-"""kvshm's vLLM integration across vLLM releases: 0.33's API (from its wheel), expedited loads,
-and the reset-flush signal.
+"""kvshm's vLLM integration across vLLM releases: 0.33's API (from its wheel), its manager's
+eviction order, expedited loads, and the reset-flush signal.
 
-The 0.33 check runs ``tests/vllm_support/vllm033.py`` in the vLLM venv's interpreter (see
-``test_vllm.py``) on the vLLM 0.33.0 wheel: ``$KVSHM_VLLM033_WHEEL``, else
+The 0.33 checks run ``tests/vllm_support/vllm033.py`` and ``recency_diff.py`` in the vLLM
+venv's interpreter (see ``test_vllm.py``) on the vLLM 0.33.0 wheel: ``$KVSHM_VLLM033_WHEEL``, else
 ``.cache-vllm033/vllm-0.33.0-*.whl`` (``.ci/install_vllm.sh`` downloads it there). It skips,
 naming what is missing, when either is absent. The other tests need neither.
 """
@@ -23,7 +23,7 @@ from kvshm.integrations.vllm.core import ManagerCore
 from kvshm.shm.layout import Layout
 from kvshm.transfer.spec import TransferSpec, make_handler
 
-from test_vllm import VLLM_PY, needs_vllm
+from test_vllm import VLLM_PY, needs_vllm, recency_diff
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -38,10 +38,14 @@ def wheel_033() -> str | None:
 WHEEL = wheel_033()
 
 
+needs_wheel = pytest.mark.skipif(
+    WHEEL is None or not os.path.exists(WHEEL),
+    reason="vLLM 0.33.0 wheel not found (set KVSHM_VLLM033_WHEEL or run .ci/install_vllm.sh, "
+           "which downloads it to .cache-vllm033/)")
+
+
 @needs_vllm
-@pytest.mark.skipif(WHEEL is None or not os.path.exists(WHEEL),
-                    reason="vLLM 0.33.0 wheel not found (set KVSHM_VLLM033_WHEEL or run "
-                           ".ci/install_vllm.sh, which downloads it to .cache-vllm033/)")
+@needs_wheel
 def test_vllm_033_api_and_connector_calls_are_implemented(seg_name):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(REPO)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
@@ -51,6 +55,7 @@ def test_vllm_033_api_and_connector_calls_are_implemented(seg_name):
     assert proc.returncode == 0, proc.stderr[-4000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     assert res["version"] == "0.33.0" and res["api_is_033"] and res["flush_signal"]
+    assert res["provisional_ranks"] and res["metadata_only_events"]
     assert res["abstract_left"] == {"KvshmOffloadingManager": [], "KvshmOffloadingWorker": [],
                                     "KvshmOffloadingSpec": []}
     assert res["unbound_calls"] == []
@@ -59,6 +64,16 @@ def test_vllm_033_api_and_connector_calls_are_implemented(seg_name):
     assert res["hits"] == ["HIT"] * 4 and res["events"] == [[4, False, False]]
     assert res["finished"] == [[1, True], [2, True]] and res["loaded_ok"]
     assert res["held"] == [2, 2, 0]  # a reset's pins go at on_reset_flushed, not after steps
+
+
+@needs_vllm
+@needs_wheel
+def test_eviction_order_matches_vllm_033s_own_manager():
+    """The differential test of ``test_vllm.py`` against 0.33's ``CPUOffloadingManager`` and
+    cache policies (from the wheel): LRU's provisional rank for running requests and the
+    metadata-only removal of a failed store's keys included. Without the provisional ranks,
+    26 of the 60 LRU sequences differed."""
+    recency_diff(WHEEL)
 
 
 def test_an_expedited_load_runs_ahead_of_queued_loads_and_stores():
