@@ -192,16 +192,13 @@ def test_manager_core_leases_pins_and_reset(seg_name):
         # another engine's store in flight is a miss (never wait for someone else)
         assert other.prepare_store([b"o" * 36]).keys_to_store
         assert core.lookup(b"o" * 36, "r3") is LookupResult.MISS
-        # reset: leases go now; pins and unfinished stores after a grace period
+        # reset: leases go now; pins and unfinished stores once the flush is done
         assert core.prepare_store([b"p" * 36], "w2").keys_to_store
         core.lookup(keys[1], "r3")
         core.prepare_load([keys[2]], "r4")
         core.reset()
         assert mgr.held_blocks() == 1
-        for _ in range(2):
-            core.schedule_end()
-        assert mgr.held_blocks() == 1
-        core.schedule_end()
+        core.reset_flushed()
         assert mgr.held_blocks() == 0
         assert mgr.key_status(b"p" * 36) is LookupResult.MISS  # freed, never published
     finally:
@@ -247,6 +244,37 @@ def test_stats_reader_reports_this_engines_deltas_and_the_segments_state(seg_nam
     finally:
         core.shutdown()
         other.shutdown()
+
+
+def test_reset_holds_outlive_steps_scheduled_ahead_of_the_flush(seg_name):
+    """vLLM 0.32 delivers a reset's flush (``jobs_to_flush``) with the next step's metadata,
+    and a worker waits for the flushed jobs when it starts executing that step. The scheduler
+    runs ahead of execution by up to ``max_concurrent_batches - 1`` steps (pipeline size, +1
+    with async scheduling on the V2 model runner), so with three batches in flight steps
+    N+1..N+3 are all scheduled while N+1's flush may still be copying into the reset's blocks:
+    counting steps frees them under a live copy. The first completion after the reset is the
+    proof: vLLM reports only post-reset jobs, and every worker ran the flush before them."""
+    mgr = connect(seg_name, Layout((4096,), 16, "t"), num_blocks=8, hold_capacity=64)
+    core = ManagerCore(mgr)
+    try:
+        keys = [bytes([i]) * 36 for i in range(4)]
+        core.complete_store(core.prepare_store(keys[:2], "w").keys_to_store, "w")
+        core.lookup(keys[0], "r")
+        core.prepare_load([keys[0]], "r")  # a load in flight at the reset...
+        assert core.prepare_store([keys[2]], "w2").keys_to_store  # ...and a store
+        core.reset()
+        for _ in range(3):  # N+1 (carries the flush), N+2, N+3: scheduled, not yet executed
+            core.schedule_end()
+        assert mgr.held_blocks() == 1  # the load's pin: its copy may still be reading
+        assert mgr.key_status(keys[2]) is LookupResult.PENDING  # its copy may still write
+        core.lookup(keys[1], "n")  # a job of step N+1 completes: the flush is done
+        core.prepare_load([keys[1]], "n")
+        core.complete_load([keys[1]], "n")
+        assert mgr.held_blocks() == 0
+        assert mgr.key_status(keys[2]) is LookupResult.MISS  # freed, never published
+        core.reset_flushed()  # (vLLM 0.33 says so too, later): nothing left, a no-op
+    finally:
+        core.shutdown()
 
 
 def test_a_late_completion_of_a_reset_store_never_touches_the_key_stored_again(seg_name):

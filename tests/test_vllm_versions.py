@@ -1,5 +1,5 @@
-"""kvshm's vLLM integration across vLLM releases: 0.33's API (from its wheel), its manager's
-eviction order, expedited loads, and the reset-flush signal.
+"""kvshm's vLLM integration across vLLM releases: 0.33's API (from its wheel, its reset-flush
+signal included), its manager's eviction order, and expedited loads.
 
 The 0.33 checks run ``tests/vllm_support/vllm033.py`` and ``recency_diff.py`` in the vLLM
 venv's interpreter (see ``test_vllm.py``) on the vLLM 0.33.0 wheel: ``$KVSHM_VLLM033_WHEEL``, else
@@ -18,9 +18,6 @@ import pytest
 import torch
 
 from kvshm.errors import InvalidArgumentError
-from kvshm.index.client import connect
-from kvshm.integrations.vllm.core import ManagerCore
-from kvshm.shm.layout import Layout
 from kvshm.transfer.spec import TransferSpec, make_handler
 
 from test_vllm import VLLM_PY, needs_vllm, recency_diff
@@ -96,24 +93,3 @@ def test_an_expedited_load_runs_ahead_of_queued_loads_and_stores():
         h.shutdown()
     with pytest.raises(InvalidArgumentError, match="only a load"):
         TransferSpec("store", [0], [0], expedited=True)
-
-
-def test_with_the_reset_flush_signal_reset_holds_wait_for_reset_flushed(seg_name):
-    mgr = connect(seg_name, Layout((4096,), 16, "t"), num_blocks=8, hold_capacity=64)
-    core = ManagerCore(mgr, reset_flush_signal=True)
-    try:
-        keys = [bytes([i]) * 36 for i in range(3)]
-        core.complete_store(core.prepare_store(keys[:2], "w").keys_to_store, "w")
-        core.lookup(keys[0], "r")
-        core.prepare_load([keys[0]], "r")
-        assert core.prepare_store([keys[2]], "w2").keys_to_store  # in flight at the reset
-        core.reset()
-        for _ in range(10):  # steps alone never drop them: the flush may take longer
-            core.schedule_end()
-        assert mgr.held_blocks() == 1
-        core.reset_flushed()
-        assert mgr.held_blocks() == 0
-        assert mgr.key_status(keys[2]).value == "miss"  # never published
-        core.reset_flushed()  # nothing left: a no-op
-    finally:
-        core.shutdown()

@@ -72,7 +72,8 @@ def main(wheel: str, segment: str) -> dict:
     from kvshm.integrations.vllm import spec as S
     from vllm.v1.kv_offload import base as B, config as C
 
-    out: dict = {"version": V.installed_version(), "flush_signal": V.RESET_FLUSH_SIGNAL,
+    out: dict = {"version": V.installed_version(),
+                 "flush_signal": hasattr(B.OffloadingManager, "on_reset_flushed"),
                  "provisional_ranks": V.PROVISIONAL_RANKS,
                  "metadata_only_events": V.METADATA_ONLY_EVENTS,
                  "api_is_033": V.OffloadingManager is B.OffloadingManager

@@ -97,9 +97,6 @@ LOOKUP_FROM_KVSHM = {
     "miss": LookupResult.MISS,
     "pending": LookupResult.HIT_PENDING,  # stored by someone, not yet readable: ask again
 }
-# 0.33+: the connector says when a cache reset's flushed jobs are done (0.32: kvshm waits for a
-# completion after the reset).
-RESET_FLUSH_SIGNAL = hasattr(OffloadingManager, "on_reset_flushed")
 # 0.33+: LRU gives a running request's keys one provisional rank (``on_request_access``).
 PROVISIONAL_RANKS = "on_request_access" in vars(LRUCachePolicy)
 # 0.33+: a failed store's keys are released with a metadata-only removal event.

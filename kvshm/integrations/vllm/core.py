@@ -28,7 +28,6 @@ logger = logging.getLogger(__name__)
 
 POLICIES = ("lru", "arc")
 Position = Callable[[bytes], "int | None"]  # a key's token position in its request (vLLM's)
-RESET_GRACE_STEPS = 3  # scheduler steps after reset_cache before this engine's stale holds go
 
 
 _NAME = r"^(?!\.+$)[A-Za-z0-9_.-]{1,128}$"  # a segment name (kvshm.shm.segment.shm_name)
@@ -188,10 +187,12 @@ class ManagerCore:
     slow or stuck engine never stalls this one.
 
     After ``reset`` vLLM never completes the jobs it had in flight, so their pins and
-    unfinished stores are dropped once the connector's flush of those jobs has run (before
-    that the blocks may still be read or written): at ``reset_flushed`` where vLLM says so
-    (0.33's ``on_reset_flushed``, ``reset_flush_signal=True``), else ``RESET_GRACE_STEPS``
-    steps later (0.32).
+    unfinished stores are dropped once the connector's flush of those jobs has run in every
+    worker (before that the blocks may still be read or written): at ``reset_flushed``
+    (vLLM 0.33's ``on_reset_flushed``) or at the first completion after the reset, whichever
+    comes first. vLLM reports only jobs created after the reset, and a worker waits for the
+    flushed jobs before it starts any of them; a count of scheduler steps proves nothing, as
+    the scheduler runs ahead of the workers by as many batches as it keeps in flight.
     Recency follows vLLM's ``CPUOffloadingManager``: each request records the keys it loaded
     or offered for a store (skipping ones another store of this engine has in flight), and
     when it finishes they are applied head to tail (tails first, so the prefix head ends up
@@ -208,17 +209,15 @@ class ManagerCore:
     must not die because the shared cache lost a block it was about to publish.
     """
 
-    def __init__(self, mgr: Any, reset_flush_signal: bool = False,
-                 provisional_ranks: bool = False):
+    def __init__(self, mgr: Any, provisional_ranks: bool = False):
         self.mgr = mgr
-        self._flush_signal = reset_flush_signal
         self._ranked = provisional_ranks
         self._requests = 0  # the last number given to a request for the owner (``Running``)
         self._lease_reqs: dict[bytes, set[str]] = {}  # leased key -> requests that hit it
         self._loads: dict[str, list[list[bytes]]] = {}  # request -> its unfinished loads
         self._store_req: dict[bytes, str] = {}  # key whose store is in flight -> request
-        # [steps left (None: until reset_flushed), load key lists, store key lists]
-        self._stale: list[list[Any]] = []
+        # per reset: (load key lists, store key lists) of the jobs it flushed
+        self._stale: list[tuple[list[list[bytes]], list[list[bytes]]]] = []
         self._access: dict[str, _Access] = {}  # request -> the keys it accessed
 
     # --- loads ------------------------------------------------------------------------
@@ -251,6 +250,8 @@ class ManagerCore:
         return blocks
 
     def complete_load(self, keys: Iterable[bytes], req_id: str) -> None:
+        if self._stale:
+            self.reset_flushed()  # a job of after the reset completed: the flush is done
         done = set(keys)
         jobs = self._loads.get(req_id, [])
         for i, job in enumerate(jobs):
@@ -293,6 +294,8 @@ class ManagerCore:
     def complete_store(self, keys: Iterable[bytes], req_id: str, success: bool = True,
                        position: Position | None = None) -> list[bytes]:
         """Complete this request's stores of ``keys``; the keys it completed."""
+        if self._stale:
+            self.reset_flushed()  # a job of after the reset completed: the flush is done
         # Only the stores this request still has in flight: after a reset they went stale
         # (and are freed on their own schedule), and a key stored again since belongs to
         # another request, whose block this late completion must never publish or free.
@@ -320,19 +323,12 @@ class ManagerCore:
         if self._lease_reqs:
             self._lease_reqs.clear()
             self.mgr.release(None)
-        for entry in self._stale:
-            if entry[0] is not None:
-                entry[0] -= 1
-        self._drop_stale(lambda left: left is not None and left <= 0)
 
     def reset_flushed(self) -> None:
-        """vLLM says the jobs in flight at the last reset are done: drop their holds now."""
-        self._drop_stale(lambda left: True)
-
-    def _drop_stale(self, due: Any) -> None:
-        now = [e for e in self._stale if due(e[0])]
-        self._stale = [e for e in self._stale if not due(e[0])]
-        for _, loads, stores in now:
+        """The jobs in flight at the last reset are done (vLLM says so, or completed a job of
+        after the reset): drop their holds now."""
+        stale, self._stale = self._stale, []
+        for loads, stores in stale:
             for keys in loads:
                 self._quietly(self.mgr.complete_load, keys)
             for keys in stores:  # never published: their bytes may be partial
@@ -365,8 +361,7 @@ class ManagerCore:
         for k, r in self._store_req.items():
             by_req.setdefault(r, []).append(k)
         if loads or by_req:
-            steps = None if self._flush_signal else RESET_GRACE_STEPS
-            self._stale.append([steps, loads, list(by_req.values())])
+            self._stale.append((loads, list(by_req.values())))
         self._loads.clear()
         self._store_req.clear()
         for acc in self._access.values():  # the owner forgets their provisional ranks

@@ -56,8 +56,7 @@ class KvshmOffloadingManager(V.OffloadingManager):
     """Scheduler side: vLLM's per-key calls mapped onto kvshm's shared index."""
 
     def __init__(self, shared: SharedManager, events: bool, info: dict[str, Any] | None = None):
-        self.core = ManagerCore(shared, reset_flush_signal=V.RESET_FLUSH_SIGNAL,
-                                provisional_ranks=V.PROVISIONAL_RANKS
+        self.core = ManagerCore(shared, provisional_ranks=V.PROVISIONAL_RANKS
                                 and shared.segment.policy == "lru")
         self._events = events
         self._released: list[bytes] = []  # keys of failed stores, for metadata-only events
