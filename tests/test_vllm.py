@@ -509,6 +509,21 @@ def test_an_engine_whose_layout_the_segment_refuses_fails_before_allocating_kv(t
         remove_segment(name)
 
 
+@needs_vllm
+def test_bench_vllm_json_prints_one_json_object_on_stdout():
+    """``tools/bench_vllm.py --json`` (one small kvshm engine): stdout is exactly the result;
+    vLLM's log lines (on stdout by default) go to stderr."""
+    proc = subprocess.run(
+        [VLLM_PY, str(REPO / "tools/bench_vllm.py"), "--json", "--configs", "kvshm",
+         "--repeat", "1", "--prompts", "1", "--rounds", "1", "--max-tokens", "1", "--batch", "1",
+         "--batch-tokens", "1"], cwd=REPO, capture_output=True, text=True, timeout=400,
+        env={k: v for k, v in os.environ.items() if k != "VLLM_LOGGING_STREAM"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout)  # the whole of stdout: one object, nothing else
+    assert result["configs"]["kvshm"]["requests"] == 1
+    assert "INFO" in proc.stderr  # vLLM's logging went there
+
+
 # --- differential: the same connector calls through vLLM's own manager and kvshm's ----------
 def recency_diff(*wheel: str) -> dict:
     """``vllm_support/recency_diff.py`` (60 sequences per policy, seed 7): its JSON result."""
