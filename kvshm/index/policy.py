@@ -94,9 +94,12 @@ class LRUPolicy(CachePolicy):
     its tails precede its heads and everything ranked after ``r`` outlives them. Ties (keys of
     one request at one position) go by key bytes, as in vLLM's heap.
 
-    A heap of ``(rank, key)`` with lazy invalidation: an entry is current while the key still
-    has that rank. Eviction pops in order, skipping keys ``can_evict`` refuses, and puts back
-    whatever it does not take.
+    Fresh ranks only ever grow, so keys holding one sit in an ordered dict in rank order (a
+    touch moves a key to its end); keys holding a provisional rank sit in a heap of
+    ``(rank, key)`` with lazy invalidation (an entry is current while its key still has that
+    rank and no fresh one). Eviction merges the two in rank order, skipping keys ``can_evict``
+    refuses; the heap only holds keys of requests still running, so the common case costs
+    what a plain LRU does.
     """
 
     name = "lru"
@@ -104,62 +107,91 @@ class LRUPolicy(CachePolicy):
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity  # unused by LRU; kept so both policies build the same way
         self._rank: dict[bytes, Rank] = {}
-        self._heap: list[tuple[Rank, bytes]] = []
+        self._fresh: OrderedDict[bytes, None] = OrderedDict()  # fresh ranks, lowest first
+        self._heap: list[tuple[Rank, bytes]] = []  # provisional ranks
         self._next = 0
 
     def new_rank(self) -> int:
         self._next += 1
         return self._next
 
-    def _set(self, key: bytes, rank: Rank) -> None:
+    def _freshen(self, key: bytes) -> None:
+        self._rank[key] = (self.new_rank(), 0)
+        self._fresh[key] = None
+        self._fresh.move_to_end(key)
+
+    def _provisional(self, key: bytes, rank: Rank) -> None:
         self._rank[key] = rank
+        self._fresh.pop(key, None)
         heapq.heappush(self._heap, (rank, key))
-        if len(self._heap) > 2 * len(self._rank) + 64:  # mostly stale: rebuild
-            self._heap = [(r, k) for k, r in self._rank.items()]
+        if len(self._heap) > 2 * (len(self._rank) - len(self._fresh)) + 64:  # mostly stale
+            self._heap = [(r, k) for k, r in self._rank.items() if k not in self._fresh]
             heapq.heapify(self._heap)
 
     def insert(self, key: bytes, rank: Rank | None = None) -> None:
-        self._set(key, rank if rank is not None else (self.new_rank(), 0))
+        if rank is None:
+            self._freshen(key)
+        else:
+            self._provisional(key, rank)
 
     def remove(self, key: bytes) -> None:
-        self._rank.pop(key, None)
+        if self._rank.pop(key, None) is not None:
+            self._fresh.pop(key, None)
 
     def touch(self, key: bytes, ready: bool) -> None:
         if key in self._rank:  # a key evicted between lookup and touch is not an error
-            self._set(key, (self.new_rank(), 0))
+            self._freshen(key)
 
     def access(self, key: bytes, how: int, rank: Rank | None = None) -> None:
         if how == RANKED:
             # vLLM 0.33's on_request_access: a running request's rank, never an older one
             if rank is not None and key in self._rank and self._rank[key] < rank:
-                self._set(key, rank)
+                self._provisional(key, rank)
         elif how != MISSED:
             self.touch(key, True)
+
+    def _current(self) -> tuple[Rank, bytes] | None:
+        """The heap's lowest current entry (stale ones above it are dropped), or None."""
+        heap, ranks, fresh = self._heap, self._rank, self._fresh
+        while heap:
+            rank, key = heap[0]
+            if ranks.get(key) == rank and key not in fresh:
+                return heap[0]
+            heapq.heappop(heap)
+        return None
 
     def evict(self, n: int, can_evict: CanEvict) -> list[bytes] | None:
         if n <= 0:
             return _no_victims(n)
         heap, ranks = self._heap, self._rank
-        victims: list[tuple[Rank, bytes]] = []
-        skipped: list[tuple[Rank, bytes]] = []
+        victims: list[bytes] = []
+        popped: list[tuple[Rank, bytes]] = []  # current heap entries taken out while scanning
         seen: set[bytes] = set()
-        while heap and len(victims) < n:
-            entry = heapq.heappop(heap)
-            rank, key = entry
-            if ranks.get(key) != rank or key in seen:
-                continue  # stale, or a second entry of an unchanged rank: drop it
+        fresh = iter(self._fresh)  # not mutated before the scan ends
+        f = next(fresh, None)
+        top = self._current()
+        while len(victims) < n and (f is not None or top is not None):
+            if top is None or (f is not None and (ranks[f], f) < top):
+                key, f = f, next(fresh, None)
+            else:
+                key = top[1]
+                popped.append(heapq.heappop(heap))
+                top = self._current()
+                if key in seen:
+                    continue  # a second entry of an unchanged rank
             seen.add(key)
-            (victims if can_evict(key) else skipped).append(entry)
-        if len(victims) < n:  # all-or-nothing: put everything back
-            skipped += victims
-            victims = []
-        for entry in skipped:
-            heapq.heappush(heap, entry)
-        if not victims:
+            if can_evict(key):
+                victims.append(key)
+        taken = set(victims) if len(victims) == n else set()  # all-or-nothing
+        for entry in popped:  # whatever is not evicted goes back
+            if entry[1] not in taken:
+                heapq.heappush(heap, entry)
+        if not taken:
             return None
-        for _, key in victims:
+        for key in victims:
             del ranks[key]
-        return [key for _, key in victims]
+            self._fresh.pop(key, None)
+        return victims
 
     def order(self) -> list[bytes]:
         return [k for _, k in sorted((r, k) for k, r in self._rank.items())]
