@@ -23,9 +23,15 @@ from kvshm.shm.segment import Segment
 
 KEYS = [b"fz-%d" % i for i in range(10)] + [b"x" * 64]
 keys_st = st.lists(st.sampled_from(KEYS), min_size=1, max_size=5)
+u64 = st.integers(-2**63, 2**64 - 1)
+running_st = st.fixed_dictionaries(  # a running request's fields, valid or not
+    {"request": u64, "positions": st.none() | st.lists(u64 | st.just(-1), max_size=6)})
 valid_frames = st.builds(P.PrepareStore, st.integers(1, 2**31), keys_st) | st.builds(
     P.CompleteStore, st.integers(1, 2**31), keys_st, st.booleans()) | st.builds(
-    P.Touch, st.just(0), keys_st) | st.builds(P.TakeEvents, st.integers(1, 2**31))
+    P.Touch, st.just(0), keys_st) | st.builds(P.TakeEvents, st.integers(1, 2**31)) | st.builds(
+    lambda req, keys, kw: P.PrepareStore(req, keys, **kw), st.integers(1, 2**31), keys_st,
+    running_st) | st.builds(lambda keys, how, kw: P.Touch(0, keys, how, **kw), keys_st,
+                            st.none() | st.binary(max_size=5), running_st)
 
 
 def _mangle(frame: bytes, how: int, cut: int) -> bytes:

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvshm.errors import InvalidArgumentError
-from kvshm.index.policy import ARCPolicy, CachePolicy, LRUPolicy, make_policy
+from kvshm.index.policy import RANKED, REUSED, ARCPolicy, CachePolicy, LRUPolicy, make_policy
 
 POLICIES = ["lru", "arc"]
 
@@ -151,6 +151,65 @@ def test_reinserted_key_after_eviction_is_last_victim(name):
     assert p.evict(1, everything) == [k(0)]
     p.insert(k(0))
     assert p.order() == [k(1), k(2), k(0)]
+
+
+# --- LRU: a running request's provisional rank (vLLM 0.33's LRUCachePolicy) -------------
+def test_lru_keys_of_a_running_request_share_its_rank_tails_first():
+    p = filled("lru", 3)  # k0 k1 k2
+    r = p.new_rank()  # the request first touches the cache now
+    p.insert(k(3))  # another key, ranked after the request
+    p.access(k(0), RANKED, (r, -16))  # the request reads k0 (its head) ...
+    p.insert(k(4), (r, -32))  # ... and stores k4 after it
+    assert p.order() == [k(1), k(2), k(4), k(0), k(3)]  # tail before head, both before k3
+    assert p.evict(2, only(k(4), k(0), k(3))) == [k(4), k(0)]
+
+
+def test_lru_a_provisional_rank_never_makes_a_key_older():
+    p = filled("lru", 2)
+    r = p.new_rank()
+    p.insert(k(2))
+    p.access(k(2), RANKED, (r, -8))  # k2 was used after the request took its rank
+    p.access(k(0), RANKED, (r, -8))
+    p.access(k(0), RANKED, (r, -99))  # a later position of the same request: not lower
+    assert p.order() == [k(1), k(0), k(2)]
+    p.access(k(9), RANKED, (r, -1))  # unknown: no-op
+    p.access(k(1), RANKED, None)  # no rank: no-op
+    assert p.order() == [k(1), k(0), k(2)]
+
+
+def test_lru_a_finished_request_makes_its_keys_most_recent_again():
+    p = filled("lru", 2)
+    r = p.new_rank()
+    p.insert(k(2), (r, -16))
+    p.insert(k(3))
+    for key in (k(2), k(0)):  # on_request_finished: tails first
+        p.access(key, REUSED)
+    assert p.order() == [k(1), k(3), k(2), k(0)]
+
+
+def test_lru_equal_ranks_go_by_key_bytes():
+    p = make_policy("lru", 4)
+    r = p.new_rank()
+    for key in (b"b", b"a", b"c"):  # one request, one position, several groups
+        p.insert(key, (r, -5))
+    assert p.order() == [b"a", b"b", b"c"]
+    assert p.evict(2, everything) == [b"a", b"b"]
+
+
+def test_arc_ignores_provisional_ranks():
+    p = filled("arc", 2)
+    r = p.new_rank()
+    p.insert(k(2), (r, -16))
+    p.access(k(0), RANKED, (r, -8))
+    assert p.order() == [k(0), k(1), k(2)] and p.lists()["t2"] == []
+
+
+def test_lru_heap_stays_bounded_under_many_touches():
+    p = filled("lru", 4)
+    for i in range(10_000):
+        p.touch(k(i % 4), ready=True)
+    assert len(p._heap) <= 2 * len(p) + 65  # (touches: no heap entries at all)
+    assert p.order() == [k(0), k(1), k(2), k(3)]
 
 
 # --- ARC ---------------------------------------------------------------------------------
@@ -332,31 +391,39 @@ def test_make_policy_error_is_also_a_value_error():
 
 # --- random op sequences against trivial reference models --------------------------------
 class ListLRU:
-    """Reference LRU: a plain list, LRU first."""
+    """Reference LRU: a dict of ranks, sorted on every read (vLLM 0.33's rank rules)."""
 
     def __init__(self, capacity: int) -> None:
-        self.keys: list[bytes] = []
+        self.rank: dict[bytes, tuple[int, int]] = {}
+        self.n = 0
+
+    def new_rank(self):
+        self.n += 1
+        return self.n
 
     def cached(self) -> list[bytes]:
-        return self.keys
+        return sorted(self.rank, key=lambda key: (self.rank[key], key))
 
-    def insert(self, key):
-        self.keys.append(key)
+    def insert(self, key, rank=None):
+        self.rank[key] = rank or (self.new_rank(), 0)
 
     def remove(self, key):
-        if key in self.keys:
-            self.keys.remove(key)
+        self.rank.pop(key, None)
 
     def touch(self, key, ready):
-        if key in self.keys:
-            self.keys.remove(key)
-            self.keys.append(key)
+        if key in self.rank:
+            self.rank[key] = (self.new_rank(), 0)
+
+    def ranked(self, key, rank):
+        if key in self.rank:
+            self.rank[key] = max(self.rank[key], rank)
 
     def evict(self, n, ok):
-        victims = [key for key in self.keys if ok(key)][:n]
+        victims = [key for key in self.cached() if ok(key)][:n]
         if len(victims) < n:
             return None
-        self.keys = [key for key in self.keys if key not in victims]
+        for key in victims:
+            del self.rank[key]
         return victims
 
 
@@ -431,6 +498,18 @@ OPS = st.lists(
     ),
     max_size=60,
 )
+# LRU only: requests (0..2) take a rank at first use; their keys rank at (rank, -position)
+RANKED_OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("insert"), KEYS),
+        st.tuples(st.just("remove"), KEYS),
+        st.tuples(st.just("touch"), KEYS, st.booleans()),
+        st.tuples(st.just("evict"), st.integers(0, 4), st.frozensets(KEYS)),
+        st.tuples(st.just("ranked_insert"), KEYS, st.integers(0, 2), st.integers(0, 3)),
+        st.tuples(st.just("ranked"), KEYS, st.integers(0, 2), st.integers(0, 3)),
+    ),
+    max_size=60,
+)
 
 
 @pytest.mark.parametrize("name,model_cls", [("lru", ListLRU), ("arc", ListARC)])
@@ -466,3 +545,45 @@ def test_random_ops_match_reference_model(name, model_cls, ops, capacity):
             assert p.lists() == model.lists() and p.target == model.target
             assert 0 <= p.target <= capacity
             assert len(p.lists()["b1"]) <= capacity and len(p.lists()["b2"]) <= capacity
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops=RANKED_OPS)
+def test_random_ranked_ops_match_the_rank_model(ops):
+    p, model = make_policy("lru", 4), ListLRU(4)
+    requests: dict[int, tuple[int, int]] = {}  # request -> (policy's rank, model's rank)
+
+    def rank_of(req, pos):
+        if req not in requests:
+            requests[req] = (p.new_rank(), model.new_rank())
+        a, b = requests[req]
+        return (a, -pos), (b, -pos)
+
+    for op, *args in ops:
+        if op in ("insert", "ranked_insert") and args[0] in model.rank:
+            continue  # the manager never inserts a cached key
+        if op == "insert":
+            p.insert(args[0])
+            model.insert(args[0])
+        elif op == "ranked_insert":
+            a, b = rank_of(args[1], args[2])
+            p.insert(args[0], a)
+            model.insert(args[0], b)
+        elif op == "ranked":
+            a, b = rank_of(args[1], args[2])
+            p.access(args[0], RANKED, a)
+            model.ranked(args[0], b)
+        elif op == "remove":
+            p.remove(args[0])
+            model.remove(args[0])
+        elif op == "touch":
+            p.touch(*args)
+            model.touch(*args)
+        else:
+            n, allowed = args
+            before = snapshot(p)
+            got = p.evict(n, lambda key: key in allowed)
+            assert got == model.evict(n, lambda key: key in allowed)
+            if got is None:
+                assert snapshot(p) == before  # all-or-nothing
+        assert p.order() == model.cached() and len(p) == len(model.cached())

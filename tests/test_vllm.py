@@ -194,16 +194,13 @@ def test_manager_core_leases_pins_and_reset(seg_name):
         # another engine's store in flight is a miss (never wait for someone else)
         assert other.prepare_store([b"o" * 36]).keys_to_store
         assert core.lookup(b"o" * 36, "r3") is LookupResult.MISS
-        # reset: leases go now; pins and unfinished stores after a grace period
+        # reset: leases go now; pins and unfinished stores once the flush is done
         assert core.prepare_store([b"p" * 36], "w2").keys_to_store
         core.lookup(keys[1], "r3")
         core.prepare_load([keys[2]], "r4")
         core.reset()
         assert mgr.held_blocks() == 1
-        for _ in range(2):
-            core.schedule_end()
-        assert mgr.held_blocks() == 1
-        core.schedule_end()
+        core.reset_flushed()
         assert mgr.held_blocks() == 0
         assert mgr.key_status(b"p" * 36) is LookupResult.MISS  # freed, never published
     finally:
@@ -249,6 +246,37 @@ def test_stats_reader_reports_this_engines_deltas_and_the_segments_state(seg_nam
     finally:
         core.shutdown()
         other.shutdown()
+
+
+def test_reset_holds_outlive_steps_scheduled_ahead_of_the_flush(seg_name):
+    """vLLM 0.32 delivers a reset's flush (``jobs_to_flush``) with the next step's metadata,
+    and a worker waits for the flushed jobs when it starts executing that step. The scheduler
+    runs ahead of execution by up to ``max_concurrent_batches - 1`` steps (pipeline size, +1
+    with async scheduling on the V2 model runner), so with three batches in flight steps
+    N+1..N+3 are all scheduled while N+1's flush may still be copying into the reset's blocks:
+    counting steps frees them under a live copy. The first completion after the reset is the
+    proof: vLLM reports only post-reset jobs, and every worker ran the flush before them."""
+    mgr = connect(seg_name, Layout((4096,), 16, "t"), num_blocks=8, hold_capacity=64)
+    core = ManagerCore(mgr)
+    try:
+        keys = [bytes([i]) * 36 for i in range(4)]
+        core.complete_store(core.prepare_store(keys[:2], "w").keys_to_store, "w")
+        core.lookup(keys[0], "r")
+        core.prepare_load([keys[0]], "r")  # a load in flight at the reset...
+        assert core.prepare_store([keys[2]], "w2").keys_to_store  # ...and a store
+        core.reset()
+        for _ in range(3):  # N+1 (carries the flush), N+2, N+3: scheduled, not yet executed
+            core.schedule_end()
+        assert mgr.held_blocks() == 1  # the load's pin: its copy may still be reading
+        assert mgr.key_status(keys[2]) is LookupResult.PENDING  # its copy may still write
+        core.lookup(keys[1], "n")  # a job of step N+1 completes: the flush is done
+        core.prepare_load([keys[1]], "n")
+        core.complete_load([keys[1]], "n")
+        assert mgr.held_blocks() == 0
+        assert mgr.key_status(keys[2]) is LookupResult.MISS  # freed, never published
+        core.reset_flushed()  # (vLLM 0.33 says so too, later): nothing left, a no-op
+    finally:
+        core.shutdown()
 
 
 def test_a_late_completion_of_a_reset_store_never_touches_the_key_stored_again(seg_name):
@@ -483,20 +511,41 @@ def test_an_engine_whose_layout_the_segment_refuses_fails_before_allocating_kv(t
         remove_segment(name)
 
 
-# --- differential: the same connector calls through vLLM's own manager and kvshm's ----------
 @needs_vllm
-def test_eviction_order_matches_vllms_own_manager():
-    """60 random connector-shaped sequences per policy (``vllm_support/recency_diff.py``):
-    lookups, keys to store, evicted keys and events equal vLLM's ``CPUOffloadingManager``
-    at every step. Before kvshm applied vLLM's request-finished recency rules, 95 of these
-    120 sequences differed."""
+def test_bench_vllm_json_prints_one_json_object_on_stdout():
+    """``tools/bench_vllm.py --json`` (one small kvshm engine): stdout is exactly the result;
+    vLLM's log lines (on stdout by default) go to stderr."""
+    proc = subprocess.run(
+        [VLLM_PY, str(REPO / "tools/bench_vllm.py"), "--json", "--configs", "kvshm",
+         "--repeat", "1", "--prompts", "1", "--rounds", "1", "--max-tokens", "1", "--batch", "1",
+         "--batch-tokens", "1"], cwd=REPO, capture_output=True, text=True, timeout=400,
+        env={k: v for k, v in os.environ.items() if k != "VLLM_LOGGING_STREAM"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout)  # the whole of stdout: one object, nothing else
+    assert result["configs"]["kvshm"]["requests"] == 1
+    assert "INFO" in proc.stderr  # vLLM's logging went there
+
+
+# --- differential: the same connector calls through vLLM's own manager and kvshm's ----------
+def recency_diff(*wheel: str) -> dict:
+    """``vllm_support/recency_diff.py`` (60 sequences per policy, seed 7): its JSON result."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(REPO)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     proc = subprocess.run([VLLM_PY, str(REPO / "tests/vllm_support/recency_diff.py"),
-                           unique_name(), "60", "7"], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=500)
+                           unique_name(), "60", "7", *wheel], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=500)
     assert proc.returncode == 0, proc.stderr[-4000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     for policy in ("lru", "arc"):
         assert res[policy]["evicted"] > 50, res  # small capacity: evictions do happen
         assert res[policy]["mismatches"] == 0, res[policy]
+    return res
+
+
+@needs_vllm
+def test_eviction_order_matches_vllms_own_manager():
+    """60 random connector-shaped sequences per policy (``vllm_support/recency_diff.py``):
+    lookups, keys to store, evicted keys and events equal vLLM 0.32's ``CPUOffloadingManager``
+    at every step. Before kvshm applied vLLM's request-finished recency rules, 95 of these
+    120 sequences differed. (0.33's manager: ``test_vllm_versions.py``.)"""
+    recency_diff()

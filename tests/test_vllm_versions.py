@@ -1,8 +1,8 @@
-"""kvshm's vLLM integration across vLLM releases: 0.33's API (from its wheel), expedited loads,
-and the reset-flush signal.
+"""kvshm's vLLM integration across vLLM releases: 0.33's API (from its wheel, its reset-flush
+signal included), its manager's eviction order, and expedited loads.
 
-The 0.33 check runs ``tests/vllm_support/vllm033.py`` in the vLLM venv's interpreter (see
-``test_vllm.py``) on the vLLM 0.33.0 wheel: ``$KVSHM_VLLM033_WHEEL``, else
+The 0.33 checks run ``tests/vllm_support/vllm033.py`` and ``recency_diff.py`` in the vLLM
+venv's interpreter (see ``test_vllm.py``) on the vLLM 0.33.0 wheel: ``$KVSHM_VLLM033_WHEEL``, else
 ``.cache-vllm033/vllm-0.33.0-*.whl`` (``.ci/install_vllm.sh`` downloads it there). It skips,
 naming what is missing, when either is absent. The other tests need neither.
 """
@@ -18,12 +18,9 @@ import pytest
 import torch
 
 from kvshm.errors import InvalidArgumentError
-from kvshm.index.client import connect
-from kvshm.integrations.vllm.core import ManagerCore
-from kvshm.shm.layout import Layout
 from kvshm.transfer.spec import TransferSpec, make_handler
 
-from test_vllm import VLLM_PY, needs_vllm
+from test_vllm import VLLM_PY, needs_vllm, recency_diff
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -38,10 +35,14 @@ def wheel_033() -> str | None:
 WHEEL = wheel_033()
 
 
+needs_wheel = pytest.mark.skipif(
+    WHEEL is None or not os.path.exists(WHEEL),
+    reason="vLLM 0.33.0 wheel not found (set KVSHM_VLLM033_WHEEL or run .ci/install_vllm.sh, "
+           "which downloads it to .cache-vllm033/)")
+
+
 @needs_vllm
-@pytest.mark.skipif(WHEEL is None or not os.path.exists(WHEEL),
-                    reason="vLLM 0.33.0 wheel not found (set KVSHM_VLLM033_WHEEL or run "
-                           ".ci/install_vllm.sh, which downloads it to .cache-vllm033/)")
+@needs_wheel
 def test_vllm_033_api_and_connector_calls_are_implemented(seg_name):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(REPO)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
@@ -51,6 +52,7 @@ def test_vllm_033_api_and_connector_calls_are_implemented(seg_name):
     assert proc.returncode == 0, proc.stderr[-4000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     assert res["version"] == "0.33.0" and res["api_is_033"] and res["flush_signal"]
+    assert res["provisional_ranks"] and res["metadata_only_events"]
     assert res["abstract_left"] == {"KvshmOffloadingManager": [], "KvshmOffloadingWorker": [],
                                     "KvshmOffloadingSpec": []}
     assert res["unbound_calls"] == []
@@ -59,6 +61,16 @@ def test_vllm_033_api_and_connector_calls_are_implemented(seg_name):
     assert res["hits"] == ["HIT"] * 4 and res["events"] == [[4, False, False]]
     assert res["finished"] == [[1, True], [2, True]] and res["loaded_ok"]
     assert res["held"] == [2, 2, 0]  # a reset's pins go at on_reset_flushed, not after steps
+
+
+@needs_vllm
+@needs_wheel
+def test_eviction_order_matches_vllm_033s_own_manager():
+    """The differential test of ``test_vllm.py`` against 0.33's ``CPUOffloadingManager`` and
+    cache policies (from the wheel): LRU's provisional rank for running requests and the
+    metadata-only removal of a failed store's keys included. Without the provisional ranks,
+    26 of the 60 LRU sequences differed."""
+    recency_diff(WHEEL)
 
 
 def test_an_expedited_load_runs_ahead_of_queued_loads_and_stores():
@@ -81,24 +93,3 @@ def test_an_expedited_load_runs_ahead_of_queued_loads_and_stores():
         h.shutdown()
     with pytest.raises(InvalidArgumentError, match="only a load"):
         TransferSpec("store", [0], [0], expedited=True)
-
-
-def test_with_the_reset_flush_signal_reset_holds_wait_for_reset_flushed(seg_name):
-    mgr = connect(seg_name, Layout((4096,), 16, "t"), num_blocks=8, hold_capacity=64)
-    core = ManagerCore(mgr, reset_flush_signal=True)
-    try:
-        keys = [bytes([i]) * 36 for i in range(3)]
-        core.complete_store(core.prepare_store(keys[:2], "w").keys_to_store, "w")
-        core.lookup(keys[0], "r")
-        core.prepare_load([keys[0]], "r")
-        assert core.prepare_store([keys[2]], "w2").keys_to_store  # in flight at the reset
-        core.reset()
-        for _ in range(10):  # steps alone never drop them: the flush may take longer
-            core.schedule_end()
-        assert mgr.held_blocks() == 1
-        core.reset_flushed()
-        assert mgr.held_blocks() == 0
-        assert mgr.key_status(keys[2]).value == "miss"  # never published
-        core.reset_flushed()  # nothing left: a no-op
-    finally:
-        core.shutdown()

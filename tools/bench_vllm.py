@@ -3,7 +3,8 @@
 
 Run with the vLLM venv's interpreter from the repository root, e.g.
 ``.venv-vllm/bin/python tools/bench_vllm.py --json``; results are recorded in
-docs/benchmarks.md ("vLLM end to end").
+docs/benchmarks.md ("vLLM end to end"). Only results go to stdout (with ``--json``, exactly
+one JSON object); vLLM's log lines, and anything else the engines print, go to stderr.
 """
 from __future__ import annotations
 
@@ -129,6 +130,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--latencies", action="store_true", help="also every request's latency")
     args = ap.parse_args(argv)
+    # Results go to the real stdout; whatever else writes to stdout (vLLM logs there by
+    # default, and its log handler is set up at import) goes to stderr, in every process.
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    sys.stdout.flush()
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
 
     from tests.vllm_support import engine as E
     from tests.vllm_support.tiny_model import build_tiny_model
@@ -155,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
                     name, model, extras[name], args, segment if name == "kvshm" else None))
                 if not args.json:
                     print(name, {k: v for k, v in runs[name][-1].items() if k != "lat"},
-                          flush=True)
+                          file=out, flush=True)
         for name, rs in runs.items():
             result["configs"][name] = _pooled(rs, args.latencies)
     finally:
@@ -165,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     if "cpu" in c and "kvshm" in c:
         result["kvshm_median_vs_cpu"] = round(c["kvshm"]["median_ms"] / c["cpu"]["median_ms"], 4)
     result["loadavg_after"] = _loadavg()
-    print(json.dumps(result) if args.json else json.dumps(result, indent=1))
+    print(json.dumps(result) if args.json else json.dumps(result, indent=1), file=out,
+          flush=True)
     return 0
 
 

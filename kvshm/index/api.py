@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Iterable, Mapping, Sequence
 
 
 class LookupResult(enum.Enum):
@@ -35,6 +35,20 @@ class OffloadingEvent:
     keys: list[bytes]
     removed: bool
     medium: str = "CPU"
+
+
+@dataclass(frozen=True)
+class Running:
+    """The running request that some keys belong to, for vLLM 0.33's provisional LRU rank:
+    its keys share one rank, taken when the request first needs it, tails before heads.
+
+    ``request`` is the caller's number for it (1..2**64-1, never reused by this client),
+    ``positions`` the token position of each key that has one. ``done``: the request finished,
+    forget its rank after this call (a later call with the same number takes a new one).
+    """
+    request: int
+    positions: Mapping[bytes, int] = field(default_factory=dict)
+    done: bool = False
 
 
 class OffloadingManager(ABC):
@@ -62,29 +76,36 @@ class OffloadingManager(ABC):
         """
 
     @abstractmethod
-    def touch(self, keys: Sequence[bytes], how: bytes | None = None) -> None:
+    def touch(self, keys: Sequence[bytes], how: bytes | None = None, *,
+              running: Running | None = None) -> None:
         """Mark ``keys`` recently used; the first key ends up most recent. Unknown keys ignored.
 
         ``how`` (one ``kvshm.index.policy`` access kind per key) applies a finished request's
-        classified accesses instead, as vLLM's ``on_request_finished`` does."""
+        classified accesses instead, as vLLM's ``on_request_finished`` does; its ``RANKED``
+        keys take ``running``'s provisional rank (LRU)."""
 
     @abstractmethod
     def complete_load(self, keys: Sequence[bytes]) -> None:
         """Release the pins ``prepare_load`` took."""
 
     @abstractmethod
-    def prepare_store(self, keys: Sequence[bytes]) -> PrepareStoreOutput | None:
+    def prepare_store(self, keys: Sequence[bytes], *,
+                      running: Running | None = None) -> PrepareStoreOutput | None:
         """Allocate blocks for the keys not yet cached, evicting if needed.
 
         Returns None (and changes nothing) when not enough blocks can be freed. Keys offered
-        in the same call are never chosen as victims; eviction is all-or-nothing.
+        in the same call are never chosen as victims; eviction is all-or-nothing. With
+        ``running``, a new key with a position takes that request's provisional rank (LRU).
         """
 
     @abstractmethod
-    def complete_store(self, keys: Sequence[bytes], success: bool = True) -> None:
+    def complete_store(self, keys: Sequence[bytes], success: bool = True, *,
+                       running: Running | None = None) -> None:
         """Publish the written blocks (``success``) or free them (failure).
 
-        Keys already ready are left untouched, so a repeated call is harmless.
+        Keys already ready are left untouched, so a repeated call is harmless. ``running``
+        matters only where a key enters the index at its completion (a client's granted
+        blocks): it ranks there as ``prepare_store`` would have ranked it.
         """
 
     def release(self, keys: Sequence[bytes] | None = None) -> None:

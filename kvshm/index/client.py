@@ -29,7 +29,8 @@ import numpy as np
 from kvshm.shm import layout as L
 from kvshm.shm import slots
 from kvshm.index import protocol as P
-from kvshm.index.api import LookupResult, OffloadingEvent, OffloadingManager, PrepareStoreOutput
+from kvshm.index.api import (LookupResult, OffloadingEvent, OffloadingManager,
+                             PrepareStoreOutput, Running)
 from kvshm.crashpoints import crash_point
 from kvshm.shm.fence import full_fence
 from kvshm.errors import BlockStateError, HoldsExhaustedError, InvalidArgumentError, UnknownKeyError
@@ -332,7 +333,8 @@ class SharedManager(OffloadingManager):
         self._ctr[5] += stored
 
     # --- owner round trips --------------------------------------------------------------
-    def touch(self, keys: Sequence[bytes], how: bytes | None = None) -> None:
+    def touch(self, keys: Sequence[bytes], how: bytes | None = None, *,
+              running: Running | None = None) -> None:
         if type(keys) is not list and type(keys) is not tuple:
             keys = L.key_seq(keys)
         for k in keys:
@@ -343,16 +345,19 @@ class SharedManager(OffloadingManager):
         # so the prefix head must be touched last.
         n = self._chunk_keys
         for i, part in reversed(list(enumerate(self._chunks(keys)))):
-            self._link.send(P.Touch(0, part, None if how is None else bytes(how[i * n:(i + 1) * n])))
+            self._link.send(P.Touch(0, part, None if how is None else bytes(how[i * n:(i + 1) * n]),
+                                    **P.running_fields(running, part)))
 
     def _chunks(self, keys: Sequence[bytes]) -> list[list[bytes]]:
         """``keys`` in pieces whose request and reply each fit one ring frame."""
         keys, n = list(keys), self._chunk_keys
         return [keys[i:i + n] for i in range(0, len(keys), n)] or [[]]
 
-    def prepare_store(self, keys: Iterable[bytes]) -> PrepareStoreOutput | None:
+    def prepare_store(self, keys: Iterable[bytes], *,
+                      running: Running | None = None) -> PrepareStoreOutput | None:
         """See ``OffloadingManager.prepare_store``: from this client's grant ring when it holds
-        enough blocks (no frame at all), else one atomic round trip however many keys."""
+        enough blocks (no frame at all; ``complete_store`` ranks them), else one atomic round
+        trip however many keys."""
         if type(keys) is not list and type(keys) is not tuple:
             keys = L.key_seq(keys)
         for k in keys:
@@ -370,7 +375,8 @@ class SharedManager(OffloadingManager):
         # flight (it would grant them again); our earlier Publish frames are applied first.
         chunks = self._chunks([k for k in keys if k not in own.inflight])
         req = self._link.next_req()
-        replies = self._link.call([P.PrepareStore(req, c, i + 1 < len(chunks), i)
+        replies = self._link.call([P.PrepareStore(req, c, i + 1 < len(chunks), i,
+                                                  **P.running_fields(running, c))
                                    for i, c in enumerate(chunks)])
         if isinstance(replies[0], P.NoRoom):
             return None
@@ -383,7 +389,8 @@ class SharedManager(OffloadingManager):
         crash_point("client.store.after_prepare")
         return out
 
-    def complete_store(self, keys: Sequence[bytes], success: bool = True) -> None:
+    def complete_store(self, keys: Sequence[bytes], success: bool = True, *,
+                       running: Running | None = None) -> None:
         """See ``OffloadingManager.complete_store``: a one-way frame for stores served from
         the grant ring (our own lookups wait briefly for the owner to take it), else a round
         trip."""
@@ -391,7 +398,7 @@ class SharedManager(OffloadingManager):
             keys = L.key_seq(keys)
         for k in keys:
             L.check_key(k)
-        rest = self._own.complete(keys, success, self._chunk_keys)
+        rest = self._own.complete(keys, success, self._chunk_keys, running)
         for part in self._chunks(rest) if rest else ():  # a subset is a valid completion
             self._link.call([P.CompleteStore(self._link.next_req(), part, success)])
 

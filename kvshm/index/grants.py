@@ -37,11 +37,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvshm.crashpoints import crash_point
+from kvshm.errors import InvalidArgumentError
 from kvshm.shm import layout as L
 from kvshm.shm.fence import publish_fence
 from kvshm.shm.layout import Geometry
 
 if TYPE_CHECKING:
+    from kvshm.index.api import Running
+    from kvshm.index.policy import Rank
     from kvshm.index.manager import LocalManager
 
 # Evicting for a grant must respect every client's leases, the grantee's own too: unlike a
@@ -117,12 +120,17 @@ class Grants:
         return out
 
     def publish(self, slot: int, gen: int, keys: list[bytes], blocks: list[int],
-                success: bool, taken: int) -> None:
+                success: bool, taken: int, running: Running | None = None) -> None:
         """Apply a client's ``Publish``: each granted block becomes its key, READY and in the
-        index (unless the key is cached already, or the store failed: then it is freed).
-        Blocks not granted to the sender, or not yet taken by it (position at or above its
-        ``taken`` count), are ignored."""
+        index (unless the key is cached already, or the store failed: then it is freed), at
+        ``running``'s provisional rank when it has one. Blocks not granted to the sender, or
+        not yet taken by it (position at or above its ``taken`` count), are ignored."""
         m = self.m
+        try:
+            rank_of = m.running.rank_of(running, (slot, gen)) if success else None
+        except InvalidArgumentError:
+            rank_of = None  # ranks are advice: a bad one never costs a store
+            m.segment.counter_add("errors")
         mine = self.blocks.get((slot, gen), {})
         m.tick += 1
         done, freed = [], 0
@@ -141,7 +149,7 @@ class Grants:
                 self._free(b)
                 freed += 1
             else:
-                self._make_ready(k, b)
+                self._make_ready(k, b, rank_of(k) if rank_of else None)
                 done.append(k)
                 if len(done) == 1:
                     crash_point("owner.publish.mid")
@@ -149,10 +157,10 @@ class Grants:
             self.blocks.pop((slot, gen), None)
         m._stored(done, success, freed)
 
-    def _make_ready(self, k: bytes, b: int) -> None:
+    def _make_ready(self, k: bytes, b: int, rank: Rank | None = None) -> None:
         m = self.m
         m.table.write(b, L.READY, k, -1, 0, 0, m.tick, time.time_ns())
-        m._adopt(b, k, None)
+        m._adopt(b, k, None, rank)
 
     def resolve(self, key: bytes) -> None:
         """The unfinished store of ``key`` ended: a block deferred behind it is published if

@@ -2,8 +2,8 @@
 
 This module owns the index (one ``_Entry`` per cached key: block, readiness, load pins, the
 writer of an unfinished store; the free list; the writer -> keys index derived from the
-entries, for reclaiming a dead writer's stores; and the blocks granted to clients, in
-``grants.py``) and applies vLLM's v1 offload semantics to it, mirroring every block's durable
+entries, for reclaiming a dead writer's stores; the blocks granted to clients, in
+``grants.py``; running requests' provisional ranks, in ``running.py``) and applies vLLM's v1 offload semantics to it, mirroring every block's durable
 state into the segment's block table and key index so that other processes can read it and
 a successor can rebuild it. Exactly one LocalManager exists per segment: it holds the
 segment's owner lock. The owner process wraps it; single-process users may use it directly.
@@ -20,12 +20,14 @@ from kvshm.shm import layout as L
 from kvshm.shm import locks
 from kvshm.shm import writers
 from kvshm.crashpoints import crash_point
-from kvshm.index.api import LookupResult, OffloadingEvent, OffloadingManager, PrepareStoreOutput
+from kvshm.index.api import (LookupResult, OffloadingEvent, OffloadingManager,
+                             PrepareStoreOutput, Running)
 from kvshm.index.eviction import Eviction
 from kvshm.index.grants import Grants
 from kvshm.errors import (BlockStateError, InvalidArgumentError, OwnerUnavailableError,
                      UnknownKeyError)
-from kvshm.index.policy import ACCESS_KINDS, MISSED, CachePolicy, make_policy
+from kvshm.index.policy import ACCESS_KINDS, MISSED, RANKED, CachePolicy, Rank, make_policy
+from kvshm.index.running import RunningRanks
 from kvshm.shm.segment import Segment
 from kvshm.shm.table import BlockTable, KeyIndex
 
@@ -80,6 +82,7 @@ class LocalManager(Eviction, OffloadingManager):
         # Dead writers (slot, gen) whose stores wait for their registered copying processes.
         self.quarantined: set[tuple[int, int]] = set()
         self.grants = Grants(self)  # blocks handed to clients ahead of their stores
+        self.running = RunningRanks(self.policy)  # provisional ranks of running requests
         pid, epoch, _, tick = segment.owner_record()
         self.epoch = epoch + 1
         self.tick = tick
@@ -154,12 +157,14 @@ class LocalManager(Eviction, OffloadingManager):
                 self.grants.resolve(key)
         return {"ready": len(ready), "pending": kept, "freed": freed, "torn": torn_keys}
 
-    def _adopt(self, block: int, key: bytes, writer: tuple[int, int] | None) -> None:
-        """Enter ``key`` at ``block``: ready without a writer, else pending for ``writer``."""
+    def _adopt(self, block: int, key: bytes, writer: tuple[int, int] | None,
+               rank: Rank | None = None) -> None:
+        """Enter ``key`` at ``block``: ready without a writer, else pending for ``writer``;
+        at ``rank`` in the eviction order (a running request's), else most recent."""
         self._entries[key] = _Entry(block, writer is None, writer)
         if writer is not None:
             self._pending.setdefault(writer, set()).add(key)
-        self.policy.insert(key)
+        self.policy.insert(key, rank)
         self.index.insert(key, block)
 
     def _unpend(self, key: bytes, e: _Entry) -> None:
@@ -242,33 +247,41 @@ class LocalManager(Eviction, OffloadingManager):
             e.pins -= n
             self.table.set_pins(e.block, e.pins)
 
-    def touch(self, keys: Sequence[bytes], how: bytes | None = None) -> None:
+    def touch(self, keys: Sequence[bytes], how: bytes | None = None, *,
+              running: Running | None = None, client: tuple[int, int] = LOCAL_WRITER[:2]
+              ) -> None:
         if type(keys) is not list and type(keys) is not tuple:
             keys = L.key_seq(keys)
         for k in keys:
             L.check_key(k)
         if how is not None and (len(how) != len(keys) or any(h not in ACCESS_KINDS for h in how)):
             raise InvalidArgumentError("touch: 'how' needs one access kind per key")
+        rank_of = self.running.rank_of(running, client)
+        if rank_of is not None and how is not None and RANKED in how:
+            rank_of(None)  # vLLM: a request takes its rank at its first access, cached or not
         self.tick += 1
         for i in range(len(keys) - 1, -1, -1):  # the prefix head ends up most recent
             k = keys[i]
             e = self._entries.get(k)
-            if how is not None:
-                self.policy.access(k, how[i])  # a store miss (ghost) has no entry
+            if how is not None:  # a store miss (ghost) has no entry
+                self.policy.access(k, how[i], rank_of(k) if how[i] == RANKED and rank_of
+                                   else None)
             elif e is not None:
                 self.policy.touch(k, e.ready)
-            if e is not None and (how is None or how[i] != MISSED):
+            if e is not None and (how is None or how[i] < MISSED):
                 self.table.set_last_use(e.block, self.tick)
+        self.running.end(running, client)
 
     # --- stores -------------------------------------------------------------------------
-    def prepare_store(self, keys: Sequence[bytes], writer: Writer = LOCAL_WRITER
-                      ) -> PrepareStoreOutput | None:
+    def prepare_store(self, keys: Sequence[bytes], writer: Writer = LOCAL_WRITER, *,
+                      running: Running | None = None) -> PrepareStoreOutput | None:
         if type(keys) is not list and type(keys) is not tuple:
             keys = L.key_seq(keys)
         for k in keys:
             L.check_key(k)
         if not 0 <= writer[2] < 2**64:  # checked before anything changes (entry: u64)
             raise InvalidArgumentError(f"request id {writer[2]} is outside 0..2**64-1")
+        rank_of = self.running.rank_of(running, writer[:2])
         new = list(dict.fromkeys(k for k in keys if k not in self._entries))
         need = len(new) - len(self._free)
         evicted: list[bytes] = []
@@ -284,7 +297,7 @@ class LocalManager(Eviction, OffloadingManager):
         for k in new:
             b = self._free.popleft()
             self.table.write(b, L.WRITING, k, slot, gen, req, self.tick)
-            self._adopt(b, k, (slot, gen))
+            self._adopt(b, k, (slot, gen), rank_of(k) if rank_of else None)
             blocks.append(b)
         return PrepareStoreOutput(new, blocks, evicted)
 
@@ -303,7 +316,8 @@ class LocalManager(Eviction, OffloadingManager):
         return out
 
     def complete_store(self, keys: Sequence[bytes], success: bool = True,
-                       writer: Writer = LOCAL_WRITER) -> None:
+                       writer: Writer = LOCAL_WRITER, *, running: Running | None = None
+                       ) -> None:
         """Publish (or free) this writer's stores of ``keys``; keys already ready are left.
 
         Keys that are unknown or belong to another writer do not hold back the others: the
@@ -362,6 +376,7 @@ class LocalManager(Eviction, OffloadingManager):
         copy would land in whoever gets the blocks next): the stores are then quarantined,
         and a later call frees them once the last such process is gone.
         """
+        self.running.drop_client(slot, gen)
         # Quarantine: keep the blocks while a registered copier of (slot, gen) lives
         w = (slot, gen)
         held = len(self._pending.get(w, ())) + len(self.grants.blocks.get(w, ()))

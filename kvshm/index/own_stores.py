@@ -14,6 +14,7 @@ from typing import Sequence
 
 from kvshm.crashpoints import crash_point
 from kvshm.index import protocol as P
+from kvshm.index.api import Running
 from kvshm.index.owner_link import OwnerLink
 from kvshm.shm import layout as L
 from kvshm.shm import slots
@@ -53,9 +54,11 @@ class OwnStores:
         self.inflight.update(zip(keys, blocks))
         return blocks
 
-    def complete(self, keys: Sequence[bytes], success: bool, chunk: int) -> list[bytes]:
-        """Publish (or fail) those of ``keys`` in flight, one-way, ``chunk`` keys a frame.
-        Returns the keys that are not ours (their completion is a round trip)."""
+    def complete(self, keys: Sequence[bytes], success: bool, chunk: int,
+                 running: Running | None = None) -> list[bytes]:
+        """Publish (or fail) those of ``keys`` in flight, one-way, ``chunk`` keys a frame (the
+        owner ranks them for ``running``). Returns the keys that are not ours (their
+        completion is a round trip)."""
         inflight, mine, rest = self.inflight, {}, []
         for k in keys:
             b = inflight.get(k)
@@ -65,7 +68,9 @@ class OwnStores:
                 rest.append(k)
         ks, bs = list(mine), list(mine.values())
         for i in range(0, len(ks), chunk):  # in flight until sent: a failed push can be redone
-            pos = self._link.push(P.Publish(0, ks[i:i + chunk], bs[i:i + chunk], success))
+            part = ks[i:i + chunk]
+            pos = self._link.push(P.Publish(0, part, bs[i:i + chunk], success,
+                                            **P.running_fields(running, part)))
             for k in ks[i:i + chunk]:
                 del inflight[k]
             if success:

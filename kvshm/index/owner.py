@@ -275,7 +275,7 @@ class Owner(RequestHandlers):
             return
         replay = bool(req) and req == served[1]
         if isinstance(msg, P.PrepareStore) and (msg.more or msg.part):
-            keys = self._gather(c, msg)
+            keys, positions = self._gather(c, msg)
             if keys is None:
                 c.requests.advance()
                 return  # more parts to come; nothing executed yet
@@ -289,7 +289,7 @@ class Owner(RequestHandlers):
                 c.parts_lost = False         # never executed it: provably safe to resend
                 self._answer(c, req, [P.Retry(req, self.epoch)])
                 return
-            msg = msgspec.structs.replace(msg, keys=keys)
+            msg = msgspec.structs.replace(msg, keys=keys, positions=positions)
         if req:
             attempts = int(served[3]) + 1 if replay else 1
             if attempts > MAX_ATTEMPTS:  # it killed every owner that began it: drop it.
@@ -312,23 +312,30 @@ class Owner(RequestHandlers):
         else:
             c.requests.advance()
 
-    def _gather(self, c: _Client, msg: P.PrepareStore) -> list[bytes] | None:
-        """Collect the parts of a request sent in several frames: its keys once the last
-        part is in, else None. ``c.parts_lost`` says whether a part never reached us."""
+    def _gather(self, c: _Client, msg: P.PrepareStore
+                ) -> tuple[list[bytes] | None, list[int] | None]:
+        """Collect the parts of a request sent in several frames: its keys (and their token
+        positions, if every part had them) once the last part is in, else None. ``c.parts_lost``
+        says whether a part never reached us."""
         if c.parts_req != msg.req:
             c.parts, c.parts_req, c.parts_lost = [], msg.req, msg.part != 0
-            c.parts_over = False
+            c.parts_pos, c.parts_over = [], False
         elif c.parts_next != msg.part:
             c.parts_lost = True
         if len(c.parts) + len(msg.keys) > self._max_keys:
             c.parts_over = True  # a client that never ends a request must not fill our memory
         else:
             c.parts.extend(msg.keys)
+            if c.parts_pos is not None and msg.positions is not None and \
+                    len(msg.positions) == len(msg.keys):
+                c.parts_pos.extend(msg.positions)
+            else:
+                c.parts_pos = None
         c.parts_next = msg.part + 1
         if msg.more:
-            return None
-        keys, c.parts, c.parts_req = c.parts, [], 0
-        return keys
+            return None, None
+        keys, positions, c.parts, c.parts_pos, c.parts_req = c.parts, c.parts_pos, [], [], 0
+        return keys, positions
 
     def _execute(self, c: _Client, msg: P._Msg, replay: bool) -> list[P._Msg]:
         req = msg.req

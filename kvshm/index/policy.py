@@ -4,14 +4,16 @@ This module owns one thing: the order in which cached keys become eviction victi
 ARC's ghost lists and adaptive target. Keys are opaque ``bytes``. It must never know about
 block ids, block state, shared memory, rings or torch: the manager owns state (ready,
 writing, pinned) and tells the policy through ``touch(key, ready)``, ``access(key, how)`` (a
-finished request's accesses, classified by the engine integration) and the ``can_evict``
-callback. Semantics follow vLLM's v1 KV-offload ``LRUOffloadingManager`` and
-``ARCCachePolicy`` (0.20+: atomic eviction; 0.33: ARC falls back to T1 when T2 has nothing).
+request's accesses, classified by the engine integration) and the ``can_evict`` callback.
+Semantics follow vLLM's v1 KV-offload ``LRUCachePolicy`` and ``ARCCachePolicy`` (0.20+:
+atomic eviction; 0.33: ARC falls back to T1 when T2 has nothing, and LRU gives a running
+request's keys a provisional rank: ``RANKED`` accesses and ranked inserts).
 
 Not thread-safe: only the owner's single loop calls it.
 """
 from __future__ import annotations
 
+import heapq
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -19,13 +21,15 @@ from collections.abc import Callable, Iterator
 from kvshm.errors import InvalidArgumentError
 
 CanEvict = Callable[[bytes], bool]
+Rank = tuple[int, int]  # LRU: (n, sub), lowest first (see LRUPolicy)
 
 # How a request used a key, for ``CachePolicy.access`` (vLLM's request-finished recency rules):
 SEEN = 0  # looked at (e.g. offered for a store that was refused): recency only (LRU)
 INSERTED = 1  # stored by the request, not reused by it: recency only, no ARC promotion
 REUSED = 2  # ready when the request loaded it or offered it again: one ARC frequency hit
 MISSED = 3  # a store miss: ARC learns from a ghost-list hit; no recency change
-ACCESS_KINDS = (SEEN, INSERTED, REUSED, MISSED)
+RANKED = 4  # used by a running request: LRU raises the key to the request's provisional rank
+ACCESS_KINDS = (SEEN, INSERTED, REUSED, MISSED, RANKED)
 
 from kvshm.shm.layout import POLICY_NAMES  # recorded in the segment header, so defined there
 
@@ -43,8 +47,9 @@ class CachePolicy(ABC):
     name: str
 
     @abstractmethod
-    def insert(self, key: bytes) -> None:
-        """A key was just allocated (store in flight). Caller guarantees it is not cached."""
+    def insert(self, key: bytes, rank: Rank | None = None) -> None:
+        """A key was just allocated (store in flight). Caller guarantees it is not cached.
+        ``rank``: a running request's provisional rank for it (LRU), else most recent."""
 
     @abstractmethod
     def remove(self, key: bytes) -> None:
@@ -55,9 +60,14 @@ class CachePolicy(ABC):
         """Recency hit on one key. Unknown key: no-op."""
 
     @abstractmethod
-    def access(self, key: bytes, how: int) -> None:
+    def access(self, key: bytes, how: int, rank: Rank | None = None) -> None:
         """One classified access (``SEEN``, ``INSERTED``, ``REUSED``, ``MISSED``) of a finished
-        request, as vLLM's ``on_request_finished``/``on_store_miss`` apply it. Unknown: no-op."""
+        request, as vLLM's ``on_request_finished``/``on_store_miss`` apply it, or a running
+        request's (``RANKED``, with its provisional ``rank``). Unknown key: no-op."""
+
+    def new_rank(self) -> int:
+        """Take the next rank number for a running request's provisional rank (LRU)."""
+        return 0
 
     @abstractmethod
     def evict(self, n: int, can_evict: CanEvict) -> list[bytes] | None:
@@ -75,53 +85,122 @@ class CachePolicy(ABC):
 
 
 class LRUPolicy(CachePolicy):
-    """One OrderedDict, LRU first. Eviction scans from the LRU end, skipping pinned keys."""
+    """Keys ordered by rank, the lowest (least recent) first, as vLLM's ``LRUCachePolicy``.
+
+    A rank is ``(n, sub)``. Every insertion or touch takes a fresh ``n`` from one counter, so
+    without provisional ranks this is plain LRU. A running request's keys may instead share a
+    provisional rank (``RANKED`` accesses and ranked inserts, vLLM 0.33): ``(r, -position)``
+    with ``r`` taken from the same counter when the request first needed it (``new_rank``), so
+    its tails precede its heads and everything ranked after ``r`` outlives them. Ties (keys of
+    one request at one position) go by key bytes, as in vLLM's heap.
+
+    Fresh ranks only ever grow, so keys holding one sit in an ordered dict in rank order (a
+    touch moves a key to its end); keys holding a provisional rank sit in a heap of
+    ``(rank, key)`` with lazy invalidation (an entry is current while its key still has that
+    rank and no fresh one). Eviction merges the two in rank order, skipping keys ``can_evict``
+    refuses; the heap only holds keys of requests still running, so the common case costs
+    what a plain LRU does.
+    """
 
     name = "lru"
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity  # unused by LRU; kept so both policies build the same way
-        self._keys: OrderedDict[bytes, None] = OrderedDict()
+        self._rank: dict[bytes, Rank] = {}
+        self._fresh: OrderedDict[bytes, None] = OrderedDict()  # fresh ranks, lowest first
+        self._heap: list[tuple[Rank, bytes]] = []  # provisional ranks
+        self._next = 0
 
-    def insert(self, key: bytes) -> None:
-        self._keys[key] = None
+    def new_rank(self) -> int:
+        self._next += 1
+        return self._next
+
+    def _freshen(self, key: bytes) -> None:
+        self._rank[key] = (self.new_rank(), 0)
+        self._fresh[key] = None
+        self._fresh.move_to_end(key)
+
+    def _provisional(self, key: bytes, rank: Rank) -> None:
+        self._rank[key] = rank
+        self._fresh.pop(key, None)
+        heapq.heappush(self._heap, (rank, key))
+        if len(self._heap) > 2 * (len(self._rank) - len(self._fresh)) + 64:  # mostly stale
+            self._heap = [(r, k) for k, r in self._rank.items() if k not in self._fresh]
+            heapq.heapify(self._heap)
+
+    def insert(self, key: bytes, rank: Rank | None = None) -> None:
+        if rank is None:
+            self._freshen(key)
+        else:
+            self._provisional(key, rank)
 
     def remove(self, key: bytes) -> None:
-        self._keys.pop(key, None)
+        if self._rank.pop(key, None) is not None:
+            self._fresh.pop(key, None)
 
     def touch(self, key: bytes, ready: bool) -> None:
-        try:
-            self._keys.move_to_end(key)
-        except KeyError:
-            pass  # a key evicted between lookup and touch is not an error
+        if key in self._rank:  # a key evicted between lookup and touch is not an error
+            self._freshen(key)
 
-    def access(self, key: bytes, how: int) -> None:
-        if how != MISSED:
+    def access(self, key: bytes, how: int, rank: Rank | None = None) -> None:
+        if how == RANKED:
+            # vLLM 0.33's on_request_access: a running request's rank, never an older one
+            if rank is not None and key in self._rank and self._rank[key] < rank:
+                self._provisional(key, rank)
+        elif how != MISSED:
             self.touch(key, True)
+
+    def _current(self) -> tuple[Rank, bytes] | None:
+        """The heap's lowest current entry (stale ones above it are dropped), or None."""
+        heap, ranks, fresh = self._heap, self._rank, self._fresh
+        while heap:
+            rank, key = heap[0]
+            if ranks.get(key) == rank and key not in fresh:
+                return heap[0]
+            heapq.heappop(heap)
+        return None
 
     def evict(self, n: int, can_evict: CanEvict) -> list[bytes] | None:
         if n <= 0:
             return _no_victims(n)
+        heap, ranks = self._heap, self._rank
         victims: list[bytes] = []
-        for key in self._keys:  # select first, mutate after: all-or-nothing for free
+        popped: list[tuple[Rank, bytes]] = []  # current heap entries taken out while scanning
+        seen: set[bytes] = set()
+        fresh = iter(self._fresh)  # not mutated before the scan ends
+        f = next(fresh, None)
+        top = self._current()
+        while len(victims) < n and (f is not None or top is not None):
+            if top is None or (f is not None and (ranks[f], f) < top):
+                key, f = f, next(fresh, None)
+            else:
+                key = top[1]
+                popped.append(heapq.heappop(heap))
+                top = self._current()
+                if key in seen:
+                    continue  # a second entry of an unchanged rank
+            seen.add(key)
             if can_evict(key):
                 victims.append(key)
-                if len(victims) == n:
-                    break
-        else:
+        taken = set(victims) if len(victims) == n else set()  # all-or-nothing
+        for entry in popped:  # whatever is not evicted goes back
+            if entry[1] not in taken:
+                heapq.heappush(heap, entry)
+        if not taken:
             return None
         for key in victims:
-            del self._keys[key]
+            del ranks[key]
+            self._fresh.pop(key, None)
         return victims
 
     def order(self) -> list[bytes]:
-        return list(self._keys)
+        return [k for _, k in sorted((r, k) for k, r in self._rank.items())]
 
     def __contains__(self, key: object) -> bool:
-        return key in self._keys
+        return key in self._rank
 
     def __len__(self) -> int:
-        return len(self._keys)
+        return len(self._rank)
 
 
 class ARCPolicy(CachePolicy):
@@ -150,7 +229,7 @@ class ARCPolicy(CachePolicy):
         return {n: list(d) for n, d in (("t1", self._t1), ("t2", self._t2),
                                         ("b1", self._b1), ("b2", self._b2))}
 
-    def insert(self, key: bytes) -> None:
+    def insert(self, key: bytes, rank: Rank | None = None) -> None:
         self._t1[key] = None
         self._b1.pop(key, None)
         self._b2.pop(key, None)
@@ -185,8 +264,8 @@ class ARCPolicy(CachePolicy):
             self._target = max(self._target - delta, 0.0)
             self._b2.move_to_end(key)
 
-    def access(self, key: bytes, how: int) -> None:
-        if how == MISSED:
+    def access(self, key: bytes, how: int, rank: Rank | None = None) -> None:
+        if how == MISSED:  # (RANKED: vLLM's ARC keeps no provisional order)
             if key not in self:
                 self._ghost_hit(key)
         elif how == REUSED:  # one frequency hit, whether or not a store is in flight again

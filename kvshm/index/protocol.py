@@ -11,6 +11,12 @@ several frames with the same ``req`` (``part`` 0, 1, ...; all but the last with 
 owner executes it once, whole, when the last part arrives, and answers in parts the same way.
 Other requests that are too large are split by the client into independent requests. Why a request
 is executed at most once whatever dies is told in ``owner_link.py``.
+
+``Touch``, ``PrepareStore`` and ``Publish`` may name the running request their keys belong to
+(``api.Running``, vLLM 0.33's provisional LRU rank): ``request`` (the client's number for it,
+0: none) and ``positions`` (one token position per key, -1: none). A ``Touch`` that names a
+request without positions says that it finished. Both fields are trailing and optional, so a
+frame without them decodes as before, and an owner without them ignores them.
 """
 from __future__ import annotations
 
@@ -19,6 +25,7 @@ from typing import Union
 import msgspec
 
 from kvshm import errors
+from kvshm.index.api import Running
 
 
 class _Msg(msgspec.Struct, tag=True, array_like=True, frozen=True):
@@ -39,6 +46,8 @@ class PrepareStore(_Msg):  # one atomic operation, however many frames it takes
     keys: list[bytes]
     more: bool = False  # more parts of this request follow
     part: int = 0  # index of this part
+    request: int = 0  # the running request of the keys (see above), 0: none
+    positions: list[int] | None = None  # of this part's keys
 
 
 class CompleteStore(_Msg):
@@ -52,6 +61,8 @@ class Touch(_Msg):
     req: int
     keys: list[bytes]
     how: bytes | None = None  # one kvshm.index.policy access kind per key; None: plain touch
+    request: int = 0
+    positions: list[int] | None = None
 
 
 class Publish(_Msg):  # one-way (req 0): the stores of blocks taken from the grant ring
@@ -59,6 +70,8 @@ class Publish(_Msg):  # one-way (req 0): the stores of blocks taken from the gra
     keys: list[bytes]
     blocks: list[int]  # the granted block each key was written to, same order
     success: bool = True  # False: the copies failed, free the blocks
+    request: int = 0
+    positions: list[int] | None = None
 
 
 class TakeEvents(_Msg):
@@ -117,6 +130,27 @@ class Error(_Msg):
 
 
 Reply = Union[Ok, Prepared, NoRoom, Events, Retry, Error]
+
+def running_fields(running: Running | None, keys: list[bytes]) -> dict:
+    """The ``request``/``positions`` fields that carry ``running`` for ``keys``."""
+    if running is None:
+        return {}
+    pos = None if running.done else [running.positions.get(k, -1) for k in keys]
+    return {"request": running.request, "positions": pos}
+
+
+def running_of(msg: Touch | PrepareStore | Publish, keys: list[bytes],
+               positions: list[int] | None) -> Running | None:
+    """The running request a frame names (its values are checked by the manager)."""
+    if not msg.request:
+        return None
+    if positions is None:
+        return Running(msg.request, done=isinstance(msg, Touch))
+    if len(positions) != len(keys):
+        raise errors.InvalidArgumentError(
+            f"{len(positions)} token positions for {len(keys)} keys")
+    return Running(msg.request, {k: p for k, p in zip(keys, positions) if p != -1})
+
 
 request_encoder = msgspec.msgpack.Encoder()
 request_decoder = msgspec.msgpack.Decoder(Request)

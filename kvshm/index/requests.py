@@ -53,8 +53,10 @@ class _Client:
         # wait, the request stays at the head of the request ring and nothing else is read.
         self.unsent: list[bytes] = []
         self.unsent_req = 0
-        # Keys of a request arriving in several frames (`parts_req`), until its last part.
+        # Keys of a request arriving in several frames (`parts_req`), until its last part,
+        # and their token positions (None once a part came without).
         self.parts: list[bytes] = []
+        self.parts_pos: list[int] | None = []
         self.parts_req = self.parts_next = 0
         self.parts_lost = False  # its first parts went with a dead owner: answer Retry
         self.parts_over = False  # it sent more keys than one request may hold
@@ -91,7 +93,8 @@ class RequestHandlers:
             done = self.manager.pending_of(writer, m.req)
             c.largest_store = max(c.largest_store, len(done))
             return self._prepared(m.req, [k for k, _ in done], [b for _, b in done], [], True)
-        out = self.manager.prepare_store(m.keys, writer)
+        out = self.manager.prepare_store(m.keys, writer,
+                                         running=P.running_of(m, m.keys, m.positions))
         self._fan_out()
         if out is None:
             return [P.NoRoom(m.req, self.epoch)]
@@ -132,13 +135,19 @@ class RequestHandlers:
         for k in m.keys:
             L.check_key(k)
         c.stores = c.grants
+        try:
+            running = P.running_of(m, m.keys, m.positions)
+        except KvshmError:
+            running = None  # ranks are advice: a bad one never costs a store
+            self.seg.counter_add("errors")
         self.manager.grants.publish(c.slot, c.gen, m.keys, m.blocks, m.success,
-                                    int(c.grant_words[L.GRANT_WORD_TAKEN]))
+                                    int(c.grant_words[L.GRANT_WORD_TAKEN]), running)
         self._fan_out()
         return []
 
     def _touch(self, c: _Client, m: P.Touch, replay: bool) -> list[P._Msg]:
-        self.manager.touch(m.keys, m.how)
+        self.manager.touch(m.keys, m.how, running=P.running_of(m, m.keys, m.positions),
+                           client=(c.slot, c.gen))
         self.seg.counter_add("touches")
         return [P.Ok(m.req, self.epoch)]
 

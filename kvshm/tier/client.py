@@ -34,7 +34,8 @@ from __future__ import annotations
 import time
 from typing import Iterable, Sequence
 
-from kvshm.index.api import LookupResult, OffloadingEvent, OffloadingManager, PrepareStoreOutput
+from kvshm.index.api import (LookupResult, OffloadingEvent, OffloadingManager,
+                             PrepareStoreOutput, Running)
 from kvshm.index.client import SharedManager
 from kvshm.shm import layout as L
 from kvshm.tier.area import TierArea
@@ -176,17 +177,20 @@ class TieredManager(OffloadingManager):
     def prepare_load(self, keys: Sequence[bytes]) -> list[int]:
         return self.manager.prepare_load(keys)
 
-    def touch(self, keys: Sequence[bytes], how: bytes | None = None) -> None:
-        self.manager.touch(keys, how)
+    def touch(self, keys: Sequence[bytes], how: bytes | None = None, *,
+              running: Running | None = None) -> None:
+        self.manager.touch(keys, how, running=running)
 
     def complete_load(self, keys: Sequence[bytes]) -> None:
         self.manager.complete_load(keys)
 
-    def prepare_store(self, keys: Iterable[bytes]) -> PrepareStoreOutput | None:
-        return self.manager.prepare_store(keys)
+    def prepare_store(self, keys: Iterable[bytes], *,
+                      running: Running | None = None) -> PrepareStoreOutput | None:
+        return self.manager.prepare_store(keys, running=running)
 
-    def complete_store(self, keys: Sequence[bytes], success: bool = True) -> None:
-        self.manager.complete_store(keys, success)
+    def complete_store(self, keys: Sequence[bytes], success: bool = True, *,
+                       running: Running | None = None) -> None:
+        self.manager.complete_store(keys, success, running=running)
         if success and keys and (area := self._tier()) is not None:
             area.kick()  # write-through starts now, not at the mover's next events poll
 

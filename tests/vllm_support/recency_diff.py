@@ -1,12 +1,14 @@
 """Differential check: kvshm's vLLM manager against vLLM's own ``CPUOffloadingManager``.
 
-Run with the vLLM venv's interpreter: ``recency_diff.py SEGMENT_PREFIX SEQUENCES SEED``.
-Random connector-shaped sequences (requests over shared prompt prefixes: lookups, loads of
-the hits, stores of the rest, completions, request finishes; few chunks, so evictions
-happen) go through both managers; every step compares lookup results, keys to store,
-evicted keys and events. A sequence stops at its first difference (its later calls could
-be invalid for one side). Prints one JSON line: per policy, the sequences that differed and
-the first few differences.
+Run with the vLLM venv's interpreter: ``recency_diff.py SEGMENT_PREFIX SEQUENCES SEED [WHEEL]``;
+with the vLLM 0.33.0 wheel, 0.33's manager, cache policies and API are loaded from it over the
+installed 0.32 (``vllm033.load_033``), and kvshm runs as it does under 0.33 (provisional LRU
+ranks, metadata-only removal events for failed stores). Random connector-shaped sequences
+(requests over shared prompt prefixes: lookups, loads of the hits, stores of the rest,
+completions, request finishes; few chunks, so evictions happen) go through both managers;
+every step compares lookup results, keys to store, evicted keys and events. A sequence stops
+at its first difference (its later calls could be invalid for one side). Prints one JSON
+line: per policy, the sequences that differed and the first few differences.
 """
 from __future__ import annotations
 
@@ -15,13 +17,17 @@ import json
 import random
 import sys
 
-from vllm.v1.kv_offload.base import ReqContext
-from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
+if len(sys.argv) > 4:  # vLLM 0.33's manager and API, from its wheel (over the 0.32 install)
+    from vllm033 import load_033
+    load_033(sys.argv[4], manager=True)
 
-from kvshm.index.client import connect
-from kvshm.integrations.vllm.spec import KvshmOffloadingManager
-from kvshm.shm.layout import Layout
-from kvshm.shm.segment import Segment
+from vllm.v1.kv_offload.base import ReqContext  # noqa: E402
+from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager  # noqa: E402
+
+from kvshm.index.client import connect  # noqa: E402
+from kvshm.integrations.vllm.spec import KvshmOffloadingManager  # noqa: E402
+from kvshm.shm.layout import Layout  # noqa: E402
+from kvshm.shm.segment import Segment  # noqa: E402
 
 CHUNKS = 8
 STATS = {"evicted": 0}  # keys vLLM evicted in the sequences compared (evictions did happen)
@@ -32,7 +38,8 @@ def _key(doc: int, i: int) -> bytes:
 
 
 def _events(mgr) -> list:
-    return [[list(e.keys), bool(e.removed)] for e in mgr.take_events()]
+    return [[list(e.keys), bool(e.removed), bool(getattr(e, "metadata_only", False))]
+            for e in mgr.take_events()]
 
 
 def run_sequence(rng: random.Random, ours, theirs) -> str | None:
@@ -108,7 +115,8 @@ def run_sequence(rng: random.Random, ours, theirs) -> str | None:
             ours.on_request_finished(ctx)
         ea, eb = _events(theirs), _events(ours)
         if ea != eb:
-            return f"step {step}: events differ"
+            return (f"step {step}: events differ (keys, removed, metadata only): "
+                    f"{[(len(e[0]), *e[1:]) for e in ea]} vs {[(len(e[0]), *e[1:]) for e in eb]}")
     return None
 
 

@@ -1,7 +1,8 @@
 """kvshm's vLLM integration against vLLM 0.33's offloading API, taken from the 0.33.0 wheel.
 
 vLLM 0.33.0 cannot be installed next to the CPU build of 0.32 that CI runs, but its offloading
-API is three pure-Python modules (``v1/kv_offload/{config,base}.py``, ``cpu/common.py``). Run
+API is three pure-Python modules (``v1/kv_offload/{config,base}.py``, ``cpu/common.py``), and
+its own CPU manager and cache policies five more (``load_033(manager=True)``). Run
 as ``python vllm033.py WHEEL SEGMENT`` in the vLLM 0.32 venv, this script loads those modules
 from the wheel in place of 0.32's, reports vLLM 0.33.0, imports the integration on top and
 checks it: no abstract method left unimplemented, every call that 0.33's offloading connector
@@ -24,14 +25,19 @@ CONNECTOR = "vllm/distributed/kv_transfer/kv_connector/v1/offloading/"
 MODULES = [("vllm.v1.kv_offload.config", PKG + "config.py"),
            ("vllm.v1.kv_offload.base", PKG + "base.py"),
            ("vllm.v1.kv_offload.cpu.common", PKG + "cpu/common.py")]
+# 0.33's own CPUOffloadingManager and its policies (pure Python too), for the differential test
+MANAGER_MODULES = [(f"vllm.v1.kv_offload.cpu.{m}", f"{PKG}cpu/{m.replace('.', '/')}.py")
+                   for m in ("policies.base", "policies.lru", "policies.arc",
+                             "policies.factory", "manager")]
 
 
-def load_033(wheel: str) -> dict[str, str]:
-    """Put 0.33's offloading API modules in place of 0.32's; the connector's sources."""
+def load_033(wheel: str, manager: bool = False) -> dict[str, str]:
+    """Put 0.33's offloading API modules (and with ``manager``, its ``CPUOffloadingManager``
+    and cache policies) in place of 0.32's; the connector's sources."""
     import vllm
 
     with zipfile.ZipFile(wheel) as z:
-        for name, path in MODULES:
+        for name, path in MODULES + (MANAGER_MODULES if manager else []):
             spec = importlib.util.spec_from_loader(name, loader=None, origin=path)
             mod = importlib.util.module_from_spec(spec)
             sys.modules[name] = mod
@@ -58,7 +64,7 @@ def connector_calls(sources: dict[str, str]) -> list[tuple[str, str, int, list[s
 
 
 def main(wheel: str, segment: str) -> dict:
-    sources = load_033(wheel)
+    sources = load_033(wheel, manager=True)
     import numpy as np
     import torch
 
@@ -66,7 +72,10 @@ def main(wheel: str, segment: str) -> dict:
     from kvshm.integrations.vllm import spec as S
     from vllm.v1.kv_offload import base as B, config as C
 
-    out: dict = {"version": V.installed_version(), "flush_signal": V.RESET_FLUSH_SIGNAL,
+    out: dict = {"version": V.installed_version(),
+                 "flush_signal": hasattr(B.OffloadingManager, "on_reset_flushed"),
+                 "provisional_ranks": V.PROVISIONAL_RANKS,
+                 "metadata_only_events": V.METADATA_ONLY_EVENTS,
                  "api_is_033": V.OffloadingManager is B.OffloadingManager
                  and hasattr(B.OffloadingManager, "config_info")}
     out["abstract_left"] = {c.__name__: sorted(c.__abstractmethods__) for c in

@@ -1,8 +1,8 @@
 """Everything that depends on the exact vLLM version, in one place.
 
 This module owns the version check (kvshm supports vLLM 0.32.x and 0.33.x: 0.33 keeps 0.32's
-offloading API and adds ``submit_load(..., expedited=False)``, ``on_reset_flushed()`` and
-optional members with defaults) and every import from vLLM's private offloading modules. The spec module (``kvshm.integrations.vllm``) imports vLLM names only from here, so
+offloading API and adds ``submit_load(..., expedited=False)``, ``on_reset_flushed()``,
+optional members with defaults, LRU provisional ranks and metadata-only removal events) and every import from vLLM's private offloading modules. The spec module (``kvshm.integrations.vllm``) imports vLLM names only from here, so
 supporting another vLLM version means changing this file (and, if the API changed shape,
 adding a branch here), not hunting through the integration.
 
@@ -86,6 +86,7 @@ try:
     )
     from vllm.v1.kv_offload.config import OffloadingConfig  # noqa: F401
     from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec  # noqa: F401
+    from vllm.v1.kv_offload.cpu.policies.lru import LRUCachePolicy
     from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: F401
 except ImportError as e:  # a vLLM without this API (or no vLLM at all)
     raise ImportError(f"{unsupported_message(installed_version())} [{e}]") from e
@@ -97,8 +98,10 @@ LOOKUP_FROM_KVSHM = {
     "pending": LookupResult.HIT_PENDING,  # stored by someone, not yet readable: ask again
     "retry": LookupResult.RETRY,  # the lower tier may have it: the mover was asked, ask again
 }
-# 0.33+: the connector says when a cache reset's flushed jobs are done (0.32: kvshm waits steps).
-RESET_FLUSH_SIGNAL = hasattr(OffloadingManager, "on_reset_flushed")
+# 0.33+: LRU gives a running request's keys one provisional rank (``on_request_access``).
+PROVISIONAL_RANKS = "on_request_access" in vars(LRUCachePolicy)
+# 0.33+: a failed store's keys are released with a metadata-only removal event.
+METADATA_ONLY_EVENTS = "metadata_only" in getattr(OffloadingEvent, "__dataclass_fields__", ())
 HOST_SOURCE = CacheHitSource.HOST  # hit-source label of loads from kvshm (host memory)
 CPU_MEDIUM = Medium.CPU
 
@@ -123,9 +126,12 @@ def connector_stats(samples: Any, kinds: dict[str, str]) -> OffloadingConnectorS
     return stats
 
 
-def event(keys: list[bytes], removed: bool) -> OffloadingEvent:
-    """A vLLM offloading event for ``keys`` stored (or evicted) in kvshm's CPU tier."""
-    return OffloadingEvent(keys=keys, medium=CPU_MEDIUM, removed=removed)  # type: ignore[arg-type]
+def event(keys: list[bytes], removed: bool, metadata_only: bool = False) -> OffloadingEvent:
+    """A vLLM offloading event for ``keys`` stored (or evicted) in kvshm's CPU tier; with
+    ``metadata_only`` (0.33+), the release of keys whose store failed (no public removal)."""
+    extra = {"metadata_only": True} if metadata_only else {}
+    return OffloadingEvent(keys=keys, medium=CPU_MEDIUM, removed=removed,  # type: ignore[arg-type]
+                           **extra)
 
 
 def request_order(keys: list[bytes], req_context: ReqContext) -> list[bytes]:

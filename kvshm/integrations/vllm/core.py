@@ -17,8 +17,8 @@ from typing import Annotated, Any, Callable, Iterable, Mapping, Sequence
 
 import msgspec
 
-from kvshm.index.api import LookupResult, PrepareStoreOutput
-from kvshm.index.policy import INSERTED, MISSED, REUSED, SEEN
+from kvshm.index.api import LookupResult, PrepareStoreOutput, Running
+from kvshm.index.policy import INSERTED, MISSED, RANKED, REUSED, SEEN
 from kvshm.errors import InvalidArgumentError, KvshmError, LayoutMismatchError, SegmentNotFoundError
 from kvshm.shm import layout as L
 from kvshm.shm.layout import Layout
@@ -27,7 +27,7 @@ from kvshm.shm.segment import Segment
 logger = logging.getLogger(__name__)
 
 POLICIES = ("lru", "arc")
-RESET_GRACE_STEPS = 3  # scheduler steps after reset_cache before this engine's stale holds go
+Position = Callable[[bytes], "int | None"]  # a key's token position in its request (vLLM's)
 
 
 _NAME = r"^(?!\.+$)[A-Za-z0-9_.-]{1,128}$"  # a segment name (kvshm.shm.segment.shm_name)
@@ -191,34 +191,40 @@ class ManagerCore:
     may bring is ``RETRY`` (vLLM asks again next step; no step waits on the network).
 
     After ``reset`` vLLM never completes the jobs it had in flight, so their pins and
-    unfinished stores are dropped once the connector's flush of those jobs has run (before
-    that the blocks may still be read or written): at ``reset_flushed`` where vLLM says so
-    (0.33's ``on_reset_flushed``, ``reset_flush_signal=True``), else ``RESET_GRACE_STEPS``
-    steps later (0.32).
-    Recency follows vLLM's ``CPUOffloadingManager``: nothing changes recency while a request
-    runs except inserting new keys; each request records the keys it loaded or offered for a
-    store (skipping ones another store of this engine has in flight), and when it finishes
-    they are applied head to tail (tails first, so the prefix head ends up most recent) as
-    reused (ready when loaded or offered: an ARC frequency hit), inserted (stored by it: recency
-    only) or seen. A store miss that hits an ARC ghost list adapts ARC's target once per
-    request, before the store's eviction. ``reset`` forgets all of it, as vLLM's new cache
-    generation does.
+    unfinished stores are dropped once the connector's flush of those jobs has run in every
+    worker (before that the blocks may still be read or written): at ``reset_flushed``
+    (vLLM 0.33's ``on_reset_flushed``) or at the first completion after the reset, whichever
+    comes first. vLLM reports only jobs created after the reset, and a worker waits for the
+    flushed jobs before it starts any of them; a count of scheduler steps proves nothing, as
+    the scheduler runs ahead of the workers by as many batches as it keeps in flight.
+    Recency follows vLLM's ``CPUOffloadingManager``: each request records the keys it loaded
+    or offered for a store (skipping ones another store of this engine has in flight), and
+    when it finishes they are applied head to tail (tails first, so the prefix head ends up
+    most recent) as reused (ready when loaded or offered: an ARC frequency hit), inserted
+    (stored by it: recency only) or seen. While it runs, only its new keys enter the order:
+    as most recent (vLLM 0.32), or with ``provisional_ranks`` (vLLM 0.33's LRU) at the
+    request's provisional rank, which every key it first records is raised to as well (the
+    owner takes the rank when the request's first ranked frame arrives; ``position`` gives
+    each key's token position, tails rank before heads). A store miss that hits an ARC ghost
+    list adapts ARC's target once per request, before the store's eviction. ``reset``
+    forgets all of it, as vLLM's new cache generation does.
 
     Completions and store refusals caused by kvshm errors are logged, not raised: an engine
     must not die because the shared cache lost a block it was about to publish.
     """
 
-    def __init__(self, mgr: Any, reset_flush_signal: bool = False):
+    def __init__(self, mgr: Any, provisional_ranks: bool = False):
         self.mgr = mgr
         # A TieredManager (``kvshm_tier``): the step's lookups that may hit below (RETRY)
         # are asked for together when the step ends.
         self._flush_wants = getattr(mgr, "flush_wants", None)
-        self._flush_signal = reset_flush_signal
+        self._ranked = provisional_ranks
+        self._requests = 0  # the last number given to a request for the owner (``Running``)
         self._lease_reqs: dict[bytes, set[str]] = {}  # leased key -> requests that hit it
         self._loads: dict[str, list[list[bytes]]] = {}  # request -> its unfinished loads
         self._store_req: dict[bytes, str] = {}  # key whose store is in flight -> request
-        # [steps left (None: until reset_flushed), load key lists, store key lists]
-        self._stale: list[list[Any]] = []
+        # per reset: (load key lists, store key lists) of the jobs it flushed
+        self._stale: list[tuple[list[list[bytes]], list[list[bytes]]]] = []
         self._access: dict[str, _Access] = {}  # request -> the keys it accessed
 
     # --- loads ------------------------------------------------------------------------
@@ -230,7 +236,8 @@ class ManagerCore:
             return LookupResult.MISS  # another engine is storing it: compute, don't wait
         return status
 
-    def prepare_load(self, keys: Sequence[bytes], req_id: str) -> list[int]:
+    def prepare_load(self, keys: Sequence[bytes], req_id: str,
+                     position: Position | None = None) -> list[int]:
         keys = list(keys)
         try:
             blocks = self.mgr.prepare_load(keys)  # this client's leases of keys become pins
@@ -245,10 +252,13 @@ class ManagerCore:
             if others:  # our pin consumed the shared lease: lease it again for the others
                 self._lease_reqs[k] = others
                 self.mgr.key_status(k)
-        self._access_of(req_id).record(keys, reused=keys)
+        acc = self._access_of(req_id)
+        self._first_seen(acc, acc.record(keys, reused=keys), position)
         return blocks
 
     def complete_load(self, keys: Iterable[bytes], req_id: str) -> None:
+        if self._stale:
+            self.reset_flushed()  # a job of after the reset completed: the flush is done
         done = set(keys)
         jobs = self._loads.get(req_id, [])
         for i, job in enumerate(jobs):
@@ -263,7 +273,8 @@ class ManagerCore:
                        len(done), req_id)
 
     # --- stores -----------------------------------------------------------------------
-    def prepare_store(self, keys: Sequence[bytes], req_id: str) -> PrepareStoreOutput | None:
+    def prepare_store(self, keys: Sequence[bytes], req_id: str,
+                      position: Position | None = None) -> PrepareStoreOutput | None:
         keys = list(keys)
         acc = self._access_of(req_id)
         index = self.mgr.index  # lock-free, takes no lease; a key with no slot of its tag
@@ -271,13 +282,15 @@ class ManagerCore:
         missing = [k for k, st in zip(keys, state) if st != L.READY and st != L.WRITING]
         ready = [k for k, st in zip(keys, state) if st == L.READY]
         new_misses = [k for k in missing if k not in acc.missed]
-        if new_misses:  # ARC learns from ghost hits before the store removes the ghosts
-            acc.missed.update(new_misses)
+        if new_misses and not self._ranked:  # (ranked: LRU, which learns nothing from them)
+            acc.missed.update(new_misses)  # ARC learns from ghost hits before the store
             self._quietly(self.mgr.touch, new_misses, bytes([MISSED]) * len(new_misses))
         recorded = set(missing).union(ready)
-        acc.record([k for k in keys if k in recorded], reused=ready)
+        new = acc.record([k for k in keys if k in recorded], reused=ready)
+        self._first_seen(acc, new, position)
+        running = self._running(acc, keys, position) if self._ranked else None
         try:
-            out = self.mgr.prepare_store(keys)  # from the grants, or a round trip
+            out = self.mgr.prepare_store(keys, running=running)  # grants, or a round trip
         except KvshmError as e:
             logger.warning("kvshm: not storing %d chunks this step: %s", len(keys), e)
             return None  # vLLM offers them again next step
@@ -286,16 +299,31 @@ class ManagerCore:
             acc.inserted.update(out.keys_to_store)
         return out
 
-    def complete_store(self, keys: Iterable[bytes], req_id: str, success: bool = True) -> None:
+    def complete_store(self, keys: Iterable[bytes], req_id: str, success: bool = True,
+                       position: Position | None = None) -> list[bytes]:
+        """Complete this request's stores of ``keys``; the keys it completed."""
+        if self._stale:
+            self.reset_flushed()  # a job of after the reset completed: the flush is done
         # Only the stores this request still has in flight: after a reset they went stale
         # (and are freed on their own schedule), and a key stored again since belongs to
         # another request, whose block this late completion must never publish or free.
         keys = [k for k in keys if self._store_req.get(k) == req_id]
         for k in keys:
             del self._store_req[k]
-        self._quietly(self.mgr.complete_store, keys, success)
+        acc = self._access.get(req_id) if self._ranked and success else None
+        # a granted block enters the index now: at the rank prepare_store would have given it
+        running = self._running(acc, keys, position) if acc is not None else None
+        try:
+            self.mgr.complete_store(keys, success, running=running)
+        except KvshmError as e:
+            logger.warning("kvshm: complete_store failed: %s", e)
         if success:
             self._count(stored=len(keys))
+        return keys
+
+    def stored_or_storing(self, key: bytes) -> bool:
+        """Whether ``key`` is in the segment (any state) or this engine is storing it."""
+        return key in self._store_req or self.mgr.index.find(key)[1] >= 0
 
     # --- life cycle -------------------------------------------------------------------
     def schedule_end(self) -> None:
@@ -305,19 +333,12 @@ class ManagerCore:
         if self._lease_reqs:
             self._lease_reqs.clear()
             self.mgr.release(None)
-        for entry in self._stale:
-            if entry[0] is not None:
-                entry[0] -= 1
-        self._drop_stale(lambda left: left is not None and left <= 0)
 
     def reset_flushed(self) -> None:
-        """vLLM says the jobs in flight at the last reset are done: drop their holds now."""
-        self._drop_stale(lambda left: True)
-
-    def _drop_stale(self, due: Any) -> None:
-        now = [e for e in self._stale if due(e[0])]
-        self._stale = [e for e in self._stale if not due(e[0])]
-        for _, loads, stores in now:
+        """The jobs in flight at the last reset are done (vLLM says so, or completed a job of
+        after the reset): drop their holds now."""
+        stale, self._stale = self._stale, []
+        for loads, stores in stale:
             for keys in loads:
                 self._quietly(self.mgr.complete_load, keys)
             for keys in stores:  # never published: their bytes may be partial
@@ -333,7 +354,8 @@ class ManagerCore:
             keys = order(list(acc.keys)) if order is not None else list(acc.keys)
             how = bytes(REUSED if k in acc.reused else INSERTED if k in acc.inserted else SEEN
                         for k in keys)
-            self._quietly(self.mgr.touch, keys, how)
+            done = Running(acc.request, done=True) if acc.request else None  # owner forgets it
+            self._quietly(self._touch, keys, how, done)
         for k in [k for k, reqs in self._lease_reqs.items() if req_id in reqs]:
             self._lease_reqs[k].discard(req_id)
             if not self._lease_reqs[k]:
@@ -349,14 +371,37 @@ class ManagerCore:
         for k, r in self._store_req.items():
             by_req.setdefault(r, []).append(k)
         if loads or by_req:
-            steps = None if self._flush_signal else RESET_GRACE_STEPS
-            self._stale.append([steps, loads, list(by_req.values())])
+            self._stale.append((loads, list(by_req.values())))
         self._loads.clear()
         self._store_req.clear()
+        for acc in self._access.values():  # the owner forgets their provisional ranks
+            if acc.request:
+                self._quietly(self._touch, [], b"", Running(acc.request, done=True))
         self._access.clear()  # vLLM: requests of the old cache generation change nothing
 
     def shutdown(self) -> None:
         self.mgr.shutdown()  # the owner frees our unfinished stores; our pins go with our slot
+
+    def _first_seen(self, acc: "_Access", keys: list[bytes], position: Position | None) -> None:
+        """vLLM 0.33's LRU: keys a running request records for the first time rise to its
+        provisional rank (which the owner takes now if the request has none yet)."""
+        if self._ranked and keys:
+            self._quietly(self._touch, keys, bytes([RANKED]) * len(keys),
+                          self._running(acc, keys, position))
+
+    def _running(self, acc: "_Access", keys: list[bytes], position: Position | None) -> Running:
+        if not acc.request:  # a number the owner has never seen from this client
+            self._requests += 1
+            acc.request = self._requests
+        pos = {}
+        for k in keys if position is not None else ():
+            p = position(k)
+            if p is not None:
+                pos[k] = int(p)
+        return Running(acc.request, pos)
+
+    def _touch(self, keys: list[bytes], how: bytes, running: Running | None) -> None:
+        self.mgr.touch(keys, how, running=running)
 
     def _access_of(self, req_id: str) -> "_Access":
         acc = self._access.get(req_id)
@@ -381,15 +426,21 @@ class ManagerCore:
 class _Access:
     """The keys one request accessed, first seen first, and how (vLLM's request cache access)."""
 
-    __slots__ = ("keys", "inserted", "reused", "missed")
+    __slots__ = ("keys", "inserted", "reused", "missed", "request")
 
     def __init__(self) -> None:
         self.keys: dict[bytes, None] = {}
         self.inserted: set[bytes] = set()
         self.reused: set[bytes] = set()  # ready when used, and not inserted by this request
         self.missed: set[bytes] = set()  # store misses ARC has already learned from
+        self.request = 0  # its number for the owner (provisional ranks), 0: none yet
 
-    def record(self, keys: Iterable[bytes], reused: Iterable[bytes] = ()) -> None:
+    def record(self, keys: Iterable[bytes], reused: Iterable[bytes] = ()) -> list[bytes]:
+        """Record an access; the keys seen for the first time."""
+        new = []
         for k in keys:
-            self.keys.setdefault(k, None)
+            if k not in self.keys:
+                self.keys[k] = None
+                new.append(k)
         self.reused.update(k for k in reused if k not in self.inserted)
+        return new

@@ -60,8 +60,10 @@ class KvshmOffloadingManager(V.OffloadingManager):
 
     def __init__(self, shared: SharedManager | TieredManager, events: bool,
                  info: dict[str, Any] | None = None):
-        self.core = ManagerCore(shared, reset_flush_signal=V.RESET_FLUSH_SIGNAL)
+        self.core = ManagerCore(shared, provisional_ranks=V.PROVISIONAL_RANKS
+                                and shared.segment.policy == "lru")
         self._events = events
+        self._released: list[bytes] = []  # keys of failed stores, for metadata-only events
         self._writer = (shared.slot, shared.gen)
         self._stats = StatsReader(shared.segment, shared.slot)
         self._info = info or {}
@@ -74,7 +76,8 @@ class KvshmOffloadingManager(V.OffloadingManager):
 
     def prepare_load(self, keys: Collection[bytes],
                      req_context: V.ReqContext) -> KvshmLoadStoreSpec:
-        return KvshmLoadStoreSpec(self.core.prepare_load(list(keys), req_context.req_id))
+        return KvshmLoadStoreSpec(self.core.prepare_load(
+            list(keys), req_context.req_id, req_context.get_offload_key_position))
 
     def touch(self, keys: Collection[bytes], req_context: V.ReqContext) -> None:
         self.core.mgr.touch(list(keys))
@@ -84,7 +87,8 @@ class KvshmOffloadingManager(V.OffloadingManager):
 
     def prepare_store(self, keys: Collection[bytes],
                       req_context: V.ReqContext) -> V.PrepareStoreOutput | None:
-        out = self.core.prepare_store(list(keys), req_context.req_id)
+        out = self.core.prepare_store(list(keys), req_context.req_id,
+                                      req_context.get_offload_key_position)
         if out is None:
             return None  # vLLM counts an allocation failure and offers the chunks again
         return V.PrepareStoreOutput(keys_to_store=out.keys_to_store,
@@ -93,7 +97,10 @@ class KvshmOffloadingManager(V.OffloadingManager):
 
     def complete_store(self, keys: Collection[bytes], req_context: V.ReqContext,
                        success: bool = True) -> None:
-        self.core.complete_store(keys, req_context.req_id, success)
+        done = self.core.complete_store(keys, req_context.req_id, success,
+                                        req_context.get_offload_key_position)
+        if not success and self._events and V.METADATA_ONLY_EVENTS:
+            self._released += done
 
     def on_new_request(self, req_context: V.ReqContext) -> V.RequestOffloadingContext:
         return V.RequestOffloadingContext()
@@ -108,7 +115,13 @@ class KvshmOffloadingManager(V.OffloadingManager):
     def take_events(self) -> Iterable[V.OffloadingEvent]:
         if not self._events:
             return ()  # called every step: no owner round trip unless events were asked for
-        return [V.event(list(e.keys), e.removed) for e in self.core.mgr.take_events()]
+        events = [V.event(list(e.keys), e.removed) for e in self.core.mgr.take_events()]
+        # 0.33: released unless stored again meanwhile (the tracker's metadata is the new one's)
+        released = [k for k in self._released if not self.core.stored_or_storing(k)]
+        self._released = []
+        if released:
+            events.append(V.event(released, True, metadata_only=True))
+        return events
 
     def get_stats(self) -> Any:
         # every step: this engine's counter deltas, the shared segment's state once a second

@@ -1,0 +1,185 @@
+"""A running request's provisional rank (vLLM 0.33's LRU), through the managers and the owner.
+
+``Running`` names the request some keys belong to: its keys share one rank, taken when the
+request first needs one, tails before heads; ``done`` ends it. Ordering is observed through
+evictions, on the in-process manager and through a real owner process. The frames that carry
+it must still work without the new fields, and a bad value must never crash or corrupt the
+owner: a touch or a store naming one is refused, a publish is applied without ranks.
+"""
+from __future__ import annotations
+
+import pytest
+
+from kvshm.errors import InvalidArgumentError
+from kvshm.index import running as running_mod
+from kvshm.index import protocol as P
+from kvshm.index.api import LookupResult, Running
+from kvshm.index.client import connect
+from kvshm.index.manager import LocalManager
+from kvshm.index.policy import RANKED, SEEN
+
+import procs
+from conftest import TEST_LAYOUT, make_manager, stop_owner
+from test_grants import BLOCKS, CLIENTS, _stocked
+from test_shared import _raw_call, wait_for
+
+X = [b"x%d" % i for i in range(4)]
+R = [b"r%d" % i for i in range(2)]
+Z = [b"z%d" % i for i in range(4)]
+
+
+@pytest.fixture(params=["local", "shared"])
+def lru(request, make_segment):
+    """An 8-block LRU manager of each kind (shared: a real owner process, no grants)."""
+    seg = make_segment(num_blocks=8, policy="lru")
+    m = make_manager(request.param, seg, "lru", True)
+    yield m
+    pid = seg.owner_record()[0] if request.param == "shared" else 0
+    m.shutdown()
+    if pid:
+        stop_owner(pid)
+
+
+def ranked(keys: list[bytes]) -> bytes:
+    return bytes([RANKED]) * len(keys)
+
+
+def _running_request_layout(m) -> None:
+    """x0..x3 stored; request 1 reads x1 (pos 16) and x2 (pos 32); y stored by someone else;
+    request 1 stores r0 (pos 48) and r1 (pos 64). Order: x0 x3 r1 r0 x2 x1 y."""
+    procs.store(m, X)
+    m.touch(X[1:3], ranked(X[1:3]), running=Running(1, {X[1]: 16, X[2]: 32}))
+    procs.store(m, [b"y"])
+    m.touch([b"y"], ranked([b"y"]), running=Running(1, {b"y": 8}))  # never made older
+    out = m.prepare_store(R, running=Running(1, {R[0]: 48, R[1]: 64}))
+    m.complete_store(out.keys_to_store)
+
+
+def test_a_running_requests_keys_share_its_rank_tails_first(lru):
+    _running_request_layout(lru)
+    out = lru.prepare_store(Z)  # 1 block free: 3 victims
+    assert out.evicted_keys == [X[0], X[3], R[1]]
+    lru.complete_store(out.keys_to_store)
+    assert lru.prepare_store([b"w0", b"w1", b"w2"]).evicted_keys == [R[0], X[2], X[1]]
+
+
+def test_a_finished_request_is_forgotten_and_its_keys_are_most_recent(lru):
+    _running_request_layout(lru)
+    keys = [X[1], X[2], R[0], R[1]]  # head to tail
+    lru.touch(keys, bytes([SEEN]) * 4, running=Running(1, done=True))
+    # request 1 again: a new rank, after everything, so x0 (the oldest) is now the newest
+    lru.touch([X[0]], ranked(X[:1]), running=Running(1, {X[0]: 8}))
+    out = lru.prepare_store(Z + [b"w0", b"w1"])  # 1 block free: 5 victims
+    assert out.evicted_keys == [X[3], b"y", R[1], R[0], X[2]]
+
+
+def test_frames_without_the_running_fields_still_work(make_segment):
+    seg = make_segment(num_blocks=8, policy="lru")
+    m = make_manager("shared", seg, "lru", True)
+    try:
+        procs.store(m, X)
+        old_touch = P.request_encoder.encode(["Touch", 0, [X[0]], None])  # 3 fields
+        m._link.requests.put(old_touch, timeout=5)
+        req = m._link.next_req()
+        W = Z + [b"w0", b"w1"]
+        reply = _raw_call(m, P.request_encoder.encode(["PrepareStore", req, W, False, 0]))
+        assert isinstance(reply, P.Prepared) and reply.keys == W  # after the touch (FIFO)
+        assert reply.evicted == [X[1], X[2]]  # x0 was touched: most recent
+        m.complete_store(W)
+        assert m.lookup([X[0]] + W) == 7
+    finally:
+        pid = seg.owner_record()[0]
+        m.shutdown()
+        stop_owner(pid)
+
+
+@pytest.mark.parametrize("running", [
+    Running(0, {X[0]: 1}), Running(1 << 64, {}), Running(-3, {}),
+    Running(1, {X[0]: -2}), Running(1, {X[0]: 1 << 64}), Running(1, {X[0]: "16"}),
+], ids=["zero", "too-big", "negative", "negative-position", "position-too-big",
+        "position-not-int"])
+def test_the_in_process_manager_refuses_a_bad_running_request_and_changes_nothing(
+        make_segment, running):
+    seg = make_segment(num_blocks=8, policy="lru")
+    m = LocalManager(seg, "lru")
+    try:
+        procs.store(m, X)
+        before = (m.policy.order(), m.num_free)
+        with pytest.raises(InvalidArgumentError):
+            m.touch(X[:1], ranked(X[:1]), running=running)
+        with pytest.raises(InvalidArgumentError):
+            m.prepare_store(Z, running=running)
+        assert (m.policy.order(), m.num_free) == before and m.running.ranks == {}
+    finally:
+        m.shutdown()
+
+
+def test_the_owner_refuses_bad_running_fields_and_keeps_serving(make_segment):
+    seg = make_segment(num_blocks=8, policy="lru")
+    m = make_manager("shared", seg, "lru", True)
+    try:
+        procs.store(m, X)
+        errors = seg.counter("errors")
+        for fields in ({"request": -1, "positions": [5]}, {"request": 1, "positions": [5, 6]},
+                       {"request": 1, "positions": [-7]}):
+            m._link.send(P.Touch(0, [X[0]], ranked(X[:1]), **fields))  # one-way: dropped
+            req = m._link.next_req()
+            reply = _raw_call(m, P.request_encoder.encode(P.PrepareStore(req, Z, **fields)))
+            assert isinstance(reply, P.Error) and reply.kind == "InvalidArgumentError"
+        assert seg.counter("errors") == errors + 6
+        out = m.prepare_store(Z)  # nothing was allocated or reordered by them
+        assert out.evicted_keys == []
+        m.complete_store(Z)
+        assert m.prepare_store([b"w0", b"w1"]).evicted_keys == X[:2]
+    finally:
+        pid = seg.owner_record()[0]
+        m.shutdown()
+        stop_owner(pid)
+
+
+def test_a_publish_with_bad_running_fields_is_published_without_ranks(seg_name):
+    m = connect(seg_name, TEST_LAYOUT, num_blocks=BLOCKS, max_clients=CLIENTS,
+                ring_capacity=8192)
+    try:
+        _stocked(m, 2)
+        keys = [b"g0", b"g1"]
+        out = m.prepare_store(keys)  # from the grant ring: no frame
+        blocks = [m._own.inflight.pop(k) for k in keys]
+        errors = m.segment.counter("errors")
+        m._link.push(P.Publish(0, keys, blocks, True, request=5, positions=[1]))
+        assert out.block_ids == blocks
+        wait_for(lambda: m.key_status(keys[1]) is LookupResult.HIT, "the publish")
+        assert m.lookup(keys) == 2 and m.segment.counter("errors") == errors + 1
+    finally:
+        pid = m.segment.owner_record()[0]
+        m.shutdown()
+        stop_owner(pid)
+
+
+def test_granted_stores_take_the_running_requests_rank_when_published(make_segment):
+    m = LocalManager(make_segment(num_blocks=8, policy="lru"), "lru")
+    try:
+        procs.store(m, X[:2])
+        m.touch([], b"", running=Running(7, {}), client=(3, 9))  # nothing: takes no rank
+        m.touch(X[:1], ranked(X[:1]), running=Running(7, {X[0]: 1}), client=(3, 9))  # takes it
+        procs.store(m, [b"y"])
+        blocks = m.grants.grant(3, 9, 3, 0)
+        m.grants.publish(3, 9, R, blocks[:2], True, 3, Running(7, {R[0]: 16, R[1]: 32}))
+        m.grants.publish(3, 9, [b"late"], blocks[2:], True, 3)  # no request: most recent
+        assert m.policy.order() == [X[1], R[1], R[0], X[0], b"y", b"late"]
+    finally:
+        m.shutdown()
+
+
+def test_the_ranks_kept_are_bounded_and_go_with_their_client(make_segment, monkeypatch):
+    monkeypatch.setattr(running_mod, "MAX_RUNNING", 4)
+    m = LocalManager(make_segment(num_blocks=8, policy="lru"), "lru")
+    try:
+        procs.store(m, X[:1])
+        for req in range(1, 11):
+            m.touch(X[:1], ranked(X[:1]), running=Running(req, {X[0]: 1}), client=(3, 9))
+        assert len(m.running.ranks) == 4
+        m.reclaim_writer(3, 9)
+        assert m.running.ranks == {}
+    finally:
+        m.shutdown()
