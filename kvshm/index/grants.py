@@ -182,6 +182,16 @@ class Grants:
         return len(blocks)
 
 
+def sized_target(grants: Grants, words: np.ndarray, writer: tuple[int, int], share: int,
+                 largest: int, room: int) -> int:
+    """The level to refill ``writer``'s ring to: twice its ``largest`` store, at least its
+    ``share`` (counting its taken, unpublished blocks, so a client whose taken count runs
+    ahead of its publishes is not refilled without end), the growth within ``room``."""
+    level = int(words[L.GRANT_WORD_GRANTED]) - int(words[L.GRANT_WORD_TAKEN])
+    inflight = grants.held(writer) - level
+    return min(grown_target(share, largest), max(share - inflight, level + room, 0))
+
+
 def refill(grants: Grants, words: np.ndarray, ids: np.ndarray, slot: int, gen: int,
            target: int) -> int:
     """Top up one client's grant ring to ``target`` blocks (when it is half empty). The ids

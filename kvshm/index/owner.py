@@ -27,7 +27,7 @@ from kvshm.shm import slots
 from kvshm.errors import KvshmError, OwnerUnavailableError
 from kvshm.crashpoints import crash_point
 from kvshm.shm.fence import full_fence
-from kvshm.index.grants import grant_budget, grant_target, grown_target, refill
+from kvshm.index.grants import grant_budget, grant_target, refill, sized_target
 from kvshm.index.manager import LocalManager
 from kvshm.index.requests import RequestHandlers, _Client
 from kvshm.index.spin import SpinPolicy
@@ -237,13 +237,8 @@ class Owner(RequestHandlers):
             if 0 < taken - c.taken_seen <= L.GRANT_CAPACITY:  # else scribbled: refill says
                 c.largest_store = max(c.largest_store, taken - c.taken_seen)
             c.taken_seen = taken
-            level = int(words[L.GRANT_WORD_GRANTED]) - taken
-            # Its share always (counting its taken, unpublished blocks: a client whose
-            # taken count runs ahead of its publishes is not refilled without end), more
-            # within the budget.
-            inflight = grants.held((c.slot, c.gen)) - level
-            target = min(grown_target(self._grant_target, c.largest_store),
-                         max(self._grant_target - inflight, level + room, 0))
+            target = sized_target(grants, words, (c.slot, c.gen), self._grant_target,
+                                  c.largest_store, room)
             n = refill(grants, words, c.grant_ids, c.slot, c.gen, target)
             if n < 0:
                 self._quarantine(c, "its grant ring counts are impossible")
