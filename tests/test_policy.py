@@ -512,6 +512,23 @@ RANKED_OPS = st.lists(
 )
 
 
+def apply_common(p, model, op: str, args: list) -> None:
+    """A remove, touch or evict, applied to the policy and its reference model alike."""
+    if op == "remove":
+        p.remove(args[0])
+        model.remove(args[0])
+    elif op == "touch":
+        p.touch(*args)
+        model.touch(*args)
+    else:
+        n, allowed = args
+        before = snapshot(p)
+        got = p.evict(n, lambda key: key in allowed)
+        assert got == model.evict(n, lambda key: key in allowed)
+        if got is None:
+            assert snapshot(p) == before  # all-or-nothing
+
+
 @pytest.mark.parametrize("name,model_cls", [("lru", ListLRU), ("arc", ListARC)])
 @settings(max_examples=300, deadline=None)
 @given(ops=OPS, capacity=st.integers(1, 4))
@@ -523,19 +540,8 @@ def test_random_ops_match_reference_model(name, model_cls, ops, capacity):
                 continue  # the manager never inserts a cached key
             p.insert(args[0])
             model.insert(args[0])
-        elif op == "remove":
-            p.remove(args[0])
-            model.remove(args[0])
-        elif op == "touch":
-            p.touch(*args)
-            model.touch(*args)
         else:
-            n, allowed = args
-            before = snapshot(p)
-            got = p.evict(n, lambda key: key in allowed)
-            assert got == model.evict(n, lambda key: key in allowed)
-            if got is None:
-                assert snapshot(p) == before  # all-or-nothing
+            apply_common(p, model, op, args)
         assert sorted(p.order()) == sorted(model.cached()) and len(p) == len(model.cached())
         # order() is exactly the victim order when everything is evictable
         assert copy.deepcopy(p).evict(len(p), everything) == p.order()
@@ -573,17 +579,6 @@ def test_random_ranked_ops_match_the_rank_model(ops):
             a, b = rank_of(args[1], args[2])
             p.access(args[0], RANKED, a)
             model.ranked(args[0], b)
-        elif op == "remove":
-            p.remove(args[0])
-            model.remove(args[0])
-        elif op == "touch":
-            p.touch(*args)
-            model.touch(*args)
         else:
-            n, allowed = args
-            before = snapshot(p)
-            got = p.evict(n, lambda key: key in allowed)
-            assert got == model.evict(n, lambda key: key in allowed)
-            if got is None:
-                assert snapshot(p) == before  # all-or-nothing
+            apply_common(p, model, op, args)
         assert p.order() == model.cached() and len(p) == len(model.cached())
