@@ -75,7 +75,7 @@ def connect(name: str, layout: Layout | None = None, *, num_blocks: int | None =
 
 
 _HIT = LookupResult.HIT
-_CONFIRM_WAIT_S = 0.05  # a read of our own just-published store waits this long at most
+_EVICTING_SPINS = 10_000  # an owner decides an eviction in microseconds; past this it died
 
 
 def _key_array(keys: Sequence[bytes]) -> np.ndarray | None:
@@ -86,7 +86,6 @@ def _key_array(keys: Sequence[bytes]) -> np.ndarray | None:
                                                   for k in keys):
         return None
     return np.frombuffer(joined, np.uint8).reshape(len(keys), klen)
-_EVICTING_SPINS = 10_000  # an owner decides an eviction in microseconds; past this it died
 
 
 class SharedManager(OffloadingManager):

@@ -63,14 +63,6 @@ def grant_budget(g: Geometry) -> int:
     return g.num_blocks // 4 if grant_target(g) else 0
 
 
-def grown_target(target: int, stored: int) -> int:
-    """A client's grant level once it stored ``stored`` keys at once: twice its largest
-    store, so one store takes at most half and a refill (at half) follows every store.
-    Never shrinks: a scheduler's step sizes recur. The budget caps the growth
-    (``Owner._refill``)."""
-    return min(L.GRANT_CAPACITY, max(target, 2 * stored))
-
-
 class Grants:
     """The granted blocks of every client, kept by the owner's ``LocalManager``."""
 
@@ -184,12 +176,15 @@ class Grants:
 
 def sized_target(grants: Grants, words: np.ndarray, writer: tuple[int, int], share: int,
                  largest: int, room: int) -> int:
-    """The level to refill ``writer``'s ring to: twice its ``largest`` store, at least its
+    """The level to refill ``writer``'s ring to: twice its ``largest`` store, so one store
+    takes at most half and a refill (at half) follows every store; never less than its
     ``share`` (counting its taken, unpublished blocks, so a client whose taken count runs
-    ahead of its publishes is not refilled without end), the growth within ``room``."""
+    ahead of its publishes is not refilled without end); the growth beyond the share within
+    ``room``. It never shrinks: a scheduler's step sizes recur."""
     level = int(words[L.GRANT_WORD_GRANTED]) - int(words[L.GRANT_WORD_TAKEN])
     inflight = grants.held(writer) - level
-    return min(grown_target(share, largest), max(share - inflight, level + room, 0))
+    grown = min(L.GRANT_CAPACITY, max(share, 2 * largest))
+    return min(grown, max(share - inflight, level + room, 0))
 
 
 def refill(grants: Grants, words: np.ndarray, ids: np.ndarray, slot: int, gen: int,

@@ -76,6 +76,19 @@ class HoldTable:
         self._hv[i] = -1
         self.free.append(i)
 
+    def room(self) -> int:
+        """How many more leases this client may take now."""
+        return min(len(self.free), self.lease_limit - len(self.leases))
+
+    def make_room(self, n: int) -> int:
+        """``room()``, after giving back the leases nobody asked for if it is below ``n``:
+        they never stand in the way of a key that is asked for."""
+        room = self.room()
+        if room < n and self.ahead:
+            self.drop_ahead()
+            room = self.room()
+        return room
+
     def asked(self, keys: Sequence[bytes]) -> None:
         """``keys``, leased, were answered as hits: theirs now, never dropped as ahead."""
         if self.ahead:
@@ -104,7 +117,7 @@ class HoldTable:
         self.drop_ahead()
         (keys, blocks, codes, seqs), off = at
         leases = self.leases
-        n = min(len(keys) - off, RUN_AHEAD, len(self.free), self.lease_limit - len(leases))
+        n = min(len(keys) - off, RUN_AHEAD, self.room())
         part = keys[off:off + n]
         for i, k in enumerate(part):  # stop at a key leased already (never lease it twice)
             if k in leases:
@@ -180,9 +193,7 @@ class HoldTable:
             if self.ahead:
                 self.ahead.discard(key)
             return L.READY  # only our own stores evict a leased block, and they drop it
-        if (not self.free or len(self.leases) >= self.lease_limit) and self.ahead:
-            self.drop_ahead()  # leases nobody asked for make room for one asked for
-        if not self.free or len(self.leases) >= self.lease_limit:
+        if self.make_room(1) <= 0:
             state = index.find(key)[1]
             return -2 if state == L.READY else state
         seen = self.seen.pop(key, None)  # put back by _take while it still holds
@@ -242,10 +253,7 @@ class HoldTable:
             if keys[i] not in leases:
                 first.setdefault(keys[i], i)
         new = list(first.values())
-        room = max(0, min(len(self.free), self.lease_limit - len(leases)))
-        if len(new) > room and self.ahead:
-            self.drop_ahead()  # leases nobody asked for make room for these
-            room = max(0, min(len(self.free), self.lease_limit - len(leases)))
+        room = max(0, self.make_room(len(new)))
         if len(new) > room:
             hits, new = new[room], new[:room]
         if new:
