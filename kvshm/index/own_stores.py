@@ -71,10 +71,10 @@ class OwnStores:
             part = ks[i:i + chunk]
             pos = self._link.push(P.Publish(0, part, bs[i:i + chunk], success,
                                             **P.running_fields(running, part)))
-            for k in ks[i:i + chunk]:
+            for k in part:
                 del inflight[k]
             if success:
-                self.unconfirmed.update(dict.fromkeys(ks[i:i + chunk], pos))
+                self.unconfirmed.update(dict.fromkeys(part, pos))
         return rest
 
     def confirm(self, key: bytes) -> bool:
