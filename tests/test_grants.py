@@ -466,3 +466,23 @@ def test_a_client_refusing_grants_is_not_stocked_by_a_successor(seg_name):
         pid = m.segment.owner_record()[0]
         m.shutdown()
         stop_owner(pid)
+
+
+def test_a_scribbled_granted_count_never_frees_blocks_its_client_took(mgr):
+    """A client that lowered the owner's granted count below its taken count (a stray write
+    into its own slot) must not have the blocks it is writing freed by the next owner's
+    takeover: another store would get them while its copy still lands there."""
+    _stocked(mgr, 3)
+    keys = [b"scribbled-%d" % i for i in range(3)]
+    out = mgr.prepare_store(keys)
+    words, _ = slots.grants(mgr.segment, mgr.slot)
+    words[L.GRANT_WORD_GRANTED] = 0  # below taken: impossible counts
+    owner = mgr.segment.owner_record()[0]
+    os.kill(owner, signal.SIGKILL)
+    wait_for(lambda: not mgr.segment.owner_alive(), "the owner to die")
+    mgr.lookup([b"start-a-successor"])
+    mgr._link.ensure_owner()
+    wait_for(mgr.segment.owner_alive, "a successor")
+    mgr.touch([b"start-a-successor"])  # a frame the successor serves after its takeover
+    wait_for(lambda: mgr._link.requests.consumed(mgr._link.requests.tail), "the touch")
+    assert [_states(mgr.segment)[b] for b in out.block_ids] == [L.GRANTED] * 3

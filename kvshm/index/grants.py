@@ -82,9 +82,13 @@ class Grants:
         """A rebuild found ``block`` GRANTED to a live ``writer`` at ring position ``pos``."""
         self.blocks.setdefault(writer, {})[block] = pos
 
-    def settle(self, slot: int, gen: int, granted: int) -> int:
+    def settle(self, slot: int, gen: int, granted: int, taken: int) -> int:
         """At takeover: free the blocks of (slot, gen) whose position its ring's ``granted``
-        count never reached (never handed over). Returns how many."""
+        count never reached (never handed over). Returns how many. Nothing when the counts
+        are impossible (the client scribbled on its slot): ``granted`` then proves nothing,
+        and a block it took may be being written; its death frees them all."""
+        if not 0 <= granted - taken <= L.GRANT_CAPACITY:
+            return 0
         mine = self.blocks.get((slot, gen), {})
         lost = [b for b, pos in mine.items() if pos >= granted]
         for b in lost:

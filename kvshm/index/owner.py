@@ -190,7 +190,8 @@ class Owner(RequestHandlers):
                     # blocks it died handing over never reached the client: free them
                     granted = int(c.grant_words[L.GRANT_WORD_GRANTED])
                     c.stores = bool(granted) and c.grants and rec.state == L.SlotState.CLIENT
-                    self.manager.grants.settle(slot, rec.gen, granted)
+                    self.manager.grants.settle(slot, rec.gen, granted,
+                                               int(c.grant_words[L.GRANT_WORD_TAKEN]))
                     self._last_client = time.monotonic()
 
     def serve_once(self) -> int:
