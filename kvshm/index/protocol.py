@@ -139,11 +139,12 @@ def running_fields(running: Running | None, keys: list[bytes]) -> dict:
     return {"request": running.request, "positions": pos}
 
 
-def running_of(msg: Touch | PrepareStore | Publish, keys: list[bytes],
-               positions: list[int] | None) -> Running | None:
-    """The running request a frame names (its values are checked by the manager)."""
+def running_of(msg: Touch | PrepareStore | Publish) -> Running | None:
+    """The running request a frame (or a whole multi-part request) names; its values are
+    checked by the manager."""
     if not msg.request:
         return None
+    keys, positions = msg.keys, msg.positions
     if positions is None:
         return Running(msg.request, done=isinstance(msg, Touch))
     if len(positions) != len(keys):

@@ -93,8 +93,7 @@ class RequestHandlers:
             done = self.manager.pending_of(writer, m.req)
             c.largest_store = max(c.largest_store, len(done))
             return self._prepared(m.req, [k for k, _ in done], [b for _, b in done], [], True)
-        out = self.manager.prepare_store(m.keys, writer,
-                                         running=P.running_of(m, m.keys, m.positions))
+        out = self.manager.prepare_store(m.keys, writer, running=P.running_of(m))
         self._fan_out()
         if out is None:
             return [P.NoRoom(m.req, self.epoch)]
@@ -136,7 +135,7 @@ class RequestHandlers:
             L.check_key(k)
         c.stores = c.grants
         try:
-            running = P.running_of(m, m.keys, m.positions)
+            running = P.running_of(m)
         except KvshmError:
             running = None  # ranks are advice: a bad one never costs a store
             self.seg.counter_add("errors")
@@ -146,8 +145,7 @@ class RequestHandlers:
         return []
 
     def _touch(self, c: _Client, m: P.Touch, replay: bool) -> list[P._Msg]:
-        self.manager.touch(m.keys, m.how, running=P.running_of(m, m.keys, m.positions),
-                           client=(c.slot, c.gen))
+        self.manager.touch(m.keys, m.how, running=P.running_of(m), client=(c.slot, c.gen))
         self.seg.counter_add("touches")
         return [P.Ok(m.req, self.epoch)]
 

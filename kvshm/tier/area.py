@@ -51,10 +51,19 @@ PREFIX = "kvshmtier-"
 MAGIC = int.from_bytes(b"KVTIER01", "little")
 VERSION = 1
 RING_ENTRIES = 256
-_HDR, _CTR, _DESC = 0, 128, 384
+_CTR, _DESC = 128, 384  # byte offsets of the counters and the backend description
 _SLOT0 = 512
-_ENTRY = 16 + MAX_KEY_BYTES
-_SLOT_BYTES = 128 + RING_ENTRIES * _ENTRY
+# A want ring: its words (u64 each; tail and done on separate cache lines), then its entries.
+_R_TAIL = 0   # seq of the last entry the producer published
+_R_DONE = 8   # seq of the last entry the mover handled (its effect visible in the segment)
+_RING_HDR = 128
+# An entry (ring_entries of them after the ring's words):
+_E_SEQ = 0    # word: the want's seq, 0 while the producer rewrites the entry
+_E_LEN = 1    # word: the key's length
+_E_KEY = 16   # byte offset of the key (MAX_KEY_BYTES)
+_ENTRY = _E_KEY + MAX_KEY_BYTES
+_ENTRY_WORDS = _ENTRY // 8
+_SLOT_BYTES = _RING_HDR + RING_ENTRIES * _ENTRY
 (_W_MAGIC, _W_VERSION, _W_CLIENTS, _W_ENTRIES, _W_PID, _W_STATE, _W_SINCE, _W_ERR,
  _W_ERR_NS, _W_SLEEP, _W_KICK) = range(11)
 LOCK_MOVER = 0
@@ -106,8 +115,8 @@ class TierArea:
         self.max_clients = int(self.w[_W_CLIENTS])
         self._slots = [self.buf[_SLOT0 + s * _SLOT_BYTES:_SLOT0 + (s + 1) * _SLOT_BYTES]
                        for s in range(self.max_clients)]
-        self._words = [v[:128].cast("Q") for v in self._slots]
-        self._entry_words = [v[128:].cast("Q") for v in self._slots]
+        self._words = [v[:_RING_HDR].cast("Q") for v in self._slots]
+        self._entry_words = [v[_RING_HDR:].cast("Q") for v in self._slots]
         self._bell: Doorbell | None = None
         self._qfd: int | None = None
 
@@ -243,7 +252,7 @@ class TierArea:
 
     def pending(self) -> bool:
         """Whether any want ring holds unread entries."""
-        return any(w[0] != w[8] for w in self._words)
+        return any(w[_R_TAIL] != w[_R_DONE] for w in self._words)
 
     def drain(self, limit: int = 4096) -> tuple[list[bytes], dict[int, int]]:
         """Read up to ``limit`` wanted keys; returns them and, per slot, the ``done`` value
@@ -251,7 +260,7 @@ class TierArea:
         keys: list[bytes] = []
         done: dict[int, int] = {}
         for s, w in enumerate(self._words):
-            tail, seen = w[0], w[8]
+            tail, seen = w[_R_TAIL], w[_R_DONE]
             if tail == seen:
                 continue
             if tail - seen > RING_ENTRIES:  # lapped: the oldest are overwritten
@@ -263,14 +272,15 @@ class TierArea:
                 seen += 1
                 i = (seen - 1) % RING_ENTRIES
                 full_fence()
-                if e[i * (_ENTRY // 8)] != seen:
+                base = i * _ENTRY_WORDS
+                if e[base + _E_SEQ] != seen:
                     self.add("wants_dropped")
                     continue
-                n = min(e[i * (_ENTRY // 8) + 1], MAX_KEY_BYTES)
-                off = 128 + i * _ENTRY + 16
+                n = min(e[base + _E_LEN], MAX_KEY_BYTES)
+                off = _RING_HDR + i * _ENTRY + _E_KEY
                 key = bytes(view[off:off + n])
                 full_fence()
-                if e[i * (_ENTRY // 8)] != seen:  # overwritten while we copied it
+                if e[base + _E_SEQ] != seen:  # overwritten while we copied it
                     self.add("wants_dropped")
                     continue
                 keys.append(key)
@@ -282,7 +292,7 @@ class TierArea:
         """Answer the wants ``drain`` returned: their effect is visible in the segment."""
         full_fence()
         for s, seen in done.items():
-            self._words[s][8] = seen
+            self._words[s][_R_DONE] = seen
 
     def skip_all(self) -> None:
         """Mark every want answered (as misses): the mover is stopping or the tier is down."""
@@ -295,25 +305,25 @@ class TierArea:
         if not 0 <= slot < self.max_clients:
             raise InvalidArgumentError(f"slot {slot} is not a client slot of {self.name!r}")
         w, e, view = self._words[slot], self._entry_words[slot], self._slots[slot]
-        tail = w[0]
+        tail = w[_R_TAIL]
         for k in keys[:RING_ENTRIES]:
             tail += 1
             i = (tail - 1) % RING_ENTRIES
-            base = i * (_ENTRY // 8)
-            e[base] = 0  # a reader mid-copy sees the entry change and drops it
-            off = 128 + i * _ENTRY + 16
+            base = i * _ENTRY_WORDS
+            e[base + _E_SEQ] = 0  # a reader mid-copy sees the entry change and drops it
+            off = _RING_HDR + i * _ENTRY + _E_KEY
             view[off:off + len(k)] = k
-            e[base + 1] = len(k)
+            e[base + _E_LEN] = len(k)
             full_fence()
-            e[base] = tail
+            e[base + _E_SEQ] = tail
         full_fence()
-        w[0] = tail
+        w[_R_TAIL] = tail
         self.bell().ring()
         return tail
 
     def answered(self, slot: int, seq: int) -> bool:
         """Whether the mover has handled want ``seq`` of ring ``slot``."""
-        return self._words[slot][8] >= seq
+        return self._words[slot][_R_DONE] >= seq
 
     # --- what kvshm-inspect shows -----------------------------------------------------
     def snapshot(self) -> dict[str, object]:
@@ -327,7 +337,7 @@ class TierArea:
             "since_ns": int(w[_W_SINCE]),
             "last_error": err - (1 << 64) if err >= 1 << 63 else err,
             "last_error_ns": int(w[_W_ERR_NS]),
-            "wants_queued": sum(int(v[0] - v[8]) for v in self._words),
+            "wants_queued": sum(int(v[_R_TAIL] - v[_R_DONE]) for v in self._words),
             "counters": dict(zip(COUNTERS, (int(c) for c in self.counters)))}
 
 

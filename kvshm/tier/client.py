@@ -97,10 +97,8 @@ class TieredManager(OffloadingManager):
             if state == L.READY or now - seen[1] < self.max_wait:
                 return self._not_yet(keys, n)
             return n
-        if seen is not None and seen[0] and now - seen[1] < self.retry_after:
-            if area.answered(self.slot, seen[0]) or now - seen[1] >= self.max_wait:
-                return n  # the mover looked: the lower tier has nothing for it (or stalls)
-            return self._not_yet(keys, n)
+        if (waiting := self._want_waits(area, seen, now)) is not None:
+            return self._not_yet(keys, n) if waiting else n
         ask = [k for k in keys[n:n + self.want_ahead]
                if (s := self._asked.get(k)) is None or now - s[1] >= self.retry_after
                or not s[0]]
@@ -108,6 +106,15 @@ class TieredManager(OffloadingManager):
             return n
         self._record(ask, area.want(self.slot, ask), now)
         return self._not_yet(keys, n)
+
+    def _want_waits(self, area: TierArea, seen: tuple[int, float] | None,
+                    now: float) -> bool | None:
+        """For a key last asked for as ``seen``: None when no want of it is recent (ask
+        again); else True while the mover has not handled it (not yet, for ``max_wait`` s)
+        and False once it has, or stalls (the lower tier has nothing for it: a miss)."""
+        if seen is None or not seen[0] or now - seen[1] >= self.retry_after:
+            return None
+        return not area.answered(self.slot, seen[0]) and now - seen[1] < self.max_wait
 
     def _record(self, keys: list[bytes], seq: int, now: float) -> None:
         if len(self._asked) > _MAX_TRACKED:
@@ -154,10 +161,8 @@ class TieredManager(OffloadingManager):
         area = self._tier()
         if area is None:
             return status
-        if seen is not None and seen[0] and now - seen[1] < self.retry_after:
-            if area.answered(self.slot, seen[0]) or now - seen[1] >= self.max_wait:
-                return status  # the mover looked: the lower tier has nothing for it (or stalls)
-            return LookupResult.RETRY
+        if (waiting := self._want_waits(area, seen, now)) is not None:
+            return LookupResult.RETRY if waiting else status
         if len(self._queued) >= self.want_ahead:
             return status
         self._queued[key] = now

@@ -277,8 +277,8 @@ class ManagerCore:
                       position: Position | None = None) -> PrepareStoreOutput | None:
         keys = list(keys)
         acc = self._access_of(req_id)
-        index = self.mgr.index  # lock-free, takes no lease; a key with no slot of its tag
-        state = [index.find(k)[1] if index.probe(k) >= 0 else -1 for k in keys]  # is absent
+        find = self.mgr.index.find  # lock-free, takes no lease
+        state = [find(k)[1] for k in keys]
         missing = [k for k, st in zip(keys, state) if st != L.READY and st != L.WRITING]
         ready = [k for k, st in zip(keys, state) if st == L.READY]
         new_misses = [k for k in missing if k not in acc.missed]
