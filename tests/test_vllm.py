@@ -208,6 +208,23 @@ def test_manager_core_leases_pins_and_reset(seg_name):
         other.shutdown()
 
 
+def test_stats_reader_never_counts_a_block_of_unknown_state_as_granted(seg_name):
+    """A state byte no kvshm writes (a scribbled table) is in no state's gauge: not counted
+    as the highest known state."""
+    from kvshm.integrations.vllm.stats import StatsReader
+    from kvshm.shm import layout as L
+
+    seg = Segment.create(seg_name, Layout((4096,), 16, "t"), 8)
+    try:
+        g = seg.geometry
+        seg.buf[g.table_offset + 3 * L.ENTRY_BYTES + L.entry_field_offset("state")] = 9
+        got = {(n, lab): v for n, v, lab in StatsReader(seg, 0).block_samples()}
+        assert got[("vllm:kvshm_blocks", ("granted",))] == 0
+        assert got[("vllm:kvshm_blocks", ("free",))] == 7
+    finally:
+        seg.close()
+
+
 def test_stats_reader_reports_this_engines_deltas_and_the_segments_state(seg_name):
     """What ``get_stats`` hands vLLM each step: counter deltas of this engine only (another
     engine's work is not in them), the segment's blocks and totals as snapshots."""

@@ -21,7 +21,7 @@ from kvshm.shm import layout as L
 from kvshm.shm.checksums import BlockSums
 from kvshm.shm.ring import Ring
 from kvshm.shm.segment import Segment
-from kvshm.shm.table import BlockTable, KeyIndex
+from kvshm.shm.table import BlockTable, KeyIndex, state_counts
 from kvshm.index.owner_link import owner_log_path
 from kvshm.tier.area import COUNTERS as TIER_COUNTERS, TierArea
 
@@ -128,7 +128,7 @@ def snapshot(seg: Segment) -> dict[str, Any]:
     """Everything ``kvshm-inspect show`` reports, as JSON-ready dicts (``docs/inspect.md``)."""
     m, g, lay, now = _Meta(seg), seg.geometry, seg.layout, time.time_ns()
     h = L.HEADER.unpack_from(m.buf, 0)
-    n = np.bincount(np.minimum(m.e["state"], 5), minlength=6).tolist()
+    n = state_counts(m.e["state"])
     pinned = m.live_pinned | set(np.nonzero(m.e["pins"])[0].tolist())
     clients = [_client(seg, m, i, now) for i in range(g.max_clients)
                if m.slot(i)[0] != SLOT_FREE or i in m.live]
@@ -155,8 +155,9 @@ def snapshot(seg: Segment) -> dict[str, Any]:
         "geometry": {**{k: getattr(g, k) for k in _GEOMETRY}, "num_planes": len(g.page_bytes),
                      "page_bytes": list(g.page_bytes), "block_bytes": lay.block_bytes,
                      "tokens_per_block": lay.tokens_per_block},
-        "blocks": {"total": g.num_blocks, "free": n[0], "writing": n[1], "ready": n[2],
-                   "evicting": n[3], "granted": n[4], "invalid": n[5], "pinned": len(pinned),
+        "blocks": {"total": g.num_blocks,
+                   **{name: n[s] for s, name in L.STATE_NAMES.items()},
+                   "invalid": n[L.INVALID], "pinned": len(pinned),
                    "leased": len(m.live_leased - pinned), "used": used,
                    "usage": round(used / g.num_blocks, 6)},
         "owner": {"pid": pid, "alive": m.owner_alive, "epoch": epoch, "since_ns": since,

@@ -53,6 +53,7 @@ POLICY_NAMES = ("lru", "arc")
 FREE, WRITING, READY, EVICTING, GRANTED = 0, 1, 2, 3, 4
 STATE_NAMES = {FREE: "free", WRITING: "writing", READY: "ready", EVICTING: "evicting",
                GRANTED: "granted"}
+INVALID = len(STATE_NAMES)  # ``state_counts``' bucket for a state byte no kvshm writes
 
 # Byte offsets of kernel-released (OFD) locks taken on the segment's file descriptor.
 # They lock bytes of the file *descriptor range*, not data: the kernel drops them when the

@@ -51,6 +51,12 @@ _READ_TRIES = 10_000
 _READ_YIELD_AFTER = 100
 
 
+def state_counts(states: np.ndarray) -> list[int]:
+    """Blocks per state from an array of state bytes: index = state, and ``L.INVALID`` for
+    any byte that is no state (counted apart, never as a real state)."""
+    return np.bincount(np.minimum(states, L.INVALID), minlength=L.INVALID + 1).tolist()
+
+
 class Entry(NamedTuple):
     seq: int
     state: int

@@ -29,6 +29,7 @@ import numpy as np
 
 from kvshm.shm import layout as L
 from kvshm.shm import slots
+from kvshm.shm.table import state_counts
 
 COUNTER, GAUGE = "counter", "gauge"
 P = "vllm:kvshm_"
@@ -123,7 +124,7 @@ class StatsReader:
 
     def block_samples(self) -> list[tuple[str, float, tuple[str, ...]]]:
         """Blocks by state, racy (a gauge needs no seqlock), and the segment's usage."""
-        n = np.bincount(np.minimum(self._states, 4), minlength=5).tolist()
+        n = state_counts(self._states)
         total = max(1, self.segment.geometry.num_blocks)
         out: list[tuple[str, float, tuple[str, ...]]] = [
             (f"{P}blocks", n[s], (name,)) for s, name in L.STATE_NAMES.items()]
