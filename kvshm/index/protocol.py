@@ -5,9 +5,9 @@ encoder/decoders. Frames are msgpack arrays (``array_like``) so a 32-key request
 a microsecond to encode and decode. It never touches shared memory or manager state.
 
 Every request carries ``req``, the client's request number (u64, increasing per slot
-generation); every reply echoes it and carries the epoch of the owner that wrote it. ``req == 0``
-marks a one-way request (no reply): ``Touch`` and ``Publish`` only. A ``PrepareStore`` too large for one frame travels as
-several frames with the same ``req`` (``part`` 0, 1, ...; all but the last with ``more``): the
+generation); every reply echoes it and carries the epoch of the owner that wrote it.
+``req == 0`` marks a one-way request (no reply): ``Touch`` and ``Publish`` only. A
+``PrepareStore`` too large for one frame travels as several frames with the same ``req`` (``part`` 0, 1, ...; all but the last with ``more``): the
 owner executes it once, whole, when the last part arrives, and answers in parts the same way.
 Other requests that are too large are split by the client into independent requests. Why a request
 is executed at most once whatever dies is told in ``owner_link.py``.
