@@ -31,9 +31,10 @@ POINTS = (
     # owner: block grants (store without a round trip)
     "owner.grant.before_count",  # granted blocks GRANTED and their ids in the ring, count not
     #                              yet stored: the client cannot take them
-    "owner.publish.mid",  # a Publish frame's first key published, the rest still granted
+    "owner.publish.mid",  # a Publish frame's blocks READY in the table, not yet indexed
     # owner: entry writes
     "table.write.odd",  # entry sequence odd, body half written
+    "table.write_many.odd",  # a batch's entries all odd, half their bodies written
     # owner: takeover
     "owner.rebuild.mid",  # half the table adopted
     "owner.reclaim.mid",  # a dead client's stores freed, its slot not yet cleared

@@ -48,8 +48,9 @@ CLIENT_POINTS = {
     "client.store.after_copy": 5, "client.load.after_pin": 2,
     "client.shutdown.before_bye": 1, "client.store.after_take": 2,
 }
-# Walked by the tests of their own module (copy workers, segment creation, the mover).
-WALKED_ELSEWHERE = {"worker.store.mid_copy", "segment.create.after_open",
+# Walked by the tests of their own module (copy workers, batch table writes, segment
+# creation, the mover).
+WALKED_ELSEWHERE = {"worker.store.mid_copy", "table.write_many.odd", "segment.create.after_open",
                     "segment.create.after_lock", "segment.create.after_reserve",
                     "mover.fill.after_prepare", "mover.fill.after_get",
                     "mover.spill.after_pin"}

@@ -33,7 +33,8 @@ from kvshm.inspect.schema import DOCUMENTS, Show, render_docs
 from kvshm.shm.layout import Layout
 from kvshm.index.manager import LocalManager
 from kvshm.shm.segment import Segment
-from kvshm.shm.table import BlockTable, KeyIndex
+from kvshm.shm.keyindex import KeyIndex
+from kvshm.shm.table import BlockTable
 
 from conftest import unique_name
 

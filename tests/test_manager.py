@@ -19,7 +19,8 @@ from kvshm.errors import (BlockStateError, InvalidArgumentError, KvshmError,
                           OwnerUnavailableError, UnknownKeyError)
 from kvshm.index.manager import LocalManager
 from kvshm.shm.segment import Segment
-from kvshm.shm.table import BlockTable, KeyIndex
+from kvshm.shm.keyindex import KeyIndex
+from kvshm.shm.table import BlockTable
 
 HIT, MISS, PENDING = LookupResult.HIT, LookupResult.MISS, LookupResult.PENDING
 CTX = mp.get_context("spawn")

@@ -26,7 +26,8 @@ from kvshm.errors import BlockStateError, UnknownKeyError
 from kvshm.shm.layout import Layout
 from kvshm.index.manager import LOCAL_WRITER, LocalManager
 from kvshm.shm.segment import Segment
-from kvshm.shm.table import BlockTable, KeyIndex
+from kvshm.shm.keyindex import KeyIndex
+from kvshm.shm.table import BlockTable
 
 NUM_BLOCKS = 8
 # Chosen so that their home slots in the 16-slot key index collide (4 keys at slot 15, 3 at

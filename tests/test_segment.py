@@ -152,7 +152,8 @@ def test_create_records_geometry_in_the_header(make_segment):
 
 
 def test_fresh_block_table_is_all_free(make_segment):
-    from kvshm.shm.table import BlockTable, KeyIndex
+    from kvshm.shm.keyindex import KeyIndex
+    from kvshm.shm.table import BlockTable
     seg = make_segment(num_blocks=6)
     table = BlockTable(seg.buf, seg.geometry)
     index = KeyIndex(seg.buf, seg.geometry, table)

@@ -21,7 +21,8 @@ from kvshm.shm import layout as L
 from kvshm.inspect.cli import main as inspect_main
 from kvshm.index.manager import LocalManager
 from kvshm.shm.segment import Segment
-from kvshm.shm.table import BlockTable, KeyIndex
+from kvshm.shm.keyindex import KeyIndex
+from kvshm.shm.table import VECTOR_MIN, BlockTable
 
 import procs
 
@@ -121,6 +122,49 @@ def test_rebuild_does_not_publish_a_ready_entry_whose_key_tail_was_zeroed(make_s
         assert m.num_free == 8 - 5
     finally:
         m.shutdown()
+
+
+N = VECTOR_MIN  # a batch this large is written by the batch writer
+BATCH = [b"batch-of-vllm-sized-offload-keys-%03d" % i for i in range(3 * N)]  # 36 bytes
+
+
+def _own_fill_then_evict_a_batch(name: str) -> None:
+    """Own ``name`` (2N blocks), store 2N keys in two batches, then N more: the eviction of
+    the N oldest rewrites their entries in one batch, where KVSHM_CRASH_AT kills us."""
+    seg = Segment.attach(name)
+    m = LocalManager(seg, "lru")
+    _store(m, seg, BATCH[:N])
+    _store(m, seg, BATCH[N:2 * N])
+    m.prepare_store(BATCH[2 * N:])
+    raise AssertionError("the crash point did not fire")
+
+
+def test_owner_killed_mid_batch_rewrite_publishes_no_torn_key(make_segment):
+    seg = make_segment(num_blocks=2 * N, policy="lru")
+    os.environ["KVSHM_CRASH_AT"] = "table.write_many.odd:3"  # two stores, then the victims
+    try:
+        p = CTX.Process(target=_own_fill_then_evict_a_batch, args=(seg.name,))
+        p.start()
+    finally:
+        del os.environ["KVSHM_CRASH_AT"]
+    p.join(JOIN_S)
+    assert p.exitcode == -signal.SIGKILL
+    table = BlockTable(seg.buf, seg.geometry)
+    assert all(_seq(seg, b) & 1 for b in range(N))  # BATCH[:N], in blocks 0..N-1: all odd
+    half = N // 2
+    torn = table.read(half)  # the first half freed, then the next one's key half rewritten
+    assert torn.state == L.READY and torn.key not in BATCH
+    m = LocalManager(seg, "lru")
+    try:
+        assert m.recovered["torn"] == 1
+        assert m.lookup([torn.key]) == 0
+        assert KeyIndex(seg.buf, seg.geometry, table).find(torn.key) == (-1, -1)
+        # the rows not yet rewritten still hold their keys and bytes: kept
+        assert _hits_with_right_bytes(m, seg, BATCH[:2 * N]) == BATCH[half + 1:2 * N]
+        assert m.num_free == half + 1
+    finally:
+        m.shutdown()
+        table.close()
 
 
 # --- the key checksum ----------------------------------------------------------------------

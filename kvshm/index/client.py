@@ -26,6 +26,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from kvshm.shm import keys as K
 from kvshm.shm import layout as L
 from kvshm.shm import slots
 from kvshm.index import protocol as P
@@ -40,7 +41,8 @@ from kvshm.index.owner_link import OwnerLink, start_owner
 from kvshm.index.own_stores import OwnStores
 from kvshm.shm.ring import Ring
 from kvshm.shm.segment import Segment
-from kvshm.shm.table import BlockTable, KeyIndex
+from kvshm.shm.keyindex import KeyIndex
+from kvshm.shm.table import BlockTable
 
 
 def connect(name: str, layout: Layout | None = None, *, num_blocks: int | None = None,
@@ -145,15 +147,15 @@ class SharedManager(OffloadingManager):
     # --- reads and holds ----------------------------------------------------------------
     def lookup(self, keys: Sequence[bytes]) -> int:
         """See ``OffloadingManager.lookup``. Bad input is refused with InvalidArgumentError
-        (``layout.key_seq``/``check_key``): items are checked where lookup examines them
+        (``keys.key_seq``/``check_key``): items are checked where lookup examines them
         (the first miss, anything unhashable), so a list of bytes costs no extra pass."""
         if type(keys) is not list and type(keys) is not tuple:
-            keys = L.key_seq(keys)
+            keys = K.key_seq(keys)
         try:
             return self._lookup(keys)
         except TypeError:  # an unhashable or unjoinable item (bytearray, list, str)
             for k in keys:
-                L.check_key(k)
+                K.check_key(k)
             raise
 
     def _lookup(self, keys: Sequence[bytes]) -> int:
@@ -186,7 +188,7 @@ class SharedManager(OffloadingManager):
             lease, index = self._h.lease_key, self.index
             for k in keys:
                 if type(k) is not bytes:  # never lease under a str or a caller's buffer
-                    L.check_key(k)
+                    K.check_key(k)
                 if lease(k, index) != L.READY:
                     break
                 hits += 1
@@ -217,10 +219,10 @@ class SharedManager(OffloadingManager):
                 self._lk_n += 1
                 return _HIT
         except TypeError:  # unhashable: refuse it by name
-            L.check_key(key)
+            K.check_key(key)
             raise
         if type(key) is not bytes:
-            L.check_key(key)  # refused: not a lookup, counted nowhere
+            K.check_key(key)  # refused: not a lookup, counted nowhere
         self._lk_n += 1
         state = h.lease_key(key, self.index)
         if state == L.READY:
@@ -241,13 +243,13 @@ class SharedManager(OffloadingManager):
 
     def prepare_load(self, keys: Sequence[bytes]) -> list[int]:
         if type(keys) is not list and type(keys) is not tuple:
-            keys = L.key_seq(keys)
+            keys = K.key_seq(keys)
         h = self._h
         taken: list[tuple[bytes, int]] = []
         blocks = []
         try:
             for k in keys:
-                L.check_key(k)
+                K.check_key(k)
                 i = h.leases.pop(k, None)
                 if i is None:
                     i = self._lease_for_load(k)
@@ -307,11 +309,11 @@ class SharedManager(OffloadingManager):
 
     def complete_load(self, keys: Sequence[bytes]) -> None:
         if type(keys) is not list and type(keys) is not tuple:
-            keys = L.key_seq(keys)
+            keys = K.key_seq(keys)
         pins = self._h.pins
         need: dict[bytes, int] = {}
         for k in keys:
-            L.check_key(k)
+            K.check_key(k)
             need[k] = need.get(k, 0) + 1
             if len(pins.get(k, ())) < need[k]:
                 if self.index.find(k)[0] < 0 and not self._own.mine(k):
@@ -335,9 +337,9 @@ class SharedManager(OffloadingManager):
     def touch(self, keys: Sequence[bytes], how: bytes | None = None, *,
               running: Running | None = None) -> None:
         if type(keys) is not list and type(keys) is not tuple:
-            keys = L.key_seq(keys)
+            keys = K.key_seq(keys)
         for k in keys:
-            L.check_key(k)
+            K.check_key(k)
         if how is not None and len(how) != len(keys):
             raise InvalidArgumentError("touch: 'how' needs one access kind per key")
         # Tail pieces first: the owner makes each touched key most recent in reverse order,
@@ -358,9 +360,9 @@ class SharedManager(OffloadingManager):
         enough blocks (no frame at all; ``complete_store`` ranks them), else one atomic round
         trip however many keys."""
         if type(keys) is not list and type(keys) is not tuple:
-            keys = L.key_seq(keys)
+            keys = K.key_seq(keys)
         for k in keys:
-            L.check_key(k)
+            K.check_key(k)
         own, probe = self._own, self.index.probe
         own.prune()
         self._count_lookup()
@@ -394,9 +396,9 @@ class SharedManager(OffloadingManager):
         the grant ring (our own lookups wait briefly for the owner to take it), else a round
         trip."""
         if type(keys) is not list and type(keys) is not tuple:
-            keys = L.key_seq(keys)
+            keys = K.key_seq(keys)
         for k in keys:
-            L.check_key(k)
+            K.check_key(k)
         rest = self._own.complete(keys, success, self._chunk_keys, running)
         for part in self._chunks(rest) if rest else ():  # a subset is a valid completion
             self._link.call([P.CompleteStore(self._link.next_req(), part, success)])

@@ -32,7 +32,7 @@ class Eviction:
     segment: "Segment"
     enable_events: bool
     _events: list[OffloadingEvent]
-    _drop: Callable[[bytes], None]  # forget a key and free its block
+    _drop_many: Callable[[list[bytes]], None]  # forget keys and free their blocks
 
     def _evict(self, n: int, protected: set[bytes], requester: int) -> list[bytes] | None:
         held = self._held(requester) if self._held else set()
@@ -49,8 +49,7 @@ class Eviction:
             victims = self._fence_victims(victims, can_evict, requester)
             if victims is None:
                 return None
-        for k in victims:
-            self._drop(k)
+        self._drop_many(victims)
         crash_point("owner.evict.after_drop")
         self.segment.counter_add("evictions", len(victims))
         if self.enable_events:
@@ -66,8 +65,7 @@ class Eviction:
         the other: either the client sees EVICTING and reports a miss, or we see the lease
         and keep the block. Blocks that got leased meanwhile go back into the cache.
         """
-        for k in victims:
-            self.table.set_state(self._entries[k].block, L.EVICTING)
+        self.table.set_states([self._entries[k].block for k in victims], L.EVICTING)
         crash_point("owner.evict.after_mark")
         full_fence()
         held = self._held(requester)

@@ -100,6 +100,10 @@ class Grants:
         self.m.table.write(b, L.FREE, b"")
         self.m._free.append(b)
 
+    def _free_many(self, blocks: list[int]) -> None:
+        self.m.table.write_many(blocks, L.FREE)
+        self.m._free.extend(blocks)
+
     def grant(self, slot: int, gen: int, n: int, first: int) -> list[int]:
         """Up to ``n`` blocks for (slot, gen), evicting if the free list is short (fewer when
         too little can be evicted). Each is GRANTED in the table before the caller rings it."""
@@ -108,10 +112,8 @@ class Grants:
         if short > 0 and m._evict(short, set(), ALL_HOLDS) is None:
             n = len(m._free)
         out = [m._free.popleft() for _ in range(n)]
-        mine = self.blocks.setdefault((slot, gen), {})
-        for i, b in enumerate(out):
-            m.table.write(b, L.GRANTED, b"", slot, gen, first + i, m.tick)
-            mine[b] = first + i
+        m.table.write_many(out, L.GRANTED, None, slot, gen, range(first, first + n), m.tick)
+        self.blocks.setdefault((slot, gen), {}).update(zip(out, range(first, first + n)))
         m.segment.counter_add("granted_blocks", len(out))
         return out
 
@@ -129,7 +131,8 @@ class Grants:
             m.segment.counter_add("errors")
         mine = self.blocks.get((slot, gen), {})
         m.tick += 1
-        done, freed = [], 0
+        done: dict[bytes, int] = {}  # key -> block, published by this frame
+        freed = []
         for k, b in zip(keys, blocks):
             pos = mine.get(b, taken)
             if pos >= taken:
@@ -141,17 +144,19 @@ class Grants:
                 # table so that a successor owner still knows (``adopt``).
                 m.table.write(b, L.GRANTED, k, slot, gen, pos, m.tick)
                 self.deferred[k] = b
-            elif not success or e is not None:  # failed, or another client stored it first
-                self._free(b)
-                freed += 1
+            elif not success or e is not None or k in done:  # failed, or stored first
+                freed.append(b)
             else:
-                self._make_ready(k, b, rank_of(k) if rank_of else None)
-                done.append(k)
-                if len(done) == 1:
-                    crash_point("owner.publish.mid")
+                done[k] = b
         if not mine:
             self.blocks.pop((slot, gen), None)
-        m._stored(done, success, freed)
+        self._free_many(freed)
+        keys, blocks = list(done), list(done.values())
+        m.table.write_many(blocks, L.READY, keys, -1, 0, 0, m.tick, time.time_ns())
+        if keys:
+            crash_point("owner.publish.mid")
+        m._adopt_many(blocks, keys, None, [rank_of(k) for k in keys] if rank_of else None)
+        m._stored(keys, success, len(freed))
 
     def _make_ready(self, k: bytes, b: int, rank: Rank | None = None) -> None:
         m = self.m
@@ -173,8 +178,7 @@ class Grants:
     def free(self, writer: tuple[int, int]) -> int:
         """Free every block granted to ``writer`` (its client is gone, with its copiers)."""
         blocks = self.blocks.pop(writer, {})
-        for b in sorted(blocks):
-            self._free(b)
+        self._free_many(sorted(blocks))
         return len(blocks)
 
 

@@ -34,7 +34,8 @@ import numpy as np
 
 from kvshm.shm import layout as L
 from kvshm.shm.fence import full_fence
-from kvshm.shm.table import BlockTable, KeyIndex
+from kvshm.shm.keyindex import KeyIndex
+from kvshm.shm.table import BlockTable
 
 # How many keys of a loaded prefix one ``relet`` leases (one fence for all of them), and the
 # shortest prefix worth remembering (below it numpy's set-up costs more than it saves).

@@ -3,10 +3,13 @@
 This module owns the index (one ``_Entry`` per cached key: block, readiness, load pins, the
 writer of an unfinished store; the free list; the writer -> keys index derived from the
 entries, for reclaiming a dead writer's stores; the blocks granted to clients, in
-``grants.py``; running requests' provisional ranks, in ``running.py``) and applies vLLM's v1 offload semantics to it, mirroring every block's durable
-state into the segment's block table and key index so that other processes can read it and
-a successor can rebuild it. Exactly one LocalManager exists per segment: it holds the
-segment's owner lock. The owner process wraps it; single-process users may use it directly.
+``grants.py``; running requests' provisional ranks, in ``running.py``) and applies vLLM's
+v1 offload semantics to it, mirroring every block's durable state into the segment's block
+table and key index so that other processes can read it and a successor can rebuild it
+(``rebuild.py``). A batch of keys (a store, its publish, an eviction's victims, a touch) is
+mirrored with the table's and the index's batch writers, a few numpy operations per batch.
+Exactly one LocalManager exists per segment: it holds the segment's owner lock. The owner
+process wraps it; single-process users may use it directly.
 It never copies block data and never imports torch.
 """
 from __future__ import annotations
@@ -16,20 +19,22 @@ import time
 from collections import deque
 from typing import Callable, Sequence
 
+from kvshm.shm import keys as K
 from kvshm.shm import layout as L
 from kvshm.shm import locks
 from kvshm.shm import writers
-from kvshm.crashpoints import crash_point
 from kvshm.index.api import (LookupResult, OffloadingEvent, OffloadingManager,
                              PrepareStoreOutput, Running)
 from kvshm.index.eviction import Eviction
+from kvshm.index.rebuild import Rebuild
 from kvshm.index.grants import Grants
 from kvshm.errors import (BlockStateError, InvalidArgumentError, OwnerUnavailableError,
                      UnknownKeyError)
 from kvshm.index.policy import ACCESS_KINDS, MISSED, RANKED, CachePolicy, Rank, make_policy
 from kvshm.index.running import RunningRanks
 from kvshm.shm.segment import Segment
-from kvshm.shm.table import BlockTable, KeyIndex
+from kvshm.shm.keyindex import KeyIndex
+from kvshm.shm.table import BlockTable
 
 Writer = tuple[int, int, int]  # (client slot, client generation, request id)
 LOCAL_WRITER: Writer = (-1, 0, 0)
@@ -46,7 +51,7 @@ class _Entry:
         self.writer = writer  # (slot, gen) whose store is unfinished; None once ready
 
 
-class LocalManager(Eviction, OffloadingManager):
+class LocalManager(Rebuild, Eviction, OffloadingManager):
     """In-process manager over a segment. Thread-unsafe: one caller (the owner loop).
 
     ``held(requester_slot)`` returns the blocks that clients hold against a store of that
@@ -93,70 +98,6 @@ class LocalManager(Eviction, OffloadingManager):
         if pid:  # the last owner died holding the segment (a clean exit writes pid 0)
             segment.counter_add("failovers")
 
-    # --- rebuild ------------------------------------------------------------------------
-    def _rebuild(self, writer_alive: Callable[[int, int], bool]) -> dict[str, int]:
-        """Adopt the table: ready blocks stay, stores of dead writers and torn keys are freed.
-
-        It never rewrites a key it keeps: a kept entry only gets its state, writer and pins
-        reset by word stores (``reset_ready``), so an owner dying in here cannot tear a key.
-        """
-        ready, kept, freed, torn_keys, free = [], 0, 0, 0, []
-        writing: list[tuple[int, bytes, tuple[int, int]]] = []
-        self.index.clear()
-        for b in range(self.table.num_blocks):
-            # A dead owner may have left an entry mid-rewrite (odd seq: readers would report
-            # it torn forever). Settle it, then trust its key only if the checksum written
-            # with the key still verifies: a rewrite killed halfway may have changed any of
-            # the key bytes under an unchanged READY state.
-            torn = self.table.settle(b)
-            e = self.table.read(b)
-            if e.state != L.FREE and (e.torn or not e.key_ok):
-                torn_keys += 1  # never published: its key is neither the old nor the new one
-            elif e.state in (L.READY, L.EVICTING) and e.key:
-                ready.append((e.last_use, b, e.key, e))
-                continue
-            elif e.state == L.GRANTED and e.key and not torn and \
-                    e.key not in self.grants.deferred:
-                self.grants.deferred[e.key] = b  # a completed store a dead owner deferred
-                continue
-            elif e.state in (L.WRITING, L.GRANTED) and not torn and e.writer >= 0 and \
-                    not (e.state == L.GRANTED and e.key) and writer_alive(e.writer, e.writer_gen):
-                if e.state == L.GRANTED:
-                    self.grants.adopt(b, (e.writer, e.writer_gen), e.writer_req)
-                else:
-                    writing.append((b, e.key, (e.writer, e.writer_gen)))
-                continue
-            # a torn WRITING entry's store was never answered, a dead writer's never ends
-            if e.state != L.FREE or torn:
-                self.table.write(b, L.FREE, b"")
-                freed += e.state != L.FREE
-            free.append(b)
-        for last_use, b, key, e in sorted(ready):  # oldest first: recency survives failover
-            if key in self._entries:  # a duplicate can only come from a damaged table
-                self.table.write(b, L.FREE, b"")
-                free.append(b)
-                continue
-            if e.state != L.READY or e.writer != -1 or e.pins:
-                self.table.reset_ready(b)
-            if len(self._entries) == len(ready) // 2:
-                crash_point("owner.rebuild.mid")
-            self._adopt(b, key, None)
-            self.tick = max(self.tick, last_use)
-        for b, key, writer in writing:  # after the ready ones: a duplicate key (a damaged
-            if key in self._entries:    # table) keeps its published bytes, never a store's
-                self.table.write(b, L.FREE, b"")
-                free.append(b)
-                freed += 1
-                continue
-            self._adopt(b, key, writer)
-            kept += 1
-        self._free = deque(sorted(free))  # low block ids first, like vLLM's CPU backend
-        for key in list(self.grants.deferred):  # deferred behind a store that is over now
-            e = self._entries.get(key)
-            if e is None or e.ready:
-                self.grants.resolve(key)
-        return {"ready": len(ready), "pending": kept, "freed": freed, "torn": torn_keys}
-
     def _adopt(self, block: int, key: bytes, writer: tuple[int, int] | None,
                rank: Rank | None = None) -> None:
         """Enter ``key`` at ``block``: ready without a writer, else pending for ``writer``;
@@ -166,6 +107,19 @@ class LocalManager(Eviction, OffloadingManager):
             self._pending.setdefault(writer, set()).add(key)
         self.policy.insert(key, rank)
         self.index.insert(key, block)
+
+    def _adopt_many(self, blocks: list[int], keys: list[bytes], writer: tuple[int, int] | None,
+                    ranks: list[Rank | None] | None = None) -> None:
+        """``_adopt`` of every key (distinct, none entered) at its block: one pass each over
+        the entries, the policy and the index, as a batch of stores needs."""
+        ready = writer is None
+        self._entries.update(zip(keys, [_Entry(b, ready, writer) for b in blocks]))
+        if writer is not None:
+            self._pending.setdefault(writer, set()).update(keys)
+        self.policy.insert_many(keys, ranks)
+        insert = self.index.insert
+        for k, b in zip(keys, blocks):
+            insert(k, b)
 
     def _unpend(self, key: bytes, e: _Entry) -> None:
         """The store of ``key`` is over (published or freed): forget its writer."""
@@ -179,10 +133,10 @@ class LocalManager(Eviction, OffloadingManager):
     # --- reads --------------------------------------------------------------------------
     def lookup(self, keys: Sequence[bytes]) -> int:
         """See ``OffloadingManager.lookup``. Bad input is refused with InvalidArgumentError
-        (``layout.key_seq``/``check_key``): items are checked where lookup examines them
+        (``keys.key_seq``/``check_key``): items are checked where lookup examines them
         (the first miss, anything unhashable), so a list of bytes costs no extra pass."""
         if type(keys) is not list and type(keys) is not tuple:
-            keys = L.key_seq(keys)
+            keys = K.key_seq(keys)
         n, entries = 0, self._entries
         try:
             for k in keys:
@@ -192,15 +146,15 @@ class LocalManager(Eviction, OffloadingManager):
                 n += 1
         except TypeError:  # an unhashable item (bytearray, list): refuse it by name
             for k in keys:
-                L.check_key(k)
+                K.check_key(k)
             raise
         if n < len(keys):
-            L.check_key(keys[n])  # a str/int/None item is a caller's mistake, not a miss
+            K.check_key(keys[n])  # a str/int/None item is a caller's mistake, not a miss
         return n
 
     def key_status(self, key: bytes) -> LookupResult:
         if type(key) is not bytes:
-            L.check_key(key)
+            K.check_key(key)
         e = self._entries.get(key)
         return LookupResult.MISS if e is None else \
             LookupResult.HIT if e.ready else LookupResult.PENDING
@@ -219,9 +173,9 @@ class LocalManager(Eviction, OffloadingManager):
     # --- loads --------------------------------------------------------------------------
     def prepare_load(self, keys: Sequence[bytes]) -> list[int]:
         if type(keys) is not list and type(keys) is not tuple:
-            keys = L.key_seq(keys)
+            keys = K.key_seq(keys)
         for k in keys:
-            L.check_key(k)
+            K.check_key(k)
             self._require_ready(k)
         entries = [self._entries[k] for k in keys]
         for e in entries:
@@ -231,10 +185,10 @@ class LocalManager(Eviction, OffloadingManager):
 
     def complete_load(self, keys: Sequence[bytes]) -> None:
         if type(keys) is not list and type(keys) is not tuple:
-            keys = L.key_seq(keys)
+            keys = K.key_seq(keys)
         need: dict[bytes, int] = {}
         for k in keys:
-            L.check_key(k)
+            K.check_key(k)
             e = self._entries.get(k)
             if e is None:
                 raise UnknownKeyError(f"complete_load of key {k.hex()[:16]}… which is not cached")
@@ -251,34 +205,36 @@ class LocalManager(Eviction, OffloadingManager):
               running: Running | None = None, client: tuple[int, int] = LOCAL_WRITER[:2]
               ) -> None:
         if type(keys) is not list and type(keys) is not tuple:
-            keys = L.key_seq(keys)
-        for k in keys:
-            L.check_key(k)
+            keys = K.key_seq(keys)
+        K.check_keys(keys)
         if how is not None and (len(how) != len(keys) or any(h not in ACCESS_KINDS for h in how)):
             raise InvalidArgumentError("touch: 'how' needs one access kind per key")
         rank_of = self.running.rank_of(running, client)
         if rank_of is not None and how is not None and RANKED in how:
             rank_of(None)  # vLLM: a request takes its rank at its first access, cached or not
         self.tick += 1
-        for i in range(len(keys) - 1, -1, -1):  # the prefix head ends up most recent
-            k = keys[i]
-            e = self._entries.get(k)
-            if how is not None:  # a store miss (ghost) has no entry
-                self.policy.access(k, how[i], rank_of(k) if how[i] == RANKED and rank_of
-                                   else None)
-            elif e is not None:
-                self.policy.touch(k, e.ready)
-            if e is not None and (how is None or how[i] < MISSED):
-                self.table.set_last_use(e.block, self.tick)
+        entries, order = self._entries, keys[::-1]  # the prefix head ends up most recent
+        if how is None:
+            found = [(k, e) for k in order if (e := entries.get(k)) is not None]
+            self.policy.touch_many([k for k, _ in found], [e.ready for _, e in found])
+            self.table.set_last_uses([e.block for _, e in found], self.tick)
+        else:
+            used = []
+            for i in range(len(keys) - 1, -1, -1):
+                k, h = keys[i], how[i]
+                self.policy.access(k, h, rank_of(k) if h == RANKED and rank_of else None)
+                e = entries.get(k)  # a store miss (ghost) has no entry
+                if e is not None and h < MISSED:
+                    used.append(e.block)
+            self.table.set_last_uses(used, self.tick)
         self.running.end(running, client)
 
     # --- stores -------------------------------------------------------------------------
     def prepare_store(self, keys: Sequence[bytes], writer: Writer = LOCAL_WRITER, *,
                       running: Running | None = None) -> PrepareStoreOutput | None:
         if type(keys) is not list and type(keys) is not tuple:
-            keys = L.key_seq(keys)
-        for k in keys:
-            L.check_key(k)
+            keys = K.key_seq(keys)
+        K.check_keys(keys)
         if not 0 <= writer[2] < 2**64:  # checked before anything changes (entry: u64)
             raise InvalidArgumentError(f"request id {writer[2]} is outside 0..2**64-1")
         rank_of = self.running.rank_of(running, writer[:2])
@@ -293,12 +249,9 @@ class LocalManager(Eviction, OffloadingManager):
             evicted = victims
         self.tick += 1
         slot, gen, req = writer
-        blocks = []
-        for k in new:
-            b = self._free.popleft()
-            self.table.write(b, L.WRITING, k, slot, gen, req, self.tick)
-            self._adopt(b, k, (slot, gen), rank_of(k) if rank_of else None)
-            blocks.append(b)
+        blocks = [self._free.popleft() for _ in new]
+        self.table.write_many(blocks, L.WRITING, new, slot, gen, req, self.tick)
+        self._adopt_many(blocks, new, (slot, gen), [rank_of(k) for k in new] if rank_of else None)
         return PrepareStoreOutput(new, blocks, evicted)
 
     def pending_of(self, writer: Writer, request: int | None = None) -> list[tuple[bytes, int]]:
@@ -325,11 +278,11 @@ class LocalManager(Eviction, OffloadingManager):
         never strands the rest of a batch in WRITING.
         """
         if type(keys) is not list and type(keys) is not tuple:
-            keys = L.key_seq(keys)
+            keys = K.key_seq(keys)
         me = writer[:2]
         todo, problem = [], None
+        K.check_keys(keys)
         for k in keys:
-            L.check_key(k)
             e = self._entries.get(k)
             if e is None:
                 problem = problem or UnknownKeyError(
@@ -342,17 +295,17 @@ class LocalManager(Eviction, OffloadingManager):
                     problem = problem or BlockStateError(
                         f"complete_store of key {k.hex()[:16]}… whose store belongs to "
                         "another writer")
-        now = time.time_ns()
-        done = []
+        done, blocks = [], []
         for k in dict.fromkeys(todo):
             if success:
                 e = self._entries[k]
                 self._unpend(k, e)
                 e.ready = True
-                self.table.publish(e.block, self.tick, now)
                 done.append(k)
+                blocks.append(e.block)
             else:
                 self._drop(k)
+        self.table.publish_many(blocks, self.tick, time.time_ns())
         for k in done if self.grants.deferred else ():
             self.grants.resolve(k)  # a completed grant store of k waited for this one
         self._stored(done, success, len(todo))
@@ -398,6 +351,24 @@ class LocalManager(Eviction, OffloadingManager):
         return sum(self.reclaim_writer(slot, gen)
                    for slot, gen in {*self._pending, *self.grants.blocks}
                    if slot >= 0 and not client_alive(slot, gen))
+
+    def _drop_many(self, keys: list[bytes]) -> None:
+        """``_drop`` of every key (distinct), the table's entries in one batch write (an
+        eviction's victims)."""
+        gone = [self._entries.pop(k) for k in keys]
+        policy, remove = self.policy, self.index.remove
+        for k, e in zip(keys, gone):
+            self._unpend(k, e)
+            if k in policy:
+                policy.remove(k)
+            remove(k, e.block)
+        blocks = [e.block for e in gone]
+        self.table.write_many(blocks, L.FREE)
+        self._free.extend(blocks)
+        if self.grants.deferred:
+            for k, e in zip(keys, gone):
+                if not e.ready and k in self.grants.deferred:
+                    self.grants.resolve(k)
 
     def _drop(self, key: bytes) -> None:
         """Forget ``key`` and free its block (no eviction bookkeeping)."""

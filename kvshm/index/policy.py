@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import heapq
 from abc import ABC, abstractmethod
-from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterator, Sequence
+from itertools import repeat
 
 from kvshm.errors import InvalidArgumentError
 
@@ -51,6 +52,13 @@ class CachePolicy(ABC):
         """A key was just allocated (store in flight). Caller guarantees it is not cached.
         ``rank``: a running request's provisional rank for it (LRU), else most recent."""
 
+    def insert_many(self, keys: Sequence[bytes],
+                    ranks: Sequence[Rank | None] | None = None) -> None:
+        """``insert`` of each key in order (the last ends most recent), at its rank of
+        ``ranks`` if given. A policy may do it in bulk."""
+        for i, k in enumerate(keys):
+            self.insert(k, ranks[i] if ranks is not None else None)
+
     @abstractmethod
     def remove(self, key: bytes) -> None:
         """Drop a key without evicting it (failed store): no ghost. Unknown key: no-op."""
@@ -58,6 +66,11 @@ class CachePolicy(ABC):
     @abstractmethod
     def touch(self, key: bytes, ready: bool) -> None:
         """Recency hit on one key. Unknown key: no-op."""
+
+    def touch_many(self, keys: Sequence[bytes], ready: Sequence[bool]) -> None:
+        """``touch`` of each key in order (the last ends most recent)."""
+        for k, r in zip(keys, ready):
+            self.touch(k, r)
 
     @abstractmethod
     def access(self, key: bytes, how: int, rank: Rank | None = None) -> None:
@@ -120,6 +133,15 @@ class LRUPolicy(CachePolicy):
         self._fresh[key] = None
         self._fresh.move_to_end(key)
 
+    def _freshen_all(self, keys: Sequence[bytes]) -> None:
+        """``_freshen`` of each key in order, as two passes in C (a store's batch)."""
+        start = self._next + 1
+        self._next += len(keys)
+        self._rank.update(zip(keys, zip(range(start, self._next + 1), repeat(0))))
+        fresh = self._fresh  # (OrderedDict.update is a Python loop: map is one in C)
+        deque(map(fresh.__setitem__, keys, repeat(None)), 0)
+        deque(map(fresh.move_to_end, keys), 0)  # keys present before move too, in order
+
     def _provisional(self, key: bytes, rank: Rank) -> None:
         self._rank[key] = rank
         self._fresh.pop(key, None)
@@ -134,6 +156,13 @@ class LRUPolicy(CachePolicy):
         else:
             self._provisional(key, rank)
 
+    def insert_many(self, keys: Sequence[bytes],
+                    ranks: Sequence[Rank | None] | None = None) -> None:
+        if ranks is None or not any(ranks):
+            self._freshen_all(keys)
+        else:
+            super().insert_many(keys, ranks)
+
     def remove(self, key: bytes) -> None:
         if self._rank.pop(key, None) is not None:
             self._fresh.pop(key, None)
@@ -141,6 +170,10 @@ class LRUPolicy(CachePolicy):
     def touch(self, key: bytes, ready: bool) -> None:
         if key in self._rank:  # a key evicted between lookup and touch is not an error
             self._freshen(key)
+
+    def touch_many(self, keys: Sequence[bytes], ready: Sequence[bool]) -> None:
+        ranks = self._rank
+        self._freshen_all([k for k in keys if k in ranks])
 
     def access(self, key: bytes, how: int, rank: Rank | None = None) -> None:
         if how == RANKED:

@@ -15,6 +15,7 @@ from kvshm.crashpoints import crash_point
 from kvshm.errors import KvshmError, ProtocolError
 from kvshm.index import protocol as P
 from kvshm.index.manager import LocalManager
+from kvshm.shm import keys as K
 from kvshm.shm import layout as L
 from kvshm.shm import slots
 from kvshm.shm.ring import Doorbell, Ring
@@ -131,8 +132,7 @@ class RequestHandlers:
         longer granted to the client are ignored)."""
         if len(m.keys) != len(m.blocks):
             raise ProtocolError(f"publish of {len(m.keys)} keys with {len(m.blocks)} blocks")
-        for k in m.keys:
-            L.check_key(k)
+        K.check_keys(m.keys)
         c.stores = c.grants
         try:
             running = P.running_of(m)

@@ -21,7 +21,8 @@ from kvshm.shm import layout as L
 from kvshm.shm.checksums import BlockSums
 from kvshm.shm.ring import Ring
 from kvshm.shm.segment import Segment
-from kvshm.shm.table import BlockTable, KeyIndex, state_counts
+from kvshm.shm.keyindex import KeyIndex
+from kvshm.shm.table import BlockTable, state_counts
 from kvshm.index.owner_link import owner_log_path
 from kvshm.tier.area import COUNTERS as TIER_COUNTERS, TierArea
 

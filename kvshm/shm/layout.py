@@ -195,7 +195,12 @@ def key_checksum(key: bytes) -> int:
     It covers only what a rewrite of the same block never changes without changing the key
     (not state, seq, clocks or pins), so word stores to those leave it valid.
     """
+    if len(key) <= MAX_KEY_BYTES:
+        return zlib.crc32(key, _LENGTH_CRC[len(key)])
     return zlib.crc32(key, zlib.crc32(bytes((len(key),))))
+
+
+_LENGTH_CRC = tuple(zlib.crc32(bytes((n,))) for n in range(MAX_KEY_BYTES + 1))
 
 
 INDEX_SLOT = struct.Struct("<Ii")  # crc32 tag, block id (-1 empty)
@@ -407,40 +412,6 @@ def blocks_for_bytes(layout: Layout, nbytes: int) -> int:
             f"{nbytes} bytes cannot hold one block of {layout.block_bytes} bytes; "
             "give the cache more memory")
     return nbytes // layout.block_bytes
-
-
-def check_key(key: bytes) -> None:
-    """Refuse anything but ``bytes`` of 1..MAX_KEY_BYTES (a ``bytearray`` or ``memoryview``
-    is refused, not converted: it would be stored under a copy the caller never looks up)."""
-    if type(key) is bytes and 0 < len(key) <= MAX_KEY_BYTES:
-        return  # the hot path: one type check and one length check
-    if not isinstance(key, bytes) or not 1 <= len(key) <= MAX_KEY_BYTES:
-        hint = "; pass bytes(key)" if isinstance(key, (bytearray, memoryview)) else ""
-        raise InvalidArgumentError(
-            f"keys are 1..{MAX_KEY_BYTES} bytes, of type bytes (vLLM offload keys are 36); got "
-            f"{type(key).__name__} of length {len(key) if hasattr(key, '__len__') else '?'}"
-            f"{hint}")
-
-
-def key_seq(keys: Any) -> Sequence[bytes]:
-    """The ``keys`` argument of a manager call as a list or tuple.
-
-    Callers test ``type(keys) is list or tuple`` first (the hot path costs nothing). Other
-    iterables (generators, ranges, dict views) are materialised once, so a call that walks
-    the keys twice (validate, then act) sees them all. A single key, a str, None or a
-    number is refused: it is a caller's mistake, not a sequence of keys. Items are checked
-    by ``check_key`` where the call uses them.
-    """
-    if type(keys) is list or type(keys) is tuple:
-        return keys
-    if keys is None or isinstance(keys, (str, bytes, bytearray, memoryview, int, float,
-                                         set, frozenset)) or not hasattr(keys, "__iter__"):
-        hint = " (one key? wrap it in a list)" if isinstance(
-            keys, (bytes, bytearray, memoryview)) else ""
-        raise InvalidArgumentError(
-            f"keys must be a sequence (list or tuple) of bytes keys; got "
-            f"{type(keys).__name__}{hint}")
-    return list(keys)
 
 
 def plane_pages(values: Sequence[int]) -> bytes:

@@ -1,0 +1,128 @@
+"""The key index, as it lies in the segment: key -> block, for lock-free lookups.
+
+This module owns the open-addressing hash table (linear probing, crc32 tags, at most half
+full) from a key to the block whose table entry holds it. Only the owner writes it; every
+process may read it without a lock, while it changes: a reader verifies every candidate
+against the block's entry (``BlockTable``), so a concurrent change can cause a spurious miss,
+never a wrong hit. Deletion shifts entries back (no tombstones to rot). It never decides
+which keys are cached (see ``index/manager.py``) and never imports torch.
+"""
+from __future__ import annotations
+
+import zlib
+from typing import Sequence
+
+import numpy as np
+
+from kvshm.shm import layout as L
+from kvshm.shm.table import BlockTable
+
+
+class KeyIndex:
+    """Linear-probing hash table key -> block id (crc32 tags), at most half full."""
+
+    def __init__(self, buf: memoryview, geometry: L.Geometry, table: BlockTable):
+        self.buf = buf
+        self.base = geometry.index_offset
+        self.mask = geometry.index_slots - 1
+        self.table = table
+        self._slots = np.frombuffer(buf, np.int32, 2 * geometry.index_slots,
+                                    self.base).reshape(-1, 2)
+        # The owner's writers go through flat word views (slot i: tag at 2i, block at 2i+1):
+        # an item store is one aligned 32-bit word, cheaper than packing a struct.
+        flat = self._slots.reshape(-1)
+        self._words, self._uwords = memoryview(flat), memoryview(flat.view(np.uint32))
+
+    def find_prefix(self, keys: Sequence[bytes], karr: np.ndarray
+                    ) -> tuple[np.ndarray, np.ndarray]:
+        """(blocks, states) of equal-length ``keys`` (``karr``: their bytes as an (n, len)
+        uint8 array), vectorised over the home slots.
+
+        A key not in its home slot (a collision pushed it further, or it is absent) is
+        resolved by the scalar ``find``, up to the first real miss: entries after it are
+        left at state -1, as a prefix lookup does not need them.
+        """
+        crc = zlib.crc32
+        tags = np.fromiter((crc(k) for k in keys), np.uint32, len(keys))
+        slots = self._slots[(tags & self.mask).astype(np.intp)]
+        blocks = slots[:, 1].copy()
+        home = (slots[:, 0].view(np.uint32) == tags) & (blocks >= 0)
+        states = np.full(len(keys), -1, np.int16)
+        if home.any():
+            states[home] = self.table.states_if_keys(blocks[home], karr[home])
+        for i in np.flatnonzero(states < 0):
+            blocks[i], states[i] = self.find(keys[i])
+            if states[i] < 0:
+                break
+        return blocks, states
+
+    def probe(self, key: bytes) -> int:
+        """The block of the first slot whose tag is ``key``'s, or -1: a candidate only, which
+        the caller verifies against the entry (``find`` does the whole search)."""
+        w, u, mask = self._words, self._uwords, self.mask
+        tag = zlib.crc32(key)
+        i = tag & mask
+        for _ in range(mask + 1):
+            block = w[2 * i + 1]
+            if block < 0 or u[2 * i] == tag:
+                return block
+            i = (i + 1) & mask
+        return -1
+
+    def find(self, key: bytes) -> tuple[int, int]:
+        """(block, state) holding ``key``, or (-1, -1). Lock-free; may miss spuriously."""
+        w, u, mask = self._words, self._uwords, self.mask
+        tag = zlib.crc32(key)
+        i = tag & mask
+        for _ in range(mask + 1):
+            block = w[2 * i + 1]
+            if block < 0:
+                return -1, -1
+            if u[2 * i] == tag:
+                state = self.table.state_if_key(block, key)
+                if state >= 0:
+                    return block, state
+            i = (i + 1) & mask
+        return -1, -1
+
+    # --- owner-only writers -------------------------------------------------------------
+    def insert(self, key: bytes, block: int) -> None:
+        w, mask = self._words, self.mask
+        tag = zlib.crc32(key)
+        i = tag & mask
+        while w[2 * i + 1] >= 0:
+            i = (i + 1) & mask
+        # Block before tag would be nicer, but a torn slot only ever costs a spurious miss:
+        # readers verify every candidate against the entry's key.
+        self._uwords[2 * i] = tag
+        w[2 * i + 1] = block
+
+    def remove(self, key: bytes, block: int) -> None:
+        """Delete ``key``'s slot with backward-shift deletion (no tombstones to rot)."""
+        w, u, mask = self._words, self._uwords, self.mask
+        i = zlib.crc32(key) & mask
+        while True:
+            b = w[2 * i + 1]
+            if b < 0:
+                return  # not present
+            if b == block:
+                break
+            i = (i + 1) & mask
+        j = i
+        while True:
+            j = (j + 1) & mask
+            b = w[2 * j + 1]
+            if b < 0:
+                break
+            t = u[2 * j]
+            # Move j back into the hole at i unless its home lies cyclically in (i, j].
+            if (j - (t & mask)) & mask >= (j - i) & mask:
+                u[2 * i] = t
+                w[2 * i + 1] = b
+                i = j
+        u[2 * i] = 0
+        w[2 * i + 1] = -1
+
+    def clear(self) -> None:
+        n = self.mask + 1
+        self.buf[self.base:self.base + 8 * n] = L.INDEX_SLOT.pack(0, -1) * n

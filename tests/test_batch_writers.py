@@ -1,0 +1,133 @@
+"""The owner's batch writers leave the segment as the one-at-a-time writers would.
+
+A store, a publish, an eviction or a touch of many keys is mirrored with the table's
+``write_many``/``set_states``/``publish_many``/``set_last_uses`` and the LRU policy's
+``insert_many``/``touch_many``. Each is checked against the scalar writer applied key by key
+to a twin: the table byte for byte, the policy by its eviction order. The index (whose
+writers stay one key at a time) must find exactly the keys present after batches come and
+go. Batches straddle ``VECTOR_MIN`` so both paths of each writer run, and a tiny index makes
+collisions and wrap-around the rule.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvshm.index.policy import LRUPolicy
+from kvshm.shm import layout as L
+from kvshm.shm.keyindex import KeyIndex
+from kvshm.shm.segment import Segment
+from kvshm.shm.table import VECTOR_MIN, BlockTable
+
+from conftest import SMALL_GEOMETRY, TEST_LAYOUT, unique_name
+
+BLOCKS = 24  # a 64-slot index: keys of a batch often share a home slot or wrap around
+
+keys_st = st.lists(st.binary(min_size=1, max_size=L.MAX_KEY_BYTES), min_size=1,
+                   max_size=2 * VECTOR_MIN + 3, unique=True)
+
+
+@contextlib.contextmanager
+def twins() -> Iterator[tuple[tuple[BlockTable, KeyIndex], tuple[BlockTable, KeyIndex]]]:
+    segs = [Segment.create(unique_name(), TEST_LAYOUT, BLOCKS, **SMALL_GEOMETRY)
+            for _ in range(2)]
+    views = []
+    for s in segs:
+        t = BlockTable(s.buf, s.geometry)
+        views.append((t, KeyIndex(s.buf, s.geometry, t)))
+    try:
+        yield views[0], views[1]
+    finally:
+        for (t, _), s in zip(views, segs):
+            t.close()
+            s.close()
+            Segment.unlink(s.name)
+
+
+def _table_bytes(t: BlockTable) -> bytes:
+    return bytes(t.buf[t.base:t.base + t.num_blocks * L.ENTRY_BYTES])
+
+
+@settings(max_examples=60, deadline=None)
+@given(keys=keys_st, state=st.sampled_from([L.FREE, L.WRITING, L.READY, L.GRANTED]),
+       keyless=st.booleans(), writer=st.integers(-1, 200), gen=st.integers(0, 2**32 - 1),
+       per_block_req=st.booleans(), req=st.integers(0, 2**64 - 1),
+       last_use=st.integers(0, 2**64 - 1), stored_ns=st.integers(0, 2**64 - 1),
+       data=st.data())
+def test_write_many_stores_the_bytes_write_stores(keys, state, keyless, writer, gen,
+                                                  per_block_req, req, last_use, stored_ns,
+                                                  data):
+    blocks = data.draw(st.permutations(range(BLOCKS)))[:len(keys)]
+    reqs = [(req + i) % 2**64 for i in range(len(keys))] if per_block_req else req
+    with twins() as ((one, _), (many, _)):
+        for t in (one, many):  # entries with something in them first: a rewrite must clear it
+            t.write_many(range(BLOCKS), L.READY, [b"x" * L.MAX_KEY_BYTES] * BLOCKS, 3, 4, 5,
+                         6, 7)
+        for i, b in enumerate(blocks):
+            one.write(b, state, b"" if keyless else keys[i], writer, gen,
+                      reqs[i] if per_block_req else req, last_use, stored_ns)
+        many.write_many(blocks, state, None if keyless else keys, writer, gen, reqs, last_use,
+                        stored_ns)
+        assert _table_bytes(many) == _table_bytes(one)
+        assert all(many.read(b).key_ok for b in blocks)
+
+
+@settings(max_examples=40, deadline=None)
+@given(keys=keys_st, data=st.data())
+def test_state_publish_and_last_use_batches_store_what_the_scalar_writers_store(keys, data):
+    blocks = data.draw(st.permutations(range(BLOCKS)))[:len(keys)]
+    with twins() as ((one, _), (many, _)):
+        for t in (one, many):
+            t.write_many(blocks, L.WRITING, keys, 2, 9, 11, 1)
+        for b in blocks:
+            one.set_state(b, L.EVICTING)
+            one.publish(b, 77, 88)
+            one.set_last_use(b, 99)
+        many.set_states(blocks, L.EVICTING)
+        many.publish_many(blocks, 77, 88)
+        many.set_last_uses(blocks, 99)
+        assert _table_bytes(many) == _table_bytes(one)
+
+
+@settings(max_examples=80, deadline=None)
+@given(batches=st.lists(st.tuples(keys_st, st.integers(0, 2**16)), min_size=1, max_size=6),
+       data=st.data())
+def test_the_index_finds_exactly_the_keys_present_after_batches_come_and_go(batches, data):
+    with twins() as ((t, ix), _):
+        present: dict[bytes, int] = {}
+        for batch, _seed in batches:
+            new = [k for k in batch if k not in present][:BLOCKS - len(present)]
+            free = sorted(set(range(BLOCKS)) - set(present.values()))
+            blocks = data.draw(st.permutations(free))[:len(new)]
+            t.write_many(blocks, L.READY, new)  # the index verifies candidates against these
+            for k, b in zip(new, blocks):
+                ix.insert(k, b)
+            present.update(zip(new, blocks))
+            gone = data.draw(st.lists(st.sampled_from(sorted(present)), unique=True)
+                             if present else st.just([]))
+            for k in gone:
+                ix.remove(k, present.pop(k))
+            for k, b in present.items():
+                assert ix.find(k) == (b, L.READY) and ix.probe(k) >= 0
+            for k in gone:
+                assert ix.find(k) == (-1, -1)
+            used = ix._slots[:, 1] >= 0
+            assert sorted(ix._slots[used, 1].tolist()) == sorted(present.values())
+
+
+@settings(max_examples=60, deadline=None)
+@given(stored=keys_st, touched=st.lists(st.integers(0, 4 * VECTOR_MIN), max_size=24))
+def test_lru_batches_order_keys_as_one_by_one_inserts_and_touches_do(stored, touched):
+    one, many = LRUPolicy(64), LRUPolicy(64)
+    for k in stored:
+        one.insert(k)
+    many.insert_many(stored)
+    keys = [stored[i % len(stored)] for i in touched] + [b"never-stored"]
+    for k in keys:
+        one.touch(k, True)
+    many.touch_many(keys, [True] * len(keys))
+    assert many.order() == one.order()
+    assert many.evict(len(stored), lambda k: True) == one.evict(len(stored), lambda k: True)
