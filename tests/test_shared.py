@@ -402,3 +402,13 @@ def test_requests_larger_than_one_frame_are_split(seg_name):
         pid = mgr.segment.owner_record()[0]
         mgr.shutdown()
         stop_owner(pid)
+
+
+def test_the_owner_counts_the_cpu_time_it_spends_serving_frames(cache):
+    # A pass adds its time after its replies went out, so after two round trips the first
+    # one's is in: every round trip is a pass of its own.
+    assert cache.segment.counter("frames") >= 1  # the hello
+    before = cache.segment.counter("owner_busy_ns")
+    cache.take_events()
+    cache.take_events()
+    assert cache.segment.counter("owner_busy_ns") > before

@@ -50,8 +50,9 @@ times, alternating baseline and kvshm, each repeat with fresh keys on the same c
 later repeats start from a full cache, the steady state); the figures are the median over
 repeats of each repeat's mean, and p50/p99 pooled over repeats. For kvshm also the owner
 process's CPU time during the replay per stored key (from /proc/PID/schedstat, ns clock):
-all it did meanwhile (publish, refill and evict, touches), the work a busy host pays for in
-the owner.
+all it did meanwhile, its spinning while it waits for frames included; and of that, the
+time it spent serving frames (the segment's owner_busy_ns counter: publish, refill and
+evict, touches), the work a busy host pays for in the owner.
 
 Cache size: every manager gets --capacity blocks (default: the 4 system prompts of the
 longest trace plus half of the unique keys of one replay of the trace with the most), so
@@ -297,6 +298,8 @@ def _summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
     if all("owner_cpu_ns" in r and r["stored_keys"] for r in runs):
         out["owner_us_per_stored_key"] = statistics.median(
             r["owner_cpu_ns"] / 1e3 / r["stored_keys"] for r in runs)
+        out["owner_busy_us_per_stored_key"] = statistics.median(
+            r["owner_busy_ns"] / 1e3 / r["stored_keys"] for r in runs)
     for k in ("requests", "keys", "hit_keys", "no_room"):
         out[k] = [r[k] for r in runs]
     out["truncated"] = any(r["truncated"] for r in runs)
@@ -495,10 +498,13 @@ def main(argv: list[str] | None = None) -> int:
             for rep in range(a.repeat):
                 for m in managers:
                     trace = make_trace(pre, uni, n, f"{t}r{rep}{m.name}")
+                    seg = shared.mgr.segment
                     o0 = cpu_ns(shared.owner_pid) if m is kv else 0
+                    b0 = seg.counter("owner_busy_ns") if m is kv else 0
                     runs[m.name].append(replay(m, trace, deadline, f"{t}{rep}"))
                     if m is kv:  # all the owner did meanwhile: publish, refill, touch, evict
                         runs[m.name][-1]["owner_cpu_ns"] = cpu_ns(shared.owner_pid) - o0
+                        runs[m.name][-1]["owner_busy_ns"] = seg.counter("owner_busy_ns") - b0
             summ = {name: _summarise(rs) for name, rs in runs.items()}
             result["traces"][t] = {
                 "requests": n, "prefix_keys": pre, "unique_keys": uni, "managers": summ,
@@ -570,7 +576,8 @@ def _print(r: dict[str, Any]) -> None:
                   f"{_f(s['store']['p99_us_per_key'], '.2f')}"
                   f"{'  TRUNCATED' if s['truncated'] else ''}  no_room {s['no_room']}")
             if "owner_us_per_stored_key" in s:
-                print(f"  {'':8} owner CPU {s['owner_us_per_stored_key']:.2f} us per stored key")
+                print(f"  {'':8} owner CPU {s['owner_us_per_stored_key']:.2f} us per stored key, "
+                      f"{s['owner_busy_us_per_stored_key']:.2f} of it serving frames")
         for key in ("ratio_kvshm_over_baseline", "ratio_kvshm_over_local"):
             if key in d:
                 q = d[key]

@@ -79,12 +79,10 @@ class Owner(RequestHandlers):
         log.info("owner of %s (epoch %d): %s", name, self.epoch, self.manager.recovered)
 
     # --- liveness -----------------------------------------------------------------------
-    def _slot_gen(self, slot: int) -> int:
-        return slots.record(self.seg, slot).gen
-
     def _writer_alive(self, slot: int, gen: int) -> bool:
         return 0 <= slot < self.seg.geometry.max_clients and \
-            locks.is_held(self.seg.fd, L.LOCK_CLIENT_BASE + slot) and self._slot_gen(slot) == gen
+            locks.is_held(self.seg.fd, L.LOCK_CLIENT_BASE + slot) and \
+            slots.record(self.seg, slot).gen == gen
 
     def _held(self, requester: int) -> set[int]:
         """Blocks that adopted clients hold (dead and quarantined ones too, until reclaimed):
@@ -147,7 +145,7 @@ class Owner(RequestHandlers):
     def _reclaim(self, slot: int, gen: int) -> None:
         """Release everything a dead client held, then free its slot (after we stopped
         reading its rings, so nobody can re-format them under us)."""
-        if self._slot_gen(slot) == gen:
+        if slots.record(self.seg, slot).gen == gen:
             self._retire_counters(slot)
         self._drop_client(slot)
         self._last_client = time.monotonic()
@@ -197,7 +195,7 @@ class Owner(RequestHandlers):
     def serve_once(self) -> int:
         """Answer what waits now, at most ``FRAMES_PER_PASS`` frames per client (so one
         chatty client cannot starve the others). Returns how many frames were handled."""
-        n = 0
+        n, t0 = 0, time.thread_time_ns()
         if self._newcomer[0]:
             self._discover()
         for c in list(self.clients.values()):
@@ -218,8 +216,9 @@ class Owner(RequestHandlers):
                 if self.clients.get(c.slot) is not c or c.quarantined or c.unsent:
                     break  # gone (goodbye), unusable, or its reply waits for room
         if n:
-            self.seg.counter_add("frames", n)
             self._refill()
+            self.seg.counter_add("frames", n)  # and the CPU time they took, refills included
+            self.seg.counter_add("owner_busy_ns", time.thread_time_ns() - t0)
         return n
 
     def _refill(self) -> None:

@@ -124,6 +124,9 @@ COUNTER_NAMES = (
     "checksum_failures",
     # Blocks granted to clients ahead of their stores (kvshm.index.grants); owner-written.
     "granted_blocks",
+    # CPU time (thread clock, ns) the owner spent on passes that served frames, the grant
+    # refills after them included; its idle waits and spins are not in it. Owner-written.
+    "owner_busy_ns",
 )
 MAX_COUNTERS = 32  # words reserved: new counters fit without moving the pinners
 COUNTERS_DTYPE = np.dtype({"names": list(COUNTER_NAMES), "formats": ["<u8"] * len(COUNTER_NAMES),
