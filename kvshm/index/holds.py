@@ -41,7 +41,7 @@ It never talks to the owner, never writes the block table and never imports torc
 """
 from __future__ import annotations
 
-from collections import _count_elements  # C: counts an iterable into a dict in one pass
+from collections import Counter
 from itertools import repeat
 from typing import Sequence
 
@@ -71,7 +71,7 @@ class HoldTable:
         self.leases: dict[bytes, int] = {}
         # Leased key -> lookups that answered it as a hit and were not given back yet (>= 1);
         # absent for a key leased ahead of its lookups. The client counts them (``asked``).
-        self.asks: dict[bytes, int] = {}
+        self.asks: Counter[bytes] = Counter()  # update() counts a batch in one C pass
         self.pins: dict[bytes, list[int]] = {}
         self.lease_limit = len(holds) // 2
         self.seen: dict[bytes, tuple[int, int]] = {}  # key -> (block, seq) verified READY
@@ -111,7 +111,7 @@ class HoldTable:
     def asked(self, keys: Sequence[bytes]) -> None:
         """``keys``, leased, were answered as hits: count one lookup of each (per time it is
         named); theirs now, never dropped as ahead."""
-        _count_elements(self.asks, keys)
+        self.asks.update(keys)
         if self.ahead:
             self.ahead.difference_update(keys)
 
