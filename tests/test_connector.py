@@ -26,6 +26,7 @@ from kvshm.shm.segment import Segment
 from kvshm.transfer.spec import make_handler
 from kvshm.engine.worker import WorkerConnector
 
+import procs
 from conftest import SMALL_GEOMETRY
 
 BT = 16                 # tokens per device block
@@ -412,6 +413,39 @@ def test_prefix_stored_by_another_engine_process_is_loaded_and_verifies(seg_name
         done = rig.run(rig.conn.build_jobs({}))
         assert [d.success for d in done.done] == [True]
         assert rig.matches(toks, blocks, 0, 8)
+        rig.close()
+    finally:
+        owner = mgr.segment.owner_record()[0]
+        mgr.shutdown()
+        kill(owner)
+
+
+def test_a_hit_two_requests_share_stays_loadable_when_one_of_them_does_not_load(seg_name):
+    # Requests b and c look up the same prefix in one step (one lease per key in the
+    # client); b is not loaded, which releases its hits. Another engine then stores as many
+    # blocks as the cache has: c's hits must still be loadable.
+    mgr = connect(seg_name, layout(1), num_blocks=4, **SMALL_GEOMETRY)
+    try:
+        rig = Rig(mgr, mgr.segment)
+        toks = prompt(21, 4 * BT)
+        rig.store_prompt("a", toks, [0, 1, 2, 3])
+        hashes = block_hashes(toks, BT)
+        assert rig.conn.get_num_new_matched_tokens("b", hashes, 0) == 4 * BT
+        assert rig.conn.get_num_new_matched_tokens("c", hashes, 0) == 4 * BT
+        assert rig.conn.update_state_after_alloc("b", [], 0) == 0  # b loads nothing
+        parent, child = CTX.Pipe()
+        fresh = [b"other-engine-%02d" % i for i in range(4)]
+        p = CTX.Process(target=procs.store_and_report, args=(seg_name, child, fresh),
+                        daemon=True)
+        p.start()
+        stored = parent.recv()
+        p.join()
+        blocks = [4, 5, 6, 7]
+        assert rig.conn.update_state_after_alloc("c", blocks, 4 * BT) == 4 * BT
+        done = rig.run(rig.conn.build_jobs({}))
+        assert [d.success for d in done.done] == [True]
+        assert rig.matches(toks, blocks, 0, 4)
+        assert stored == []  # c's leases left it no room
         rig.close()
     finally:
         owner = mgr.segment.owner_record()[0]

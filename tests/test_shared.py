@@ -260,7 +260,7 @@ def test_keys_asked_for_stay_leased_when_the_keys_leased_ahead_are_given_back(ca
         assert [cache.key_status(k) for k in prefix[:4]] == [LookupResult.HIT] * 4
     else:
         assert cache.key_status(prefix[0]) == LookupResult.HIT  # leases the rest ahead
-        assert cache.lookup(prefix[:4]) == 4
+        assert cache.lookup(prefix[1:4]) == 3  # (prefix[0] again would count twice)
     cache.prepare_load(prefix[:2])
     cache.complete_load(prefix[:2])
     assert cache.held_blocks() == 2

@@ -306,6 +306,26 @@ def test_an_engine_asking_while_a_later_fill_runs_hears_not_yet(hosts):
     assert fill(b, mb, more) == len(more)
 
 
+def test_a_not_yet_answer_gives_back_only_its_own_lookup_of_a_hit(hosts):
+    # One request's lookup hits KEYS[0]; another's, in the same step, hits it too and then
+    # hears "not yet" (its next key may be below), which releases its hits. The first
+    # request's hit must stay leased while another client stores over the whole cache.
+    eng, _ = hosts(FakeStore(), num_blocks=8)
+    assert store(eng, KEYS) == KEYS  # the cache is full
+    assert eng.lookup(KEYS[:1]) == 1
+    assert eng.lookup(KEYS[:1] + [b"maybe-below"]) is None
+    other = connect(eng.segment.name, grants=False)
+    try:
+        fresh = [b"fresh-%d" % i for i in range(8)]
+        stored = store(other, fresh)  # evicts all it may
+    finally:
+        other.shutdown()
+    blocks = eng.prepare_load(KEYS[:1])
+    assert check(eng.segment.planes(), blocks[0], KEYS[0])
+    eng.complete_load(KEYS[:1])
+    assert stored == []
+
+
 def test_a_client_checks_that_the_mover_lives_at_most_once_per_interval(make_segment,
                                                                         monkeypatch):
     from kvshm.tier import client

@@ -208,6 +208,31 @@ def test_manager_core_leases_pins_and_reset(seg_name):
         other.shutdown()
 
 
+def test_manager_core_keeps_a_lease_while_any_request_that_hit_it_may_load(seg_name):
+    # The client counts lookups per lease; the core keeps one per request, so a request
+    # that ends (or asks again) never takes the lease another request of the step hit.
+    mgr = connect(seg_name, Layout((4096,), 16, "t"), num_blocks=8, ring_capacity=8192,
+                  hold_capacity=64)
+    other = connect(seg_name)  # another engine, storing over the whole cache
+    core = ManagerCore(mgr)
+    try:
+        keys = [bytes([i]) * 36 for i in range(8)]
+        out = core.prepare_store(keys, "w")
+        core.complete_store(set(out.keys_to_store), "w")
+        for req in ("r1", "r2", "r2", "r1"):
+            assert core.lookup(keys[0], req) is LookupResult.HIT
+        core.request_finished("r1")
+        assert mgr.held_blocks() == 1
+        assert other.prepare_store([b"o%d" % i * 12 for i in range(8)]) is None  # no room
+        assert core.prepare_load([keys[0]], "r2") == [out.block_ids[0]]
+        assert mgr.held_blocks() == 1  # r2's pin; no lease is left over
+        core.complete_load({keys[0]}, "r2")
+        assert mgr.held_blocks() == 0
+    finally:
+        core.shutdown()
+        other.shutdown()
+
+
 def test_stats_reader_never_counts_a_block_of_unknown_state_as_granted(seg_name):
     """A state byte no kvshm writes (a scribbled table) is in no state's gauge: not counted
     as the highest known state."""

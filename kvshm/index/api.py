@@ -109,10 +109,13 @@ class OffloadingManager(ABC):
         """
 
     def release(self, keys: Sequence[bytes] | None = None) -> None:
-        """Drop the lookup leases of ``keys`` (all if None); pins are unaffected.
+        """Give back one lookup of each of ``keys`` (all leases if None); pins are unaffected.
 
         Only a manager whose ``lookup`` leases its hits has anything to drop; the default
-        does nothing.
+        does nothing. Leases are counted: each lookup or ``key_status`` that reported a key as
+        a hit is given back by one ``release`` naming it, or taken by one ``prepare_load``
+        naming it, and the key stays leased until all are (two requests that hit one key
+        each keep it until they are done with it).
         """
 
     def add_bytes(self, loaded: int = 0, stored: int = 0) -> None:

@@ -6,7 +6,9 @@ client slot (claimed with a kernel-released lock, ``slots.py``), the link to the
 and pins). Reads never go through the owner:
 
 * ``lookup``/``key_status`` read the key index and block table in the segment directly; a hit
-  is *leased* (``holds.py``) so no other client can evict it before ``prepare_load``.
+  is *leased* (``holds.py``) so no other client can evict it before ``prepare_load``. Leases
+  are counted: each lookup that reported a key as a hit is given back by one ``release`` (or
+  taken by one ``prepare_load``) of it, so two requests that hit the same key each keep it.
 * ``prepare_load``/``complete_load`` only change holds; ``touch`` is a one-way frame.
 * Stores take blocks the owner granted this client ahead of time (``grants.py``): a
   ``prepare_store`` that its grant ring covers sends nothing, and its ``complete_store`` is
@@ -142,7 +144,7 @@ class SharedManager(OffloadingManager):
     def _abandoned(self, reply: P._Msg) -> None:
         """A reply to a request we gave up on: forget leases its evictions took away."""
         if isinstance(reply, P.Prepared):
-            self._h.release(reply.evicted)
+            self._h.forget(reply.evicted)
 
     # --- reads and holds ----------------------------------------------------------------
     def lookup(self, keys: Sequence[bytes]) -> int:
@@ -169,8 +171,8 @@ class SharedManager(OffloadingManager):
             if k not in leases:
                 break
             held += 1
-        if held and self._h.ahead:
-            self._h.asked(keys[:held])
+        if held:  # each hit counts one lookup of its lease (``holds.py``)
+            self._h.asked(keys if held == n else keys[:held])
         if held == n:
             self._count_lookup(n, n)
             return n
@@ -192,6 +194,8 @@ class SharedManager(OffloadingManager):
                 if lease(k, index) != L.READY:
                     break
                 hits += 1
+        if hits:
+            self._h.asked(keys[:hits])
         self._count_lookup(n, hits)
         if hits < n and keys[hits] in self._own.unconfirmed and self._own.confirm(keys[hits]):
             return hits + self._lookup(keys[hits:])  # our own store, now in the index
@@ -205,17 +209,22 @@ class SharedManager(OffloadingManager):
         self._lk_n = self._lk_miss = 0
 
     def key_status(self, key: bytes) -> LookupResult:
-        # The scheduler's per-key call: a leased key is a dict lookup; the first key asked
-        # for of a prefix loaded before leases that prefix (``relet``). Counters: calls and
-        # non-hits only, stored by the next call that ends a step (``_count_lookup``).
+        # The scheduler's per-key call: a leased key is a dict hit (one more lookup counted
+        # on its lease); the first key asked for of a prefix loaded before leases that
+        # prefix (``relet``). Counters: calls and non-hits only, stored by the next call that
+        # ends a step (``_count_lookup``).
         h = self._h
         try:
-            if key in h.leases:
-                if h.ahead:
-                    h.ahead.discard(key)
+            n = h.asks.get(key)  # None: not leased, or leased ahead of its lookup (relet)
+            if n is None and key in h.leases:
+                n = 0
+                h.ahead.discard(key)  # asked for now
+            if n is not None:
+                h.asks[key] = n + 1
                 self._lk_n += 1
                 return _HIT
             if h.relet(key):
+                h.asks[key] = 1
                 self._lk_n += 1
                 return _HIT
         except TypeError:  # unhashable: refuse it by name
@@ -226,6 +235,7 @@ class SharedManager(OffloadingManager):
         self._lk_n += 1
         state = h.lease_key(key, self.index)
         if state == L.READY:
+            h.asks[key] = 1
             return _HIT
         self._lk_miss += 1
         if state == -1 and key in self._own.unconfirmed and self._own.confirm(key):
@@ -237,7 +247,8 @@ class SharedManager(OffloadingManager):
         return LookupResult.MISS
 
     def release(self, keys: Sequence[bytes] | None = None) -> None:
-        """Drop the lookup leases of ``keys`` (all leases if None); pins are unaffected."""
+        """Give back one lookup of each of ``keys`` (all leases if None): a key's lease goes
+        with the last lookup that reported it as a hit. Pins are unaffected."""
         self._count_lookup()
         self._h.release(keys)
 
@@ -246,12 +257,13 @@ class SharedManager(OffloadingManager):
             keys = K.key_seq(keys)
         h = self._h
         taken: list[tuple[bytes, int]] = []
+        shared: list[bytes] = []  # pinned beside a lease that other lookups still count on
         blocks = []
         try:
             for k in keys:
                 K.check_key(k)
-                i = h.leases.pop(k, None)
-                if i is None:
+                i = h.lease_to_pin(k, shared)  # takes one lookup of the lease
+                if i < 0:
                     i = self._lease_for_load(k)
                 taken.append((k, i))
                 block = h.block(i)
@@ -268,8 +280,7 @@ class SharedManager(OffloadingManager):
                     raise UnknownKeyError(f"key {k.hex()[:16]}… is no longer cached; "
                                           "lookup() again")  # never half-written or reused
         except BaseException:
-            for _, i in taken:
-                h.unhold(i)
+            h.unload(taken, shared)  # nothing pinned, no lookup taken
             raise
         h.pin(taken)
         h.drop_ahead()  # what a relet took ahead and nobody asked for: no load needs it
@@ -386,7 +397,7 @@ class SharedManager(OffloadingManager):
             out.keys_to_store += r.keys
             out.block_ids += r.blocks
             out.evicted_keys += r.evicted
-        self._h.release(out.evicted_keys)  # our own store may evict what we leased
+        self._h.forget(out.evicted_keys)  # our own store may evict what we leased
         crash_point("client.store.after_prepare")
         return out
 

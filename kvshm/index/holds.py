@@ -11,6 +11,19 @@ holds and spares held blocks (``LocalManager._fence_victims``), so one of the tw
 the other: a leased hit stays loadable until it is pinned or released. A client holds at most
 ``hold_capacity // 2`` leases; past that lookups report misses (always safe).
 
+Leases are counted. A scheduler looks up several requests in one step, and two of them may
+ask for the same key: the client holds one lease for it (one hold entry per key, all the owner
+reads, so the segment does not change), but both requests were told it is a hit. So the
+client counts, per leased key, the lookups that answered it as a hit (``asks``, in this process
+only): a ``release`` of the key gives back one of them, a ``prepare_load`` takes one (the lease
+becomes the load's pin with the last one; before that the pin is a hold of its own and the
+lease stays), and the lease goes when none is left; ``release()`` of all drops every count.
+Without the count, one request's release (its load was not wanted, or a lower tier said "not
+yet") took the lease from under the other, whose load then failed once another client evicted
+the block. Each hit a lookup reports counts once, a key named twice in it twice; a load or a
+release that names a key twice gives back two. A key that our own store evicted (or an owner
+failover lost) is forgotten whatever its count: it is no hit any more.
+
 A scheduler asks for the same prefixes over and over, so the client remembers, per key it
 verified, the block and the entry's sequence number then (``seen``). The table's writer bumps
 the sequence number on every rewrite of an entry, so an unchanged number proves the entry
@@ -21,12 +34,14 @@ same way as a whole (``runs``: its keys, blocks and sequence numbers, read while
 the next request's first lookup of it leases all of it with one fence and the lookups after
 it are dict hits: the scheduler asks key by key, and a fence per key was most of its cost.
 The keys leased so, ahead of their lookups, are ``ahead`` until asked for; nobody was told
-they are hits, so they are given back at the next ``relet``, ``prepare_load`` or
-``release`` (a caller that loads or releases exactly what it asked for holds nothing else).
+they are hits, so they count no lookup and are given back at the next ``relet``,
+``prepare_load`` or ``release`` (a caller that loads or releases exactly what it asked for
+holds nothing else).
 It never talks to the owner, never writes the block table and never imports torch.
 """
 from __future__ import annotations
 
+from collections import Counter
 from itertools import repeat
 from typing import Sequence
 
@@ -46,7 +61,8 @@ LOADABLE = (L.READY, L.EVICTING)
 
 
 class HoldTable:
-    """Leases (key -> hold index) and pins (key -> hold indexes) over a slot's hold array."""
+    """Leases (key -> hold index, with its count of lookups) and pins (key -> hold indexes)
+    over a slot's hold array."""
 
     def __init__(self, holds: np.ndarray, table: BlockTable):
         self.holds = holds
@@ -54,6 +70,9 @@ class HoldTable:
         self.table = table
         self.free = list(range(len(holds) - 1, -1, -1))
         self.leases: dict[bytes, int] = {}
+        # Leased key -> lookups that answered it as a hit and were not given back yet (>= 1);
+        # absent for a key leased ahead of its lookups. The client counts them (``asked``).
+        self.asks: Counter[bytes] = Counter()  # update() counts a batch in one C pass
         self.pins: dict[bytes, list[int]] = {}
         self.lease_limit = len(holds) // 2
         self.seen: dict[bytes, tuple[int, int]] = {}  # key -> (block, seq) verified READY
@@ -91,7 +110,9 @@ class HoldTable:
         return room
 
     def asked(self, keys: Sequence[bytes]) -> None:
-        """``keys``, leased, were answered as hits: theirs now, never dropped as ahead."""
+        """``keys``, leased, were answered as hits: count one lookup of each (per time it is
+        named); theirs now, never dropped as ahead."""
+        self.asks.update(keys)
         if self.ahead:
             self.ahead.difference_update(keys)
 
@@ -100,7 +121,7 @@ class HoldTable:
         if not self.ahead:
             return
         leases = self.leases
-        for k in self.ahead:
+        for k in self.ahead:  # (nobody asked for them: no count to drop)
             i = leases.pop(k, None)
             if i is not None:
                 self.unhold(i)
@@ -247,8 +268,11 @@ class HoldTable:
             j = leases.get(keys[i])
             if j is not None and self.block(j) != int(blocks[i]):
                 self.unhold(leases.pop(keys[i]))
-        if self.ahead:
-            self.asked(keys[:hits])  # leased ahead and asked for now: hits, kept
+                self.asks.pop(keys[i], None)
+        kept = None
+        if self.ahead:  # leased ahead and asked for now: never dropped to make room here
+            kept = self.ahead.intersection(keys[:hits])
+            self.ahead -= kept
         first: dict[bytes, int] = {}  # a key asked for twice is leased once
         for i in range(hits):
             if keys[i] not in leases:
@@ -271,23 +295,72 @@ class HoldTable:
                 self.free.extend(idx[bad:].tolist())
                 idx, new = idx[:bad], new[:bad]
             leases.update(zip((keys[i] for i in new), idx.tolist()))
+        if kept:  # beyond the hits after all: still nobody's
+            kept.difference_update(keys[:hits])
+            self.ahead |= kept
         return hits
 
     def release(self, keys: Sequence[bytes] | None = None) -> None:
-        """Drop the leases of ``keys`` (all if None); pins are unaffected."""
+        """Give back one lookup of each of ``keys`` (per time it is named), dropping a lease
+        when none is left; None: drop every lease. Pins are unaffected."""
         if keys is None:  # the scheduler's end of step: all at once
             idx = list(self.leases.values())
             self.leases.clear()
+            self.asks.clear()
             self.ahead.clear()
             if idx:
                 self.holds[np.array(idx, np.intp)] = -1
                 self.free.extend(idx)
             return
+        asks = self.asks
+        for k in keys:
+            n = asks.get(k, 0)
+            if n > 1:
+                asks[k] = n - 1  # another lookup still counts on it
+                continue
+            i = self.leases.pop(k, None)
+            if i is not None:
+                asks.pop(k, None)
+                self.unhold(i)
+        self.drop_ahead()
+
+    def forget(self, keys: Sequence[bytes]) -> None:
+        """Drop the leases of ``keys`` whatever their counts: their blocks no longer hold them
+        (our own store evicted them)."""
         for k in keys:
             i = self.leases.pop(k, None)
             if i is not None:
+                self.asks.pop(k, None)
                 self.unhold(i)
-        self.drop_ahead()
+
+    def lease_to_pin(self, key: bytes, shared: list[bytes]) -> int:
+        """For ``prepare_load``: the hold index to pin leased ``key`` in (-1: not leased), which
+        takes one of its lookups. With the last (or none: leased ahead) the lease itself
+        becomes the pin; while other lookups still count on it, the lease stays and the pin is
+        a fresh hold, written here, and ``key`` is appended to ``shared`` (for ``unload``).
+        With no hold free, the lease becomes the pin anyway (the others' loads lease again)."""
+        i = self.leases.get(key)
+        if i is None:
+            return -1
+        n = self.asks.get(key, 0)
+        if n > 1 and self.free:
+            self.asks[key] = n - 1
+            shared.append(key)
+            j = self.free.pop()
+            self._hv[j] = self.block(i)
+            return j
+        del self.leases[key]
+        self.asks.pop(key, None)
+        return i
+
+    def unload(self, taken: list[tuple[bytes, int]], shared: list[bytes]) -> None:
+        """Undo a ``prepare_load`` that failed: free the holds it took (a lease that became
+        the pin goes with it) and give back the lookups it took from leases that stay."""
+        for _, i in taken:
+            self.unhold(i)
+        for k in shared:
+            if k in self.leases:
+                self.asks[k] += 1
 
     def revalidate(self) -> None:
         """After an owner failover: drop leases whose block no longer holds their key (a
@@ -295,6 +368,7 @@ class HoldTable:
         for k, i in list(self.leases.items()):
             if self.table.state_if_key(self.block(i), k) not in LOADABLE:
                 self.unhold(self.leases.pop(k))
+                self.asks.pop(k, None)
 
     def pin(self, taken: list[tuple[bytes, int]]) -> None:
         for k, i in taken:
@@ -308,6 +382,7 @@ class HoldTable:
 
     def clear(self) -> None:
         self.leases.clear()
+        self.asks.clear()
         self.ahead.clear()
         self.pins.clear()
         self.seen.clear()

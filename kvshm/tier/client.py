@@ -27,7 +27,8 @@ When a lookup answers "not yet", and for how long (per first missing key):
   (its kernel lock, a system call) is checked at most every ``_ALIVE_EVERY_S`` seconds.
 
 So a key absent everywhere costs one "not yet" and then misses; a key below costs one fetch.
-A None answer releases the leases of the hits before it (a later lookup takes them again).
+A None answer gives back its lookup of the hits before it (``release``: a later lookup leases
+them again; another request's lookup of them keeps its lease).
 """
 from __future__ import annotations
 

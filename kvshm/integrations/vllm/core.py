@@ -182,8 +182,8 @@ class ManagerCore:
     Leases: ``lookup`` of a hit leases the block so that it stays loadable although other
     engines evict. vLLM calls ``prepare_load`` only for keys that hit in the same scheduler
     step, so every lease still held at the step's end (``schedule_end``) is released: a
-    waiting request never keeps blocks from being evicted. Leases are per key in the client,
-    so when one request turns a shared lease into its pin, the others get a new one.
+    waiting request never keeps blocks from being evicted. The client counts lookups per lease:
+    one per request is kept, so one request's load or end leaves the others theirs.
 
     Pending keys: a key whose store is in flight is ``PENDING`` only if this engine stores it
     (vLLM then asks again next step); another engine's unfinished store is a ``MISS``, so a
@@ -230,8 +230,10 @@ class ManagerCore:
     # --- loads ------------------------------------------------------------------------
     def lookup(self, key: bytes, req_id: str) -> LookupResult:
         status = self.mgr.key_status(key)  # lock-free read of the segment, no owner round trip
-        if status is LookupResult.HIT:
-            self._lease_reqs.setdefault(key, set()).add(req_id)
+        if status is LookupResult.HIT:  # one lookup per request counted on the lease
+            if req_id in self._lease_reqs.setdefault(key, set()):
+                self.mgr.release([key])
+            self._lease_reqs[key].add(req_id)
         elif status is LookupResult.PENDING and key not in self._store_req:
             return LookupResult.MISS  # another engine is storing it: compute, don't wait
         return status
@@ -247,11 +249,12 @@ class ManagerCore:
                 "cannot recover from a failed load (raise the segment's hold capacity "
                 "if a step looks up more keys than half of it)") from e
         self._loads.setdefault(req_id, []).append(keys)
-        for k in keys:
-            others = self._lease_reqs.pop(k, set()) - {req_id}
-            if others:  # our pin consumed the shared lease: lease it again for the others
-                self._lease_reqs[k] = others
-                self.mgr.key_status(k)
+        for k in keys:  # the load took one lookup of each lease: ours, else another's
+            reqs = self._lease_reqs.get(k, ())
+            if req_id in reqs:
+                reqs.discard(req_id)  # (an empty set stays until the step's end)
+            elif reqs:
+                self.mgr.key_status(k)  # count the other requests' lookup again
         acc = self._access_of(req_id)
         self._first_seen(acc, acc.record(keys, reused=keys), position)
         return blocks
@@ -356,11 +359,11 @@ class ManagerCore:
                         for k in keys)
             done = Running(acc.request, done=True) if acc.request else None  # owner forgets it
             self._quietly(self._touch, keys, how, done)
-        for k in [k for k, reqs in self._lease_reqs.items() if req_id in reqs]:
+        mine = [k for k, reqs in self._lease_reqs.items() if req_id in reqs]
+        for k in mine:
             self._lease_reqs[k].discard(req_id)
-            if not self._lease_reqs[k]:
-                del self._lease_reqs[k]
-                self.mgr.release([k])
+        if mine:
+            self.mgr.release(mine)  # its lookups: the leases others hit stay
 
     def reset(self) -> None:
         """Forget this engine's in-flight state; data other engines stored is untouched."""

@@ -1,0 +1,218 @@
+"""Lookup leases are counted: each lookup that answered a key as a hit is given back once.
+
+Two requests of one scheduler may look up the same key in one step; the client holds one
+lease for it, and the release of one request (its load was not needed, or a lower tier said
+"not yet") must not take it from the other, which was told the key is a hit. Here the test
+process is one client of a real owner process; another client, spawned like a real engine,
+stores fresh keys that need every block of the cache: whatever it can evict, it evicts.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+
+import pytest
+
+from kvshm.index.api import LookupResult
+from kvshm.index.client import connect
+from kvshm.errors import UnknownKeyError
+
+import procs
+from conftest import SMALL_GEOMETRY, TEST_LAYOUT, stop_owner
+
+CTX = mp.get_context("spawn")
+KEYS = [b"lease-key-%02d" % i for i in range(24)]
+FRESH = KEYS[8:16]  # what the other client stores: as many keys as the cache has blocks
+
+
+@pytest.fixture
+def cache(seg_name):
+    """A client of a fresh 8-block segment holding KEYS[:8] (its owner is killed at
+    teardown). 8 blocks get no grants: every store is one all-or-nothing round trip."""
+    mgr = connect(seg_name, TEST_LAYOUT, num_blocks=8, **SMALL_GEOMETRY)
+    assert procs.store(mgr, KEYS[:8]) == KEYS[:8]
+    yield mgr
+    pid = mgr.segment.owner_record()[0]
+    mgr.shutdown()
+    stop_owner(pid)
+
+
+def other_client_stores(seg_name: str, keys: list[bytes]) -> list[bytes]:
+    """Another client process stores ``keys`` (evicting what it may); the keys it stored."""
+    parent, child = CTX.Pipe()
+    p = CTX.Process(target=procs.store_and_report, args=(seg_name, child, keys), daemon=True)
+    p.start()
+    stored = parent.recv()
+    p.join()
+    return stored
+
+
+def ask(mgr, key: bytes, how: str) -> None:
+    if how == "key_status":
+        assert mgr.key_status(key) == LookupResult.HIT
+    else:
+        assert mgr.lookup([key]) == 1
+
+
+def load_and_check(mgr, keys: list[bytes]) -> None:
+    blocks = mgr.prepare_load(keys)
+    planes = mgr.segment.planes()
+    assert all(procs.check(planes, b, k) for b, k in zip(blocks, keys))
+    mgr.complete_load(keys)
+
+
+@pytest.mark.parametrize("how", ["key_status", "lookup"])
+def test_a_key_two_requests_looked_up_stays_leased_when_one_releases_it(cache, seg_name, how):
+    key = KEYS[0]
+    ask(cache, key, how)  # request 1: a hit
+    ask(cache, key, how)  # request 2, same step: a hit
+    cache.release([key])  # request 1 will not load it (the generic connector releases)
+    stored = other_client_stores(seg_name, FRESH)  # evicts all it may
+    load_and_check(cache, [key])  # request 2 loads what it was told is a hit
+    assert stored == []  # the key stayed leased: no room for all 8
+
+
+def test_each_lookup_of_a_key_is_given_back_by_one_release(cache, seg_name):
+    key = KEYS[0]
+    ask(cache, key, "key_status")
+    ask(cache, key, "lookup")
+    assert cache.lookup(KEYS[:2]) == 2
+    assert cache.held_blocks() == 2  # one hold per key, however often it was asked for
+    cache.release([key, KEYS[1]])
+    cache.release([key])
+    assert cache.held_blocks() == 1
+    cache.release([key, KEYS[1]])  # a key not leased any more is ignored
+    assert cache.held_blocks() == 0
+    assert other_client_stores(seg_name, FRESH) == FRESH  # every block was evictable
+
+
+def test_release_of_all_drops_every_count(cache, seg_name):
+    for _ in range(3):
+        assert cache.lookup(KEYS[:8]) == 8
+    cache.release()
+    assert cache.held_blocks() == 0
+    assert other_client_stores(seg_name, FRESH) == FRESH
+
+
+def test_a_load_takes_one_lookup_and_leaves_the_others_leased(cache, seg_name):
+    key = KEYS[0]
+    ask(cache, key, "key_status")
+    ask(cache, key, "lookup")
+    cache.prepare_load([key])  # request 1 loads: its lease becomes a pin, request 2's stays
+    assert cache.held_blocks() == 2
+    cache.complete_load([key])
+    assert cache.held_blocks() == 1
+    assert other_client_stores(seg_name, FRESH) == []
+    load_and_check(cache, [key])  # request 2 loads: the last lookup of it is taken
+    assert cache.held_blocks() == 0
+    assert other_client_stores(seg_name, FRESH) == FRESH
+
+
+def test_a_load_naming_a_key_twice_takes_two_lookups(cache):
+    key = KEYS[0]
+    ask(cache, key, "key_status")
+    ask(cache, key, "key_status")
+    cache.prepare_load([key, key])
+    assert cache.held_blocks() == 2  # two pins, no lease left
+    cache.complete_load([key, key])
+    assert cache.held_blocks() == 0
+
+
+def test_a_failed_load_takes_no_lookup(cache, seg_name):
+    # The generic connector releases a request's hits after its load failed: the other
+    # request's lookup of the same key must survive that release.
+    key = KEYS[0]
+    ask(cache, key, "key_status")
+    ask(cache, key, "key_status")
+    with pytest.raises(UnknownKeyError):
+        cache.prepare_load([key, b"never-stored"])
+    cache.release([key])
+    assert cache.held_blocks() == 1
+    assert other_client_stores(seg_name, FRESH) == []
+    load_and_check(cache, [key])
+
+
+def test_our_own_store_that_evicts_a_key_asked_for_twice_drops_its_lease(cache):
+    # However often it was asked for, a key our own store evicted is no hit any more.
+    assert cache.lookup(KEYS[:8]) == 8
+    assert cache.lookup(KEYS[:8]) == 8
+    out = cache.prepare_store(FRESH)
+    assert out is not None and sorted(out.evicted_keys) == KEYS[:8]
+    assert cache.held_blocks() == 0
+    assert cache.key_status(KEYS[0]) == LookupResult.MISS
+    cache.complete_store(out.keys_to_store, success=False)
+
+
+def test_a_key_leased_ahead_counts_only_the_lookups_that_asked_for_it(cache, seg_name):
+    # Asking for the first key of a prefix loaded before leases the rest ahead of their
+    # lookups; those count from the first lookup that asks for them, not before.
+    prefix = KEYS[:8]
+    assert cache.lookup(prefix) == 8
+    load_and_check(cache, prefix)
+    cache.release()
+    assert cache.key_status(prefix[0]) == LookupResult.HIT  # leases all 8, 7 of them ahead
+    assert cache.key_status(prefix[1]) == LookupResult.HIT
+    cache.release([prefix[1]])  # its one lookup given back; the keys leased ahead go too
+    assert cache.held_blocks() == 1
+    cache.release([prefix[0]])
+    assert cache.held_blocks() == 0
+    assert other_client_stores(seg_name, FRESH) == FRESH
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_random_lookups_loads_and_releases_keep_the_counts_a_model_predicts(cache, seed):
+    # One client, random calls; a model counts, per key, the lookups that reported it as a
+    # hit and were not given back. A key is leased exactly when the model says its count is
+    # positive, or it was leased ahead of its lookups (counted by none: nobody asked yet).
+    import random
+    rng = random.Random(seed)
+    h = cache._h
+    count: dict[bytes, int] = {}
+    for _ in range(300):
+        op = rng.choice(["key_status", "lookup", "release", "release", "load", "all"])
+        some = [rng.choice(KEYS[:8]) for _ in range(rng.randint(1, 4))]
+        if op == "key_status":
+            assert cache.key_status(some[0]) == LookupResult.HIT
+            count[some[0]] = count.get(some[0], 0) + 1
+        elif op == "lookup":
+            assert cache.lookup(some) == len(some)
+            for k in some:
+                count[k] = count.get(k, 0) + 1
+        elif op == "release":
+            cache.release(some)
+            for k in some:
+                count[k] = max(0, count.get(k, 0) - 1)
+        elif op == "load":
+            if rng.random() < 0.2:
+                some = KEYS[:8]  # a whole prefix: later lookups lease it ahead
+            cache.prepare_load(some)
+            cache.complete_load(some)
+            for k in some:
+                count[k] = max(0, count.get(k, 0) - 1)
+        else:
+            cache.release()
+            count.clear()
+        assert h.asks == {k: n for k, n in count.items() if n}
+        assert set(h.leases) == set(h.asks) | h.ahead and not h.ahead & set(h.asks)
+        assert cache.held_blocks() == len(h.leases)
+    cache.release()
+    assert cache.held_blocks() == 0
+
+
+def test_a_long_lookup_counts_each_hit_it_reports(seg_name):
+    # 64 keys or more are leased in one batch (one fence); their lookups count as anywhere.
+    mgr = connect(seg_name, TEST_LAYOUT, num_blocks=80, ring_capacity=8192, hold_capacity=256)
+    try:
+        keys = [b"long-%03d" % i for i in range(70)]
+        assert procs.store(mgr, keys) == keys
+        assert mgr.lookup(keys[:1] + keys[:69]) == 70  # the first key named twice
+        assert mgr.lookup(keys) == 70  # all leased now: the dict-hit path
+        mgr.release(keys)
+        assert mgr.held_blocks() == 69  # keys[69] had one lookup, keys[0] three
+        mgr.release(keys[:69])
+        assert mgr.held_blocks() == 1
+        mgr.release(keys[:1])
+        assert mgr.held_blocks() == 0
+    finally:
+        pid = mgr.segment.owner_record()[0]
+        mgr.shutdown()
+        stop_owner(pid)
