@@ -114,7 +114,7 @@ class LocalManager(Rebuild, Eviction, OffloadingManager):
         the entries, the policy and the index, as a batch of stores needs."""
         ready = writer is None
         self._entries.update(zip(keys, [_Entry(b, ready, writer) for b in blocks]))
-        if writer is not None:
+        if writer is not None and keys:  # no empty record: nothing would ever remove it
             self._pending.setdefault(writer, set()).update(keys)
         self.policy.insert_many(keys, ranks)
         insert = self.index.insert
