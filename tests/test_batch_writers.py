@@ -26,8 +26,11 @@ from conftest import SMALL_GEOMETRY, TEST_LAYOUT, unique_name
 
 BLOCKS = 24  # a 64-slot index: keys of a batch often share a home slot or wrap around
 
+# At most one key per block (the tests give each key a block of their own), still enough to
+# straddle VECTOR_MIN.
+assert VECTOR_MIN < BLOCKS
 keys_st = st.lists(st.binary(min_size=1, max_size=L.MAX_KEY_BYTES), min_size=1,
-                   max_size=2 * VECTOR_MIN + 3, unique=True)
+                   max_size=BLOCKS, unique=True)
 
 
 @contextlib.contextmanager

@@ -73,6 +73,32 @@ def test_a_finished_request_is_forgotten_and_its_keys_are_most_recent(lru):
     assert out.evicted_keys == [X[3], b"y", R[1], R[0], X[2]]
 
 
+def test_a_store_that_takes_its_requests_rank_ranks_its_keys_as_one_by_one_inserts(lru):
+    """A running request's first store, whose first key has no position: that key is
+    inserted (most recent, a fresh rank) before the request takes its rank for the next
+    key, so it is the older of the two, as when each key was entered one by one (before
+    the batch writers). Ranks computed for the whole batch first would give the request
+    its rank before the first key's fresh one, and turn the order round."""
+    out = lru.prepare_store(R, running=Running(1, {R[1]: 5}))  # r0: no position
+    lru.complete_store(out.keys_to_store)
+    procs.store(lru, Z + [b"w0", b"w1"])  # the cache is full
+    assert lru.prepare_store([b"v"]).evicted_keys == [R[0]]
+
+
+def test_a_publish_that_takes_its_requests_rank_ranks_its_keys_as_one_by_one_inserts(
+        make_segment):
+    """The same for a Publish of granted blocks (applied by the owner's ``Grants``)."""
+    seg = make_segment(num_blocks=8, policy="lru")
+    m = LocalManager(seg, "lru")
+    try:
+        blocks = m.grants.grant(3, 9, 2, 0)
+        m.grants.publish(3, 9, R, blocks, True, 2, Running(1, {R[1]: 5}))
+        procs.store(m, Z + [b"w0", b"w1"])  # the cache is full
+        assert m.prepare_store([b"v"]).evicted_keys == [R[0]]
+    finally:
+        m.shutdown()
+
+
 def test_frames_without_the_running_fields_still_work(make_segment):
     seg = make_segment(num_blocks=8, policy="lru")
     m = make_manager("shared", seg, "lru", True)

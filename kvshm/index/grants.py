@@ -155,7 +155,7 @@ class Grants:
         m.table.write_many(blocks, L.READY, keys, -1, 0, 0, m.tick, time.time_ns())
         if keys:
             crash_point("owner.publish.mid")
-        m._adopt_many(blocks, keys, None, [rank_of(k) for k in keys] if rank_of else None)
+        m._adopt_many(blocks, keys, None, rank_of)
         m._stored(keys, success, len(freed))
 
     def _make_ready(self, k: bytes, b: int, rank: Rank | None = None) -> None:

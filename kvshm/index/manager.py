@@ -31,7 +31,7 @@ from kvshm.index.grants import Grants
 from kvshm.errors import (BlockStateError, InvalidArgumentError, OwnerUnavailableError,
                      UnknownKeyError)
 from kvshm.index.policy import ACCESS_KINDS, MISSED, RANKED, CachePolicy, Rank, make_policy
-from kvshm.index.running import RunningRanks
+from kvshm.index.running import RankOf, RunningRanks
 from kvshm.shm.segment import Segment
 from kvshm.shm.keyindex import KeyIndex
 from kvshm.shm.table import BlockTable
@@ -109,14 +109,21 @@ class LocalManager(Rebuild, Eviction, OffloadingManager):
         self.index.insert(key, block)
 
     def _adopt_many(self, blocks: list[int], keys: list[bytes], writer: tuple[int, int] | None,
-                    ranks: list[Rank | None] | None = None) -> None:
+                    rank_of: RankOf | None = None) -> None:
         """``_adopt`` of every key (distinct, none entered) at its block: one pass each over
-        the entries, the policy and the index, as a batch of stores needs."""
+        the entries, the policy and the index, as a batch of stores needs. With a running
+        request's ``rank_of``, each key is ranked as it is inserted, as ``_adopt`` one by one
+        would: the request takes its rank at its first key with a position, after the
+        fresh ranks of the keys before it."""
         ready = writer is None
         self._entries.update(zip(keys, [_Entry(b, ready, writer) for b in blocks]))
-        if writer is not None:
+        if writer is not None and keys:  # no empty record: nothing would ever remove it
             self._pending.setdefault(writer, set()).update(keys)
-        self.policy.insert_many(keys, ranks)
+        if rank_of is None:
+            self.policy.insert_many(keys)
+        else:
+            for k in keys:
+                self.policy.insert(k, rank_of(k))
         insert = self.index.insert
         for k, b in zip(keys, blocks):
             insert(k, b)
@@ -251,7 +258,7 @@ class LocalManager(Rebuild, Eviction, OffloadingManager):
         slot, gen, req = writer
         blocks = [self._free.popleft() for _ in new]
         self.table.write_many(blocks, L.WRITING, new, slot, gen, req, self.tick)
-        self._adopt_many(blocks, new, (slot, gen), [rank_of(k) for k in new] if rank_of else None)
+        self._adopt_many(blocks, new, (slot, gen), rank_of)
         return PrepareStoreOutput(new, blocks, evicted)
 
     def pending_of(self, writer: Writer, request: int | None = None) -> list[tuple[bytes, int]]:
