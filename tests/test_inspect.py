@@ -469,6 +469,17 @@ def test_lease_on_a_free_block_is_no_violation(procs, name, capsys):
     assert run(capsys, "verify", name)[0] == 0
 
 
+def _wait_stopped(pid: int) -> None:
+    """Until the kernel shows ``pid`` stopped (a SIGSTOP is delivered asynchronously)."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                return
+        time.sleep(0.01)  # polling the kernel's process state
+    raise AssertionError(f"process {pid} did not stop")
+
+
 def test_real_clients_live_then_killed(procs, name, capsys):
     """A real kvshm client (which starts a real owner process): live, then everything killed."""
     create(name).close()
@@ -479,14 +490,17 @@ def test_real_clients_live_then_killed(procs, name, capsys):
         c = next(c for c in s["clients"] if c["slot"] == info["slot"])
         assert c["alive"] and (c["pins"], c["leases"]) == (1, 3) and s["owner"]["pid"] == owner
         assert (s["blocks"]["ready"], s["blocks"]["pinned"]) == (4, 1)
+        assert run(capsys, "verify", name)[0] == 0
+        os.kill(owner, signal.SIGSTOP)  # so that it cannot reclaim before it dies
+        _wait_stopped(owner)  # nor refill grants after we counted them
+        _, s = run_json(capsys, "show", name)
+        c = next(c for c in s["clients"] if c["slot"] == info["slot"])
         # its 2 unfinished stores are WRITING (a round trip) or in its granted blocks, with
         # up to the grant budget's blocks it has not taken yet (its grants grow with its stores)
         unfinished = s["blocks"]["writing"] + c["granted"]
         assert c["stores_pending"] == s["blocks"]["writing"]
         with Segment.attach(name) as seg:
             assert 2 <= unfinished <= 2 + grant_budget(seg.geometry)
-        assert run(capsys, "verify", name)[0] == 0
-        os.kill(owner, signal.SIGSTOP)  # so that it cannot reclaim before it dies
         engine.kill()
         engine.wait()
         os.kill(owner, signal.SIGKILL)
