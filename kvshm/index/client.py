@@ -214,13 +214,15 @@ class SharedManager(OffloadingManager):
         # prefix (``relet``). Counters: calls and non-hits only, stored by the next call that
         # ends a step (``_count_lookup``).
         h = self._h
+        asks = h.asks
         try:
-            n = h.asks.get(key)  # None: not leased, or leased ahead of its lookup (relet)
-            if n is None and key in h.leases:
-                n = 0
-                h.ahead.discard(key)  # asked for now
-            if n is not None:
-                h.asks[key] = n + 1
+            if key in asks:  # leased and asked for before
+                asks[key] += 1
+                self._lk_n += 1
+                return _HIT
+            if key in h.leases:  # leased ahead of its lookup (relet): asked for now
+                asks[key] = 1
+                h.ahead.discard(key)
                 self._lk_n += 1
                 return _HIT
             if h.relet(key):

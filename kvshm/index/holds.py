@@ -41,7 +41,6 @@ It never talks to the owner, never writes the block table and never imports torc
 """
 from __future__ import annotations
 
-from collections import Counter
 from itertools import repeat
 from typing import Sequence
 
@@ -72,7 +71,7 @@ class HoldTable:
         self.leases: dict[bytes, int] = {}
         # Leased key -> lookups that answered it as a hit and were not given back yet (>= 1);
         # absent for a key leased ahead of its lookups. The client counts them (``asked``).
-        self.asks: Counter[bytes] = Counter()  # update() counts a batch in one C pass
+        self.asks: dict[bytes, int] = {}  # a plain dict: its hot-path ops are specialised
         self.pins: dict[bytes, list[int]] = {}
         self.lease_limit = len(holds) // 2
         self.seen: dict[bytes, tuple[int, int]] = {}  # key -> (block, seq) verified READY
@@ -112,7 +111,10 @@ class HoldTable:
     def asked(self, keys: Sequence[bytes]) -> None:
         """``keys``, leased, were answered as hits: count one lookup of each (per time it is
         named); theirs now, never dropped as ahead."""
-        self.asks.update(keys)
+        asks = self.asks
+        get = asks.get
+        for k in keys:
+            asks[k] = get(k, 0) + 1
         if self.ahead:
             self.ahead.difference_update(keys)
 
