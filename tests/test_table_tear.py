@@ -65,6 +65,18 @@ def _in_child(fn, *args):
         pool.join()
 
 
+def _killed_at(point: str, target, *args) -> None:
+    """Run ``target(*args)`` in a child armed to SIGKILL itself at crash ``point``."""
+    os.environ["KVSHM_CRASH_AT"] = point
+    try:
+        p = CTX.Process(target=target, args=args)
+        p.start()
+    finally:
+        del os.environ["KVSHM_CRASH_AT"]
+    p.join(JOIN_S)
+    assert p.exitcode == -signal.SIGKILL
+
+
 # --- an owner killed mid-rewrite ---------------------------------------------------------
 def _own_fill_then_evict(name: str, keys: list[bytes], extra: bytes) -> None:
     """Own ``name``, store ``keys`` (filling it), then store ``extra``: the eviction of the
@@ -79,14 +91,8 @@ def _own_fill_then_evict(name: str, keys: list[bytes], extra: bytes) -> None:
 def test_owner_killed_mid_rewrite_of_a_ready_entry_publishes_no_torn_key(make_segment):
     seg = make_segment(num_blocks=len(KEYS), policy="lru")
     # len(KEYS) writes of WRITING entries, then the victim's rewrite to FREE.
-    os.environ["KVSHM_CRASH_AT"] = f"table.write.odd:{len(KEYS) + 1}"
-    try:
-        p = CTX.Process(target=_own_fill_then_evict, args=(seg.name, KEYS, b"newcomer"))
-        p.start()
-    finally:
-        del os.environ["KVSHM_CRASH_AT"]
-    p.join(JOIN_S)
-    assert p.exitcode == -signal.SIGKILL
+    _killed_at(f"table.write.odd:{len(KEYS) + 1}", _own_fill_then_evict, seg.name, KEYS,
+               b"newcomer")
     table = BlockTable(seg.buf, seg.geometry)
     torn = table.read(0)  # KEYS[0], the victim, was stored first into block 0
     assert _seq(seg, 0) & 1 and torn.torn and torn.state == L.READY
@@ -141,14 +147,8 @@ def _own_fill_then_evict_a_batch(name: str) -> None:
 
 def test_owner_killed_mid_batch_rewrite_publishes_no_torn_key(make_segment):
     seg = make_segment(num_blocks=2 * N, policy="lru")
-    os.environ["KVSHM_CRASH_AT"] = "table.write_many.odd:3"  # two stores, then the victims
-    try:
-        p = CTX.Process(target=_own_fill_then_evict_a_batch, args=(seg.name,))
-        p.start()
-    finally:
-        del os.environ["KVSHM_CRASH_AT"]
-    p.join(JOIN_S)
-    assert p.exitcode == -signal.SIGKILL
+    # two stores, then the victims' rewrite
+    _killed_at("table.write_many.odd:3", _own_fill_then_evict_a_batch, seg.name)
     table = BlockTable(seg.buf, seg.geometry)
     assert all(_seq(seg, b) & 1 for b in range(N))  # BATCH[:N], in blocks 0..N-1: all odd
     half = N // 2
