@@ -134,6 +134,6 @@ class OwnerFuzz(RuleBasedStateMachine):
         assert verify(self.a.segment) == []
 
 
-OwnerFuzz.TestCase.settings = settings(max_examples=15, stateful_step_count=25,
+OwnerFuzz.TestCase.settings = settings(max_examples=8, stateful_step_count=25,
                                        deadline=None)
 TestOwnerFuzz = OwnerFuzz.TestCase
