@@ -489,27 +489,19 @@ class ListARC:
 
 
 KEYS = st.integers(0, 7).map(k)
-OPS = st.lists(
-    st.one_of(
-        st.tuples(st.just("insert"), KEYS),
-        st.tuples(st.just("remove"), KEYS),
-        st.tuples(st.just("touch"), KEYS, st.booleans()),
-        st.tuples(st.just("evict"), st.integers(0, 4), st.frozensets(KEYS)),
-    ),
-    max_size=60,
+COMMON_OPS = (
+    st.tuples(st.just("insert"), KEYS),
+    st.tuples(st.just("remove"), KEYS),
+    st.tuples(st.just("touch"), KEYS, st.booleans()),
+    st.tuples(st.just("evict"), st.integers(0, 4), st.frozensets(KEYS)),
 )
+OPS = st.lists(st.one_of(*COMMON_OPS), max_size=60)
 # LRU only: requests (0..2) take a rank at first use; their keys rank at (rank, -position)
-RANKED_OPS = st.lists(
-    st.one_of(
-        st.tuples(st.just("insert"), KEYS),
-        st.tuples(st.just("remove"), KEYS),
-        st.tuples(st.just("touch"), KEYS, st.booleans()),
-        st.tuples(st.just("evict"), st.integers(0, 4), st.frozensets(KEYS)),
-        st.tuples(st.just("ranked_insert"), KEYS, st.integers(0, 2), st.integers(0, 3)),
-        st.tuples(st.just("ranked"), KEYS, st.integers(0, 2), st.integers(0, 3)),
-    ),
-    max_size=60,
-)
+RANKED_OPS = st.lists(st.one_of(
+    *COMMON_OPS,
+    st.tuples(st.just("ranked_insert"), KEYS, st.integers(0, 2), st.integers(0, 3)),
+    st.tuples(st.just("ranked"), KEYS, st.integers(0, 2), st.integers(0, 3)),
+), max_size=60)
 
 
 def apply_common(p, model, op: str, args: list) -> None:

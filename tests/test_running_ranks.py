@@ -28,16 +28,28 @@ R = [b"r%d" % i for i in range(2)]
 Z = [b"z%d" % i for i in range(4)]
 
 
-@pytest.fixture(params=["local", "shared"])
-def lru(request, make_segment):
-    """An 8-block LRU manager of each kind (shared: a real owner process, no grants)."""
+def _lru(kind: str, make_segment):
     seg = make_segment(num_blocks=8, policy="lru")
-    m = make_manager(request.param, seg, "lru", True)
+    m = make_manager(kind, seg, "lru", True)
     yield m
-    pid = seg.owner_record()[0] if request.param == "shared" else 0
+    pid = seg.owner_record()[0] if kind == "shared" else 0
     m.shutdown()
     if pid:
         stop_owner(pid)
+
+
+@pytest.fixture(params=["local", "shared"])
+def lru(request, make_segment):
+    """An 8-block LRU manager of each kind (shared: a real owner process, no grants)."""
+    yield from _lru(request.param, make_segment)
+
+
+@pytest.fixture
+def shared_x(make_segment):
+    """A shared 8-block LRU manager (a real owner process, no grants) holding X."""
+    for m in _lru("shared", make_segment):
+        procs.store(m, X)
+        yield m
 
 
 def ranked(keys: list[bytes]) -> bytes:
@@ -99,24 +111,17 @@ def test_a_publish_that_takes_its_requests_rank_ranks_its_keys_as_one_by_one_ins
         m.shutdown()
 
 
-def test_frames_without_the_running_fields_still_work(make_segment):
-    seg = make_segment(num_blocks=8, policy="lru")
-    m = make_manager("shared", seg, "lru", True)
-    try:
-        procs.store(m, X)
-        old_touch = P.request_encoder.encode(["Touch", 0, [X[0]], None])  # 3 fields
-        m._link.requests.put(old_touch, timeout=5)
-        req = m._link.next_req()
-        W = Z + [b"w0", b"w1"]
-        reply = _raw_call(m, P.request_encoder.encode(["PrepareStore", req, W, False, 0]))
-        assert isinstance(reply, P.Prepared) and reply.keys == W  # after the touch (FIFO)
-        assert reply.evicted == [X[1], X[2]]  # x0 was touched: most recent
-        m.complete_store(W)
-        assert m.lookup([X[0]] + W) == 7
-    finally:
-        pid = seg.owner_record()[0]
-        m.shutdown()
-        stop_owner(pid)
+def test_frames_without_the_running_fields_still_work(shared_x):
+    m = shared_x
+    old_touch = P.request_encoder.encode(["Touch", 0, [X[0]], None])  # 3 fields
+    m._link.requests.put(old_touch, timeout=5)
+    req = m._link.next_req()
+    W = Z + [b"w0", b"w1"]
+    reply = _raw_call(m, P.request_encoder.encode(["PrepareStore", req, W, False, 0]))
+    assert isinstance(reply, P.Prepared) and reply.keys == W  # after the touch (FIFO)
+    assert reply.evicted == [X[1], X[2]]  # x0 was touched: most recent
+    m.complete_store(W)
+    assert m.lookup([X[0]] + W) == 7
 
 
 @pytest.mark.parametrize("running", [
@@ -140,27 +145,20 @@ def test_the_in_process_manager_refuses_a_bad_running_request_and_changes_nothin
         m.shutdown()
 
 
-def test_the_owner_refuses_bad_running_fields_and_keeps_serving(make_segment):
-    seg = make_segment(num_blocks=8, policy="lru")
-    m = make_manager("shared", seg, "lru", True)
-    try:
-        procs.store(m, X)
-        errors = seg.counter("errors")
-        for fields in ({"request": -1, "positions": [5]}, {"request": 1, "positions": [5, 6]},
-                       {"request": 1, "positions": [-7]}):
-            m._link.send(P.Touch(0, [X[0]], ranked(X[:1]), **fields))  # one-way: dropped
-            req = m._link.next_req()
-            reply = _raw_call(m, P.request_encoder.encode(P.PrepareStore(req, Z, **fields)))
-            assert isinstance(reply, P.Error) and reply.kind == "InvalidArgumentError"
-        assert seg.counter("errors") == errors + 6
-        out = m.prepare_store(Z)  # nothing was allocated or reordered by them
-        assert out.evicted_keys == []
-        m.complete_store(Z)
-        assert m.prepare_store([b"w0", b"w1"]).evicted_keys == X[:2]
-    finally:
-        pid = seg.owner_record()[0]
-        m.shutdown()
-        stop_owner(pid)
+def test_the_owner_refuses_bad_running_fields_and_keeps_serving(shared_x):
+    m, seg = shared_x, shared_x.segment
+    errors = seg.counter("errors")
+    for fields in ({"request": -1, "positions": [5]}, {"request": 1, "positions": [5, 6]},
+                   {"request": 1, "positions": [-7]}):
+        m._link.send(P.Touch(0, [X[0]], ranked(X[:1]), **fields))  # one-way: dropped
+        req = m._link.next_req()
+        reply = _raw_call(m, P.request_encoder.encode(P.PrepareStore(req, Z, **fields)))
+        assert isinstance(reply, P.Error) and reply.kind == "InvalidArgumentError"
+    assert seg.counter("errors") == errors + 6
+    out = m.prepare_store(Z)  # nothing was allocated or reordered by them
+    assert out.evicted_keys == []
+    m.complete_store(Z)
+    assert m.prepare_store([b"w0", b"w1"]).evicted_keys == X[:2]
 
 
 def test_a_publish_with_bad_running_fields_is_published_without_ranks(seg_name):
