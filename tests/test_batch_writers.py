@@ -11,8 +11,10 @@ collisions and wrap-around the rule.
 from __future__ import annotations
 
 import contextlib
+import struct
 from typing import Iterator
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -134,3 +136,13 @@ def test_lru_batches_order_keys_as_one_by_one_inserts_and_touches_do(stored, tou
     many.touch_many(keys, [True] * len(keys))
     assert many.order() == one.order()
     assert many.evict(len(stored), lambda k: True) == one.evict(len(stored), lambda k: True)
+
+
+def test_a_batch_with_a_bad_value_raises_before_any_entry_changes():
+    with twins() as ((t, _), _):
+        for n in (3, VECTOR_MIN + 3):  # both paths
+            before = _table_bytes(t)
+            reqs = [0] * (n - 1) + [2**64]  # the last one does not fit its field
+            with pytest.raises((OverflowError, struct.error)):
+                t.write_many(range(n), L.WRITING, [b"k%d" % i for i in range(n)], 1, 2, reqs)
+            assert _table_bytes(t) == before

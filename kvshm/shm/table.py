@@ -215,8 +215,11 @@ class BlockTable:
 
         The body is packed first, so a value out of range raises before the entry is touched.
         """
-        body = _BODY.pack(state, len(key), writer, writer_gen, L.key_checksum(key),
-                          writer_req, last_use, stored_ns, pins, key)
+        self._put(block, _BODY.pack(state, len(key), writer, writer_gen, L.key_checksum(key),
+                                    writer_req, last_use, stored_ns, pins, key))
+
+    def _put(self, block: int, body: bytes) -> None:
+        """One seqlock round that copies a packed ``body`` into ``block``'s entry."""
         off = self.base + block * L.ENTRY_BYTES + _BODY_OFF
         seq = self._odd(block)
         if crashpoints.ARMED:
@@ -318,11 +321,15 @@ class BlockTable:
         checksum verifies, exactly as for one entry.
         """
         n = len(blocks)
+        if keys and len(keys) != n:
+            raise ValueError(f"write_many of {n} blocks with {len(keys)} keys")
         if n < VECTOR_MIN:
             reqs = [writer_req] * n if isinstance(writer_req, int) else writer_req
-            for i, b in enumerate(blocks):
-                self.write(b, state, keys[i] if keys else b"", writer, writer_gen, reqs[i],
-                           last_use, stored_ns)
+            bodies = [_BODY.pack(state, len(k), writer, writer_gen, L.key_checksum(k), reqs[i],
+                                 last_use, stored_ns, 0, k)
+                      for i, k in enumerate(keys or [b""] * n)]
+            for b, body in zip(blocks, bodies):
+                self._put(b, body)
             return
         body = np.zeros(n, _BODY_DTYPE)
         body["state"], body["writer"], body["writer_gen"] = state, writer, writer_gen
@@ -330,9 +337,8 @@ class BlockTable:
         rows = body.view(np.uint8).reshape(n, _BODY.size)
         if keys:
             lens = set(map(len, keys))
-            if len(keys) != n or max(lens) > L.MAX_KEY_BYTES:
-                raise ValueError("write_many needs one key of at most "
-                                 f"{L.MAX_KEY_BYTES} bytes per block")
+            if max(lens) > L.MAX_KEY_BYTES:
+                raise ValueError(f"write_many of a key over {L.MAX_KEY_BYTES} bytes")
             if len(lens) == 1:  # one length (vLLM's keys are all 36 bytes): one byte copy
                 klen = lens.pop()
                 body["keylen"] = klen
