@@ -93,12 +93,8 @@ class Grants:
         lost = [b for b, pos in mine.items() if pos >= granted]
         for b in lost:
             del mine[b]
-            self._free(b)
+        self._free_many(lost)
         return len(lost)
-
-    def _free(self, b: int) -> None:
-        self.m.table.write(b, L.FREE, b"")
-        self.m._free.append(b)
 
     def _free_many(self, blocks: list[int]) -> None:
         self.m.table.write_many(blocks, L.FREE)
@@ -170,7 +166,7 @@ class Grants:
         if b is None:
             return
         if key in self.m._entries:
-            self._free(b)
+            self._free_many([b])
             return
         self._make_ready(key, b)
         self.m._stored([key], True, 0)

@@ -220,9 +220,9 @@ class LocalManager(Rebuild, Eviction, OffloadingManager):
         if rank_of is not None and how is not None and RANKED in how:
             rank_of(None)  # vLLM: a request takes its rank at its first access, cached or not
         self.tick += 1
-        entries, order = self._entries, keys[::-1]  # the prefix head ends up most recent
-        if how is None:
-            found = [(k, e) for k in order if (e := entries.get(k)) is not None]
+        entries = self._entries
+        if how is None:  # last to first: the prefix head ends up most recent
+            found = [(k, e) for k in keys[::-1] if (e := entries.get(k)) is not None]
             self.policy.touch_many([k for k, _ in found], [e.ready for _, e in found])
             self.table.set_last_uses([e.block for _, e in found], self.tick)
         else:
