@@ -135,8 +135,11 @@ def new_manager(manager_kind, policy, make_segment):
 
 
 def stop_owner(pid: int) -> None:
-    """Kill an owner process a test started and reap it if it is our child."""
+    """Kill an owner process a test started and reap it if it is our child. Pid 0 (the
+    record of an owner that shut down) is nobody: ``kill(0)`` would hit our own group."""
     import signal
+    if pid <= 0:
+        return
     try:
         os.kill(pid, signal.SIGKILL)
     except ProcessLookupError:

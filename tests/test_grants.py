@@ -486,3 +486,20 @@ def test_a_scribbled_granted_count_never_frees_blocks_its_client_took(mgr):
     mgr.touch([b"start-a-successor"])  # a frame the successor serves after its takeover
     wait_for(lambda: mgr._link.requests.consumed(mgr._link.requests.tail), "the touch")
     assert [_states(mgr.segment)[b] for b in out.block_ids] == [L.GRANTED] * 3
+
+
+def test_grant_counts_at_the_top_of_their_range_never_take_the_owner_down(mgr):
+    """A client that set both of its grant counts to the largest u64 (level 0, so the
+    counts look possible) must not crash the owner that refills it: the next positions
+    do not fit a table entry. It is quarantined; the owner keeps serving."""
+    _stocked(mgr, 1)
+    owner, errors = mgr.segment.owner_record()[0], mgr.segment.counter("errors")
+    words, _ = slots.grants(mgr.segment, mgr.slot)
+    words[L.GRANT_WORD_GRANTED] = words[L.GRANT_WORD_TAKEN] = 2**64 - 1
+    other = connect(mgr.segment.name)
+    try:
+        procs.store(other, [b"wakes-the-owner-%d" % i for i in range(3)])  # passes that refill
+        assert mgr.segment.owner_record()[0] == owner and mgr.segment.owner_alive()
+        assert mgr.segment.counter("errors") > errors
+    finally:
+        other.shutdown()

@@ -32,7 +32,7 @@ quarter again), so grants never hold more than half the cache. It never copies b
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -87,7 +87,7 @@ class Grants:
         count never reached (never handed over). Returns how many. Nothing when the counts
         are impossible (the client scribbled on its slot): ``granted`` then proves nothing,
         and a block it took may be being written; its death frees them all."""
-        if not 0 <= granted - taken <= L.GRANT_CAPACITY:
+        if grant_level(granted, taken) is None:
             return 0
         mine = self.blocks.get((slot, gen), {})
         lost = [b for b, pos in mine.items() if pos >= granted]
@@ -178,28 +178,44 @@ class Grants:
         return len(blocks)
 
 
-def sized_target(grants: Grants, words: np.ndarray, writer: tuple[int, int], share: int,
+class StockedClient(Protocol):
+    """What ``stock`` reads and keeps of a client (the owner's ``_Client``)."""
+    slot: int
+    gen: int
+    grant_words: np.ndarray  # its slot's counts (layout.GRANT_WORD_*)
+    grant_ids: np.ndarray  # its slot's grant ring
+    taken_seen: int  # its taken count at the last refill
+    largest_store: int  # in blocks, the most it took between two refills or in one store
+
+
+def grant_level(granted: int, taken: int) -> int | None:
+    """Blocks in a client's grant ring from its two counts, or None if the counts are
+    impossible (the client scribbled on its slot): taken above granted, more than the ring
+    holds, or a granted count so high that the next positions would not fit a table entry's
+    u64 (counts only grow, by a block at a time)."""
+    level = granted - taken
+    if 0 <= level <= L.GRANT_CAPACITY and granted <= 2**64 - 1 - L.GRANT_CAPACITY:
+        return level
+    return None
+
+
+def sized_target(grants: Grants, level: int, writer: tuple[int, int], share: int,
                  largest: int, room: int) -> int:
     """The level to refill ``writer``'s ring to: twice its ``largest`` store, so one store
     takes at most half and a refill (at half) follows every store; never less than its
     ``share`` (counting its taken, unpublished blocks, so a client whose taken count runs
     ahead of its publishes is not refilled without end); the growth beyond the share within
     ``room``. It never shrinks: a scheduler's step sizes recur."""
-    level = int(words[L.GRANT_WORD_GRANTED]) - int(words[L.GRANT_WORD_TAKEN])
     inflight = grants.held(writer) - level
     grown = min(L.GRANT_CAPACITY, max(share, 2 * largest))
     return min(grown, max(share - inflight, level + room, 0))
 
 
 def refill(grants: Grants, words: np.ndarray, ids: np.ndarray, slot: int, gen: int,
-           target: int) -> int:
-    """Top up one client's grant ring to ``target`` blocks (when it is half empty). The ids
-    go in first, then the count that publishes them. Returns the blocks granted; -1 if the
-    client's ``taken`` count is impossible (it scribbled on its slot: grant it nothing)."""
-    granted, taken = int(words[L.GRANT_WORD_GRANTED]), int(words[L.GRANT_WORD_TAKEN])
-    level = granted - taken
-    if not 0 <= level <= L.GRANT_CAPACITY:
-        return -1
+           granted: int, level: int, target: int) -> int:
+    """Top up one client's grant ring (``granted`` pushed so far, ``level`` in it, from
+    ``grant_level``) to ``target`` blocks, when it is half empty. The ids go in first, then
+    the count that publishes them. Returns the blocks granted."""
     if level > target // 2:
         return 0
     blocks = grants.grant(slot, gen, target - level, granted)
@@ -209,3 +225,19 @@ def refill(grants: Grants, words: np.ndarray, ids: np.ndarray, slot: int, gen: i
     publish_fence()  # ids before the count that hands them over
     words[L.GRANT_WORD_GRANTED] = granted + len(blocks)
     return len(blocks)
+
+
+def stock(grants: Grants, c: StockedClient, share: int, room: int) -> int | None:
+    """One refill of client ``c``'s grant ring, sized by ``sized_target`` (its largest store
+    so far grows from the blocks it took since the last refill). Returns the blocks
+    granted, or None if its ring's counts are impossible (grant it nothing)."""
+    words = c.grant_words
+    granted, taken = int(words[L.GRANT_WORD_GRANTED]), int(words[L.GRANT_WORD_TAKEN])
+    level = grant_level(granted, taken)
+    if level is None:
+        return None
+    if 0 < taken - c.taken_seen <= L.GRANT_CAPACITY:
+        c.largest_store = max(c.largest_store, taken - c.taken_seen)
+    c.taken_seen = taken
+    target = sized_target(grants, level, (c.slot, c.gen), share, c.largest_store, room)
+    return refill(grants, words, c.grant_ids, c.slot, c.gen, granted, level, target)

@@ -27,7 +27,7 @@ from kvshm.shm import slots
 from kvshm.errors import KvshmError, OwnerUnavailableError
 from kvshm.crashpoints import crash_point
 from kvshm.shm.fence import full_fence
-from kvshm.index.grants import grant_budget, grant_target, refill, sized_target
+from kvshm.index.grants import grant_budget, grant_target, stock
 from kvshm.index.manager import LocalManager
 from kvshm.index.requests import RequestHandlers, _Client
 from kvshm.index.spin import SpinPolicy
@@ -232,16 +232,15 @@ class Owner(RequestHandlers):
         for c in list(self.clients.values()):
             if not c.stores or c.quarantined:
                 continue
-            words = c.grant_words
-            taken = int(words[L.GRANT_WORD_TAKEN])
-            if 0 < taken - c.taken_seen <= L.GRANT_CAPACITY:  # else scribbled: refill says
-                c.largest_store = max(c.largest_store, taken - c.taken_seen)
-            c.taken_seen = taken
-            target = sized_target(grants, words, (c.slot, c.gen), self._grant_target,
-                                  c.largest_store, room)
-            n = refill(grants, words, c.grant_ids, c.slot, c.gen, target)
-            if n < 0:
-                self._quarantine(c, "its grant ring counts are impossible")
+            try:
+                n = stock(grants, c, self._grant_target, room)
+            except Exception as e:  # its slot, not the owner, is at fault: never die of it
+                log.exception("refilling client slot %d failed", c.slot)
+                n, why = None, f"its grant ring could not be refilled ({e!r})"
+            else:
+                why = "its grant ring counts are impossible"
+            if n is None:
+                self._quarantine(c, why)
             else:
                 room -= n
         self._fan_out()
