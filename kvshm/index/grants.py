@@ -44,7 +44,6 @@ from kvshm.shm.layout import Geometry
 
 if TYPE_CHECKING:
     from kvshm.index.api import Running
-    from kvshm.index.policy import Rank
     from kvshm.index.manager import LocalManager
 
 # Evicting for a grant must respect every client's leases, the grantee's own too: unlike a
@@ -154,22 +153,19 @@ class Grants:
         m._adopt_many(blocks, keys, None, rank_of)
         m._stored(keys, success, len(freed))
 
-    def _make_ready(self, k: bytes, b: int, rank: Rank | None = None) -> None:
-        m = self.m
-        m.table.write(b, L.READY, k, -1, 0, 0, m.tick, time.time_ns())
-        m._adopt(b, k, None, rank)
-
     def resolve(self, key: bytes) -> None:
         """The unfinished store of ``key`` ended: a block deferred behind it is published if
         the key is gone (that store failed, or its writer died), else freed."""
         b = self.deferred.pop(key, None)
         if b is None:
             return
-        if key in self.m._entries:
+        m = self.m
+        if key in m._entries:
             self._free_many([b])
             return
-        self._make_ready(key, b)
-        self.m._stored([key], True, 0)
+        m.table.write(b, L.READY, key, -1, 0, 0, m.tick, time.time_ns())
+        m._adopt(b, key, None)
+        m._stored([key], True, 0)
 
     def free(self, writer: tuple[int, int]) -> int:
         """Free every block granted to ``writer`` (its client is gone, with its copiers)."""

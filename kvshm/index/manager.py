@@ -30,7 +30,7 @@ from kvshm.index.rebuild import Rebuild
 from kvshm.index.grants import Grants
 from kvshm.errors import (BlockStateError, InvalidArgumentError, OwnerUnavailableError,
                      UnknownKeyError)
-from kvshm.index.policy import ACCESS_KINDS, MISSED, RANKED, CachePolicy, Rank, make_policy
+from kvshm.index.policy import ACCESS_KINDS, MISSED, RANKED, CachePolicy, make_policy
 from kvshm.index.running import RankOf, RunningRanks
 from kvshm.shm.segment import Segment
 from kvshm.shm.keyindex import KeyIndex
@@ -98,15 +98,10 @@ class LocalManager(Rebuild, Eviction, OffloadingManager):
         if pid:  # the last owner died holding the segment (a clean exit writes pid 0)
             segment.counter_add("failovers")
 
-    def _adopt(self, block: int, key: bytes, writer: tuple[int, int] | None,
-               rank: Rank | None = None) -> None:
-        """Enter ``key`` at ``block``: ready without a writer, else pending for ``writer``;
-        at ``rank`` in the eviction order (a running request's), else most recent."""
-        self._entries[key] = _Entry(block, writer is None, writer)
-        if writer is not None:
-            self._pending.setdefault(writer, set()).add(key)
-        self.policy.insert(key, rank)
-        self.index.insert(key, block)
+    def _adopt(self, block: int, key: bytes, writer: tuple[int, int] | None) -> None:
+        """Enter ``key`` at ``block``, most recent: ready without a writer, else pending for
+        ``writer``."""
+        self._adopt_many([block], [key], writer)
 
     def _adopt_many(self, blocks: list[int], keys: list[bytes], writer: tuple[int, int] | None,
                     rank_of: RankOf | None = None) -> None:
@@ -303,15 +298,14 @@ class LocalManager(Rebuild, Eviction, OffloadingManager):
                         f"complete_store of key {k.hex()[:16]}… whose store belongs to "
                         "another writer")
         done, blocks = [], []
-        for k in dict.fromkeys(todo):
-            if success:
-                e = self._entries[k]
-                self._unpend(k, e)
-                e.ready = True
-                done.append(k)
-                blocks.append(e.block)
-            else:
-                self._drop(k)
+        if not success:
+            self._drop_many(list(dict.fromkeys(todo)))
+        for k in dict.fromkeys(todo) if success else ():
+            e = self._entries[k]
+            self._unpend(k, e)
+            e.ready = True
+            done.append(k)
+            blocks.append(e.block)
         self.table.publish_many(blocks, self.tick, time.time_ns())
         for k in done if self.grants.deferred else ():
             self.grants.resolve(k)  # a completed grant store of k waited for this one
@@ -347,8 +341,7 @@ class LocalManager(Rebuild, Eviction, OffloadingManager):
             return 0
         self.quarantined.discard(w)
         keys = list(self._pending.get(w, ()))
-        for k in keys:
-            self._drop(k)  # also takes k out of the writer index
+        self._drop_many(keys)  # also takes them out of the writer index
         return len(keys) + self.grants.free(w)
 
     # The owner's periodic retry of quarantined (and rebuilt orphan) stores
@@ -360,8 +353,9 @@ class LocalManager(Rebuild, Eviction, OffloadingManager):
                    if slot >= 0 and not client_alive(slot, gen))
 
     def _drop_many(self, keys: list[bytes]) -> None:
-        """``_drop`` of every key (distinct), the table's entries in one batch write (an
-        eviction's victims)."""
+        """Forget every key (distinct) and free its block, the table's entries in one batch
+        write (no eviction bookkeeping: an eviction's victims, failed or reclaimed stores).
+        A deferred completed store waiting for an unfinished one of these keys is resolved."""
         gone = [self._entries.pop(k) for k in keys]
         policy, remove = self.policy, self.index.remove
         for k, e in zip(keys, gone):
@@ -376,19 +370,6 @@ class LocalManager(Rebuild, Eviction, OffloadingManager):
             for k, e in zip(keys, gone):
                 if not e.ready and k in self.grants.deferred:
                     self.grants.resolve(k)
-
-    def _drop(self, key: bytes) -> None:
-        """Forget ``key`` and free its block (no eviction bookkeeping)."""
-        e = self._entries.pop(key)
-        self._unpend(key, e)
-        b = e.block
-        if key in self.policy:
-            self.policy.remove(key)
-        self.index.remove(key, b)
-        self.table.write(b, L.FREE, b"")
-        self._free.append(b)
-        if not e.ready and key in self.grants.deferred:  # an unfinished store of key ended
-            self.grants.resolve(key)
 
     def _require_ready(self, key: bytes) -> None:
         e = self._entries.get(key)

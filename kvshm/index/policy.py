@@ -52,12 +52,11 @@ class CachePolicy(ABC):
         """A key was just allocated (store in flight). Caller guarantees it is not cached.
         ``rank``: a running request's provisional rank for it (LRU), else most recent."""
 
-    def insert_many(self, keys: Sequence[bytes],
-                    ranks: Sequence[Rank | None] | None = None) -> None:
-        """``insert`` of each key in order (the last ends most recent), at its rank of
-        ``ranks`` if given. A policy may do it in bulk."""
-        for i, k in enumerate(keys):
-            self.insert(k, ranks[i] if ranks is not None else None)
+    def insert_many(self, keys: Sequence[bytes]) -> None:
+        """``insert`` of each key in order, most recent (the last ends most recent). A
+        policy may do it in bulk."""
+        for k in keys:
+            self.insert(k)
 
     @abstractmethod
     def remove(self, key: bytes) -> None:
@@ -156,12 +155,8 @@ class LRUPolicy(CachePolicy):
         else:
             self._provisional(key, rank)
 
-    def insert_many(self, keys: Sequence[bytes],
-                    ranks: Sequence[Rank | None] | None = None) -> None:
-        if ranks is None or not any(ranks):
-            self._freshen_all(keys)
-        else:
-            super().insert_many(keys, ranks)
+    def insert_many(self, keys: Sequence[bytes]) -> None:
+        self._freshen_all(keys)
 
     def remove(self, key: bytes) -> None:
         if self._rank.pop(key, None) is not None:
