@@ -207,3 +207,18 @@ def test_the_ranks_kept_are_bounded_and_go_with_their_client(make_segment, monke
         assert m.running.ranks == {}
     finally:
         m.shutdown()
+
+
+@pytest.mark.parametrize("call", ["prepare_store", "complete_store"])
+def test_a_store_refuses_to_end_a_running_request_on_both_managers(lru, call):
+    """``done`` ends a request on touch only: a store's frame cannot carry it with its keys'
+    positions, so neither manager may take it (they would rank the keys differently)."""
+    out = lru.prepare_store(R)
+    done = Running(1, {R[0]: 48, R[1]: 64}, done=True)
+    with pytest.raises(InvalidArgumentError):
+        if call == "prepare_store":
+            lru.prepare_store(Z, running=done)
+        else:
+            lru.complete_store(out.keys_to_store, running=done)
+    lru.complete_store(out.keys_to_store)
+    assert lru.lookup(R) == 2 and lru.lookup(Z) == 0

@@ -12,6 +12,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
+from kvshm.errors import InvalidArgumentError
+
 
 class LookupResult(enum.Enum):
     """Per-key lookup answer (vLLM 0.32's ``LookupResult``)."""
@@ -43,12 +45,21 @@ class Running:
     its keys share one rank, taken when the request first needs it, tails before heads.
 
     ``request`` is the caller's number for it (1..2**64-1, never reused by this client),
-    ``positions`` the token position of each key that has one. ``done``: the request finished,
-    forget its rank after this call (a later call with the same number takes a new one).
+    ``positions`` the token position of each key that has one. ``done`` (``touch`` only: a
+    store refuses it): the request finished, forget its rank after this call (a later call
+    with the same number takes a new one).
     """
     request: int
     positions: Mapping[bytes, int] = field(default_factory=dict)
     done: bool = False
+
+    def for_store(self) -> "Running":
+        """This request, as a store may name it: ``InvalidArgumentError`` if it is done (a
+        store's frame cannot carry both its keys' positions and an end)."""
+        if self.done:
+            raise InvalidArgumentError(
+                "a store cannot end a running request (done=True); end it with touch")
+        return self
 
 
 class OffloadingManager(ABC):

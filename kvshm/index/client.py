@@ -374,8 +374,8 @@ class SharedManager(OffloadingManager):
         trip however many keys."""
         if type(keys) is not list and type(keys) is not tuple:
             keys = K.key_seq(keys)
-        for k in keys:
-            K.check_key(k)
+        K.check_keys(keys)
+        running = running and running.for_store()
         own, probe = self._own, self.index.probe
         own.prune()
         self._count_lookup()
@@ -410,8 +410,8 @@ class SharedManager(OffloadingManager):
         trip."""
         if type(keys) is not list and type(keys) is not tuple:
             keys = K.key_seq(keys)
-        for k in keys:
-            K.check_key(k)
+        K.check_keys(keys)
+        running = running and running.for_store()
         rest = self._own.complete(keys, success, self._chunk_keys, running)
         for part in self._chunks(rest) if rest else ():  # a subset is a valid completion
             self._link.call([P.CompleteStore(self._link.next_req(), part, success)])

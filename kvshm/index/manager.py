@@ -239,7 +239,7 @@ class LocalManager(Rebuild, Eviction, OffloadingManager):
         K.check_keys(keys)
         if not 0 <= writer[2] < 2**64:  # checked before anything changes (entry: u64)
             raise InvalidArgumentError(f"request id {writer[2]} is outside 0..2**64-1")
-        rank_of = self.running.rank_of(running, writer[:2])
+        rank_of = self.running.rank_of(running and running.for_store(), writer[:2])
         new = list(dict.fromkeys(k for k in keys if k not in self._entries))
         need = len(new) - len(self._free)
         evicted: list[bytes] = []
@@ -284,6 +284,8 @@ class LocalManager(Rebuild, Eviction, OffloadingManager):
         me = writer[:2]
         todo, problem = [], None
         K.check_keys(keys)
+        if running is not None:
+            running.for_store()  # (its ranks were applied by prepare_store)
         for k in keys:
             e = self._entries.get(k)
             if e is None:
