@@ -15,6 +15,8 @@ import pytest
 from kvshm.index.api import LookupResult
 from kvshm.index.client import connect
 from kvshm.errors import UnknownKeyError
+from kvshm.shm import layout as L
+from kvshm.shm.table import BlockTable
 
 import procs
 from conftest import SMALL_GEOMETRY, TEST_LAYOUT, stop_owner
@@ -216,3 +218,17 @@ def test_a_long_lookup_counts_each_hit_it_reports(seg_name):
         pid = mgr.segment.owner_record()[0]
         mgr.shutdown()
         stop_owner(pid)
+
+
+def test_a_lease_a_failover_lost_is_no_hit_whatever_its_count(cache):
+    key = KEYS[0]
+    assert cache.key_status(key) is LookupResult.HIT
+    assert cache.key_status(key) is LookupResult.HIT  # two lookups counted on one lease
+    block = cache.index.find(key)[0]
+    # what a dead owner's successor may leave: the block now holds another key
+    table = BlockTable(cache.segment.buf, cache.segment.geometry)
+    table.write(block, L.READY, b"other")
+    table.close()
+    cache._after_failover()  # the client's repair once a new owner serves it
+    assert key not in cache._h.leases and key not in cache._h.asks
+    assert cache.key_status(key) is not LookupResult.HIT
