@@ -332,9 +332,10 @@ class LocalManager(Rebuild, Eviction, OffloadingManager):
         copy would land in whoever gets the blocks next): the stores are then quarantined,
         and a later call frees them once the last such process is gone.
         """
-        self.running.drop_client(slot, gen)
-        # Quarantine: keep the blocks while a registered copier of (slot, gen) lives
         w = (slot, gen)
+        if w not in self.quarantined:  # a retry for a quarantined writer finds nothing
+            self.running.drop_client(slot, gen)  # (a scan of every running request)
+        # Quarantine: keep the blocks while a registered copier of (slot, gen) lives
         held = len(self._pending.get(w, ())) + len(self.grants.blocks.get(w, ()))
         if held and writers.alive(self.segment, slot, gen):
             if w not in self.quarantined:

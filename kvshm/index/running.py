@@ -10,6 +10,7 @@ orders keys) and never blocks.
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Callable
 
 from kvshm.errors import InvalidArgumentError
@@ -27,7 +28,8 @@ class RunningRanks:
 
     def __init__(self, policy: CachePolicy) -> None:
         self.policy = policy
-        self.ranks: dict[tuple[int, int, int], int] = {}  # (slot, gen, request) -> rank number
+        # (slot, gen, request) -> rank number, oldest first
+        self.ranks: OrderedDict[tuple[int, int, int], int] = OrderedDict()
 
     def rank_of(self, running: Running | None, client: tuple[int, int]) -> RankOf | None:
         """For ``running`` (checked now: ``InvalidArgumentError`` before anything changes),
@@ -51,7 +53,7 @@ class RunningRanks:
             if r is None:
                 r = self.ranks[ident] = self.policy.new_rank()
                 if len(self.ranks) > MAX_RUNNING:
-                    del self.ranks[next(iter(self.ranks))]
+                    self.ranks.popitem(last=False)  # the oldest (a dict's front is slow)
             return None if p is None else (r, -p)
         return rank_of
 
