@@ -28,6 +28,7 @@ from kvshm.engine.worker import WorkerConnector
 
 import procs
 from conftest import SMALL_GEOMETRY
+from test_shared import spawn
 
 BT = 16                 # tokens per device block
 TOKEN_BYTES = 256       # KV bytes per token per plane
@@ -433,12 +434,9 @@ def test_a_hit_two_requests_share_stays_loadable_when_one_of_them_does_not_load(
         assert rig.conn.get_num_new_matched_tokens("b", hashes, 0) == 4 * BT
         assert rig.conn.get_num_new_matched_tokens("c", hashes, 0) == 4 * BT
         assert rig.conn.update_state_after_alloc("b", [], 0) == 0  # b loads nothing
-        parent, child = CTX.Pipe()
         fresh = [b"other-engine-%02d" % i for i in range(4)]
-        p = CTX.Process(target=procs.store_and_report, args=(seg_name, child, fresh),
-                        daemon=True)
-        p.start()
-        stored = parent.recv()
+        p, conn = spawn(procs.store_and_report, seg_name, fresh)
+        stored = conn.recv()
         p.join()
         blocks = [4, 5, 6, 7]
         assert rig.conn.update_state_after_alloc("c", blocks, 4 * BT) == 4 * BT

@@ -37,6 +37,8 @@ from kvshm.shm.keyindex import KeyIndex
 from kvshm.shm.table import BlockTable
 
 from conftest import unique_name
+from procs import _proc_state  # (the module's name is a fixture here)
+from test_shared import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -469,17 +471,6 @@ def test_lease_on_a_free_block_is_no_violation(procs, name, capsys):
     assert run(capsys, "verify", name)[0] == 0
 
 
-def _wait_stopped(pid: int) -> None:
-    """Until the kernel shows ``pid`` stopped (a SIGSTOP is delivered asynchronously)."""
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        with open(f"/proc/{pid}/stat") as f:
-            if f.read().rsplit(")", 1)[1].split()[0] == "T":
-                return
-        time.sleep(0.01)  # polling the kernel's process state
-    raise AssertionError(f"process {pid} did not stop")
-
-
 def test_real_clients_live_then_killed(procs, name, capsys):
     """A real kvshm client (which starts a real owner process): live, then everything killed."""
     create(name).close()
@@ -491,8 +482,8 @@ def test_real_clients_live_then_killed(procs, name, capsys):
         assert c["alive"] and (c["pins"], c["leases"]) == (1, 3) and s["owner"]["pid"] == owner
         assert (s["blocks"]["ready"], s["blocks"]["pinned"]) == (4, 1)
         assert run(capsys, "verify", name)[0] == 0
-        os.kill(owner, signal.SIGSTOP)  # so that it cannot reclaim before it dies
-        _wait_stopped(owner)  # nor refill grants after we counted them
+        os.kill(owner, signal.SIGSTOP)  # so that it cannot reclaim before it dies, nor
+        wait_for(lambda: _proc_state(owner) == "T", "the owner to stop")  # refill grants
         _, s = run_json(capsys, "show", name)
         c = next(c for c in s["clients"] if c["slot"] == info["slot"])
         # its 2 unfinished stores are WRITING (a round trip) or in its granted blocks, with

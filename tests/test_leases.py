@@ -8,8 +8,6 @@ stores fresh keys that need every block of the cache: whatever it can evict, it 
 """
 from __future__ import annotations
 
-import multiprocessing as mp
-
 import pytest
 
 from kvshm.index.api import LookupResult
@@ -20,8 +18,8 @@ from kvshm.shm.table import BlockTable
 
 import procs
 from conftest import SMALL_GEOMETRY, TEST_LAYOUT, stop_owner
+from test_shared import spawn
 
-CTX = mp.get_context("spawn")
 KEYS = [b"lease-key-%02d" % i for i in range(24)]
 FRESH = KEYS[8:16]  # what the other client stores: as many keys as the cache has blocks
 
@@ -40,10 +38,8 @@ def cache(seg_name):
 
 def other_client_stores(seg_name: str, keys: list[bytes]) -> list[bytes]:
     """Another client process stores ``keys`` (evicting what it may); the keys it stored."""
-    parent, child = CTX.Pipe()
-    p = CTX.Process(target=procs.store_and_report, args=(seg_name, child, keys), daemon=True)
-    p.start()
-    stored = parent.recv()
+    p, conn = spawn(procs.store_and_report, seg_name, keys)
+    stored = conn.recv()
     p.join()
     return stored
 

@@ -21,11 +21,10 @@ def sched_ns(pid: int) -> tuple[int, int]:
 
 def cpu_ns(pid: int) -> int:
     """CPU time (user+system) of ``pid`` in ns: schedstat's ns clock, else stat's ticks."""
-    try:
-        with open(f"/proc/{pid}/schedstat") as f:
-            return int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        ticks = int(fields[11]) + int(fields[12])  # utime, stime (fields 14, 15)
-        return ticks * 1_000_000_000 // os.sysconf("SC_CLK_TCK")
+    run_ns = sched_ns(pid)[0]
+    if run_ns:
+        return run_ns
+    with open(f"/proc/{pid}/stat") as f:  # a kernel without schedstat
+        fields = f.read().rsplit(")", 1)[1].split()
+    ticks = int(fields[11]) + int(fields[12])  # utime, stime (fields 14, 15)
+    return ticks * 1_000_000_000 // os.sysconf("SC_CLK_TCK")
