@@ -12,7 +12,7 @@ import pytest
 
 from kvshm.index.api import LookupResult
 from kvshm.index.client import connect
-from kvshm.errors import UnknownKeyError
+from kvshm.errors import InvalidArgumentError, UnknownKeyError
 from kvshm.shm import layout as L
 from kvshm.shm.table import BlockTable
 
@@ -228,3 +228,51 @@ def test_a_lease_a_failover_lost_is_no_hit_whatever_its_count(cache):
     cache._after_failover()  # the client's repair once a new owner serves it
     assert key not in cache._h.leases and key not in cache._h.asks
     assert cache.key_status(key) is not LookupResult.HIT
+
+
+@pytest.mark.xfail(strict=True, reason="a lookup refused for a bad key keeps the leases of "
+                   "the hits before it, uncounted (and counts a lookup of keys leased before)")
+def test_a_refused_lookup_keeps_no_lease_and_counts_no_lookup(cache, seg_name):
+    # A lookup that raises InvalidArgumentError reports no hit, so no release the caller
+    # knows to send gives back a lease it took: each refusal left its hits leased, which
+    # other clients could never evict and which filled this client's lease room.
+    for k in KEYS[:8]:
+        with pytest.raises(InvalidArgumentError):
+            cache.lookup([k, "not bytes"])
+    assert cache.held_blocks() == 0
+    ask(cache, KEYS[0], "lookup")  # one lookup reported...
+    with pytest.raises(InvalidArgumentError):
+        cache.lookup(KEYS[:1] + [bytearray(b"not bytes either")])  # ...and one refused
+    cache.release(KEYS[:1])  # gives back the one reported
+    assert cache.held_blocks() == 0
+    assert other_client_stores(seg_name, FRESH) == FRESH  # every block was evictable
+
+
+@pytest.mark.xfail(strict=True, reason="with the hold array full of leases a relet took "
+                   "ahead, a load turns a lease other lookups count on into its pin")
+def test_keys_leased_ahead_give_way_to_a_pin_beside_a_lease_another_request_counts_on(
+        seg_name):
+    # 16 holds: 8 loads in flight, a key two requests hit, and the first key of a prefix
+    # loaded before, which leases the other 7 keys ahead: no hold is free. Request 1's load
+    # of the shared key needs a hold for its pin beside the lease request 2 still counts on;
+    # the leases nobody asked for must give way, not request 2's lease.
+    mgr = connect(seg_name, TEST_LAYOUT, num_blocks=24, ring_capacity=8192, hold_capacity=16)
+    try:
+        prefix, key, loading = KEYS[:8], KEYS[8], KEYS[9:17]
+        assert procs.store(mgr, prefix + [key] + loading) == prefix + [key] + loading
+        assert mgr.lookup(prefix) == 8
+        load_and_check(mgr, prefix)
+        mgr.release()
+        ask(mgr, key, "key_status")  # request 1
+        ask(mgr, key, "key_status")  # request 2
+        mgr.prepare_load(loading)  # loads in flight (8 pins)
+        ask(mgr, prefix[0], "key_status")  # request 3: the rest of the prefix leased ahead
+        load_and_check(mgr, [key])  # request 1 loads
+        fresh = [b"ahead-fresh-%02d" % i for i in range(15)]
+        assert other_client_stores(seg_name, fresh) == []  # the leased key is not evictable
+        load_and_check(mgr, [key])  # request 2 loads what it was told is a hit
+        mgr.complete_load(loading)
+    finally:
+        pid = mgr.segment.owner_record()[0]
+        mgr.shutdown()
+        stop_owner(pid)
