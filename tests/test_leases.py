@@ -248,8 +248,6 @@ def test_a_refused_lookup_keeps_no_lease_and_counts_no_lookup(cache, seg_name):
     assert other_client_stores(seg_name, FRESH) == FRESH  # every block was evictable
 
 
-@pytest.mark.xfail(strict=True, reason="with the hold array full of leases a relet took "
-                   "ahead, a load turns a lease other lookups count on into its pin")
 def test_keys_leased_ahead_give_way_to_a_pin_beside_a_lease_another_request_counts_on(
         seg_name):
     # 16 holds: 8 loads in flight, a key two requests hit, and the first key of a prefix

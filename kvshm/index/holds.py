@@ -340,11 +340,14 @@ class HoldTable:
         takes one of its lookups. With the last (or none: leased ahead) the lease itself
         becomes the pin; while other lookups still count on it, the lease stays and the pin is
         a fresh hold, written here, and ``key`` is appended to ``shared`` (for ``unload``).
-        With no hold free, the lease becomes the pin anyway (the others' loads lease again)."""
+        With no hold free (leases taken ahead given back first), the lease becomes the pin
+        anyway (the others' loads lease again)."""
         i = self.leases.get(key)
         if i is None:
             return -1
         n = self.asks.get(key, 0)
+        if n > 1 and not self.free:
+            self.drop_ahead()  # leases nobody asked for give way to one a lookup counts on
         if n > 1 and self.free:
             self.asks[key] = n - 1
             shared.append(key)
