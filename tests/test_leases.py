@@ -230,8 +230,6 @@ def test_a_lease_a_failover_lost_is_no_hit_whatever_its_count(cache):
     assert cache.key_status(key) is not LookupResult.HIT
 
 
-@pytest.mark.xfail(strict=True, reason="a lookup refused for a bad key keeps the leases of "
-                   "the hits before it, uncounted (and counts a lookup of keys leased before)")
 def test_a_refused_lookup_keeps_no_lease_and_counts_no_lookup(cache, seg_name):
     # A lookup that raises InvalidArgumentError reports no hit, so no release the caller
     # knows to send gives back a lease it took: each refusal left its hits leased, which

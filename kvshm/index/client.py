@@ -173,12 +173,8 @@ class SharedManager(OffloadingManager):
             held += 1
         if held:  # each hit counts one lookup of its lease (``holds.py``)
             self._h.asked(keys if held == n else keys[:held])
-        if held == n:
-            self._count_lookup(n, n)
-            return n
-        if held:
             self._count_lookup(held, held)
-            return held + self._lookup(keys[held:])
+            return n if held == n else self._rest(keys, held)
         karr = _key_array(keys) if n >= 64 else None  # measured: below 64 keys the per-key
         if karr is not None:                            # loop is cheaper than numpy's setup
             blocks, states = self.index.find_prefix(keys, karr)
@@ -186,20 +182,21 @@ class SharedManager(OffloadingManager):
             hits = n if ready.all() else int(np.argmin(ready))
             hits = self._h.lease_many(keys, karr, blocks, hits)
         else:
-            hits = 0
-            lease, index = self._h.lease_key, self.index
-            for k in keys:
-                if type(k) is not bytes:  # never lease under a str or a caller's buffer
-                    K.check_key(k)
-                if lease(k, index) != L.READY:
-                    break
-                hits += 1
+            hits = self._h.lease_prefix(keys, self.index)
         if hits:
             self._h.asked(keys[:hits])
         self._count_lookup(n, hits)
         if hits < n and keys[hits] in self._own.unconfirmed and self._own.confirm(keys[hits]):
-            return hits + self._lookup(keys[hits:])  # our own store, now in the index
+            return self._rest(keys, hits)  # our own store, now in the index
         return hits
+
+    def _rest(self, keys: Sequence[bytes], hits: int) -> int:
+        """``hits`` (their lookups counted) plus the lookup of the keys after them."""
+        try:
+            return hits + self._lookup(keys[hits:])
+        except BaseException:  # refused: a lookup that raises reports no hit
+            self._h.release(keys[:hits])
+            raise
 
     def _count_lookup(self, n: int = 0, hits: int = 0) -> None:
         """Store the lookup counters (kvshm-inspect's), with what key_status counted."""

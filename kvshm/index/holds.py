@@ -49,6 +49,7 @@ import numpy as np
 from kvshm.shm import layout as L
 from kvshm.shm.fence import full_fence
 from kvshm.shm.keyindex import KeyIndex
+from kvshm.shm.keys import check_key
 from kvshm.shm.table import BlockTable
 
 # How many keys of a loaded prefix one ``relet`` leases (one fence for all of them), and the
@@ -229,6 +230,27 @@ class HoldTable:
             return state
         block, state = index.find(key)  # moved, or a tag collision: the full search
         return self._take(key, block, -1) if state == L.READY else state
+
+    def lease_prefix(self, keys: Sequence[bytes], index: KeyIndex) -> int:
+        """``lease_key`` of each of ``keys`` up to the first that is no hit: how many are
+        leased hits (their lookups not counted yet). A key refused on the way (not bytes:
+        ``check_key``) gives back the leases taken for the keys before it: a lookup that
+        raises reports no hit, so nobody would ever give them back."""
+        hits, lease = 0, self.lease_key
+        try:
+            for k in keys:
+                if type(k) is not bytes:  # never lease under a str or a caller's buffer
+                    check_key(k)
+                if lease(k, index) != L.READY:
+                    break
+                hits += 1
+        except BaseException:
+            for k in keys[:hits]:
+                i = self.leases.pop(k, None) if k not in self.asks else None
+                if i is not None:  # leased by this lookup (or ahead: nobody's either)
+                    self.unhold(i)
+            raise
+        return hits
 
     def _take(self, key: bytes, block: int, seq: int) -> int:
         """Lease ``block`` for ``key`` if it holds it READY (proven by an unchanged ``seq``
