@@ -25,6 +25,8 @@ POINTS = (
     "owner.request.after_consume",  # request recorded as consumed, nothing executed
     "owner.request.after_execute",  # index changed (and mirrored), no reply yet
     "owner.request.after_reply",  # reply on the ring, request frame not yet released
+    "owner.one_way.after_begin",  # a one-way frame (touch, publish) recorded as begun,
+    #                               nothing executed
     # owner: eviction inside prepare_store
     "owner.evict.after_mark",  # victims marked EVICTING, leases not yet re-read
     "owner.evict.after_drop",  # victims freed, their keys gone from the index

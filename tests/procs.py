@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import os
 import random
+import time
 import zlib
 
 import numpy as np
 
 from kvshm.index.client import connect
+from kvshm.shm import layout as L
 
 
 def fill(planes: list[np.ndarray], block: int, key: bytes) -> None:
@@ -153,6 +155,37 @@ def poison_request(name: str, conn, point: str) -> None:
     except KvshmError as e:
         conn.send({"error": type(e).__name__, "message": str(e)})
     del os.environ["KVSHM_CRASH_AT"]
+
+
+def poison_one_way(name: str, conn, kind: str, point: str) -> None:
+    """Make every owner that begins our next one-way frame (``kind``: a touch, or the
+    publish of a granted store) die at ``point``; then make a call behind it (it waits for an
+    owner, starting them) and report what that says."""
+    import signal
+    from kvshm.errors import KvshmError
+    mgr = connect(name, timeout=30.0)
+    store(mgr, [b"poison-0"])
+    words = mgr._own._gw  # the grant ring's counts: wait until a block is stocked for us
+    while words[L.GRANT_WORD_GRANTED] <= words[L.GRANT_WORD_TAKEN]:
+        time.sleep(0.001)
+    out = mgr.prepare_store([b"poison-1"])
+    assert b"poison-1" in mgr._own.inflight  # served from the grants: its completion is one-way
+    fill(mgr.segment.planes(), out.block_ids[0], b"poison-1")
+    os.environ["KVSHM_CRASH_AT"] = point  # the owners we start inherit it
+    os.kill(mgr.segment.owner_record()[0], signal.SIGKILL)
+    while mgr.segment.owner_alive():  # dead before the frame goes out: it must not take it
+        time.sleep(0.001)
+    if kind == "touch":
+        mgr.touch([b"poison-0"])
+    else:
+        mgr.complete_store([b"poison-1"])
+    try:
+        mgr.take_events()
+        conn.send({"error": None, "message": ""})
+    except KvshmError as e:
+        conn.send({"error": type(e).__name__, "message": str(e)})
+    del os.environ["KVSHM_CRASH_AT"]
+    mgr.shutdown()
 
 
 def reconnect_loop(name: str, cycles: int) -> None:

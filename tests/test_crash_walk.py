@@ -42,6 +42,7 @@ OWNER_POINTS = {
     "owner.request.after_reply": 30, "owner.evict.after_mark": 3,
     "owner.evict.after_drop": 3, "table.write.odd": 40, "owner.reclaim.mid": 1,
     "owner.goodbye.mid": 1, "owner.grant.before_count": 6, "owner.publish.mid": 5,
+    "owner.one_way.after_begin": 10,
 }
 CLIENT_POINTS = {
     "client.connect.after_activate": 1, "client.store.after_prepare": 5,

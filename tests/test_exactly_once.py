@@ -22,6 +22,7 @@ from kvshm.shm import slots
 from kvshm.index.client import connect
 from kvshm.errors import ReplyTimeoutError
 from kvshm.shm.segment import Segment
+from kvshm.index.grants import grant_target
 from kvshm.inspect.snapshot import verify
 
 import procs
@@ -122,6 +123,36 @@ def test_a_request_that_kills_every_owner_fails_instead_of_looping(seg_name, poi
         # What the dead owners granted stays the client's (it may have been told and be
         # copying) until it goes: then it is reclaimed like any dead client's stores.
         wait_for(lambda: states(seg).count(L.WRITING) == 0, "the gone client's stores")
+        mgr = connect(seg_name)
+        assert procs.store(mgr, KEYS[:2]) == KEYS[:2]
+        mgr.shutdown()
+    finally:
+        stop_owner(seg.owner_record()[0])
+        seg.close()
+
+
+@pytest.mark.parametrize("kind", ["touch", "publish"])
+def test_a_one_way_frame_that_kills_every_owner_is_dropped_instead_of_looping(seg_name, kind):
+    # A one-way frame has no request id, so no reply can fail it; what owners died beginning
+    # it must still be counted, or each successor begins it again and dies, forever.
+    s = Segment.create(seg_name, TEST_LAYOUT, 16, max_clients=4, **SMALL_GEOMETRY)
+    assert grant_target(s.geometry) >= 1  # so that a store can take the one-way path
+    s.close()
+    parent, child = CTX.Pipe()
+    p = CTX.Process(target=procs.poison_one_way,
+                    args=(seg_name, child, kind, "owner.one_way.after_begin"), daemon=True)
+    p.start()
+    child.close()  # ours: a child that dies without a word ends recv
+    result = parent.recv()
+    p.join()
+    assert result == {"error": None, "message": ""}  # the call behind it was served
+    seg = Segment.attach(seg_name)
+    try:
+        assert seg.owner_alive()
+        assert seg.counter("errors") >= 1  # the dropped frame is counted, not silent
+        wait_for(lambda: not {L.WRITING, L.GRANTED} & set(states(seg)),
+                 "the gone client's stores and grants")
+        assert verify(seg) == []
         mgr = connect(seg_name)
         assert procs.store(mgr, KEYS[:2]) == KEYS[:2]
         mgr.shutdown()

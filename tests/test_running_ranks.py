@@ -161,6 +161,21 @@ def test_the_owner_refuses_bad_running_fields_and_keeps_serving(shared_x):
     assert m.prepare_store([b"w0", b"w1"]).evicted_keys == X[:2]
 
 
+def test_the_owner_refuses_a_store_in_parts_with_a_part_of_bad_positions(shared_x):
+    # In one frame a positions count unlike the keys' is refused; in parts it must be too,
+    # not stored unranked (a part's miscount could even be made up by the next part's).
+    m, seg = shared_x, shared_x.segment
+    errors = seg.counter("errors")
+    req = m._link.next_req()
+    m._link.send(P.PrepareStore(req, Z[:2], more=True, part=0, request=1, positions=[5]))
+    reply = _raw_call(m, P.request_encoder.encode(
+        P.PrepareStore(req, Z[2:], part=1, request=1, positions=[7, 8, 9])))
+    assert isinstance(reply, P.Error) and reply.kind == "InvalidArgumentError"
+    assert seg.counter("errors") == errors + 1
+    assert m.prepare_store(Z).evicted_keys == []  # nothing was allocated by it
+    m.complete_store(Z)
+
+
 def test_a_publish_with_bad_running_fields_is_published_without_ranks(seg_name):
     m = connect(seg_name, TEST_LAYOUT, num_blocks=BLOCKS, max_clients=CLIENTS,
                 ring_capacity=8192)

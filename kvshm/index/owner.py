@@ -271,15 +271,15 @@ class Owner(RequestHandlers):
             return
         replay = bool(req) and req == served[1]
         if isinstance(msg, P.PrepareStore) and (msg.more or msg.part):
-            keys, positions = self._gather(c, msg)
+            keys, positions = c.gather(msg, self._max_keys)
             if keys is None:
                 c.requests.advance()
                 return  # more parts to come; nothing executed yet
-            if c.parts_over:
-                c.parts_over = False
+            if c.parts_refused:
+                self.seg.counter_add("errors")
                 self._answer(c, req, [P.Error(req, self.epoch, "InvalidArgumentError",
-                                              f"a prepare_store of more than {self._max_keys} "
-                                              "keys; store fewer keys per call")])
+                                              c.parts_refused)])
+                c.parts_refused = ""
                 return
             if not replay and c.parts_lost:  # its first parts died with an owner that
                 c.parts_lost = False         # never executed it: provably safe to resend
@@ -298,6 +298,8 @@ class Owner(RequestHandlers):
             served[0], served[3] = self.epoch, attempts
             served[1] = req  # consumed: from here on a successor replays instead of executing
             crash_point("owner.request.after_consume")
+        elif not self._begin_one_way(c):
+            return
         if isinstance(msg, P.Bye):
             self._goodbye(c, msg)
             return
@@ -308,30 +310,22 @@ class Owner(RequestHandlers):
         else:
             c.requests.advance()
 
-    def _gather(self, c: _Client, msg: P.PrepareStore
-                ) -> tuple[list[bytes] | None, list[int] | None]:
-        """Collect the parts of a request sent in several frames: its keys (and their token
-        positions, if every part had them) once the last part is in, else None. ``c.parts_lost``
-        says whether a part never reached us."""
-        if c.parts_req != msg.req:
-            c.parts, c.parts_req, c.parts_lost = [], msg.req, msg.part != 0
-            c.parts_pos, c.parts_over = [], False
-        elif c.parts_next != msg.part:
-            c.parts_lost = True
-        if len(c.parts) + len(msg.keys) > self._max_keys:
-            c.parts_over = True  # a client that never ends a request must not fill our memory
-        else:
-            c.parts.extend(msg.keys)
-            if c.parts_pos is not None and msg.positions is not None and \
-                    len(msg.positions) == len(msg.keys):
-                c.parts_pos.extend(msg.positions)
-            else:
-                c.parts_pos = None
-        c.parts_next = msg.part + 1
-        if msg.more:
-            return None, None
-        keys, positions, c.parts, c.parts_pos, c.parts_req = c.parts, c.parts_pos, [], [], 0
-        return keys, positions
+    def _begin_one_way(self, c: _Client) -> bool:
+        """Record that an owner begins the one-way frame at the head of ``c``'s request ring
+        (known by its position: it has no id), or drop it (False) if it killed the last
+        ``MAX_ATTEMPTS`` owners that began it: no reply can fail it, so without this count
+        every successor would begin it again and die."""
+        served, pos = c.served, c.requests.head() + 1
+        attempts = int(served[3]) + 1 if served[4] == pos else 1
+        if attempts > MAX_ATTEMPTS:
+            self.seg.counter_add("errors")
+            log.error("client slot %d: a one-way frame was in progress when %d owners died; "
+                      "it was dropped", c.slot, MAX_ATTEMPTS)
+            c.requests.advance()
+            return False
+        served[0], served[3], served[4] = self.epoch, attempts, pos
+        crash_point("owner.one_way.after_begin")
+        return True
 
     def _execute(self, c: _Client, msg: P._Msg, replay: bool) -> list[P._Msg]:
         req = msg.req

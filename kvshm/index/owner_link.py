@@ -10,7 +10,7 @@ The protocol: every request is executed at most once
 Each client slot has a request ring, a reply ring, and a *served record* of u64 words that
 only owners write (``layout.SERVED_FIELDS``): ``consumed`` (the last request id an owner began
 to execute), ``answered`` (the last request id whose whole reply is on the reply ring),
-``attempts`` and ``epoch``. Request ids increase per slot generation (u64, never wrap).
+``attempts``, ``one_way`` and ``epoch``. Request ids increase per slot generation (u64, never wrap).
 
 Owner, for the frame at the head of a client's request ring (``Owner._serve_frame``):
 
@@ -38,7 +38,10 @@ A ``PrepareStore`` too large for a frame is sent in parts; the owner executes it
 last part arrives (step 3 starts there). If a successor finds a last part whose first parts
 died with its predecessor and ``consumed`` is not that id, nothing was executed: it answers
 ``Retry`` and the client sends the request again under a new id. A request that ``MAX_ATTEMPTS``
-owners died executing is answered with an error instead of killing owners forever.
+owners died executing is answered with an error instead of killing owners forever. A one-way
+frame (``Touch``, ``Publish``) has no id and no reply: an owner records its ring position in
+``one_way`` before executing it, counts ``attempts`` the same way, and drops one that killed
+``MAX_ATTEMPTS`` owners (counted in ``errors``, logged). Executing one again is harmless.
 
 Client (this module): it never resends a request on its own. While waiting it checks that an
 owner lives (the kernel-released owner lock) and starts one if not; the successor finds the

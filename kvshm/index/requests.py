@@ -39,7 +39,7 @@ class _Client:
             self.quarantined, self.why = True, f"unusable rings ({e})"
         self.bell = Doorbell(slots.bell_view(seg, slot, "reply"),
                              sem_name(seg.name, f"c{slot}-reply"), like_fd=seg.fd)
-        self.served = slots.served(seg, slot)  # epoch, consumed, answered, attempts
+        self.served = slots.served(seg, slot)  # layout.SERVED_FIELDS
         self.grant_words, self.grant_ids = slots.grants(seg, slot)
         self.stores = False  # it stores: keep its grant ring stocked
         # Its largest store so far, in keys (round trip, or grants taken between refills):
@@ -60,7 +60,37 @@ class _Client:
         self.parts_pos: list[int] | None = []
         self.parts_req = self.parts_next = 0
         self.parts_lost = False  # its first parts went with a dead owner: answer Retry
-        self.parts_over = False  # it sent more keys than one request may hold
+        self.parts_refused = ""  # why the request in parts is refused ("": it is not)
+
+    def gather(self, msg: P.PrepareStore, max_keys: int
+               ) -> tuple[list[bytes] | None, list[int] | None]:
+        """Collect the parts of a request sent in several frames: its keys (and their token
+        positions, if every part had them) once the last part is in, else None. Then
+        ``parts_lost`` says whether a part never reached us, ``parts_refused`` why the
+        request must be refused."""
+        if self.parts_req != msg.req:
+            self.parts, self.parts_req, self.parts_lost = [], msg.req, msg.part != 0
+            self.parts_pos, self.parts_refused = [], ""
+        elif self.parts_next != msg.part:
+            self.parts_lost = True
+        if len(self.parts) + len(msg.keys) > max_keys:  # a client that never ends a request
+            self.parts_refused = (f"a prepare_store of more than {max_keys} keys; store "
+                                  "fewer keys per call")  # must not fill our memory
+        elif msg.positions is not None and len(msg.positions) != len(msg.keys):
+            self.parts_refused = (f"{len(msg.positions)} token positions for "
+                                  f"{len(msg.keys)} keys in part {msg.part}")
+        elif not self.parts_refused:
+            self.parts.extend(msg.keys)
+            if self.parts_pos is not None and msg.positions is not None:
+                self.parts_pos.extend(msg.positions)
+            else:
+                self.parts_pos = None
+        self.parts_next = msg.part + 1
+        if msg.more:
+            return None, None
+        keys, positions = self.parts, self.parts_pos
+        self.parts, self.parts_pos, self.parts_req = [], [], 0
+        return keys, positions
 
     def close(self) -> None:
         self.bell.close()
