@@ -10,7 +10,8 @@ The protocol: every request is executed at most once
 Each client slot has a request ring, a reply ring, and a *served record* of u64 words that
 only owners write (``layout.SERVED_FIELDS``): ``consumed`` (the last request id an owner began
 to execute), ``answered`` (the last request id whose whole reply is on the reply ring),
-``attempts``, ``one_way`` and ``epoch``. Request ids increase per slot generation (u64, never wrap).
+``attempts``, ``one_way`` and ``epoch``. Request ids increase per slot generation (u64, never
+wrap).
 
 Owner, for the frame at the head of a client's request ring (``Owner._serve_frame``):
 
