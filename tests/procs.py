@@ -196,9 +196,9 @@ def reconnect_loop(name: str, cycles: int) -> None:
         mgr.shutdown()
 
 
-def random_traffic(name: str, conn, seed: int, ops: int, nkeys: int) -> None:
-    """Random stores (one in ten failed), loads, lookups, touches and releases over a shared
-    key space with checksummed contents, verifying every load.
+def random_traffic(name: str, conn, seed: int, ops: int, nkeys: int, batch: int = 4) -> None:
+    """Random stores (one in ten failed), loads, lookups, touches and releases of 1 to
+    ``batch`` keys over a shared key space with checksummed contents, verifying every load.
 
     Survivors of a crash report ``errors`` (any kvshm error: a survivor must see none, only
     delays) and ``corrupt`` (a loaded block that does not hold its key's bytes). The crash
@@ -212,7 +212,7 @@ def random_traffic(name: str, conn, seed: int, ops: int, nkeys: int) -> None:
     keys = [b"walk-%04d" % i for i in range(nkeys)]
     stats = {"stores": 0, "loads": 0, "corrupt": 0, "errors": [], "refused": 0}
     for _ in range(ops):
-        ks = rng.sample(keys, rng.randint(1, 4))
+        ks = rng.sample(keys, rng.randint(1, batch))
         try:
             if rng.random() < 0.5:
                 out = mgr.prepare_store(ks)

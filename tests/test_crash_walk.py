@@ -51,7 +51,7 @@ CLIENT_POINTS = {
 }
 # Walked by the tests of their own module (copy workers, batch table writes, segment
 # creation, the mover).
-WALKED_ELSEWHERE = {"worker.store.mid_copy", "table.write_many.odd", "segment.create.after_open",
+WALKED_ELSEWHERE = {"worker.store.mid_copy", "segment.create.after_open",
                     "segment.create.after_lock", "segment.create.after_reserve",
                     "mover.fill.after_prepare", "mover.fill.after_get",
                     "mover.spill.after_pin"}
@@ -74,7 +74,7 @@ def test_the_walk_takes_both_store_paths(seg):
 
 
 def test_every_crash_point_is_walked():
-    walked = set(OWNER_POINTS) | set(CLIENT_POINTS) | {"owner.rebuild.mid"}
+    walked = set(OWNER_POINTS) | set(CLIENT_POINTS) | {"owner.rebuild.mid", BATCH_POINT}
     assert set(POINTS) - WALKED_ELSEWHERE == walked
 
 
@@ -153,6 +153,35 @@ def test_owner_dying_mid_rebuild_loses_nothing(seg):
     assert second.wait() == -signal.SIGKILL
     stats += _collect(_run_clients(seg.name, SURVIVORS, seed=8))
     _check_cache(seg, stats)
+
+
+# The batch writers' own round (every entry odd, then all bodies, then all even) runs from
+# ``VECTOR_MIN`` entries: stores of up to 32 keys over 64 blocks make stores, grants,
+# publishes and evictions that large, so an owner dies inside one of them.
+BATCH_POINT = "table.write_many.odd"
+
+
+@pytest.mark.parametrize("hit", [1, 2, 4, 8])
+def test_owner_dying_inside_a_batch_write_loses_nothing(seg_name, hit):
+    seg = Segment.create(seg_name, TEST_LAYOUT, 64, max_clients=4, **SMALL_GEOMETRY)
+    try:
+        owner = owner_proc(seg.name, f"{BATCH_POINT}:{hit}")
+        kids = []
+        for i in range(SURVIVORS):
+            parent, child = CTX.Pipe()
+            p = CTX.Process(target=procs.random_traffic,
+                            args=(seg.name, child, hit * 10 + i, 60, 160, 32), daemon=True)
+            p.start()
+            kids.append((p, parent))
+        stats = _collect(kids)
+        owner.wait()
+        assert owner.returncode == -signal.SIGKILL, f"the owner never reached {BATCH_POINT}"
+        _check_cache(seg, stats)
+    finally:
+        pid = seg.owner_record()[0]
+        seg.close()
+        if pid:
+            stop_owner(pid)
 
 
 def owner_proc_no_wait(name: str, crash_at: str) -> subprocess.Popen:
