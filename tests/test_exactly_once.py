@@ -107,28 +107,45 @@ def test_owner_dying_after_its_reply_is_answered_once(seg):
     mgr.shutdown()
 
 
+def _poisoned(seg_name: str, poisoner, *args) -> dict:
+    """Run ``poisoner`` (``procs``: it makes every owner die on its frame, then makes a call
+    behind it) in a child process; what that call said."""
+    parent, child = CTX.Pipe()
+    p = CTX.Process(target=poisoner, args=(seg_name, child, *args), daemon=True)
+    p.start()
+    child.close()  # ours: a child that dies without a word ends recv
+    result = parent.recv()
+    p.join()
+    return result
+
+
+def _serves_on(seg_name: str) -> int:
+    """Check that the owner that dropped a poisonous frame serves on, with nothing stuck once
+    the poisoner went; its errors counter."""
+    seg = Segment.attach(seg_name)
+    try:
+        assert seg.owner_alive()
+        # What the dead owners granted stays the client's (it may have been told and be
+        # copying) until it goes: then it is reclaimed like any dead client's stores.
+        wait_for(lambda: not {L.WRITING, L.GRANTED} & set(states(seg)),
+                 "the gone client's stores and grants")
+        assert verify(seg) == []
+        mgr = connect(seg_name)
+        assert procs.store(mgr, KEYS[:2]) == KEYS[:2]
+        mgr.shutdown()
+        return seg.counter("errors")
+    finally:
+        stop_owner(seg.owner_record()[0])
+        seg.close()
+
+
 @pytest.mark.parametrize("point", ["owner.request.after_consume",
                                    "owner.request.after_execute"])
 def test_a_request_that_kills_every_owner_fails_instead_of_looping(seg_name, point):
     Segment.create(seg_name, TEST_LAYOUT, 16, **SMALL_GEOMETRY).close()
-    parent, child = CTX.Pipe()
-    p = CTX.Process(target=procs.poison_request, args=(seg_name, child, point), daemon=True)
-    p.start()
-    result = parent.recv()
-    p.join()
+    result = _poisoned(seg_name, procs.poison_request, point)
     assert result["error"] == "ProtocolError" and "owners died" in result["message"]
-    seg = Segment.attach(seg_name)
-    try:
-        assert seg.owner_alive()  # the owner that refused it serves on
-        # What the dead owners granted stays the client's (it may have been told and be
-        # copying) until it goes: then it is reclaimed like any dead client's stores.
-        wait_for(lambda: states(seg).count(L.WRITING) == 0, "the gone client's stores")
-        mgr = connect(seg_name)
-        assert procs.store(mgr, KEYS[:2]) == KEYS[:2]
-        mgr.shutdown()
-    finally:
-        stop_owner(seg.owner_record()[0])
-        seg.close()
+    _serves_on(seg_name)
 
 
 @pytest.mark.parametrize("kind", ["touch", "publish"])
@@ -138,27 +155,9 @@ def test_a_one_way_frame_that_kills_every_owner_is_dropped_instead_of_looping(se
     s = Segment.create(seg_name, TEST_LAYOUT, 16, max_clients=4, **SMALL_GEOMETRY)
     assert grant_target(s.geometry) >= 1  # so that a store can take the one-way path
     s.close()
-    parent, child = CTX.Pipe()
-    p = CTX.Process(target=procs.poison_one_way,
-                    args=(seg_name, child, kind, "owner.one_way.after_begin"), daemon=True)
-    p.start()
-    child.close()  # ours: a child that dies without a word ends recv
-    result = parent.recv()
-    p.join()
+    result = _poisoned(seg_name, procs.poison_one_way, kind, "owner.one_way.after_begin")
     assert result == {"error": None, "message": ""}  # the call behind it was served
-    seg = Segment.attach(seg_name)
-    try:
-        assert seg.owner_alive()
-        assert seg.counter("errors") >= 1  # the dropped frame is counted, not silent
-        wait_for(lambda: not {L.WRITING, L.GRANTED} & set(states(seg)),
-                 "the gone client's stores and grants")
-        assert verify(seg) == []
-        mgr = connect(seg_name)
-        assert procs.store(mgr, KEYS[:2]) == KEYS[:2]
-        mgr.shutdown()
-    finally:
-        stop_owner(seg.owner_record()[0])
-        seg.close()
+    assert _serves_on(seg_name) >= 1  # the dropped frame is counted, not silent
 
 
 def test_event_subscription_survives_an_owner_death(seg):
