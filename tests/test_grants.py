@@ -20,7 +20,7 @@ from kvshm.index import protocol as P
 from kvshm.index.client import connect
 from kvshm.index.grants import grant_budget, grant_target
 from kvshm.index.api import LookupResult
-from kvshm.errors import BlockStateError
+from kvshm.errors import BlockStateError, ProtocolError
 from kvshm.shm import layout as L
 from kvshm.shm import slots
 from kvshm.inspect.snapshot import verify
@@ -499,7 +499,26 @@ def test_grant_counts_at_the_top_of_their_range_never_take_the_owner_down(mgr):
     other = connect(mgr.segment.name)
     try:
         procs.store(other, [b"wakes-the-owner-%d" % i for i in range(3)])  # passes that refill
+        wait_for(lambda: mgr.segment.counter("errors") > errors, "the refill to fail")
+        assert procs.store(other, [b"after-the-quarantine"]) == [b"after-the-quarantine"]
         assert mgr.segment.owner_record()[0] == owner and mgr.segment.owner_alive()
-        assert mgr.segment.counter("errors") > errors
     finally:
         other.shutdown()
+
+
+def test_a_quarantined_client_is_told_so_at_once_instead_of_timing_out(mgr):
+    """Once the owner stops serving a client, that client's calls (and its goodbye) must
+    not wait out their whole timeout for a reply that never comes: they fail with an error
+    that says why and what to do."""
+    _stocked(mgr, 1)
+    errors = mgr.segment.counter("errors")
+    words, _ = slots.grants(mgr.segment, mgr.slot)
+    words[L.GRANT_WORD_GRANTED] = words[L.GRANT_WORD_TAKEN] = 2**64 - 1
+    other = connect(mgr.segment.name)
+    try:
+        procs.store(other, [b"wakes-the-owner-%d" % i for i in range(3)])
+    finally:
+        other.shutdown()
+    wait_for(lambda: mgr.segment.counter("errors") > errors, "the owner to quarantine us")
+    with pytest.raises(ProtocolError, match="quarantined"):
+        mgr.take_events()

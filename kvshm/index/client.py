@@ -426,7 +426,7 @@ class SharedManager(OffloadingManager):
         crash_point("client.shutdown.before_bye")
         self._count_lookup()  # before the goodbye: the owner folds them into the totals
         try:
-            if seg.owner_alive():
+            if seg.owner_alive() and not self._link.quarantined():
                 self._link.call([P.Bye(self._link.next_req())])
         except Exception:
             pass  # the owner reclaims a vanished client anyway

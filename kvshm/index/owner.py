@@ -159,6 +159,7 @@ class Owner(RequestHandlers):
     def _quarantine(self, c: _Client, why: str) -> None:
         """Stop reading a client we cannot parse. Its holds still count while it lives."""
         c.quarantined = True
+        c.served[L.SERVED_QUARANTINED] = 1  # its calls fail at once, not at their timeout
         c.unsent = []
         self.seg.counter_add("errors")
         log.warning("client slot %d gen %d quarantined: %s", c.slot, c.gen, why)

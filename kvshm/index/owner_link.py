@@ -69,7 +69,8 @@ from typing import Callable
 from kvshm.shm import layout as L
 from kvshm.index import protocol as P
 from kvshm.shm import slots
-from kvshm.errors import OwnerUnavailableError, ReplyTimeoutError, RingFullError
+from kvshm.errors import (OwnerUnavailableError, ProtocolError, ReplyTimeoutError,
+                          RingFullError)
 from kvshm.shm.ring import Doorbell, Ring
 from kvshm.shm.segment import Segment, sem_name
 
@@ -155,12 +156,26 @@ class OwnerLink:
                                    sem_name(segment.name, "owner"), like_fd=segment.fd)
         self.requests = Ring(slots.ring_view(segment, slot, "request"))
         self.replies = Ring(slots.ring_view(segment, slot, "reply"))
+        self._served = memoryview(slots.served(segment, slot))
         self.max_frame = Ring.max_payload(segment.geometry.ring_capacity)
         self.owner_proc: subprocess.Popen | None = None
 
     def next_req(self) -> int:
         self._req += 1
         return self._req
+
+    def quarantined(self) -> bool:
+        """Whether an owner stopped serving us for good (our rings or grant counts were
+        found corrupt): no call of ours will be answered."""
+        return bool(self._served[L.SERVED_QUARANTINED])
+
+    def _check_served(self) -> None:
+        if self.quarantined():
+            raise ProtocolError(
+                f"the owner of {self.segment.name!r} quarantined this client (slot "
+                f"{self.slot}): it found our rings or grant counts corrupt and will not serve "
+                f"us again (its log, {owner_log_path(self.segment.name)}, says why); shut "
+                "this manager down and connect again")
 
     def ensure_owner(self) -> None:
         proc = start_owner(self.segment)
@@ -266,6 +281,7 @@ class OwnerLink:
                     f"{self.timeout:g}s; check 'kvshm-inspect show {self.segment.name}'")
             if now >= next_check:
                 next_check = now + _CHECK_OWNER_S
+                self._check_served()
                 if not self.segment.owner_alive():
                     self.ensure_owner()  # the successor finds our request in the ring
                 self.owner_bell.ring()
@@ -298,6 +314,7 @@ class OwnerLink:
             while self.replies.pending():
                 self._stray(P.reply_decoder.decode(self.replies.try_get()))
             self._send_backlog()
+            self._check_served()
             if time.monotonic() > deadline:
                 raise RingFullError(
                     f"the owner of {self.segment.name!r} did not drain our requests within "
@@ -311,6 +328,7 @@ class OwnerLink:
         return not self.requests.pending()
 
     def close(self) -> None:
+        self._served.release()
         for r in (self.requests, self.replies):
             r.close()
         self.reply_bell.close()

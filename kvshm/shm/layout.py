@@ -107,7 +107,9 @@ SERVED_FIELDS = ("epoch",  # epoch of the owner that last wrote this record
                  "consumed",  # last request id an owner began to execute (before any effect)
                  "answered",  # last request id whose whole reply is on the reply ring
                  "attempts",  # owners that began `consumed` or `one_way`
-                 "one_way")  # 1 + request ring position of the last one-way frame begun
+                 "one_way",  # 1 + request ring position of the last one-way frame begun
+                 "quarantined")  # 1: an owner stopped serving this generation (for good)
+SERVED_QUARANTINED = SERVED_FIELDS.index("quarantined")
 SLOT_HEAD_BYTES = 192
 assert SLOT_OFF_COUNTERS + 8 * len(SLOT_COUNTERS) <= SLOT_OFF_SERVED
 assert SLOT_OFF_SERVED + 8 * len(SERVED_FIELDS) <= SLOT_HEAD_BYTES
