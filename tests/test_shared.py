@@ -280,8 +280,8 @@ def test_keys_leased_ahead_never_take_the_room_of_a_key_asked_for(seg_name, ask)
     mgr = connect(seg_name, TEST_LAYOUT, num_blocks=16, ring_capacity=8192, hold_capacity=16)
     try:
         prefix, other = KEYS[:8], KEYS[8]
+        assert procs.store(mgr, [other]) == [other]  # the least recent: evicted first
         _loaded_before(mgr, prefix)
-        assert procs.store(mgr, [other]) == [other]
         assert mgr.key_status(prefix[0]) == LookupResult.HIT
         if ask == "key_status":
             assert mgr.key_status(other) == LookupResult.HIT
@@ -289,6 +289,93 @@ def test_keys_leased_ahead_never_take_the_room_of_a_key_asked_for(seg_name, ask)
             [block] = mgr.prepare_load([other])
             assert procs.check(mgr.segment.planes(), block, other)
             mgr.complete_load([other])
+    finally:
+        pid = mgr.segment.owner_record()[0]
+        mgr.shutdown()
+        stop_owner(pid)
+
+
+@pytest.fixture
+def roomy(seg_name):
+    """A client of a fresh 320-block segment with room for the leases of a 300-key prefix
+    (its owner is killed at teardown). No grants: all 320 blocks are for keys."""
+    mgr = connect(seg_name, TEST_LAYOUT, num_blocks=320, ring_capacity=1 << 16,
+                  hold_capacity=1024, grants=False)
+    yield mgr
+    pid = mgr.segment.owner_record()[0]
+    mgr.shutdown()
+    stop_owner(pid)
+
+
+LONG = [b"long-prefix-%03d" % i for i in range(300)]
+
+
+def _ask_whole(mgr, prefix) -> int:
+    """One request: key by key over ``prefix``, load it all, release. How many blocks the
+    first lookup alone left this client holding (the keys it leased ahead)."""
+    assert mgr.key_status(prefix[0]) == LookupResult.HIT
+    ahead = mgr.held_blocks()
+    assert [mgr.key_status(k) for k in prefix[1:]] == [LookupResult.HIT] * (len(prefix) - 1)
+    mgr.prepare_load(prefix)
+    mgr.complete_load(prefix)
+    mgr.release()
+    assert mgr.held_blocks() == 0
+    return ahead
+
+
+def test_a_long_prefix_asked_for_whole_is_leased_further_ahead_until_one_lookup_covers_it(
+        roomy, seg_name):
+    # A prefix longer than one lease-ahead is leased in parts as the scheduler walks it; a
+    # prefix that requests keep asking for whole is soon leased whole by its first lookup.
+    _loaded_before(roomy, LONG)
+    ahead = [_ask_whole(roomy, LONG) for _ in range(3)]
+    assert ahead[0] < ahead[1] < ahead[2] == len(LONG)
+    fresh = [b"evicts-%03d" % i for i in range(320)]
+    p, conn = spawn(procs.store_and_report, seg_name, fresh, False)
+    assert conn.recv() == fresh  # every block was evictable: no hold left behind
+    p.join()
+
+
+def test_a_request_asking_for_only_the_head_of_a_long_prefix_leases_less_ahead_next_time(
+        roomy):
+    # Once a prefix is leased whole by its first lookup, requests that share only its head
+    # make the next first lookups take less ahead of them (less to give back each time).
+    _loaded_before(roomy, LONG)
+    assert max(_ask_whole(roomy, LONG) for _ in range(3)) == len(LONG)
+    ahead = []
+    for _ in range(4):
+        assert roomy.key_status(LONG[0]) == LookupResult.HIT
+        ahead.append(roomy.held_blocks())
+        assert [roomy.key_status(k) for k in LONG[1:4]] == [LookupResult.HIT] * 3
+        roomy.release(LONG[:4])
+        assert roomy.held_blocks() == 0
+    assert ahead[0] == len(LONG) and ahead == sorted(ahead, reverse=True)
+    assert ahead[-1] < len(LONG) // 2
+
+
+def test_a_prefix_leased_again_after_a_pin_took_a_hold_it_had_used_leaves_the_pin_alone(
+        seg_name):
+    # The first lookup of a prefix loaded before reuses the hold entries it leased it in last
+    # time when they are free again. A load that took one of them meanwhile keeps it: the
+    # pinned block stays safe from another client's stores, and its bytes intact.
+    mgr = connect(seg_name, TEST_LAYOUT, num_blocks=16, **SMALL_GEOMETRY)
+    try:
+        prefix, other = KEYS[:8], KEYS[8]
+        assert procs.store(mgr, [other]) == [other]  # the least recent: evicted first
+        _loaded_before(mgr, prefix)
+        assert mgr.key_status(prefix[0]) == LookupResult.HIT  # leases all 8 ...
+        mgr.release()  # ... and gives them back on top of the free entries
+        [block] = mgr.prepare_load([other])  # takes a hold entry the prefix used
+        assert mgr.key_status(prefix[0]) == LookupResult.HIT
+        assert mgr.held_blocks() == 9
+        mgr.release()
+        assert mgr.held_blocks() == 1
+        fresh = [b"fresh-%02d" % i for i in range(15)]
+        p, conn = spawn(procs.store_and_report, seg_name, fresh)
+        assert conn.recv() == fresh  # every block but the pinned one
+        p.join()
+        assert procs.check(mgr.segment.planes(), block, other)
+        mgr.complete_load([other])
     finally:
         pid = mgr.segment.owner_record()[0]
         mgr.shutdown()

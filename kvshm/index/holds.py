@@ -30,9 +30,9 @@ the sequence number on every rewrite of an entry, so an unchanged number proves 
 still holds that key in that state: a repeated lookup skips the index search and the key
 comparison (a u32 that wrapped back to the same value in between, 2**31 rewrites of one
 block, is the one thing this trusts not to happen). A prefix the client loaded is kept the
-same way as a whole (``runs``: its keys, blocks and sequence numbers, read while pinned), so
-the next request's first lookup of it leases all of it with one fence and the lookups after
-it are dict hits: the scheduler asks key by key, and a fence per key was most of its cost.
+same way as a whole (``runs.py``), so the next request's first lookup of it leases much of
+it with one fence (``relet``) and the lookups after it are dict hits: the scheduler asks
+key by key, and a fence per key was most of its cost.
 The keys leased so, ahead of their lookups, are ``ahead`` until asked for; nobody was told
 they are hits, so they count no lookup and are given back at the next ``relet``,
 ``prepare_load`` or ``release`` (a caller that loads or releases exactly what it asked for
@@ -51,11 +51,8 @@ from kvshm.shm.fence import full_fence
 from kvshm.shm.keyindex import KeyIndex
 from kvshm.shm.keys import check_key
 from kvshm.shm.table import BlockTable
+from kvshm.index.runs import Plan, Run, remember
 
-# How many keys of a loaded prefix one ``relet`` leases (one fence for all of them), and the
-# shortest prefix worth remembering (below it numpy's set-up costs more than it saves).
-RUN_AHEAD = 128
-RUN_MIN = 8
 # A held block is READY, or EVICTING for the instant an eviction honours our hold.
 LOADABLE = (L.READY, L.EVICTING)
 
@@ -68,7 +65,7 @@ class HoldTable:
         self.holds = holds
         self._hv = memoryview(holds)  # scalar stores: several times cheaper than numpy's
         self.table = table
-        self.free = list(range(len(holds) - 1, -1, -1))
+        self.free = list(range(len(holds) - 1, -1, -1))  # a stack: see ``Plan``
         self.leases: dict[bytes, int] = {}
         # Leased key -> lookups that answered it as a hit and were not given back yet (>= 1);
         # absent for a key leased ahead of its lookups. The client counts them (``asked``).
@@ -77,12 +74,11 @@ class HoldTable:
         self.lease_limit = len(holds) // 2
         self.seen: dict[bytes, tuple[int, int]] = {}  # key -> (block, seq) verified READY
         self._seen_limit = 4 * len(holds)
-        # key -> (its loaded prefix: keys, blocks, lease codes, READY seqs; its offset there)
-        self.runs: dict[bytes, tuple[tuple[list[bytes], np.ndarray, np.ndarray, np.ndarray],
-                                     int]] = {}
+        self.runs: dict[bytes, tuple[Run, int]] = {}  # key -> (its loaded prefix, offset)
         # Leased keys that ``relet`` took ahead of their lookups and nobody asked for yet.
         # Every path that answers a leased key as a hit discards it here (``asked``).
         self.ahead: set[bytes] = set()
+        self._last: tuple[Run, int] | None = None  # the last relet's run and key count
 
     def __len__(self) -> int:
         """How many holds (leases + pins) are taken."""
@@ -123,12 +119,14 @@ class HoldTable:
         """Give back the leases ``relet`` took ahead of lookups that never came."""
         if not self.ahead:
             return
-        leases = self.leases
-        for k in self.ahead:  # (nobody asked for them: no count to drop)
-            i = leases.pop(k, None)
-            if i is not None:
-                self.unhold(i)
+        pop = self.leases.pop  # (nobody asked for them: no count to drop)
+        idx = [i for i in [pop(k, -1) for k in self.ahead] if i >= 0]
+        if self._last is not None and 2 * len(self.ahead) > self._last[1]:
+            self._last[0].shrink()  # most of what it took went unasked: take less next time
         self.ahead.clear()
+        if idx:  # a relet can take a long prefix ahead: give it back in one numpy call
+            self.holds[np.array(idx, np.intp)] = -1
+            self.free.extend(idx)
 
     def relet(self, key: bytes) -> bool:
         """Lease ``key`` and the keys that followed it in a prefix this client loaded
@@ -140,34 +138,53 @@ class HoldTable:
         if at is None:
             return False
         self.drop_ahead()
-        (keys, blocks, codes, seqs), off = at
-        leases = self.leases
-        n = min(len(keys) - off, RUN_AHEAD, self.room())
-        part = keys[off:off + n]
-        if not leases.keys().isdisjoint(part):  # (one C pass: the common case)
-            for i, k in enumerate(part):  # stop at a key leased already (never twice)
-                if k in leases:
-                    n, part = i, part[:i]
-                    break
+        run, off = at
+        last, self._last = self._last, None
+        if last is not None and last[0] is run and off > 0:  # asked past the last relet
+            run.grow()
+        n = min(len(run.keys) - off, run.reach, self.room())
         if n <= 0:
             return False
-        free = self.free
-        idx = free[-n:]
+        self._last = (run, n)
+        free, leases = self.free, self.leases
+        plan = run.plans.get(off)
+        if plan is None or free[-n:] != plan.idx:  # (compares identical ints: cheap)
+            plan = run.plans[off] = Plan(run.keys[off:off + n], free[-n:])
+        if leases and not leases.keys().isdisjoint(plan.leases.keys()):
+            return self._relet_partly(run, off, n)  # some leased already: never twice
         del free[-n:]
-        ia = np.fromiter(idx, np.intp, n)
-        self.holds[ia] = codes[off:off + n]
+        end = off + n
+        self.holds[plan.ia] = run.codes[off:end]
         full_fence()  # our holds before our re-checks: the owner fences the other way round
-        now = self.table.seqs(blocks[off:off + n])
-        if now.tobytes() == seqs[off:off + n].tobytes():  # (a ufunc and .all() cost 3 us)
-            leases.update(zip(part, idx))
-            self.ahead.update(part[1:])
+        now = run.seqs_now(self.table, off, end)
+        if now.tobytes() == run.seqs[off:end].tobytes():  # (a ufunc and .all() cost 3 us)
+            leases.update(plan.leases)
+            self.ahead.update(plan.ahead)
             return True
-        ok = now == seqs[off:off + n]
+        return self._keep_unchanged(key, plan, now == run.seqs[off:end])
+
+    def _relet_partly(self, run: Run, off: int, n: int) -> bool:
+        """``relet`` up to the first key of the run that is leased already."""
+        part, leases = run.keys[off:off + n], self.leases
+        n = next(i for i, k in enumerate(part) if k in leases)
+        if n == 0:
+            return False
+        plan = Plan(part[:n], self.free[-n:])
+        del self.free[-n:]
+        self.holds[plan.ia] = run.codes[off:off + n]
+        full_fence()  # our holds before our re-checks: the owner fences the other way round
+        return self._keep_unchanged(part[0], plan, run.seqs_now(self.table, off, off + n)
+                                    == run.seqs[off:off + n])
+
+    def _keep_unchanged(self, key: bytes, plan: Plan, ok: np.ndarray) -> bool:
+        """Keep the holds ``plan`` just wrote where ``ok`` (the entry is unchanged since the
+        load), give back the rest; whether ``key`` (the one asked for) is leased."""
+        ia = plan.ia
         bad = ~ok
         self.holds[ia[bad]] = -1
-        free.extend(ia[bad].tolist())
-        good = [(k, j) for k, j, g in zip(part, idx, ok.tolist()) if g]
-        leases.update(good)
+        self.free.extend(ia[bad].tolist())
+        good = [kj for kj, g in zip(plan.leases.items(), ok.tolist()) if g]
+        self.leases.update(good)
         self.ahead.update(k for k, _ in good)
         if ok[0]:
             self.ahead.discard(key)
@@ -180,33 +197,20 @@ class HoldTable:
         at = self.runs.get(keys[0]) if keys else None
         if at is None or at[1] != 0:
             return False
-        run_keys, run_blocks, _, seqs = at[0]
-        n = len(keys)
-        if run_keys[:n] != keys or run_blocks[:n].tolist() != blocks:
+        run, n = at[0], len(keys)
+        if run.keys[:n] != keys or run.blocks[:n].tolist() != blocks:
             return False
-        return self.table.seqs(run_blocks[:n]).tobytes() == seqs[:n].tobytes()
+        return run.seqs_now(self.table, 0, n).tobytes() == run.seqs[:n].tobytes()
 
     def follow(self, keys: Sequence[bytes], blocks: Sequence[int]) -> None:
         """``keys`` (a prefix, in order) were just pinned at ``blocks`` and found READY:
-        remember them with their entries' sequence numbers for ``relet``. A key named twice
-        is kept once (``relet`` would lease it twice and leak one of the holds)."""
-        n = len(keys)
-        if n < RUN_MIN:
+        remember them with their entries' sequence numbers for ``relet``."""
+        run = remember(keys, blocks, self.table)
+        if run is None:
             return
-        if len(set(keys)) != n:
-            first = dict(zip(keys, blocks))  # in first-seen order; a key's block is one
-            keys, blocks = list(first), list(first.values())
-            n = len(keys)
-            if n < RUN_MIN:
-                return
-        b = np.array(blocks, np.intp)
-        seqs = self.table.ready_seqs(b)
-        if (seqs < 0).any():
-            return  # a rewrite in progress: no proof to keep
-        if len(self.runs) + n > self._seen_limit:
+        if len(self.runs) + len(run.keys) > self._seen_limit:
             self.runs.clear()
-        run = (list(keys), b, L.lease_code(b).astype(np.int32), seqs.astype(np.uint32))
-        self.runs.update(zip(run[0], zip(repeat(run), range(n))))
+        self.runs.update(zip(run.keys, zip(repeat(run), range(len(run.keys)))))
 
     def lease_key(self, key: bytes, index: KeyIndex) -> int:
         """Find ``key`` and lease it if it is READY: returns its state (READY: leased now),
@@ -282,8 +286,8 @@ class HoldTable:
         at = self.runs.get(key)
         if at is None:
             return False
-        (_, blocks, _, seqs), off = at
-        return int(blocks[off]) == block and self.table.seq(block) == int(seqs[off])
+        run, off = at
+        return int(run.blocks[off]) == block and self.table.seq(block) == int(run.seqs[off])
 
     def lease_many(self, keys: Sequence[bytes], karr: np.ndarray, blocks: np.ndarray,
                    hits: int) -> int:
@@ -416,4 +420,5 @@ class HoldTable:
         self.pins.clear()
         self.seen.clear()
         self.runs.clear()
+        self._last = None
         self._hv.release()
