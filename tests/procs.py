@@ -240,3 +240,12 @@ def random_traffic(name: str, conn, seed: int, ops: int, nkeys: int, batch: int 
     mgr.release()
     conn.send(stats)
     mgr.shutdown()
+
+
+def store_on_demand(name: str, conn, grants: bool = True) -> None:
+    """Another engine: store each list of keys the test sends (evicting what it may) and
+    report the keys stored, until it is sent None."""
+    mgr = connect(name, grants=grants)
+    while (keys := conn.recv()) is not None:
+        conn.send(store(mgr, keys))
+    mgr.shutdown()

@@ -8,17 +8,20 @@ stores fresh keys that need every block of the cache: whatever it can evict, it 
 """
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from kvshm.index.api import LookupResult
 from kvshm.index.client import connect
-from kvshm.errors import InvalidArgumentError, UnknownKeyError
+from kvshm.errors import (BlockStateError, HoldsExhaustedError, InvalidArgumentError,
+                          UnknownKeyError)
 from kvshm.shm import layout as L
 from kvshm.shm.table import BlockTable
 
 import procs
 from conftest import SMALL_GEOMETRY, TEST_LAYOUT, stop_owner
-from test_shared import spawn
+from test_shared import spawn, wait_for
 
 KEYS = [b"lease-key-%02d" % i for i in range(24)]
 FRESH = KEYS[8:16]  # what the other client stores: as many keys as the cache has blocks
@@ -269,6 +272,151 @@ def test_keys_leased_ahead_give_way_to_a_pin_beside_a_lease_another_request_coun
         load_and_check(mgr, [key])  # request 2 loads what it was told is a hit
         mgr.complete_load(loading)
     finally:
+        pid = mgr.segment.owner_record()[0]
+        mgr.shutdown()
+        stop_owner(pid)
+
+
+# Prefixes for the random walks below: longer than one relet's first reach, sharing a head,
+# and a key in two loaded prefixes (remembered runs) at once.
+HEAD = [b"walk-head-%03d" % i for i in range(170)]
+PREFIXES = [HEAD, HEAD[:40] + [b"walk-fork-%03d" % i for i in range(30)],
+            [b"walk-other-%03d" % i for i in range(20)] + HEAD[100:140], HEAD[:150],
+            [b"walk-short-%03d" % i for i in range(12)]]
+WALKED = list(dict.fromkeys(k for p in PREFIXES for k in p))
+
+
+def holds_agree(mgr, count: dict[bytes, int]) -> None:
+    """Every hold entry is free, a lease or a pin (once), each on a block that holds its key,
+    and the leases' lookup counts are the model's."""
+    h, loadable = mgr._h, (L.READY, L.EVICTING)
+    free, leases = h.free, h.leases
+    pinned = [i for v in h.pins.values() for i in v]
+    used = list(leases.values()) + pinned
+    assert len(set(free)) == len(free) and len(set(used)) == len(used)
+    assert set(free).isdisjoint(used) and len(free) + len(used) == len(h.holds)
+    # ahead may still name a key whose lease a failed load or our own store took: skipped
+    assert set(leases) == set(h.asks) | (h.ahead & set(leases)) and not h.ahead & set(h.asks)
+    assert h.asks == {k: n for k, n in count.items() if n}
+    assert mgr.held_blocks() == len(used)
+    holds = h.holds.tolist()
+    assert all(holds[i] == -1 for i in free)
+    for k, i in leases.items():
+        assert holds[i] < -1 and mgr.table.state_if_key(L.lease_code(holds[i]), k) in loadable
+    for k, v in h.pins.items():
+        assert all(holds[i] >= 0 and mgr.table.state_if_key(holds[i], k) in loadable for i in v)
+
+
+def random_walks(mgr, rng, other, steps: int) -> None:
+    h, planes, count, loading, fresh = mgr._h, mgr.segment.planes(), {}, [], iter(range(10**6))
+
+    def no_hit_is_right(k: bytes) -> bool:  # not READY, or no lease room left
+        return mgr.index.find(k)[1] != L.READY or h.room() <= 0
+
+    def loaded(ks: list[bytes], blocks: list[int]) -> None:
+        assert all(procs.check(planes, b, k) for b, k in zip(blocks, ks))
+        for k in ks:
+            count[k] = max(0, count.get(k, 0) - 1)
+            if not h.free and k not in h.asks:
+                count.pop(k)  # no hold was free: the lease itself became the pin
+
+    for _ in range(steps):
+        p = rng.choice(PREFIXES)
+        op = rng.choice(["walk", "walk", "request", "request", "request", "lookup", "load",
+                         "complete", "release", "release all"])
+        if rng.random() < 0.08:
+            op = rng.choice(["theirs", "ours"])
+        elif rng.random() < 0.01:
+            op = "failover"
+        if op in ("walk", "request"):  # key by key, as a scheduler, up to the first no-hit
+            a = rng.choice([0, 0, 0, 1, 10, 45])
+            asked = []
+            for k in p[a:a + rng.choice([1, 4, len(p) // 2, len(p)])]:
+                if mgr.key_status(k) != LookupResult.HIT:
+                    assert no_hit_is_right(k)
+                    break
+                asked.append(k)
+                count[k] = count.get(k, 0) + 1
+            if op == "request" and asked and h.free:
+                blocks = mgr.prepare_load(asked)
+                loaded(asked, blocks)
+                mgr.complete_load(asked)
+        elif op == "lookup":
+            ks = p[rng.choice([0, 0, 5, 30]):][:rng.choice([3, 64, 100, 200])]
+            hits = mgr.lookup(ks)
+            for k in ks[:hits]:
+                count[k] = count.get(k, 0) + 1
+            assert hits == len(ks) or no_hit_is_right(ks[hits])
+        elif op == "load":  # the asked head of a prefix, or keys nobody asked for
+            m = next((i for i, k in enumerate(p) if not count.get(k)), len(p))
+            ks = p[:m if rng.random() < 0.8 else rng.randint(1, len(p))]
+            try:
+                blocks = mgr.prepare_load(ks) if ks else []
+            except (UnknownKeyError, BlockStateError, HoldsExhaustedError):
+                for k in ks:  # a lease that became the failed load's pin went with it
+                    if k not in h.asks:
+                        count.pop(k, None)
+            else:
+                loaded(ks, blocks)
+                loading.append((ks, blocks))
+        elif op == "complete" and loading:
+            ks, blocks = loading.pop(rng.randrange(len(loading)))
+            assert all(procs.check(planes, b, k) for b, k in zip(blocks, ks))
+            mgr.complete_load(ks)
+        elif op == "release":
+            ks = [k for k in p if count.get(k)]
+            ks = rng.sample(ks, min(len(ks), rng.randint(1, 40)))
+            mgr.release(ks)
+            for k in ks:
+                count[k] -= 1
+        elif op == "release all":
+            mgr.release()
+            count.clear()
+        elif op == "theirs":  # evicts what we do not hold, may store our keys anew elsewhere
+            ks = [b"walk-fresh-%06d" % next(fresh) for _ in range(rng.randint(1, 60))]
+            other.send(ks + rng.sample(WALKED, rng.randint(0, 30)))
+            other.recv()
+        elif op == "ours":  # may evict keys we leased: they are no hits any more
+            ks = [b"walk-fresh-%06d" % next(fresh) for _ in range(rng.randint(1, 40))]
+            out = mgr.prepare_store(ks + rng.sample(WALKED, rng.randint(0, 20)))
+            if out is not None:
+                for k in out.evicted_keys:
+                    count.pop(k, None)
+                procs.fill_all(planes, out.block_ids, out.keys_to_store)
+                mgr.complete_store(out.keys_to_store)
+        elif op == "failover":  # the next call starts an owner; our client revalidates
+            stop_owner(mgr.segment.owner_record()[0])
+            wait_for(lambda: not mgr.segment.owner_alive(), "the owner to die")
+            mgr.take_events()
+        holds_agree(mgr, count)
+    for ks, blocks in loading:
+        assert all(procs.check(planes, b, k) for b, k in zip(blocks, ks))
+        mgr.complete_load(ks)
+    mgr.release()
+    holds_agree(mgr, {})
+
+
+@pytest.mark.parametrize("hold_capacity", [16, 64, 512])
+@pytest.mark.parametrize("seed", range(2))
+def test_random_walks_over_loaded_prefixes_keep_every_hold_accounted_for(seg_name, seed,
+                                                                        hold_capacity):
+    # Scheduler-like walks over prefixes loaded before (relets reusing their hold entries,
+    # reaching further ahead and less), lookups, loads, releases, another client's and our
+    # own stores and owner failovers: after every call each hold entry is free, one lease or
+    # one pin on a block that holds its key, and the lookup counts are what a model says.
+    mgr = connect(seg_name, TEST_LAYOUT, num_blocks=300, ring_capacity=1 << 16,
+                  hold_capacity=hold_capacity, grants=False)
+    p, other = spawn(procs.store_on_demand, seg_name, False)
+    try:
+        assert procs.store(mgr, WALKED) == WALKED
+        random_walks(mgr, random.Random(seed), other, 300)
+        assert mgr.held_blocks() == 0
+        fresh = [b"walk-after-%03d" % i for i in range(300)]
+        other.send(fresh)
+        assert other.recv() == fresh  # every block was evictable: no hold left behind
+    finally:
+        other.send(None)
+        p.join()
         pid = mgr.segment.owner_record()[0]
         mgr.shutdown()
         stop_owner(pid)
