@@ -353,6 +353,30 @@ def test_a_request_asking_for_only_the_head_of_a_long_prefix_leases_less_ahead_n
     assert ahead[-1] < len(LONG) // 2
 
 
+def test_a_lookup_in_a_new_step_is_not_taken_for_asking_past_the_last_steps_lease(roomy):
+    # Leasing further ahead answers a request that walked past what the first lookup took.
+    # A lookup after the step ended (everything given back) is another request's: it takes
+    # the usual amount ahead, however the last step's lease of the same prefix went.
+    _loaded_before(roomy, LONG)
+    assert roomy.key_status(LONG[0]) == LookupResult.HIT
+    first = roomy.held_blocks()
+    roomy.release()
+    assert roomy.key_status(LONG[150]) == LookupResult.HIT
+    assert roomy.held_blocks() == first < len(LONG) - 150
+
+
+def test_a_long_prefix_asked_from_many_places_keeps_few_lease_layouts(roomy):
+    # Each place a prefix is first asked from remembers how its lease was laid out; asked
+    # from everywhere, a long prefix must not keep one layout (up to its length) per key.
+    from kvshm.index.runs import PLANS_KEPT
+    _loaded_before(roomy, LONG)
+    for off in range(0, len(LONG), 10):
+        assert roomy.key_status(LONG[off]) == LookupResult.HIT
+        roomy.release()
+    run = roomy._h.runs[LONG[0]][0]
+    assert 0 < len(run.plans) <= PLANS_KEPT < len(LONG) // 10
+
+
 def test_a_prefix_leased_again_after_a_pin_took_a_hold_it_had_used_leaves_the_pin_alone(
         seg_name):
     # The first lookup of a prefix loaded before reuses the hold entries it leased it in last
@@ -452,8 +476,9 @@ def _raw_call(mgr, frame: bytes):
     P.request_encoder.encode(P.PrepareStore(7, [b"k"] * 3))[:-4],  # truncated
     P.request_encoder.encode(["PrepareStore", "not-an-int", [1, 2]]),  # wrong types
     P.request_encoder.encode(["NoSuchOp", 1]),
+    b"\x92\xa3\x89\x1c\xdb\x01",  # an op name that is not UTF-8
     b"",
-], ids=["garbage", "truncated", "wrong-types", "unknown-op", "empty"])
+], ids=["garbage", "truncated", "wrong-types", "unknown-op", "op-not-utf8", "empty"])
 def test_malformed_frame_gets_an_error_and_the_owner_keeps_serving(cache, frame):
     reply = _raw_call(cache, frame)
     assert isinstance(reply, P.Error) and reply.kind == "ProtocolError"

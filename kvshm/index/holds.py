@@ -121,7 +121,9 @@ class HoldTable:
             return
         pop = self.leases.pop  # (nobody asked for them: no count to drop)
         idx = [i for i in [pop(k, -1) for k in self.ahead] if i >= 0]
-        if self._last is not None and 2 * len(self.ahead) > self._last[1]:
+        # (counted by what is given back: a key whose lease went another way, pinned or
+        # forgotten, may still be named in ``ahead``; it went unasked by no one)
+        if self._last is not None and 2 * len(idx) > self._last[1]:
             self._last[0].shrink()  # most of what it took went unasked: take less next time
         self.ahead.clear()
         if idx:  # a relet can take a long prefix ahead: give it back in one numpy call
@@ -149,7 +151,7 @@ class HoldTable:
         free, leases = self.free, self.leases
         plan = run.plans.get(off)
         if plan is None or free[-n:] != plan.idx:  # (compares identical ints: cheap)
-            plan = run.plans[off] = Plan(run.keys[off:off + n], free[-n:])
+            plan = run.plan(off, n, free[-n:])
         if leases and not leases.keys().isdisjoint(plan.leases.keys()):
             return self._relet_partly(run, off, n)  # some leased already: never twice
         del free[-n:]
@@ -338,6 +340,7 @@ class HoldTable:
             self.leases.clear()
             self.asks.clear()
             self.ahead.clear()
+            self._last = None  # the step is over: the next lookup asks past nothing
             if idx:
                 self.holds[np.array(idx, np.intp)] = -1
                 self.free.extend(idx)

@@ -23,6 +23,9 @@ from kvshm.shm.table import BlockTable
 # shortest prefix worth remembering (below it numpy's set-up costs more than it saves).
 RUN_AHEAD = 128
 RUN_MIN = 8
+# How many offsets of one run keep their ``Plan``: a scheduler asks a prefix from its head
+# and, while ``reach`` grows, from a few offsets after it; each plan may be ``reach`` long.
+PLANS_KEPT = 8
 
 
 class Plan:
@@ -58,6 +61,16 @@ class Run:
         self.seqs = seqs.astype(np.uint32)  # as the table keeps them: compared as bytes
         self.plans: dict[int, Plan] = {}  # offset -> how the last relet from it went
         self.reach = RUN_AHEAD
+
+    def plan(self, off: int, n: int, idx: list[int]) -> Plan:
+        """A fresh ``Plan`` of ``n`` keys from ``off`` in the hold entries ``idx``, kept for
+        the next relet from ``off`` (the oldest plans go: at most ``PLANS_KEPT``)."""
+        plans = self.plans
+        plans.pop(off, None)
+        while len(plans) >= PLANS_KEPT:
+            del plans[next(iter(plans))]
+        plan = plans[off] = Plan(self.keys[off:off + n], idx)
+        return plan
 
     def grow(self) -> None:
         """A request asked past what one relet took."""
