@@ -2,10 +2,10 @@
 
 A live owner process serves two clients. Hypothesis drives random sequences of valid and
 invalid operations — unknown keys, double completes, completes of another client's store,
-loads of keys being written — and raw frames (random bytes, truncated and retyped valid
-frames). Every call must end in a result or a typed ``KvshmError``; after every step the owner
-is alive and serving, and the segment passes every invariant check ``kvshm-inspect verify``
-makes.
+loads of keys being written — and raw frames (random bytes; truncated, retyped and
+bit-flipped valid frames). Every call must end in a result or a typed ``KvshmError``; after
+every step the owner is alive and serving, and the segment passes every invariant check
+``kvshm-inspect verify`` makes.
 """
 from __future__ import annotations
 
@@ -41,7 +41,12 @@ def _mangle(frame: bytes, how: int, cut: int) -> bytes:
         return frame[:max(0, len(frame) - 1 - cut % max(1, len(frame)))]  # truncated
     if how == 1:
         return frame.replace(b"\xa2", b"\xa3", 1)  # a type or tag byte changed
-    return frame + frame[:cut % 7]  # trailing garbage
+    if how == 2:
+        return frame + frame[:cut % 7]  # trailing garbage
+    # One byte flipped anywhere, its high bit set: lengths, types, and names that are no
+    # longer UTF-8 (msgspec raises UnicodeDecodeError there, not DecodeError).
+    i = cut % max(1, len(frame))
+    return frame[:i] + bytes([frame[i] ^ (0x80 | cut >> 8)]) + frame[i + 1:] if frame else frame
 
 
 class OwnerFuzz(RuleBasedStateMachine):
@@ -100,7 +105,7 @@ class OwnerFuzz(RuleBasedStateMachine):
     def random_frame(self, data):
         self._raw(data)
 
-    @rule(msg=valid_frames, how=st.integers(0, 2), cut=st.integers(0, 50))
+    @rule(msg=valid_frames, how=st.integers(0, 3), cut=st.integers(0, 2**15 - 1))
     def mangled_frame(self, msg, how, cut):
         self._raw(_mangle(P.request_encoder.encode(msg), how, cut))
 
