@@ -200,25 +200,37 @@ def test_a_prefix_loaded_with_a_repeated_key_is_leased_again_without_a_leaked_ho
     p.join()
 
 
-def test_a_long_lookup_that_names_a_key_twice_leaks_no_hold(seg_name):
-    # A lookup of 64 keys or more leases them in one batch: a key named twice is one lease,
-    # so releasing all leases leaves no hold behind and another client may evict it all.
-    mgr = connect(seg_name, TEST_LAYOUT, num_blocks=80, ring_capacity=8192, hold_capacity=256)
-    try:
-        keys = [b"long-%03d" % i for i in range(70)]
-        assert procs.store(mgr, keys) == keys
-        assert mgr.lookup(keys[:1] + keys[:69]) == 70
-        assert mgr.held_blocks() == 69
-        mgr.release()
-        assert mgr.held_blocks() == 0
-        fresh = [b"fresh-%03d" % i for i in range(80)]
-        p, conn = spawn(procs.store_and_report, seg_name, fresh)
-        assert conn.recv() == fresh  # every block was evictable
-        p.join()
-    finally:
+@pytest.fixture
+def client(seg_name):
+    """Connect to the test's segment (``connect``'s keywords); every client made is shut
+    down and its owner killed at teardown."""
+    made = []
+
+    def new(**kw):
+        made.append(connect(seg_name, TEST_LAYOUT, **kw))
+        return made[-1]
+
+    yield new
+    for mgr in reversed(made):
         pid = mgr.segment.owner_record()[0]
         mgr.shutdown()
         stop_owner(pid)
+
+
+def test_a_long_lookup_that_names_a_key_twice_leaks_no_hold(client, seg_name):
+    # A lookup of 64 keys or more leases them in one batch: a key named twice is one lease,
+    # so releasing all leases leaves no hold behind and another client may evict it all.
+    mgr = client(num_blocks=80, ring_capacity=8192, hold_capacity=256)
+    keys = [b"long-%03d" % i for i in range(70)]
+    assert procs.store(mgr, keys) == keys
+    assert mgr.lookup(keys[:1] + keys[:69]) == 70
+    assert mgr.held_blocks() == 69
+    mgr.release()
+    assert mgr.held_blocks() == 0
+    fresh = [b"fresh-%03d" % i for i in range(80)]
+    p, conn = spawn(procs.store_and_report, seg_name, fresh)
+    assert conn.recv() == fresh  # every block was evictable
+    p.join()
 
 
 def _loaded_before(cache, prefix) -> None:
@@ -274,37 +286,27 @@ def test_keys_asked_for_stay_leased_when_the_keys_leased_ahead_are_given_back(ca
 
 
 @pytest.mark.parametrize("ask", ["key_status", "prepare_load"])
-def test_keys_leased_ahead_never_take_the_room_of_a_key_asked_for(seg_name, ask):
+def test_keys_leased_ahead_never_take_the_room_of_a_key_asked_for(client, ask):
     # With the smallest hold capacity (8 leases), asking for a loaded prefix's first key
     # leases the other 7 ahead; a lookup or a load of another key still gets its lease.
-    mgr = connect(seg_name, TEST_LAYOUT, num_blocks=16, ring_capacity=8192, hold_capacity=16)
-    try:
-        prefix, other = KEYS[:8], KEYS[8]
-        assert procs.store(mgr, [other]) == [other]  # the least recent: evicted first
-        _loaded_before(mgr, prefix)
-        assert mgr.key_status(prefix[0]) == LookupResult.HIT
-        if ask == "key_status":
-            assert mgr.key_status(other) == LookupResult.HIT
-        else:
-            [block] = mgr.prepare_load([other])
-            assert procs.check(mgr.segment.planes(), block, other)
-            mgr.complete_load([other])
-    finally:
-        pid = mgr.segment.owner_record()[0]
-        mgr.shutdown()
-        stop_owner(pid)
+    mgr = client(num_blocks=16, ring_capacity=8192, hold_capacity=16)
+    prefix, other = KEYS[:8], KEYS[8]
+    assert procs.store(mgr, [other]) == [other]  # the least recent: evicted first
+    _loaded_before(mgr, prefix)
+    assert mgr.key_status(prefix[0]) == LookupResult.HIT
+    if ask == "key_status":
+        assert mgr.key_status(other) == LookupResult.HIT
+    else:
+        [block] = mgr.prepare_load([other])
+        assert procs.check(mgr.segment.planes(), block, other)
+        mgr.complete_load([other])
 
 
 @pytest.fixture
-def roomy(seg_name):
+def roomy(client):
     """A client of a fresh 320-block segment with room for the leases of a 300-key prefix
     (its owner is killed at teardown). No grants: all 320 blocks are for keys."""
-    mgr = connect(seg_name, TEST_LAYOUT, num_blocks=320, ring_capacity=1 << 16,
-                  hold_capacity=1024, grants=False)
-    yield mgr
-    pid = mgr.segment.owner_record()[0]
-    mgr.shutdown()
-    stop_owner(pid)
+    return client(num_blocks=320, ring_capacity=1 << 16, hold_capacity=1024, grants=False)
 
 
 LONG = [b"long-prefix-%03d" % i for i in range(300)]
@@ -378,32 +380,27 @@ def test_a_long_prefix_asked_from_many_places_keeps_few_lease_layouts(roomy):
 
 
 def test_a_prefix_leased_again_after_a_pin_took_a_hold_it_had_used_leaves_the_pin_alone(
-        seg_name):
+        client, seg_name):
     # The first lookup of a prefix loaded before reuses the hold entries it leased it in last
     # time when they are free again. A load that took one of them meanwhile keeps it: the
     # pinned block stays safe from another client's stores, and its bytes intact.
-    mgr = connect(seg_name, TEST_LAYOUT, num_blocks=16, **SMALL_GEOMETRY)
-    try:
-        prefix, other = KEYS[:8], KEYS[8]
-        assert procs.store(mgr, [other]) == [other]  # the least recent: evicted first
-        _loaded_before(mgr, prefix)
-        assert mgr.key_status(prefix[0]) == LookupResult.HIT  # leases all 8 ...
-        mgr.release()  # ... and gives them back on top of the free entries
-        [block] = mgr.prepare_load([other])  # takes a hold entry the prefix used
-        assert mgr.key_status(prefix[0]) == LookupResult.HIT
-        assert mgr.held_blocks() == 9
-        mgr.release()
-        assert mgr.held_blocks() == 1
-        fresh = [b"fresh-%02d" % i for i in range(15)]
-        p, conn = spawn(procs.store_and_report, seg_name, fresh)
-        assert conn.recv() == fresh  # every block but the pinned one
-        p.join()
-        assert procs.check(mgr.segment.planes(), block, other)
-        mgr.complete_load([other])
-    finally:
-        pid = mgr.segment.owner_record()[0]
-        mgr.shutdown()
-        stop_owner(pid)
+    mgr = client(num_blocks=16, **SMALL_GEOMETRY)
+    prefix, other = KEYS[:8], KEYS[8]
+    assert procs.store(mgr, [other]) == [other]  # the least recent: evicted first
+    _loaded_before(mgr, prefix)
+    assert mgr.key_status(prefix[0]) == LookupResult.HIT  # leases all 8 ...
+    mgr.release()  # ... and gives them back on top of the free entries
+    [block] = mgr.prepare_load([other])  # takes a hold entry the prefix used
+    assert mgr.key_status(prefix[0]) == LookupResult.HIT
+    assert mgr.held_blocks() == 9
+    mgr.release()
+    assert mgr.held_blocks() == 1
+    fresh = [b"fresh-%02d" % i for i in range(15)]
+    p, conn = spawn(procs.store_and_report, seg_name, fresh)
+    assert conn.recv() == fresh  # every block but the pinned one
+    p.join()
+    assert procs.check(mgr.segment.planes(), block, other)
+    mgr.complete_load([other])
 
 
 def test_a_refused_key_status_counts_as_no_lookup_and_no_hit(cache, seg_name):
@@ -501,19 +498,14 @@ def test_bad_arguments_get_typed_errors_from_the_owner(cache):
     assert cache.lookup([b"mine"]) == 1
 
 
-def test_requests_larger_than_one_frame_are_split(seg_name):
-    mgr = connect(seg_name, TEST_LAYOUT, num_blocks=64, **{**SMALL_GEOMETRY, "hold_capacity": 256})
-    try:
-        keys = [b"k" * 60 + b"%04d" % i for i in range(60)]  # ~4 KiB: several frames
-        out = mgr.prepare_store(keys)
-        assert out.keys_to_store == keys and len(set(out.block_ids)) == 60
-        mgr.complete_store(keys)
-        mgr.touch(keys)
-        assert mgr.lookup(keys) == 60
-    finally:
-        pid = mgr.segment.owner_record()[0]
-        mgr.shutdown()
-        stop_owner(pid)
+def test_requests_larger_than_one_frame_are_split(client):
+    mgr = client(num_blocks=64, **{**SMALL_GEOMETRY, "hold_capacity": 256})
+    keys = [b"k" * 60 + b"%04d" % i for i in range(60)]  # ~4 KiB: several frames
+    out = mgr.prepare_store(keys)
+    assert out.keys_to_store == keys and len(set(out.block_ids)) == 60
+    mgr.complete_store(keys)
+    mgr.touch(keys)
+    assert mgr.lookup(keys) == 60
 
 
 def test_the_owner_counts_the_cpu_time_it_spends_serving_frames(cache):
