@@ -48,6 +48,8 @@ POINTS = (
     "client.store.after_copy",  # blocks copied, complete_store not sent
     "client.load.after_pin",  # blocks pinned, not yet copied out
     "client.shutdown.before_bye",  # about to say goodbye
+    # doorbells
+    "bell.before_open",  # a doorbell's semaphore about to be opened (created if absent)
     # segment creation
     "segment.create.after_open",  # object exists (exclusive open), creation lock not taken
     "segment.create.after_lock",  # creation lock held, nothing reserved

@@ -50,8 +50,8 @@ CLIENT_POINTS = {
     "client.shutdown.before_bye": 1, "client.store.after_take": 2,
 }
 # Walked by the tests of their own module (copy workers, batch table writes, segment
-# creation, the mover).
-WALKED_ELSEWHERE = {"worker.store.mid_copy", "segment.create.after_open",
+# creation, doorbells, the mover).
+WALKED_ELSEWHERE = {"worker.store.mid_copy", "bell.before_open", "segment.create.after_open",
                     "segment.create.after_lock", "segment.create.after_reserve",
                     "mover.fill.after_prepare", "mover.fill.after_get",
                     "mover.spill.after_pin"}

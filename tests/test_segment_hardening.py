@@ -221,6 +221,60 @@ def test_a_group_member_opens_the_semaphores_of_a_0660_segment(make_segment):
         assert pool.apply(_child_ring_as_nobody, (seg.name, sem)) == "ok"
 
 
+# --- a removed segment leaves nothing behind ------------------------------------------------
+def _armed(code: str, name: str) -> subprocess.Popen:
+    """A process running ``code`` (with ``name`` in argv[1]) that freezes when it is about to
+    open its first doorbell semaphore; it prints its outcome."""
+    env = dict(os.environ, PYTHONPATH=ROOT, KVSHM_CRASH_AT="bell.before_open",
+               KVSHM_CRASH_SIGNAL="STOP")
+    return subprocess.Popen([sys.executable, "-c", code, name], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+
+
+def test_an_owner_starting_as_its_segment_is_removed_leaves_no_semaphore(seg_name):
+    # Segment.unlink removes the semaphores it finds; an owner that had attached the segment
+    # before and opens its doorbell after must not create one nobody will ever remove.
+    Segment.create(seg_name, TEST_LAYOUT, 8, **SMALL_GEOMETRY).close()
+    owner = _armed("import sys; from kvshm.index.owner import main; sys.exit(main())", seg_name)
+    poll(lambda: stopped(owner), "the owner to freeze before its doorbell")
+    Segment.unlink(seg_name)
+    os.kill(owner.pid, signal.SIGCONT)
+    owner.communicate(timeout=DEADLINE_S)
+    assert _sem_files(seg_name) == []
+
+
+def test_a_client_attaching_as_its_segment_is_removed_leaves_no_semaphore(seg_name):
+    from test_exactly_once import owner_proc
+    Segment.create(seg_name, TEST_LAYOUT, 8, **SMALL_GEOMETRY).close()
+    owner = owner_proc(seg_name)
+    client = _armed("import sys, json; from kvshm.index.client import connect\ntry:\n"
+                    " connect(sys.argv[1]); print(json.dumps(['ok', 0]))\n"
+                    "except Exception as e:\n print(json.dumps([type(e).__name__, str(e)]))\n",
+                    seg_name)
+    poll(lambda: stopped(client), "the client to freeze before its doorbell")
+    Segment.unlink(seg_name)
+    assert owner.wait(timeout=DEADLINE_S) == 0  # an owner stops serving a removed segment
+    os.kill(client.pid, signal.SIGCONT)
+    kind, msg = outcome(client)
+    assert kind == "SegmentNotFoundError", msg
+    assert _sem_files(seg_name) == []
+
+
+def test_liveness_of_a_removed_segment_is_still_answered(seg_name):
+    # Whoever attached a segment before it was removed asks who is alive (the owner, its
+    # clients) through that same object, not through its name, which is gone.
+    from test_exactly_once import owner_proc
+    Segment.create(seg_name, TEST_LAYOUT, 8, **SMALL_GEOMETRY).close()
+    owner = owner_proc(seg_name)
+    os.kill(owner.pid, signal.SIGSTOP)  # it would stop serving once it saw the removal
+    with Segment.attach(seg_name) as seg:
+        Segment.unlink(seg_name)
+        assert seg.owner_alive() and seg.clients_alive() == set()
+        os.kill(owner.pid, signal.SIGCONT)
+        assert owner.wait(timeout=DEADLINE_S) == 0
+        assert not seg.owner_alive()
+
+
 # --- 7: bad input ------------------------------------------------------------------------------
 @pytest.mark.parametrize("bad", ["abc", 5, None, b"k" * 36, bytearray(b"k" * 36)])
 def test_lookup_of_a_non_sequence_raises_invalid_argument(manager, bad):

@@ -241,6 +241,51 @@ def test_a_want_ring_drops_what_its_producer_laps(make_segment):
         TierArea.unlink(seg.name)
 
 
+def test_an_engine_hinting_a_removed_tier_area_gets_no_error_and_leaves_no_semaphore(
+        make_segment):
+    # An engine attached the area before it was removed and asks for keys after: the hint
+    # is lost (there is no mover), it fails nothing, and it creates no doorbell for good.
+    import os
+    seg = make_segment()
+    TierArea.create(seg).close()
+    engine = TierArea.attach(seg.name)
+    try:
+        TierArea.unlink(seg.name)
+        engine.want(0, [b"asked"])
+        engine.kick()
+        assert [e for e in os.listdir("/dev/shm") if e.startswith(f"sem.kvshmtier-{seg.name}")] \
+            == []
+    finally:
+        engine.close()
+        TierArea.unlink(seg.name)
+
+
+def test_a_removed_tier_area_still_answers_whether_its_mover_lives(make_segment):
+    seg = make_segment()
+    mover = TierArea.create(seg)
+    engine = TierArea.attach(seg.name)
+    try:
+        assert mover.try_lock_mover()
+        TierArea.unlink(seg.name)
+        assert engine.mover_alive()
+        mover.close()
+        assert not engine.mover_alive()
+    finally:
+        engine.close()
+        TierArea.unlink(seg.name)
+
+
+def test_a_mover_starting_on_a_removed_segment_makes_no_tier_area(make_segment):
+    import os
+    from kvshm.errors import SegmentNotFoundError
+    from kvshm.shm.segment import Segment
+    seg = make_segment()
+    Segment.unlink(seg.name)
+    with pytest.raises(SegmentNotFoundError):
+        TierArea.create(seg)
+    assert not [e for e in os.listdir("/dev/shm") if e.startswith(f"kvshmtier-{seg.name}")]
+
+
 def test_a_checksummed_segment_sends_its_own_sums_and_gets_them_back(hosts):
     from kvshm.shm.checksums import BlockSums
     lay = Layout((4096, 4096), 16, "test", checksums=True)

@@ -24,7 +24,7 @@ from kvshm.shm import layout as L
 from kvshm.shm import locks
 from kvshm.index import protocol as P
 from kvshm.shm import slots
-from kvshm.errors import KvshmError, OwnerUnavailableError
+from kvshm.errors import KvshmError, OwnerUnavailableError, SegmentNotFoundError
 from kvshm.crashpoints import crash_point
 from kvshm.shm.fence import full_fence
 from kvshm.index.grants import grant_budget, grant_target, stock
@@ -182,7 +182,11 @@ class Owner(RequestHandlers):
             if slot not in self.clients:
                 rec = slots.record(self.seg, slot)
                 if rec.state in _SERVED and self._writer_alive(slot, rec.gen):
-                    c = self.clients[slot] = _Client(self.seg, slot, rec.gen, False)
+                    try:
+                        c = self.clients[slot] = _Client(self.seg, slot, rec.gen, False)
+                    except SegmentNotFoundError:  # removed: no client has a future here
+                        self._running = False
+                        return
                     if c.quarantined:
                         self._quarantine(c, c.why)
                     # a client a predecessor stocked keeps being stocked (not one leaving);

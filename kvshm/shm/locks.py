@@ -30,6 +30,15 @@ def _flock(kind: int, start: int) -> bytes:
     return _FLOCK.pack(kind, os.SEEK_SET, start, 1, 0)
 
 
+def query_fd(fd: int) -> int:
+    """A new open file description of the object ``fd`` holds (close-on-exec), for asking who
+    holds its locks: the kernel never reports a description's own locks back to it, so a
+    process asking through the descriptor it locks with would not see itself. Opened through
+    ``fd`` rather than the object's name, it is the same object even after the name was
+    removed (or reused)."""
+    return os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+
+
 def try_lock(fd: int, byte: int) -> bool:
     """Take the exclusive lock on ``byte`` without waiting; False if someone holds it."""
     try:

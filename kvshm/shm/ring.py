@@ -3,7 +3,8 @@
 This module owns the ring's byte layout (header, frame format, wrap marker), the ordering of
 its publications across processes, the producer's backoff when full, and the Doorbell that
 wakes a sleeping consumer (its named semaphore gets the segment's permission bits and group,
-so group sharing works). It must never decode frames (payloads are opaque bytes; msgspec
+so group sharing works, and a process that opens it after the segment was removed does not
+leave it behind). It must never decode frames (payloads are opaque bytes; msgspec
 lives with the protocol), never allocate or name shared memory itself (callers hand it a
 writable buffer carved from the segment), never take locks shared between processes, and
 never import torch.
@@ -43,10 +44,11 @@ from typing import Callable
 
 import posix_ipc
 
+from kvshm.crashpoints import crash_point
 from kvshm.shm.fence import WEAK_ORDER as _WEAK_ORDER  # module-level: tests patch it
 from kvshm.shm.fence import full_fence
 from kvshm.errors import (FrameTooLargeError, InvalidArgumentError, ProtocolError,
-                          RingFullError, SegmentPermissionError)
+                          RingFullError, SegmentNotFoundError, SegmentPermissionError)
 
 __all__ = ["Ring", "Doorbell", "memory_fence"]
 
@@ -249,8 +251,9 @@ class Ring:
             view.release()
 
 
-def _open_semaphore(name: str, like_fd: int | None) -> posix_ipc.Semaphore:
-    """Open (creating if needed) semaphore ``name`` with the access of file ``like_fd``.
+def _open_semaphore(name: str, like_fd: int | None) -> tuple[posix_ipc.Semaphore, bool]:
+    """Open (creating if needed) semaphore ``name`` with the access of file ``like_fd``;
+    also returns whether this call created it.
 
     sem_open applies the umask, so the creator chmods the file right after creating it. A
     process that opens it in between may be refused: while the file's mode is not yet the
@@ -275,9 +278,9 @@ def _open_semaphore(name: str, like_fd: int | None) -> posix_ipc.Semaphore:
                 os.chmod(path, mode)
                 if gid >= 0 and os.stat(path).st_gid != gid:
                     os.chown(path, -1, gid)
-            return sem
+            return sem, True
         try:
-            return posix_ipc.Semaphore(name)
+            return posix_ipc.Semaphore(name), False
         except posix_ipc.ExistentialError:
             continue  # removed between our two opens: create it
         except posix_ipc.PermissionsError as e:
@@ -308,10 +311,26 @@ class Doorbell:
     def __init__(self, flag_buf: memoryview, sem_name: str, *,
                  like_fd: int | None = None) -> None:
         """``like_fd``: the segment's descriptor; the semaphore gets that file's permission
-        bits and group, so whoever may open the segment may ring its bells (else 0600)."""
+        bits and group, so whoever may open the segment may ring its bells (else 0600).
+        Raises ``SegmentNotFoundError`` if that file was removed before the semaphore was
+        open (a removal after it removes the semaphore too)."""
         self._flag = _view(flag_buf, 8, "Doorbell").cast("Q")
-        self._sem = _open_semaphore(sem_name, like_fd)
+        crash_point("bell.before_open")
+        self._sem, created = _open_semaphore(sem_name, like_fd)
         self.name = sem_name
+        if like_fd is not None and os.fstat(like_fd).st_nlink == 0:
+            # The object was removed, and whoever removed it removed the semaphores it found;
+            # one we created after that would stay forever. Checked after the open: a removal
+            # that comes later finds ours. One we only opened is another process's to remove
+            # (a late one like us, or a new object of the same name that uses it).
+            self._sem.close()
+            self._flag.release()
+            if created:
+                Doorbell.unlink(sem_name)
+            raise SegmentNotFoundError(
+                f"the shared memory object of semaphore {sem_name} was removed while this "
+                "process was attaching it; create it again, or connect to the one now under "
+                "its name")
 
     @staticmethod
     def flag_size() -> int:

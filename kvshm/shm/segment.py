@@ -392,10 +392,10 @@ class Segment:
         return bytes(self.buf[L.OFF_POLICY:L.OFF_POLICY + 16]).rstrip(b"\0").decode() or "lru"
 
     def _query_fd(self) -> int:
-        # The kernel does not report our own OFD locks back to us, so liveness questions go
-        # through a descriptor of their own: then locks held through ``self.fd`` count too.
+        # Liveness questions go through a descriptor of their own: then locks held through
+        # ``self.fd`` count too.
         if self._qfd is None:
-            self._qfd = os.open(SHM_DIR + self._shm.name, os.O_RDWR | os.O_CLOEXEC)
+            self._qfd = locks.query_fd(self.fd)
         return self._qfd
 
     def owner_alive(self) -> bool:

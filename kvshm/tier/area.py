@@ -32,6 +32,7 @@ key is WRITING or READY, or it stays a miss). Only x86/ARM-aligned 8-byte stores
 """
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import stat
@@ -40,7 +41,7 @@ from typing import Iterator
 
 import posix_ipc
 
-from kvshm.errors import InvalidArgumentError
+from kvshm.errors import InvalidArgumentError, SegmentNotFoundError
 from kvshm.shm import locks
 from kvshm.shm.fence import full_fence
 from kvshm.shm.layout import MAX_KEY_BYTES
@@ -128,8 +129,25 @@ class TierArea:
         except counters, and those only when the geometry matches."""
         name, n = seg.name, seg.geometry.max_clients
         mode = stat.S_IMODE(os.fstat(seg.fd).st_mode)
-        shm = posix_ipc.SharedMemory(area_name(name), posix_ipc.O_CREAT, mode=mode)
+        while True:
+            try:
+                shm, created = posix_ipc.SharedMemory(area_name(name), posix_ipc.O_CREX,
+                                                      mode=mode), True
+                break
+            except posix_ipc.ExistentialError:
+                pass  # it exists: open it (unless it was removed in between: create it)
+            with contextlib.suppress(posix_ipc.ExistentialError):
+                shm, created = posix_ipc.SharedMemory(area_name(name)), False
+                break
         fd = shm.fd
+        if os.fstat(seg.fd).st_nlink == 0:
+            # The segment was removed (its remover removes the area after it): an area made
+            # now would stay forever. One we only opened is the remover's to remove.
+            os.close(fd)
+            if created:
+                with contextlib.suppress(posix_ipc.ExistentialError):
+                    posix_ipc.unlink_shared_memory(area_name(name))
+            raise SegmentNotFoundError(f"segment {name!r} was removed: it needs no tier area")
         size = area_bytes(n)
         if os.fstat(fd).st_size != size:
             os.ftruncate(fd, size)
@@ -174,12 +192,15 @@ class TierArea:
     @staticmethod
     def unlink(name: str) -> bool:
         """Remove segment ``name``'s area and its doorbell. True if the area existed."""
-        Doorbell.unlink(_bell_name(name))
+        # The area first: a process that opens the doorbell after this sees the area gone
+        # and removes what it created (``Doorbell``); the other order could leave one behind.
         try:
             posix_ipc.unlink_shared_memory(area_name(name))
-            return True
+            existed = True
         except posix_ipc.ExistentialError:
-            return False
+            existed = False
+        Doorbell.unlink(_bell_name(name))
+        return existed
 
     @staticmethod
     def exists(name: str) -> bool:
@@ -206,7 +227,7 @@ class TierArea:
 
     def mover_alive(self) -> bool:
         if self._qfd is None:  # our own OFD locks are invisible through our own descriptor
-            self._qfd = os.open(SHM_DIR + area_name(self.name), os.O_RDWR | os.O_CLOEXEC)
+            self._qfd = locks.query_fd(self.fd)
         return locks.is_held(self._qfd, LOCK_MOVER)
 
     def set_mover(self, pid: int, description: str) -> None:
@@ -234,11 +255,17 @@ class TierArea:
                                   like_fd=self.fd)
         return self._bell
 
+    def _ring(self) -> None:
+        """Wake the mover. An area removed under us has no mover left to wake, and a hint
+        must never fail the engine that gives it."""
+        with contextlib.suppress(SegmentNotFoundError):
+            self.bell().ring()
+
     def kick(self) -> None:
         """An engine completed a store: wake the mover to read the store events now rather
         than at its next poll (any process may; a lost kick only delays the write-through)."""
         self.w[_W_KICK] = 1
-        self.bell().ring()
+        self._ring()
 
     def kicked(self) -> bool:
         return bool(self.w[_W_KICK])
@@ -318,7 +345,7 @@ class TierArea:
             e[base + _E_SEQ] = tail
         full_fence()
         w[_R_TAIL] = tail
-        self.bell().ring()
+        self._ring()
         return tail
 
     def answered(self, slot: int, seq: int) -> bool:
