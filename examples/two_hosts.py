@@ -103,7 +103,8 @@ def engine_main(cfg: EngineConfig, conn) -> None:
 
 def _tier(name: str) -> dict[str, Any]:
     from kvshm.inspect.snapshot import tier_snapshot
-    return tier_snapshot(name) or {"state": "none", "counters": {}}
+    with kvshm.Segment.attach(name) as seg:
+        return tier_snapshot(seg) or {"state": "none", "counters": {}}
 
 
 def _written_through(name: str, timeout: float = 30.0) -> None:
@@ -123,7 +124,6 @@ def _written_through(name: str, timeout: float = 30.0) -> None:
 
 
 def run(o: Options) -> dict[str, Any]:
-    from kvshm.tier.area import TierArea
     from kvshm.tier.mooncake import start_master
     t0 = time.monotonic()
     hosts = 2
@@ -176,8 +176,7 @@ def run(o: Options) -> dict[str, Any]:
                 mv.wait()
         master.stop()
         for name in names:
-            release_cache(name, remove=True)
-            TierArea.unlink(name)
+            release_cache(name, remove=True)  # the tier area goes with its segment
     stored = [set() for _ in range(hosts)]
     for i, (_, own, _) in enumerate(results):
         stored[host_of[i]].update(own)

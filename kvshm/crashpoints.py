@@ -50,6 +50,8 @@ POINTS = (
     "client.shutdown.before_bye",  # about to say goodbye
     # doorbells
     "bell.before_open",  # a doorbell's semaphore about to be opened (created if absent)
+    "bell.after_open",  # a doorbell's semaphore open (perhaps created), its object not yet
+    #                     checked for removal
     # segment creation
     "segment.create.after_open",  # object exists (exclusive open), creation lock not taken
     "segment.create.after_lock",  # creation lock held, nothing reserved
@@ -60,6 +62,8 @@ POINTS = (
     "mover.fill.after_prepare",  # fetched keys WRITING in the segment, nothing fetched
     "mover.fill.after_get",  # values fetched into their blocks, not verified or completed
     "mover.spill.after_pin",  # blocks pinned for their put, nothing put
+    "mover.area.after_open",  # the tier area open (perhaps created), the segment not yet
+    #                           checked for removal
 )
 
 _ENV = os.environ.get("KVSHM_CRASH_AT")

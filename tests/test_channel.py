@@ -24,8 +24,9 @@ from kvshm.shm import slots
 from kvshm.engine.channel import SchedulerChannel, WorkerChannel
 from kvshm.index.client import connect
 from kvshm.engine.connector import SchedulerConnector
-from kvshm.errors import InvalidArgumentError
+from kvshm.errors import InvalidArgumentError, SegmentNotFoundError
 from kvshm.engine.hashing import block_hashes, offload_key
+from kvshm.shm.segment import Segment
 from kvshm.shm.table import BlockTable
 from kvshm.transfer.spec import TransferHandler, make_handler
 from kvshm.engine.worker import WorkerConnector
@@ -288,6 +289,47 @@ def test_a_channel_has_one_worker_and_only_channel_slots_attach(seg_name):
         mgr.shutdown()
         with contextlib.suppress(ProcessLookupError):
             os.kill(owner, signal.SIGKILL)
+
+
+def _descriptors_of(name: str) -> list[str]:
+    """This process's descriptors of segment ``name`` (removed or not)."""
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            if os.readlink(f"/proc/self/fd/{fd}").split()[0] == f"/dev/shm/kvshm-{name}":
+                out.append(fd)
+    return out
+
+
+def _remove_at_the_next_doorbell(monkeypatch, name: str) -> None:
+    """The segment is removed just before this process opens its next doorbell."""
+    from kvshm.shm import ring
+    monkeypatch.setattr(ring, "crash_point", lambda point: Segment.unlink(name)
+                        if point == "bell.before_open" else None)
+
+
+def test_a_scheduler_channel_on_a_segment_removed_as_it_opens_keeps_no_descriptor(
+        seg_name, monkeypatch):
+    Segment.create(seg_name, layout(1), 8, **SMALL_GEOMETRY).close()
+    _remove_at_the_next_doorbell(monkeypatch, seg_name)
+    with pytest.raises(SegmentNotFoundError):
+        SchedulerChannel(seg_name)
+    assert _descriptors_of(seg_name) == []
+
+
+def test_a_worker_channel_on_a_segment_removed_as_it_opens_keeps_no_descriptor_or_lock(
+        seg_name, monkeypatch):
+    Segment.create(seg_name, layout(1), 8, **SMALL_GEOMETRY).close()
+    sc = SchedulerChannel(seg_name)
+    try:
+        before = _descriptors_of(seg_name)
+        _remove_at_the_next_doorbell(monkeypatch, seg_name)
+        with pytest.raises(SegmentNotFoundError):
+            WorkerChannel(*sc.address)
+        assert _descriptors_of(seg_name) == before
+        assert not sc.worker_alive()  # its lock went with its descriptor
+    finally:
+        sc.close()
 
 
 def test_frames_carry_the_whole_spec_across_several_frames(seg_name, monkeypatch):

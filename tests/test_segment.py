@@ -20,7 +20,7 @@ from kvshm.errors import (FormatVersionError, InsufficientSpaceError, InvalidArg
                           KvshmError, LayoutMismatchError, NotAKvshmSegmentError,
                           SegmentExistsError, SegmentNotFoundError, SegmentPermissionError)
 from kvshm.shm.layout import Layout
-from kvshm.shm.segment import Segment, list_segments, sem_name, shm_name
+from kvshm.shm.segment import Segment, list_segments, shm_name
 
 LAYOUT = Layout((4096, 4096), 16, "test")
 SMALL = dict(ring_capacity=8192, hold_capacity=64)
@@ -398,17 +398,27 @@ def test_other_user_can_attach_a_world_readable_segment(make_segment):
 # --- unlink --------------------------------------------------------------------------------
 def test_unlink_removes_segment_and_its_semaphores(make_segment):
     seg = make_segment()
-    sems = [posix_ipc.Semaphore(sem_name(seg.name, what), posix_ipc.O_CREX)
-            for what in ("owner", "c0-reply")]
-    for s in sems:
-        s.close()
-    entries = [f"sem.kvshm-{seg.name}-owner", f"sem.kvshm-{seg.name}-c0-reply"]
+    for what in ("owner", "c0-reply"):
+        posix_ipc.Semaphore(seg.object_name(what), posix_ipc.O_CREX).close()
+    entries = [f"sem.kvshm-{seg.name}@{seg.tag}-owner", f"sem.kvshm-{seg.name}@{seg.tag}-c0-reply"]
     assert all(os.path.exists("/dev/shm/" + e) for e in entries)
     assert Segment.unlink(seg.name) is True
     assert not os.path.exists(shm_path(seg.name))
     assert not any(os.path.exists("/dev/shm/" + e) for e in entries)
     with pytest.raises(SegmentNotFoundError):
         Segment.attach(seg.name)
+
+
+def test_unlink_removes_what_a_segment_removed_before_under_the_name_left(make_segment):
+    # A process of a removed segment made a doorbell after the removal and died before it
+    # could remove it: the next removal of the name takes it.
+    old = make_segment()
+    posix_ipc.unlink_shared_memory(shm_name(old.name))  # removed, its cleanup never ran
+    new = make_segment(old.name)
+    for seg in (old, new):
+        posix_ipc.Semaphore(seg.object_name("owner"), posix_ipc.O_CREX).close()
+    Segment.unlink(new.name)
+    assert [e for e in os.listdir("/dev/shm") if e.startswith(f"sem.kvshm-{old.name}@")] == []
 
 
 def test_unlink_missing_segment_returns_false(seg_name):
@@ -425,13 +435,19 @@ def test_unlink_leaves_other_segments_alone(make_segment):
 
 def test_unlink_leaves_semaphores_of_a_segment_whose_name_extends_its_name(make_segment):
     a = make_segment()
-    b = make_segment(name=a.name + "-2")  # "x" and "x-2": sem.kvshm-x-2-owner is b's
-    posix_ipc.Semaphore(sem_name(a.name, "owner"), posix_ipc.O_CREX).close()
-    posix_ipc.Semaphore(sem_name(b.name, "owner"), posix_ipc.O_CREX).close()
+    b = make_segment(name=a.name + "-2")  # "x" and "x-2"
+    posix_ipc.Semaphore(a.object_name("owner"), posix_ipc.O_CREX).close()
+    posix_ipc.Semaphore(b.object_name("owner"), posix_ipc.O_CREX).close()
     Segment.unlink(a.name)
-    assert not os.path.exists(f"/dev/shm/sem.kvshm-{a.name}-owner")
-    assert os.path.exists(f"/dev/shm/sem.kvshm-{b.name}-owner")
+    assert not os.path.exists(f"/dev/shm/sem.kvshm-{a.name}@{a.tag}-owner")
+    assert os.path.exists(f"/dev/shm/sem.kvshm-{b.name}@{b.tag}-owner")
     assert os.path.exists(shm_path(b.name))
+
+
+def test_objects_of_a_segment_are_not_listed_as_segments(make_segment):
+    seg = make_segment()
+    posix_ipc.SharedMemory(seg.object_name("tier"), posix_ipc.O_CREX, size=4096).close_fd()
+    assert [n for n in list_segments() if n.startswith(seg.name)] == [seg.name]
 
 
 def test_mapping_survives_unlink(make_segment):

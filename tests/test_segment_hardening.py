@@ -179,7 +179,7 @@ def test_a_creator_stopped_before_its_lock_starts_over_when_removed(seg_name):
 
 # --- 5: group mode -----------------------------------------------------------------------------
 def _sem_files(name: str) -> list[str]:
-    return [e for e in os.listdir("/dev/shm") if e.startswith(f"sem.kvshm-{name}-")]
+    return sorted(e for e in os.listdir("/dev/shm") if e.startswith(f"sem.kvshm-{name}@"))
 
 
 def test_semaphores_get_the_segments_group_mode(seg_name):
@@ -212,21 +212,19 @@ def _child_ring_as_nobody(name: str, sem: str) -> str:
 def test_a_group_member_opens_the_semaphores_of_a_0660_segment(make_segment):
     from multiprocessing import get_context
     from kvshm.shm.ring import Doorbell
-    from kvshm.shm.segment import sem_name
     seg = make_segment(mode=0o660)
     os.chown(path(seg.name), -1, 65534)  # the group both users share
-    sem = sem_name(seg.name, "owner")
+    sem = seg.object_name("owner")
     Doorbell(seg.buf[L.OFF_OWNER_BELL:L.OFF_OWNER_BELL + 8], sem, like_fd=seg.fd)
     with get_context("spawn").Pool(1) as pool:
         assert pool.apply(_child_ring_as_nobody, (seg.name, sem)) == "ok"
 
 
 # --- a removed segment leaves nothing behind ------------------------------------------------
-def _armed(code: str, name: str) -> subprocess.Popen:
-    """A process running ``code`` (with ``name`` in argv[1]) that freezes when it is about to
-    open its first doorbell semaphore; it prints its outcome."""
-    env = dict(os.environ, PYTHONPATH=ROOT, KVSHM_CRASH_AT="bell.before_open",
-               KVSHM_CRASH_SIGNAL="STOP")
+def _armed(code: str, name: str, at: str = "bell.before_open") -> subprocess.Popen:
+    """A process running ``code`` (with ``name`` in argv[1]) that freezes at crash point
+    ``at`` (by default: about to open its first doorbell semaphore); it prints its outcome."""
+    env = dict(os.environ, PYTHONPATH=ROOT, KVSHM_CRASH_AT=at, KVSHM_CRASH_SIGNAL="STOP")
     return subprocess.Popen([sys.executable, "-c", code, name], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
 
@@ -258,6 +256,46 @@ def test_a_client_attaching_as_its_segment_is_removed_leaves_no_semaphore(seg_na
     kind, msg = outcome(client)
     assert kind == "SegmentNotFoundError", msg
     assert _sem_files(seg_name) == []
+
+
+def test_an_owner_of_a_removed_segment_leaves_the_semaphores_of_its_successor_alone(seg_name):
+    # An owner had made its doorbell when its segment was removed and made again under the
+    # same name, now served by an owner of its own. The late owner removes what it made, and
+    # nothing of the new segment's: a process that opened a removed doorbell name later
+    # would make a new semaphore that the new owner never waits on.
+    from test_exactly_once import owner_proc
+    from kvshm.index.client import connect
+    Segment.create(seg_name, TEST_LAYOUT, 8, **SMALL_GEOMETRY).close()
+    late = _armed("import sys; from kvshm.index.owner import main; sys.exit(main())", seg_name,
+                  at="bell.after_open")
+    poll(lambda: stopped(late), "the owner to freeze with its doorbell open")
+    Segment.unlink(seg_name)
+    Segment.create(seg_name, TEST_LAYOUT, 8, **SMALL_GEOMETRY).close()
+    owner = owner_proc(seg_name)
+    mgr = connect(seg_name)
+    try:
+        before = _sem_files(seg_name)
+        assert before  # the new owner's doorbell and the client's
+        os.kill(late.pid, signal.SIGCONT)
+        late.communicate(timeout=DEADLINE_S)
+        assert _sem_files(seg_name) == before
+    finally:
+        late.kill()
+        mgr.shutdown()
+        owner.terminate()
+        owner.wait(timeout=DEADLINE_S)
+
+
+def test_liveness_through_a_closed_handle_is_refused(seg_name):
+    # After close the descriptor's number may denote another file: asking through it would
+    # answer for that file.
+    seg = Segment.create(seg_name, TEST_LAYOUT, 8, **SMALL_GEOMETRY)
+    seg.close()
+    with open(os.devnull):  # perhaps takes the number the segment had
+        with pytest.raises(InvalidArgumentError):
+            seg.owner_alive()
+        with pytest.raises(InvalidArgumentError):
+            seg.removed()
 
 
 def test_liveness_of_a_removed_segment_is_still_answered(seg_name):

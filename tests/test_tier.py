@@ -10,10 +10,18 @@ mooncake_master: tests/test_tier_mooncake.py.
 """
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import threading
+
 import pytest
 
+from kvshm.errors import SegmentNotFoundError
 from kvshm.index.client import connect
 from kvshm.shm.layout import Layout
+from kvshm.shm.segment import Segment
 from kvshm.shm.wait import poll_until
 from kvshm.tier.area import TierArea
 from kvshm.tier.client import TieredManager
@@ -44,7 +52,6 @@ def hosts(make_segment):
         eng.shutdown()
         mover.close()
         pid = seg.owner_record()[0]
-        TierArea.unlink(seg.name)
         if pid:
             stop_owner(pid)
 
@@ -192,7 +199,7 @@ def test_a_mover_that_cannot_become_a_client_leaves_the_segment_to_the_next(make
     try:
         with pytest.raises(ClientSlotsExhaustedError):
             Mover(seg.name, FakeTier(FakeStore()))
-        area = TierArea.attach(seg.name)
+        area = TierArea.attach(seg)
         try:
             assert not area.mover_alive()  # its lock went with it
         finally:
@@ -201,7 +208,6 @@ def test_a_mover_that_cannot_become_a_client_leaves_the_segment_to_the_next(make
         Mover(seg.name, FakeTier(FakeStore())).close()  # the slot is free: a mover starts
     finally:
         eng.shutdown()
-        TierArea.unlink(seg.name)
         stop_owner(pid)
 
 
@@ -238,52 +244,126 @@ def test_a_want_ring_drops_what_its_producer_laps(make_segment):
         assert area.answered(0, last) and not area.pending()
     finally:
         area.close()
-        TierArea.unlink(seg.name)
 
 
-def test_an_engine_hinting_a_removed_tier_area_gets_no_error_and_leaves_no_semaphore(
+def _objects(name: str) -> list[str]:
+    """The segment's other objects in /dev/shm (its tier area, its doorbells)."""
+    return sorted(e for e in os.listdir("/dev/shm")
+                  if e.startswith((f"kvshm-{name}@", f"sem.kvshm-{name}@")))
+
+
+def test_an_engine_hinting_the_area_of_a_removed_segment_gets_no_error_and_leaves_nothing(
         make_segment):
-    # An engine attached the area before it was removed and asks for keys after: the hint
-    # is lost (there is no mover), it fails nothing, and it creates no doorbell for good.
-    import os
+    # An engine attached the area before its segment was removed and asks for keys after:
+    # the hint is lost (there is no mover), it fails nothing, and it makes no doorbell for good.
     seg = make_segment()
     TierArea.create(seg).close()
-    engine = TierArea.attach(seg.name)
+    engine = TierArea.attach(seg)
     try:
-        TierArea.unlink(seg.name)
+        Segment.unlink(seg.name)
         engine.want(0, [b"asked"])
         engine.kick()
-        assert [e for e in os.listdir("/dev/shm") if e.startswith(f"sem.kvshmtier-{seg.name}")] \
-            == []
+        assert _objects(seg.name) == []
     finally:
         engine.close()
-        TierArea.unlink(seg.name)
 
 
-def test_a_removed_tier_area_still_answers_whether_its_mover_lives(make_segment):
+def test_the_area_of_a_removed_segment_still_answers_whether_its_mover_lives(make_segment):
     seg = make_segment()
     mover = TierArea.create(seg)
-    engine = TierArea.attach(seg.name)
+    engine = TierArea.attach(seg)
     try:
         assert mover.try_lock_mover()
-        TierArea.unlink(seg.name)
+        Segment.unlink(seg.name)
         assert engine.mover_alive()
         mover.close()
         assert not engine.mover_alive()
     finally:
         engine.close()
-        TierArea.unlink(seg.name)
 
 
 def test_a_mover_starting_on_a_removed_segment_makes_no_tier_area(make_segment):
-    import os
-    from kvshm.errors import SegmentNotFoundError
-    from kvshm.shm.segment import Segment
     seg = make_segment()
     Segment.unlink(seg.name)
     with pytest.raises(SegmentNotFoundError):
         TierArea.create(seg)
-    assert not [e for e in os.listdir("/dev/shm") if e.startswith(f"kvshmtier-{seg.name}")]
+    assert _objects(seg.name) == []
+
+
+def test_a_mover_of_a_removed_segment_leaves_the_area_of_its_successor_alone(make_segment):
+    # A mover had its segment open and had just made the tier area when the segment was
+    # removed and made again under the same name, with a mover of its own. The late mover
+    # removes what it made and nothing of the new segment's: engines keep finding the new
+    # mover's area.
+    from test_segment_hardening import DEADLINE_S, ROOT, outcome, poll, stopped
+    name = unique_name()
+    make_segment(name)
+    code = ("import sys, json; from kvshm.shm.segment import Segment\n"
+            "from kvshm.tier.area import TierArea\ntry:\n"
+            " TierArea.create(Segment.attach(sys.argv[1])); print(json.dumps(['ok', '']))\n"
+            "except Exception as e:\n print(json.dumps([type(e).__name__, str(e)]))\n")
+    env = dict(os.environ, PYTHONPATH=ROOT, KVSHM_CRASH_AT="mover.area.after_open",
+               KVSHM_CRASH_SIGNAL="STOP")
+    late = subprocess.Popen([sys.executable, "-c", code, name], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    try:
+        poll(lambda: stopped(late), "the late mover to freeze with the area open")
+        Segment.unlink(name)
+        seg = make_segment(name)
+        area = TierArea.create(seg)
+        assert area.try_lock_mover()
+        os.kill(late.pid, signal.SIGCONT)
+        assert outcome(late)[0] == "SegmentNotFoundError"
+        engine = TierArea.attach(seg)
+        assert engine is not None and engine.mover_alive()
+        engine.close()
+        area.close()
+    finally:
+        late.kill()
+        late.wait(timeout=DEADLINE_S)
+
+
+def test_a_mover_whose_segment_was_removed_before_it_runs_exits_quietly(make_segment):
+    seg = make_segment()
+    mover = Mover(seg.name, FakeTier(FakeStore()))
+    pid = seg.owner_record()[0]
+    try:
+        Segment.unlink(seg.name)
+        mover.run(threading.Event())  # returns: no doorbell to wait on, nothing to serve
+    finally:
+        mover.close()
+        stop_owner(pid)
+
+
+def test_a_mover_stops_when_its_segment_is_replaced_under_its_name(make_segment):
+    # A segment made since under the same name has a mover of its own to come.
+    seg = make_segment()
+    mover = Mover(seg.name, FakeTier(FakeStore()))
+    pid = seg.owner_record()[0]
+    stop = threading.Event()
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            mover.run(stop)
+        except BaseException as e:  # noqa: BLE001 - the test reports it
+            failed.append(e)
+
+    runner = threading.Thread(target=run)
+    try:
+        runner.start()
+        assert poll_until(lambda: mover.area._bell is not None, 60)  # it waits on its bell
+        Segment.unlink(seg.name)
+        make_segment(seg.name)
+        mover.area.kick()  # wake it: it looks at its segment after each round
+        runner.join(60)
+        assert not runner.is_alive() and failed == []
+    finally:
+        stop.set()
+        mover.area.kick()
+        runner.join(60)
+        mover.close()
+        stop_owner(pid)
 
 
 def test_a_checksummed_segment_sends_its_own_sums_and_gets_them_back(hosts):
@@ -394,7 +474,6 @@ def test_a_client_checks_that_the_mover_lives_at_most_once_per_interval(make_seg
         assert len(checks) == 2
     finally:
         eng.shutdown()
-        TierArea.unlink(seg.name)
         stop_owner(seg.owner_record()[0])
 
 

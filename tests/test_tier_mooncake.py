@@ -17,7 +17,6 @@ import pytest
 from kvshm.index.client import connect
 from kvshm.inspect.snapshot import tier_snapshot
 from kvshm.shm.wait import poll_until
-from kvshm.tier.area import TierArea
 from kvshm.tier.client import TieredManager
 
 from conftest import stop_owner, unique_name
@@ -83,7 +82,7 @@ class Host:
         assert self.proc.poll() is None, self.log()
 
     def tier(self) -> dict:
-        return tier_snapshot(self.seg.name) or {"state": "none", "counters": {}}
+        return tier_snapshot(self.seg) or {"state": "none", "counters": {}}
 
     def count(self, name: str) -> int:
         return self.tier()["counters"].get(name, 0)
@@ -117,7 +116,6 @@ class Host:
         if self.eng is not None:
             self.eng.shutdown()
         self.kill_mover()
-        TierArea.unlink(self.seg.name)
         pid = self.seg.owner_record()[0]
         if pid:
             stop_owner(pid)

@@ -58,7 +58,9 @@ def _store_blocks(mgr, keys: list[bytes]) -> None:
 
 def _tier(name: str) -> dict[str, Any]:
     from kvshm.inspect.snapshot import tier_snapshot
-    return tier_snapshot(name) or {"state": "none", "counters": {}}
+    from kvshm.shm.segment import Segment
+    with Segment.attach(name) as seg:
+        return tier_snapshot(seg) or {"state": "none", "counters": {}}
 
 
 def _wait(cond, timeout: float, what: str) -> None:
@@ -131,7 +133,7 @@ def throughput(a: argparse.Namespace, master) -> dict[str, Any]:
         for name in names:
             _wait(lambda: _tier(name)["state"] == "connected", 120, "movers")
         ma = TieredManager(kvshm.connect(names[0]))  # its complete_store wakes the mover
-        area_a = TierArea.attach(names[0])
+        area_a = TierArea.attach(ma.segment)
         puts = lambda: int(area_a.counters[0 + TIER_COUNTERS.index("puts")])  # noqa: E731
         mb = TieredManager(kvshm.connect(names[1]), max_wait=600.0, want_ahead=n)
         mgrs += [ma, mb]
@@ -175,8 +177,7 @@ def throughput(a: argparse.Namespace, master) -> dict[str, Any]:
         raw_b.close()
         from colocated_engines import release_cache
         for name in names:
-            release_cache(name, remove=True)
-            TierArea.unlink(name)
+            release_cache(name, remove=True)  # the tier area goes with its segment
 
     def rate(k: str) -> float:
         best = sorted(r[k] for r in rounds)[len(rounds) // 2]  # median round

@@ -28,7 +28,7 @@ from kvshm.shm import locks
 from kvshm.shm import slots
 from kvshm.errors import ClientSlotsExhaustedError, InvalidArgumentError, TransferError
 from kvshm.shm.ring import Doorbell, Ring
-from kvshm.shm.segment import Segment, sem_name
+from kvshm.shm.segment import Segment
 from kvshm.transfer.spec import TransferResult, TransferSpec
 
 WORKER_LOCK_BASE = L.LOCK_CLIENT_BASE + 1024  # + slot: held by the channel's worker
@@ -83,9 +83,13 @@ class _Ends:
         self.jobs = Ring(slots.ring_view(seg, slot, "peer_in"))
         self.done = Ring(slots.ring_view(seg, slot, "peer_out"))
         self.jobs_bell = Doorbell(slots.bell_view(seg, slot, "peer_in"),
-                                  sem_name(seg.name, f"c{slot}-peer_in"), like_fd=seg.fd)
-        self.done_bell = Doorbell(slots.bell_view(seg, slot, "peer_out"),
-                                  sem_name(seg.name, f"c{slot}-peer_out"), like_fd=seg.fd)
+                                  seg.object_name(f"c{slot}-peer_in"), like_fd=seg.fd)
+        try:
+            self.done_bell = Doorbell(slots.bell_view(seg, slot, "peer_out"),
+                                      seg.object_name(f"c{slot}-peer_out"), like_fd=seg.fd)
+        except BaseException:
+            self.jobs_bell.close()
+            raise
 
     def close(self) -> None:
         for r in (self.jobs, self.done):
@@ -117,13 +121,13 @@ class SchedulerChannel:
     def __init__(self, segment_name: str, *, timeout: float = 30.0) -> None:
         self.seg = Segment.attach(segment_name)
         self.timeout = timeout
-        try:
+        try:  # the segment's descriptor holds our slot's lock: close it on any failure
             self.slot, self.gen = self._claim(timeout)
+            slots.activate(self.seg, self.slot, self.gen, state=L.SlotState.CHANNEL)
+            self._ends = _Ends(self.seg, self.slot)
         except BaseException:
             self.seg.close()
             raise
-        slots.activate(self.seg, self.slot, self.gen, state=L.SlotState.CHANNEL)
-        self._ends = _Ends(self.seg, self.slot)
         self._outstanding: dict[int, str] = {}  # job id -> kind
         self._received: list[Done] = []
         self._worker_seen = False
@@ -281,10 +285,10 @@ class WorkerChannel:
                     f"{state}); pass the address SchedulerChannel.address gave")
             if not locks.try_lock(self.seg.fd, WORKER_LOCK_BASE + slot):
                 raise InvalidArgumentError(f"job channel {slot} already has a worker")
-        except BaseException:
+            self._ends = _Ends(self.seg, slot)
+        except BaseException:  # its descriptor may hold the worker lock: close it
             self.seg.close()
             raise
-        self._ends = _Ends(self.seg, slot)
         self._ends.jobs_bell.drain()
         self._pending: dict[int, list[JobFrame]] = {}  # partial multi-frame jobs
 

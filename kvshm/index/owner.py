@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
 import sys
 import time
@@ -32,7 +31,7 @@ from kvshm.index.manager import LocalManager
 from kvshm.index.requests import RequestHandlers, _Client
 from kvshm.index.spin import SpinPolicy
 from kvshm.shm.ring import Doorbell
-from kvshm.shm.segment import Segment, sem_name
+from kvshm.shm.segment import Segment
 
 log = logging.getLogger("kvshm.index.owner")
 # The one default for 'kvshm serve' and 'python -m kvshm.index.owner' (an auto-started
@@ -54,15 +53,18 @@ class Owner(RequestHandlers):
     def __init__(self, name: str, *, idle_exit_s: float | None = None):
         self.seg = Segment.attach(name)
         self.clients: dict[int, _Client] = {}
-        self.manager = LocalManager(self.seg, enable_events=True, held=self._held,
-                                    writer_alive=self._writer_alive)
+        try:  # (a segment removed meanwhile) its descriptor holds the owner lock: close it
+            self.manager = LocalManager(self.seg, enable_events=True, held=self._held,
+                                        writer_alive=self._writer_alive)
+            self.bell = Doorbell(self.seg.buf[L.OFF_OWNER_BELL:L.OFF_OWNER_BELL + 8],
+                                 self.seg.object_name("owner"), like_fd=self.seg.fd)
+        except BaseException:
+            self.seg.close()
+            raise
         self.epoch = self.manager.epoch
         self._max_keys = 4 * self.seg.geometry.num_blocks + 65536  # per request
-        self.bell = Doorbell(self.seg.buf[L.OFF_OWNER_BELL:L.OFF_OWNER_BELL + 8],
-                             sem_name(name, "owner"), like_fd=self.seg.fd)
         self.bell.drain()  # a predecessor that died asleep leaves stale posts behind
         self.idle_exit_s = idle_exit_s
-        self._inode = os.fstat(self.seg.fd).st_ino
         self._running = True
         self._last_client = time.monotonic()
         self._handlers = {
@@ -112,10 +114,7 @@ class Owner(RequestHandlers):
                 time.monotonic() - self._last_client > self.idle_exit_s:
             log.info("no client for %gs: exiting", self.idle_exit_s)
             self._running = False
-        try:  # an unlinked (or replaced) segment has no future clients: stop serving it
-            if os.stat(f"/dev/shm/kvshm-{self.seg.name}").st_ino != self._inode:
-                self._running = False
-        except FileNotFoundError:
+        if self.seg.removed():  # (perhaps replaced) no future clients: stop serving it
             self._running = False
 
     def _reclaim_unadopted(self) -> None:

@@ -72,7 +72,7 @@ from kvshm.shm import slots
 from kvshm.errors import (OwnerUnavailableError, ProtocolError, ReplyTimeoutError,
                           RingFullError)
 from kvshm.shm.ring import Doorbell, Ring
-from kvshm.shm.segment import Segment, sem_name
+from kvshm.shm.segment import Segment
 
 # Spin this long for a reply before sleeping on the semaphore: long enough for a lookup or
 # a small store round trip, short enough not to steal the owner's CPU on a busy host.
@@ -151,9 +151,9 @@ class OwnerLink:
         self._abandoned: set[int] = set()  # requests given up on: undo what they did
         self._backlog: list[bytes] = []  # posted frames that did not fit the ring yet
         self.reply_bell = Doorbell(slots.bell_view(segment, slot, "reply"),
-                                   sem_name(segment.name, f"c{slot}-reply"), like_fd=segment.fd)
+                                   segment.object_name(f"c{slot}-reply"), like_fd=segment.fd)
         self.owner_bell = Doorbell(segment.buf[L.OFF_OWNER_BELL:L.OFF_OWNER_BELL + 8],
-                                   sem_name(segment.name, "owner"), like_fd=segment.fd)
+                                   segment.object_name("owner"), like_fd=segment.fd)
         self.requests = Ring(slots.ring_view(segment, slot, "request"))
         self.replies = Ring(slots.ring_view(segment, slot, "reply"))
         self._served = memoryview(slots.served(segment, slot))

@@ -19,7 +19,7 @@ from kvshm.shm import keys as K
 from kvshm.shm import layout as L
 from kvshm.shm import slots
 from kvshm.shm.ring import Doorbell, Ring
-from kvshm.shm.segment import Segment, sem_name
+from kvshm.shm.segment import Segment
 
 MAX_EVENTS = 10_000  # per client; older events are dropped
 
@@ -38,7 +38,7 @@ class _Client:
         except KvshmError as e:  # no service; its holds still count while it lives
             self.quarantined, self.why = True, f"unusable rings ({e})"
         self.bell = Doorbell(slots.bell_view(seg, slot, "reply"),
-                             sem_name(seg.name, f"c{slot}-reply"), like_fd=seg.fd)
+                             seg.object_name(f"c{slot}-reply"), like_fd=seg.fd)
         self.served = slots.served(seg, slot)  # layout.SERVED_FIELDS
         self.grant_words, self.grant_ids = slots.grants(seg, slot)
         self.stores = False  # it stores: keep its grant ring stocked

@@ -23,7 +23,6 @@ from kvshm.index.owner_link import OWNER_IDLE_EXIT_S
 from kvshm.errors import OwnerUnavailableError, SegmentNotFoundError, SegmentPermissionError
 from kvshm.shm.segment import PREFIX, SHM_DIR, Segment, list_segments, shm_name
 from kvshm.inspect.schema import encode
-from kvshm.tier.area import TierArea
 from kvshm.inspect.snapshot import block_rows, metric_samples, prometheus, snapshot, verify
 
 PROG = "kvshm-inspect"
@@ -305,7 +304,6 @@ def cmd_rm(args: Args) -> int:
             print(encode(out))
         return 1
     out["removed"] = Segment.unlink(args.name)
-    TierArea.unlink(args.name)  # the mover's area goes with its segment
     _emit(args, out, lambda: f"removed {args.name}" if out["removed"] else
           f"{args.name} was already gone")
     return 0

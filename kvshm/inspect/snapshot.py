@@ -166,12 +166,12 @@ def snapshot(seg: Segment) -> dict[str, Any]:
                   "log": owner_log_path(seg.name)},
         "clients": clients, "clients_alive": sum(c["alive"] for c in clients),
         "clients_dead": sum(c["state"] != SLOT_FREE and not c["alive"] for c in clients),
-        "pinners": pinners, "counters": counters, "tier": tier_snapshot(seg.name)}
+        "pinners": pinners, "counters": counters, "tier": tier_snapshot(seg)}
 
 
-def tier_snapshot(name: str) -> dict[str, Any] | None:
+def tier_snapshot(seg: Segment) -> dict[str, Any] | None:
     """The lower tier's part of a snapshot, or None when no mover ever ran here."""
-    area = TierArea.attach(name)
+    area = TierArea.attach(seg)
     if area is None:
         return None
     try:

@@ -35,8 +35,9 @@ from kvshm.shm.records import (  # noqa: F401  (re-exported: one definition, two
     SlotState, header_record)
 
 MAGIC = b"KVSHM\x00\x00\x01"
-FORMAT_VERSION = 4  # 2: 64-bit writer_req, keysum in every table entry; 3: block grants;
-#                    4: grant rings of 1,024 blocks, a client's refusal of grants
+FORMAT_VERSION = 5  # 2: 64-bit writer_req, keysum in every table entry; 3: block grants;
+#                    4: grant rings of 1,024 blocks, a client's refusal of grants;
+#                    5: doorbells and the tier area named for the segment's inode
 HEADER_BYTES = 4096
 DATA_ALIGN = 2 << 20
 MAX_PLANES = 32

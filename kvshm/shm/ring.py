@@ -251,9 +251,8 @@ class Ring:
             view.release()
 
 
-def _open_semaphore(name: str, like_fd: int | None) -> tuple[posix_ipc.Semaphore, bool]:
-    """Open (creating if needed) semaphore ``name`` with the access of file ``like_fd``;
-    also returns whether this call created it.
+def _open_semaphore(name: str, like_fd: int | None) -> posix_ipc.Semaphore:
+    """Open (creating if needed) semaphore ``name`` with the access of file ``like_fd``.
 
     sem_open applies the umask, so the creator chmods the file right after creating it. A
     process that opens it in between may be refused: while the file's mode is not yet the
@@ -278,9 +277,9 @@ def _open_semaphore(name: str, like_fd: int | None) -> tuple[posix_ipc.Semaphore
                 os.chmod(path, mode)
                 if gid >= 0 and os.stat(path).st_gid != gid:
                     os.chown(path, -1, gid)
-            return sem, True
+            return sem
         try:
-            return posix_ipc.Semaphore(name), False
+            return posix_ipc.Semaphore(name)
         except posix_ipc.ExistentialError:
             continue  # removed between our two opens: create it
         except posix_ipc.PermissionsError as e:
@@ -310,23 +309,24 @@ class Doorbell:
 
     def __init__(self, flag_buf: memoryview, sem_name: str, *,
                  like_fd: int | None = None) -> None:
-        """``like_fd``: the segment's descriptor; the semaphore gets that file's permission
-        bits and group, so whoever may open the segment may ring its bells (else 0600).
+        """``like_fd``: the descriptor of the object the semaphore belongs to, which its name
+        is made for (``Segment.object_name``); the semaphore gets that file's permission
+        bits and group, so whoever may open the object may ring its bells (else 0600).
         Raises ``SegmentNotFoundError`` if that file was removed before the semaphore was
         open (a removal after it removes the semaphore too)."""
         self._flag = _view(flag_buf, 8, "Doorbell").cast("Q")
         crash_point("bell.before_open")
-        self._sem, created = _open_semaphore(sem_name, like_fd)
+        self._sem = _open_semaphore(sem_name, like_fd)
         self.name = sem_name
+        crash_point("bell.after_open")
         if like_fd is not None and os.fstat(like_fd).st_nlink == 0:
             # The object was removed, and whoever removed it removed the semaphores it found;
-            # one we created after that would stay forever. Checked after the open: a removal
-            # that comes later finds ours. One we only opened is another process's to remove
-            # (a late one like us, or a new object of the same name that uses it).
+            # one made after that would stay forever. Checked after the open: a removal that
+            # comes later finds ours. The name is this removed object's alone (a new object
+            # under the same name has names of its own), so it goes whoever made it.
             self._sem.close()
             self._flag.release()
-            if created:
-                Doorbell.unlink(sem_name)
+            Doorbell.unlink(sem_name)
             raise SegmentNotFoundError(
                 f"the shared memory object of semaphore {sem_name} was removed while this "
                 "process was attaching it; create it again, or connect to the one now under "

@@ -49,8 +49,18 @@ def shm_name(name: str) -> str:
     return "/" + PREFIX + name
 
 
-def sem_name(name: str, what: str) -> str:
-    return f"{shm_name(name)}-{what}"
+# Every other named object of a segment (its doorbell semaphores, the tier area) is named
+# for one incarnation of it: ``/kvshm-NAME@TAG-WHAT``, TAG being the segment file's inode
+# number in hex. A process still holding a removed segment then never opens, creates or
+# removes an object of a segment created since under the same name. '@' is no segment-name
+# character, so "NAME@" begins the objects of exactly one name. (tmpfs hands out inode
+# numbers from a counter: two live incarnations share a tag only after it wraps.)
+TAG_SEP = "@"
+
+
+def object_name(name: str, tag: str, what: str) -> str:
+    """POSIX name of object ``what`` of incarnation ``tag`` of segment ``name``."""
+    return f"{shm_name(name)}{TAG_SEP}{tag}-{what}"
 
 
 class _Gone(Exception):
@@ -91,6 +101,7 @@ class Segment:
         self.geometry = geometry
         self.created_ns = created_ns
         self.fd = shm.fd
+        self.tag = format(os.fstat(self.fd).st_ino, "x")  # names this incarnation's objects
         self.buf = memoryview(mm)
         self._shm = shm
         self._mm = mm
@@ -320,26 +331,51 @@ class Segment:
         self.close()
 
     @staticmethod
-    def unlink(name: str, max_clients: int = 1024) -> bool:
-        """Remove segment ``name`` and its semaphores. True if the segment existed.
+    def unlink(name: str) -> bool:
+        """Remove segment ``name`` and its objects (doorbells, tier area). True if the
+        segment existed.
 
-        Processes that still map it keep their mapping; the memory goes when they exit.
+        Processes that still map it keep their mapping; the memory goes when they exit. One
+        that opens an object of it after this sees it removed and removes that object again
+        (``Doorbell``, ``TierArea``).
         """
         existed = True
         try:
             posix_ipc.unlink_shared_memory(shm_name(name))
         except posix_ipc.ExistentialError:
             existed = False
-        prefix = "sem." + PREFIX + name + "-"
-        # Names may contain '-': segment "x-2"'s semaphores also start with "sem.kvshm-x-".
-        longer = tuple(f"sem.{PREFIX}{other}-" for other in list_segments()
-                       if other.startswith(name + "-"))
-        with contextlib.suppress(FileNotFoundError):
-            for entry in os.listdir(SHM_DIR):
-                if entry.startswith(prefix) and not (longer and entry.startswith(longer)):
-                    with contextlib.suppress(posix_ipc.ExistentialError):
+        # The objects of every removed incarnation of the name go; those of a segment created
+        # under it since stay. Each pass lists before it looks the name up again: an object
+        # in the listing was made by a process that had its incarnation open, so an
+        # incarnation still linked then is the one the lookup finds (or a later one:
+        # removing the objects of one removed meanwhile is right too). Objects (the tier
+        # area) before semaphores: a semaphore checks the object it belongs to after it is
+        # open and removes itself if that is gone (``Doorbell``), else the second listing
+        # finds it. An object checks the segment, removed before both.
+        stem = PREFIX + name + TAG_SEP
+        for kind in (stem, "sem." + stem):
+            entries = [e for e in os.listdir(SHM_DIR) if e.startswith(kind)]
+            try:
+                live = format(os.stat(SHM_DIR + shm_name(name)).st_ino, "x")
+            except FileNotFoundError:
+                live = None
+            for entry in entries:
+                if entry[len(kind):].partition("-")[0] == live:
+                    continue
+                with contextlib.suppress(posix_ipc.ExistentialError):
+                    if kind == stem:
+                        posix_ipc.unlink_shared_memory("/" + entry)
+                    else:
                         posix_ipc.unlink_semaphore("/" + entry[4:])
         return existed
+
+    def object_name(self, what: str) -> str:
+        """POSIX name of this incarnation's object ``what`` (see ``object_name``)."""
+        return object_name(self.name, self.tag, what)
+
+    def removed(self) -> bool:
+        """Whether this segment's name was removed (it may denote a new segment by now)."""
+        return os.fstat(self._open_fd()).st_nlink == 0
 
     # --- views --------------------------------------------------------------------------
     def plane(self, index: int) -> np.ndarray:
@@ -395,8 +431,14 @@ class Segment:
         # Liveness questions go through a descriptor of their own: then locks held through
         # ``self.fd`` count too.
         if self._qfd is None:
-            self._qfd = locks.query_fd(self.fd)
+            self._qfd = locks.query_fd(self._open_fd())
         return self._qfd
+
+    def _open_fd(self) -> int:
+        # After ``close`` the number may denote another file by now: never ask through it.
+        if self._mm is None:
+            raise InvalidArgumentError(f"this handle of segment {self.name!r} is closed")
+        return self.fd
 
     def owner_alive(self) -> bool:
         """Whether any process (this one included) holds the owner lock."""
@@ -424,4 +466,5 @@ def list_segments() -> list[str]:
         entries = os.listdir(SHM_DIR)
     except FileNotFoundError:
         return []
-    return sorted(e[len(PREFIX):] for e in entries if e.startswith(PREFIX))
+    return sorted(e[len(PREFIX):] for e in entries
+                  if e.startswith(PREFIX) and TAG_SEP not in e)  # not a segment's object

@@ -1,6 +1,8 @@
 """The tier area: a small shared-memory object beside a segment, owned by its mover.
 
-This module owns the byte layout of ``/dev/shm/kvshmtier-NAME``: the mover's liveness lock
+This module owns the byte layout of the tier area (``/dev/shm/kvshm-NAME@TAG-tier``, named
+for one incarnation of the segment like its doorbells, ``Segment.object_name``; it goes with
+the segment, ``Segment.unlink``): the mover's liveness lock
 and state, the lower-tier counters (which ``kvshm-inspect`` shows), and one *want ring* per
 client slot through which engines ask the mover to fetch keys their lookups missed. It never
 talks to a lower tier, never touches the segment's index and never imports torch.
@@ -37,18 +39,16 @@ import mmap
 import os
 import stat
 import time
-from typing import Iterator
-
 import posix_ipc
 
+from kvshm.crashpoints import crash_point
 from kvshm.errors import InvalidArgumentError, SegmentNotFoundError
 from kvshm.shm import locks
 from kvshm.shm.fence import full_fence
 from kvshm.shm.layout import MAX_KEY_BYTES
 from kvshm.shm.ring import Doorbell
-from kvshm.shm.segment import SHM_DIR, Segment, shm_name
+from kvshm.shm.segment import Segment
 
-PREFIX = "kvshmtier-"
 MAGIC = int.from_bytes(b"KVTIER01", "little")
 VERSION = 1
 RING_ENTRIES = 256
@@ -91,16 +91,6 @@ COUNTERS = (
 _COUNTER = {name: i for i, name in enumerate(COUNTERS)}
 
 
-def area_name(name: str) -> str:
-    """POSIX name of segment ``name``'s tier area (validates ``name`` like a segment's)."""
-    shm_name(name)
-    return "/" + PREFIX + name
-
-
-def _bell_name(name: str) -> str:
-    return area_name(name) + "-bell"
-
-
 def area_bytes(max_clients: int) -> int:
     return _SLOT0 + max_clients * _SLOT_BYTES
 
@@ -108,8 +98,8 @@ def area_bytes(max_clients: int) -> int:
 class TierArea:
     """A mapped tier area. ``create`` is for the mover, ``attach`` for everyone else."""
 
-    def __init__(self, name: str, fd: int, mm: mmap.mmap) -> None:
-        self.name, self.fd, self._mm = name, fd, mm
+    def __init__(self, name: str, posix: str, fd: int, mm: mmap.mmap) -> None:
+        self.name, self.posix, self.fd, self._mm = name, posix, fd, mm  # segment, area names
         self.buf = memoryview(mm)
         self.w = self.buf[:_CTR].cast("Q")
         self.counters = self.buf[_CTR:_CTR + 8 * len(COUNTERS)].cast("Q")
@@ -126,28 +116,30 @@ class TierArea:
     def create(cls, seg: Segment) -> "TierArea":
         """Open or create segment ``seg``'s area (the mover, holding no lock yet). An area
         of another version or geometry is re-initialised: nothing in it outlives a mover
-        except counters, and those only when the geometry matches."""
-        name, n = seg.name, seg.geometry.max_clients
+        except counters, and those only when the geometry matches. Raises
+        ``SegmentNotFoundError`` when ``seg`` was removed (it needs no area any more)."""
+        posix, n = seg.object_name("tier"), seg.geometry.max_clients
         mode = stat.S_IMODE(os.fstat(seg.fd).st_mode)
         while True:
             try:
-                shm, created = posix_ipc.SharedMemory(area_name(name), posix_ipc.O_CREX,
-                                                      mode=mode), True
+                shm = posix_ipc.SharedMemory(posix, posix_ipc.O_CREX, mode=mode)
                 break
             except posix_ipc.ExistentialError:
                 pass  # it exists: open it (unless it was removed in between: create it)
             with contextlib.suppress(posix_ipc.ExistentialError):
-                shm, created = posix_ipc.SharedMemory(area_name(name)), False
+                shm = posix_ipc.SharedMemory(posix)
                 break
         fd = shm.fd
-        if os.fstat(seg.fd).st_nlink == 0:
-            # The segment was removed (its remover removes the area after it): an area made
-            # now would stay forever. One we only opened is the remover's to remove.
+        crash_point("mover.area.after_open")
+        if seg.removed():
+            # Its remover removed the objects it found; an area made now would stay forever.
+            # The name is this removed incarnation's alone (a segment created since under
+            # the same name has an area of its own), so it goes whoever made it.
             os.close(fd)
-            if created:
-                with contextlib.suppress(posix_ipc.ExistentialError):
-                    posix_ipc.unlink_shared_memory(area_name(name))
-            raise SegmentNotFoundError(f"segment {name!r} was removed: it needs no tier area")
+            with contextlib.suppress(posix_ipc.ExistentialError):
+                posix_ipc.unlink_shared_memory(posix)
+            raise SegmentNotFoundError(f"segment {seg.name!r} was removed: it needs no tier "
+                                       "area")
         size = area_bytes(n)
         if os.fstat(fd).st_size != size:
             os.ftruncate(fd, size)
@@ -162,15 +154,16 @@ class TierArea:
             full_fence()
             w[_W_MAGIC] = MAGIC  # last: an attacher sees a whole header or none
         w.release()
-        area.__init__(name, fd, mm)
+        area.__init__(seg.name, posix, fd, mm)
         return area
 
     @classmethod
-    def attach(cls, name: str) -> "TierArea | None":
-        """The area of segment ``name``, or None when no mover ever made one (or it is not
+    def attach(cls, seg: Segment) -> "TierArea | None":
+        """The area of segment ``seg``, or None when no mover ever made one (or it is not
         initialised yet): then there is no lower tier to ask."""
+        posix = seg.object_name("tier")
         try:
-            shm = posix_ipc.SharedMemory(area_name(name))
+            shm = posix_ipc.SharedMemory(posix)
         except (posix_ipc.ExistentialError, posix_ipc.PermissionsError):
             return None
         fd = shm.fd
@@ -187,24 +180,7 @@ class TierArea:
             mm.close()
             os.close(fd)
             return None
-        return cls(name, fd, mm)
-
-    @staticmethod
-    def unlink(name: str) -> bool:
-        """Remove segment ``name``'s area and its doorbell. True if the area existed."""
-        # The area first: a process that opens the doorbell after this sees the area gone
-        # and removes what it created (``Doorbell``); the other order could leave one behind.
-        try:
-            posix_ipc.unlink_shared_memory(area_name(name))
-            existed = True
-        except posix_ipc.ExistentialError:
-            existed = False
-        Doorbell.unlink(_bell_name(name))
-        return existed
-
-    @staticmethod
-    def exists(name: str) -> bool:
-        return os.path.exists(SHM_DIR + area_name(name))
+        return cls(seg.name, posix, fd, mm)
 
     def close(self) -> None:
         if self._bell is not None:
@@ -251,8 +227,8 @@ class TierArea:
 
     def bell(self) -> Doorbell:
         if self._bell is None:
-            self._bell = Doorbell(self.buf[8 * _W_SLEEP:8 * _W_SLEEP + 8], _bell_name(self.name),
-                                  like_fd=self.fd)
+            self._bell = Doorbell(self.buf[8 * _W_SLEEP:8 * _W_SLEEP + 8],
+                                  self.posix + "-bell", like_fd=self.fd)
         return self._bell
 
     def _ring(self) -> None:
@@ -366,14 +342,4 @@ class TierArea:
             "last_error_ns": int(w[_W_ERR_NS]),
             "wants_queued": sum(int(v[_R_TAIL] - v[_R_DONE]) for v in self._words),
             "counters": dict(zip(COUNTERS, (int(c) for c in self.counters)))}
-
-
-def iter_areas() -> Iterator[str]:
-    """Segment names that have a tier area on this host."""
-    try:
-        entries = os.listdir(SHM_DIR)
-    except FileNotFoundError:
-        return iter(())
-    return iter(sorted(e[len(PREFIX):] for e in entries
-                       if e.startswith(PREFIX) and not e.endswith("-bell")))
 

@@ -71,7 +71,7 @@ class TieredManager(OffloadingManager):
         if now < self._next_check:
             return self._live
         if self._area is None:
-            self._area = TierArea.attach(self.segment.name)
+            self._area = TierArea.attach(self.segment)
         self._next_check = now + (_ALIVE_EVERY_S if self._area is not None else _ATTACH_EVERY_S)
         self._live = self._area if self._area is not None and self._area.mover_alive() else None
         return self._live

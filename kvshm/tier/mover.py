@@ -39,11 +39,11 @@ import numpy as np
 import posix_ipc
 
 from kvshm.crashpoints import crash_point
-from kvshm.errors import KvshmError
+from kvshm.errors import KvshmError, SegmentNotFoundError
 from kvshm.index.client import SharedManager
 from kvshm.index.api import LookupResult
 from kvshm.shm.checksums import BlockSums
-from kvshm.shm.segment import SHM_DIR, Segment, shm_name
+from kvshm.shm.segment import Segment
 from kvshm.tier import api
 from kvshm.tier.api import Code, LowerTier
 from kvshm.tier.area import TierArea
@@ -68,7 +68,11 @@ class Mover:
     def __init__(self, name: str, tier: LowerTier, *, spill: bool = True, batch: int = 64,
                  poll_s: float = 0.005) -> None:
         self.seg = Segment.attach(name)
-        self.area = TierArea.create(self.seg)
+        try:
+            self.area = TierArea.create(self.seg)
+        except BaseException:
+            self.seg.close()
+            raise
         if not self.area.try_lock_mover():
             self.area.close()
             self.seg.close()
@@ -337,15 +341,19 @@ class Mover:
     # --- loop -----------------------------------------------------------------------------
     def run(self, stop: threading.Event) -> None:
         """Rounds until ``stop`` is set or the segment is removed."""
-        bell = self.area.bell()
         name = self.seg.name
+        try:
+            bell = self.area.bell()
+        except SegmentNotFoundError:
+            log.info("segment %r was removed; the mover exits", name)
+            return
         while not stop.is_set():
             if not self.connected:
                 self._usable()  # join at once (and retry after backoffs), not on first use
             self._probe()
             if self.step():
                 continue
-            if not os.path.exists(SHM_DIR + shm_name(name)):
+            if self.seg.removed():  # (a segment created since under its name has its own)
                 log.info("segment %r was removed; the mover exits", name)
                 return
             wait = max(0.0, self._next_events - time.monotonic()) if self.spill else 0.05
