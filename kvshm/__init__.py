@@ -16,7 +16,7 @@ __version__ = "0.1.0"
 _PUBLIC = {
     "connect": "index.client", "SharedManager": "index.client",
     "LocalManager": "index.manager",
-    "Segment": "shm.segment", "list_segments": "shm.segment",
+    "Segment": "shm.segment", "list_segments": "shm.names",
     "Layout": "shm.layout",
     "OffloadingManager": "index.api", "PrepareStoreOutput": "index.api", "OffloadingEvent": "index.api",
     "LookupResult": "index.api",
@@ -51,7 +51,8 @@ if TYPE_CHECKING:  # for type checkers and IDEs only
     from kvshm.engine.hashing import block_hashes, offload_key
     from kvshm.shm.layout import Layout
     from kvshm.index.manager import LocalManager
-    from kvshm.shm.segment import Segment, list_segments
+    from kvshm.shm.names import list_segments
+    from kvshm.shm.segment import Segment
     from kvshm.transfer.spec import TransferHandler, TransferResult, TransferSpec, make_handler
     from kvshm.engine.worker import WorkerConnector
     from kvshm.tier.client import TieredManager, connect_tiered

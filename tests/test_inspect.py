@@ -565,6 +565,18 @@ def test_foreign_object(name, capsys):
     assert run(capsys, "rm", name)[:2] == (0, f"removed {name}\n")
 
 
+def test_rm_of_a_removed_segment_removes_what_a_killed_process_left(name, capsys):
+    # A process killed between opening a doorbell and seeing its segment removed leaves it:
+    # no segment has the name any more, and rm still finds it.
+    seg = create(name)
+    posix_ipc.Semaphore(seg.object_name("c3-reply"), posix_ipc.O_CREX).close()
+    seg.close()
+    posix_ipc.unlink_shared_memory(f"/kvshm-{name}")  # as the remover had, before the bell
+    rc, d = run_json(capsys, "rm", name)
+    assert rc == 0 and not d["removed"] and d["leftovers"] == [f"sem.kvshm-{name}@{seg.tag}-c3-reply"]
+    assert [e for e in os.listdir("/dev/shm") if name in e] == []
+
+
 def test_unsupported_format_version(name, capsys):
     create(name).close()
     with open(f"/dev/shm/kvshm-{name}", "r+b") as f:

@@ -2,6 +2,8 @@
 delivery, and the Doorbell's wake-up. No sleeps as synchronisation, no timing thresholds."""
 from __future__ import annotations
 
+import contextlib
+
 import mmap
 import multiprocessing as mp
 import struct
@@ -175,7 +177,8 @@ def shm():
     finally:
         posix_ipc.unlink_shared_memory(names["shm"])
         for key in ("bell", "go"):
-            Doorbell.unlink(names[key])
+            with contextlib.suppress(posix_ipc.ExistentialError):
+                posix_ipc.unlink_semaphore(names[key])
 
 
 def attach(name: str) -> mmap.mmap:

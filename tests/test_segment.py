@@ -20,7 +20,8 @@ from kvshm.errors import (FormatVersionError, InsufficientSpaceError, InvalidArg
                           KvshmError, LayoutMismatchError, NotAKvshmSegmentError,
                           SegmentExistsError, SegmentNotFoundError, SegmentPermissionError)
 from kvshm.shm.layout import Layout
-from kvshm.shm.segment import Segment, list_segments, shm_name
+from kvshm.shm.names import list_segments, shm_name
+from kvshm.shm.segment import Segment
 
 LAYOUT = Layout((4096, 4096), 16, "test")
 SMALL = dict(ring_capacity=8192, hold_capacity=64)
@@ -442,6 +443,23 @@ def test_unlink_leaves_semaphores_of_a_segment_whose_name_extends_its_name(make_
     assert not os.path.exists(f"/dev/shm/sem.kvshm-{a.name}@{a.tag}-owner")
     assert os.path.exists(f"/dev/shm/sem.kvshm-{b.name}@{b.tag}-owner")
     assert os.path.exists(shm_path(b.name))
+
+
+def test_unlink_removes_the_objects_that_format_4_named_for_the_name_alone(make_segment):
+    seg = make_segment()
+    longer = make_segment(seg.name + "-2")  # its objects are not seg's
+    old = [f"/kvshm-{seg.name}-owner", f"/kvshm-{seg.name}-c0-reply",
+           f"/kvshm-{seg.name}-c12-peer_in", f"/kvshmtier-{seg.name}-bell"]
+    kept = [f"/kvshm-{longer.name}-owner", f"/kvshm-{longer.name}-c0-reply"]
+    for sem in old + kept:
+        posix_ipc.Semaphore(sem, posix_ipc.O_CREX).close()
+    posix_ipc.SharedMemory(f"/kvshmtier-{seg.name}", posix_ipc.O_CREX, size=4096).close_fd()
+    Segment.unlink(seg.name)
+    assert not any(os.path.exists("/dev/shm/sem." + s[1:]) for s in old)
+    assert not os.path.exists(f"/dev/shm/kvshmtier-{seg.name}")
+    assert all(os.path.exists("/dev/shm/sem." + s[1:]) for s in kept)
+    for sem in kept:
+        posix_ipc.unlink_semaphore(sem)
 
 
 def test_objects_of_a_segment_are_not_listed_as_segments(make_segment):

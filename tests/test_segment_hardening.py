@@ -19,7 +19,8 @@ from kvshm.shm import layout as L
 from kvshm.errors import (InsufficientSpaceError, InvalidArgumentError, KvshmError,
                           NotAKvshmSegmentError, SegmentNotFoundError)
 from kvshm.shm.layout import Layout
-from kvshm.shm.segment import Segment, shm_name
+from kvshm.shm.names import shm_name
+from kvshm.shm.segment import Segment
 
 from conftest import SMALL_GEOMETRY, TEST_LAYOUT
 
@@ -218,6 +219,43 @@ def test_a_group_member_opens_the_semaphores_of_a_0660_segment(make_segment):
     Doorbell(seg.buf[L.OFF_OWNER_BELL:L.OFF_OWNER_BELL + 8], sem, like_fd=seg.fd)
     with get_context("spawn").Pool(1) as pool:
         assert pool.apply(_child_ring_as_nobody, (seg.name, sem)) == "ok"
+
+
+def _child_opens_a_doorbell_after_the_removal(name: str, sem: str, conn) -> None:
+    os.setgid(65534)
+    os.setuid(65534)
+    from kvshm.shm.ring import Doorbell
+    with Segment.attach(name) as seg:
+        conn.send("attached")
+        conn.recv()  # the segment is removed now
+        try:
+            Doorbell(seg.buf[L.OFF_OWNER_BELL:L.OFF_OWNER_BELL + 8], sem, like_fd=seg.fd)
+        except Exception as e:  # noqa: BLE001 - the parent checks which
+            conn.send(type(e).__name__)
+        else:
+            conn.send("ok")
+
+
+def test_a_doorbell_of_a_removed_segment_made_by_another_user_fails_typed(make_segment):
+    # The remover is between removing the segment and its semaphores; a process of another
+    # user opens the root-made doorbell then: the sticky /dev/shm refuses it the removal,
+    # which is the remover's to do, and it hears that the segment is gone.
+    from multiprocessing import get_context
+    from kvshm.shm.ring import Doorbell
+    seg = make_segment(mode=0o666)
+    sem = seg.object_name("owner")
+    Doorbell(seg.buf[L.OFF_OWNER_BELL:L.OFF_OWNER_BELL + 8], sem, like_fd=seg.fd)
+    ctx = get_context("spawn")
+    parent, child = ctx.Pipe()
+    p = ctx.Process(target=_child_opens_a_doorbell_after_the_removal, args=(seg.name, sem, child))
+    p.start()
+    try:
+        assert parent.recv() == "attached"
+        posix_ipc.unlink_shared_memory(shm_name(seg.name))
+        parent.send("go")
+        assert parent.recv() == "SegmentNotFoundError"
+    finally:
+        p.join(DEADLINE_S)
 
 
 # --- a removed segment leaves nothing behind ------------------------------------------------

@@ -246,6 +246,21 @@ def test_a_want_ring_drops_what_its_producer_laps(make_segment):
         area.close()
 
 
+def test_the_tier_area_gets_its_segments_mode_whatever_the_umask(make_segment):
+    # Another user's engine that may open the segment must be able to open its area too.
+    import stat
+    seg = make_segment(mode=0o666)
+    old = os.umask(0o022)
+    try:
+        area = TierArea.create(seg)
+    finally:
+        os.umask(old)
+    try:
+        assert stat.S_IMODE(os.fstat(area.fd).st_mode) == 0o666
+    finally:
+        area.close()
+
+
 def _objects(name: str) -> list[str]:
     """The segment's other objects in /dev/shm (its tier area, its doorbells)."""
     return sorted(e for e in os.listdir("/dev/shm")

@@ -21,7 +21,8 @@ from kvshm.shm import locks
 from kvshm.shm import slots
 from kvshm.index.owner_link import OWNER_IDLE_EXIT_S
 from kvshm.errors import OwnerUnavailableError, SegmentNotFoundError, SegmentPermissionError
-from kvshm.shm.segment import PREFIX, SHM_DIR, Segment, list_segments, shm_name
+from kvshm.shm.names import PREFIX, SHM_DIR, list_segments, remove_objects, shm_name
+from kvshm.shm.segment import Segment
 from kvshm.inspect.schema import encode
 from kvshm.inspect.snapshot import block_rows, metric_samples, prometheus, snapshot, verify
 
@@ -291,9 +292,21 @@ def _wait_idle_owner(args: Args) -> tuple[list[dict[str, int]], bool]:
 
 
 def cmd_rm(args: Args) -> int:
-    clients, owner = _wait_idle_owner(args)
+    try:
+        clients, owner = _wait_idle_owner(args)
+    except SegmentNotFoundError:
+        # No segment, but perhaps what a process killed as it attached a removed one left.
+        left = remove_objects(args.name)
+        if not left:
+            raise
+        out = {"schema": "kvshm.rm/1", "name": args.name, "removed": False,
+               "forced": args.force, "owner_alive": False, "live_clients": [],
+               "leftovers": left}
+        _emit(args, out, lambda: f"no segment {args.name}; removed what a removed one left: "
+              f"{', '.join(left)}")
+        return 0
     out = {"schema": "kvshm.rm/1", "name": args.name, "removed": False, "forced": args.force,
-           "owner_alive": owner, "live_clients": clients}
+           "owner_alive": owner, "live_clients": clients, "leftovers": []}
     if (clients or owner) and not args.force:
         who = [f"slot {c['slot']} pid {c['pid']}" for c in clients] + ["the owner"] * owner
         print(f"{PROG}: refusing to remove {args.name!r}: in use by {', '.join(who)}; stop "
@@ -348,7 +361,9 @@ _COMMANDS: dict[str, tuple[Callable[[Args], int], str, str]] = {
            "to --wait seconds for it to go, with progress on stderr, then removes the\n"
            "segment or refuses. --force removes at once: processes that still map the\n"
            "segment keep it until they exit, and the owner notices and exits. Also removes\n"
-           "foreign or damaged kvshm-* objects.\n\nexample: kvshm-inspect rm llama8b --force"),
+           "foreign or damaged kvshm-* objects, and the doorbells or tier area that a\n"
+           "process killed as it attached a removed segment left behind.\n\n"
+           "example: kvshm-inspect rm llama8b --force"),
 }
 
 

@@ -260,6 +260,8 @@ class Rm(_Doc):
     forced: _d(bool, "`--force` was given")
     owner_alive: _d(bool, "whether an owner was alive")
     live_clients: _d(list[LiveClient], "live client slots")
+    leftovers: _d(list[str], "when no segment had the name: the objects a removed one left "
+                  "(a process killed as it attached it), removed now")
 
 
 DOCUMENTS: dict[str, type[_Doc]] = {  # command -> its --json document (watch: show's)

@@ -326,7 +326,10 @@ class Doorbell:
             # under the same name has names of its own), so it goes whoever made it.
             self._sem.close()
             self._flag.release()
-            Doorbell.unlink(sem_name)
+            # Another user's (the sticky /dev/shm refuses us): its maker removes it when it
+            # checks, or the remover's listing has it. This must stay a SegmentNotFoundError.
+            with contextlib.suppress(posix_ipc.ExistentialError, posix_ipc.PermissionsError):
+                posix_ipc.unlink_semaphore(sem_name)
             raise SegmentNotFoundError(
                 f"the shared memory object of semaphore {sem_name} was removed while this "
                 "process was attaching it; create it again, or connect to the one now under "
@@ -335,13 +338,6 @@ class Doorbell:
     @staticmethod
     def flag_size() -> int:
         return 8
-
-    @staticmethod
-    def unlink(sem_name: str) -> None:
-        try:
-            posix_ipc.unlink_semaphore(sem_name)
-        except posix_ipc.ExistentialError:
-            pass
 
     def ring(self) -> bool:
         """Producer, after publishing: wake the consumer if it sleeps. Returns whether it posted."""

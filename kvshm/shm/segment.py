@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
-import re
 import time
 from typing import TYPE_CHECKING, Iterator
 
@@ -25,42 +24,17 @@ from kvshm.errors import (CreationStalledError, InsufficientSpaceError, InvalidA
                           SegmentPermissionError)
 from kvshm.shm import header, words
 from kvshm.shm.layout import Geometry, Layout
+from kvshm.shm.names import SHM_DIR, object_name, remove_objects, shm_name
 
 if TYPE_CHECKING:
     import torch
 
     from kvshm.shm.pins import PinProgress
 
-SHM_DIR = "/dev/shm"
-PREFIX = "kvshm-"
-_NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,128}")  # fullmatch: "$" would admit a final newline
 # An attacher gives up on a creator that holds the creation lock but has not grown the
 # object for this long (fallocate keeps growing it; only a stopped or hung creator stalls).
 _STALL_S = 60.0
 _RETRIES = 100  # create/attach rounds lost to racing removals before giving up
-
-
-def shm_name(name: str) -> str:
-    """The POSIX name of segment ``name`` (``/kvshm-<name>``)."""
-    if not isinstance(name, str) or not _NAME_RE.fullmatch(name) or not name.strip("."):
-        raise InvalidArgumentError(
-            f"segment names are 1-128 characters of letters, digits, '_', '.', '-', not only "
-            f"dots; got {name!r}")
-    return "/" + PREFIX + name
-
-
-# Every other named object of a segment (its doorbell semaphores, the tier area) is named
-# for one incarnation of it: ``/kvshm-NAME@TAG-WHAT``, TAG being the segment file's inode
-# number in hex. A process still holding a removed segment then never opens, creates or
-# removes an object of a segment created since under the same name. '@' is no segment-name
-# character, so "NAME@" begins the objects of exactly one name. (tmpfs hands out inode
-# numbers from a counter: two live incarnations share a tag only after it wraps.)
-TAG_SEP = "@"
-
-
-def object_name(name: str, tag: str, what: str) -> str:
-    """POSIX name of object ``what`` of incarnation ``tag`` of segment ``name``."""
-    return f"{shm_name(name)}{TAG_SEP}{tag}-{what}"
 
 
 class _Gone(Exception):
@@ -339,34 +313,16 @@ class Segment:
         that opens an object of it after this sees it removed and removes that object again
         (``Doorbell``, ``TierArea``).
         """
-        existed = True
         try:
             posix_ipc.unlink_shared_memory(shm_name(name))
+            existed = True
         except posix_ipc.ExistentialError:
             existed = False
-        # The objects of every removed incarnation of the name go; those of a segment created
-        # under it since stay. Each pass lists before it looks the name up again: an object
-        # in the listing was made by a process that had its incarnation open, so an
-        # incarnation still linked then is the one the lookup finds (or a later one:
-        # removing the objects of one removed meanwhile is right too). Objects (the tier
-        # area) before semaphores: a semaphore checks the object it belongs to after it is
-        # open and removes itself if that is gone (``Doorbell``), else the second listing
-        # finds it. An object checks the segment, removed before both.
-        stem = PREFIX + name + TAG_SEP
-        for kind in (stem, "sem." + stem):
-            entries = [e for e in os.listdir(SHM_DIR) if e.startswith(kind)]
-            try:
-                live = format(os.stat(SHM_DIR + shm_name(name)).st_ino, "x")
-            except FileNotFoundError:
-                live = None
-            for entry in entries:
-                if entry[len(kind):].partition("-")[0] == live:
-                    continue
-                with contextlib.suppress(posix_ipc.ExistentialError):
-                    if kind == stem:
-                        posix_ipc.unlink_shared_memory("/" + entry)
-                    else:
-                        posix_ipc.unlink_semaphore("/" + entry[4:])
+        except posix_ipc.PermissionsError as e:
+            raise SegmentPermissionError(
+                f"permission denied removing segment {name!r} ({e}); run as its owner or "
+                "as root") from None
+        remove_objects(name)
         return existed
 
     def object_name(self, what: str) -> str:
@@ -459,12 +415,3 @@ class Segment:
         from kvshm.shm.pins import PinProgress
         return PinProgress(self)
 
-
-def list_segments() -> list[str]:
-    """Names of every kvshm segment on this host."""
-    try:
-        entries = os.listdir(SHM_DIR)
-    except FileNotFoundError:
-        return []
-    return sorted(e[len(PREFIX):] for e in entries
-                  if e.startswith(PREFIX) and TAG_SEP not in e)  # not a segment's object

@@ -119,10 +119,15 @@ class TierArea:
         except counters, and those only when the geometry matches. Raises
         ``SegmentNotFoundError`` when ``seg`` was removed (it needs no area any more)."""
         posix, n = seg.object_name("tier"), seg.geometry.max_clients
-        mode = stat.S_IMODE(os.fstat(seg.fd).st_mode)
+        st = os.fstat(seg.fd)
+        mode = stat.S_IMODE(st.st_mode)
         while True:
             try:
                 shm = posix_ipc.SharedMemory(posix, posix_ipc.O_CREX, mode=mode)
+                with contextlib.suppress(OSError):  # shm_open applied the umask: whoever may
+                    os.fchmod(shm.fd, mode)         # open the segment may open its area
+                    if os.fstat(shm.fd).st_gid != st.st_gid:
+                        os.fchown(shm.fd, -1, st.st_gid)
                 break
             except posix_ipc.ExistentialError:
                 pass  # it exists: open it (unless it was removed in between: create it)
@@ -136,8 +141,8 @@ class TierArea:
             # The name is this removed incarnation's alone (a segment created since under
             # the same name has an area of its own), so it goes whoever made it.
             os.close(fd)
-            with contextlib.suppress(posix_ipc.ExistentialError):
-                posix_ipc.unlink_shared_memory(posix)
+            with contextlib.suppress(posix_ipc.ExistentialError, posix_ipc.PermissionsError):
+                posix_ipc.unlink_shared_memory(posix)  # (another user's: as in ``Doorbell``)
             raise SegmentNotFoundError(f"segment {seg.name!r} was removed: it needs no tier "
                                        "area")
         size = area_bytes(n)
