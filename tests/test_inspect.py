@@ -604,6 +604,36 @@ def test_no_permission(name):
     assert p.returncode == 0 and "permission denied" in row["error"]
 
 
+def _rm_as_nobody(name: str) -> tuple[int, str, str]:
+    import contextlib
+    import io
+    os.setgid(65534)
+    os.setuid(65534)
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main(["rm", name, "--json"])
+    return rc, out.getvalue(), err.getvalue()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run rm as another user")
+def test_rm_names_the_objects_of_another_user_it_may_not_remove(name):
+    # The segment is nobody's, one of its doorbells root's, and the sticky /dev/shm lets
+    # only root remove that one: rm run by nobody removes the segment, says what stays and
+    # whose, and exits 1.
+    from multiprocessing import get_context
+    seg = create(name)
+    posix_ipc.Semaphore(seg.object_name("owner"), posix_ipc.O_CREX).close()
+    bell = f"sem.kvshm-{name}@{seg.tag}-owner"
+    seg.close()
+    os.chown(f"/dev/shm/kvshm-{name}", 65534, 65534)
+    with get_context("spawn").Pool(1) as pool:
+        rc, out, err = pool.apply(_rm_as_nobody, (name,))
+    d = json.loads(out)
+    assert rc == 1 and d["removed"] and d["refused"] == [bell], err
+    assert f"{bell} (uid 0)" in err and "as that user or as root" in err
+    assert not os.path.exists(f"/dev/shm/kvshm-{name}") and os.path.exists(f"/dev/shm/{bell}")
+
+
 def test_usage_errors_and_help(capsys):
     assert run(capsys, "frobnicate")[0] == 2
     assert run(capsys)[0] == 2

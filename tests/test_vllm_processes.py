@@ -12,6 +12,7 @@ The end-to-end tests use the vLLM venv (see ``test_vllm``) and skip without it.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -224,6 +225,7 @@ def test_tp2_engine_core_sigkilled_while_both_workers_copy(tiny_model):
     blocks are freed, and nothing of the dead engine was published."""
     from kvshm.shm.table import BlockTable
     name = unique_name()
+    before = set(os.listdir("/dev/shm"))
     steps = [{"op": "generate", "tag": "A", "prompts": [E.random_prompt(1)]}]
     proc = tp2_engine(tiny_model, name, steps, env={
         "KVSHM_CRASH_AT": "worker.store.mid_copy", "KVSHM_CRASH_SIGNAL": "STOP"})
@@ -265,3 +267,8 @@ def test_tp2_engine_core_sigkilled_while_both_workers_copy(tiny_model):
             if procs._proc_state(r["pid"]):  # not gone
                 os.kill(r["pid"], signal.SIGKILL)
         remove_segment(name)
+        # vLLM's own TP shared memory, which its killed workers could not remove
+        for entry in set(os.listdir("/dev/shm")) - before:
+            if entry.startswith("vllm_dist_"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join("/dev/shm", entry))

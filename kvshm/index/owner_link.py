@@ -152,8 +152,12 @@ class OwnerLink:
         self._backlog: list[bytes] = []  # posted frames that did not fit the ring yet
         self.reply_bell = Doorbell(slots.bell_view(segment, slot, "reply"),
                                    segment.object_name(f"c{slot}-reply"), like_fd=segment.fd)
-        self.owner_bell = Doorbell(segment.buf[L.OFF_OWNER_BELL:L.OFF_OWNER_BELL + 8],
-                                   segment.object_name("owner"), like_fd=segment.fd)
+        try:
+            self.owner_bell = Doorbell(segment.buf[L.OFF_OWNER_BELL:L.OFF_OWNER_BELL + 8],
+                                       segment.object_name("owner"), like_fd=segment.fd)
+        except BaseException:
+            self.reply_bell.close()
+            raise
         self.requests = Ring(slots.ring_view(segment, slot, "request"))
         self.replies = Ring(slots.ring_view(segment, slot, "reply"))
         self._served = memoryview(slots.served(segment, slot))

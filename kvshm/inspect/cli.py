@@ -10,6 +10,7 @@ Exit status: 0 ok, 1 ``verify`` found violations or ``rm`` refused, 2 error.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
@@ -292,21 +293,17 @@ def _wait_idle_owner(args: Args) -> tuple[list[dict[str, int]], bool]:
 
 
 def cmd_rm(args: Args) -> int:
+    out = {"schema": "kvshm.rm/1", "name": args.name, "removed": False, "forced": args.force,
+           "owner_alive": False, "live_clients": [], "leftovers": [], "refused": []}
     try:
         clients, owner = _wait_idle_owner(args)
     except SegmentNotFoundError:
         # No segment, but perhaps what a process killed as it attached a removed one left.
-        left = remove_objects(args.name)
-        if not left:
+        out["leftovers"], out["refused"] = remove_objects(args.name)
+        if not out["leftovers"] and not out["refused"]:
             raise
-        out = {"schema": "kvshm.rm/1", "name": args.name, "removed": False,
-               "forced": args.force, "owner_alive": False, "live_clients": [],
-               "leftovers": left}
-        _emit(args, out, lambda: f"no segment {args.name}; removed what a removed one left: "
-              f"{', '.join(left)}")
-        return 0
-    out = {"schema": "kvshm.rm/1", "name": args.name, "removed": False, "forced": args.force,
-           "owner_alive": owner, "live_clients": clients, "leftovers": []}
+        return _removed(args, out)
+    out.update(owner_alive=owner, live_clients=clients)
     if (clients or owner) and not args.force:
         who = [f"slot {c['slot']} pid {c['pid']}" for c in clients] + ["the owner"] * owner
         print(f"{PROG}: refusing to remove {args.name!r}: in use by {', '.join(who)}; stop "
@@ -317,9 +314,22 @@ def cmd_rm(args: Args) -> int:
             print(encode(out))
         return 1
     out["removed"] = Segment.unlink(args.name)
-    _emit(args, out, lambda: f"removed {args.name}" if out["removed"] else
-          f"{args.name} was already gone")
-    return 0
+    out["refused"] = remove_objects(args.name)[1]  # what it may not remove: say so
+    return _removed(args, out)
+
+
+def _removed(args: Args, out: dict[str, Any]) -> int:
+    """Report an rm that ran; exit 1 if another user's objects stay."""
+    name, left = args.name, out["leftovers"]
+    _emit(args, out, lambda: f"removed {name}" if out["removed"] else
+          f"no segment {name}; removed what a removed one left: {', '.join(left)}" if left else
+          f"{name} was already gone")
+    for entry in out["refused"]:
+        with contextlib.suppress(OSError):
+            entry += f" (uid {os.stat(os.path.join(SHM_DIR, entry)).st_uid})"
+        print(f"{PROG}: could not remove {entry} in {SHM_DIR}: another user's; run "
+              f"'{PROG} rm {name}' as that user or as root", file=sys.stderr)
+    return 1 if out["refused"] else 0
 
 
 _COMMANDS: dict[str, tuple[Callable[[Args], int], str, str]] = {
@@ -362,7 +372,8 @@ _COMMANDS: dict[str, tuple[Callable[[Args], int], str, str]] = {
            "segment or refuses. --force removes at once: processes that still map the\n"
            "segment keep it until they exit, and the owner notices and exits. Also removes\n"
            "foreign or damaged kvshm-* objects, and the doorbells or tier area that a\n"
-           "process killed as it attached a removed segment left behind.\n\n"
+           "process killed as it attached a removed segment left behind. Exit 1 also\n"
+           "when objects of another user stay (run rm as that user or as root).\n\n"
            "example: kvshm-inspect rm llama8b --force"),
 }
 

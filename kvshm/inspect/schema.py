@@ -262,6 +262,8 @@ class Rm(_Doc):
     live_clients: _d(list[LiveClient], "live client slots")
     leftovers: _d(list[str], "when no segment had the name: the objects a removed one left "
                   "(a process killed as it attached it), removed now")
+    refused: _d(list[str], "objects of another user it may not remove (the sticky /dev/shm): "
+                "run rm as that user or root; the exit status is then 1")
 
 
 DOCUMENTS: dict[str, type[_Doc]] = {  # command -> its --json document (watch: show's)

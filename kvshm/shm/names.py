@@ -15,7 +15,7 @@ import re
 
 import posix_ipc
 
-from kvshm.errors import InvalidArgumentError, SegmentPermissionError
+from kvshm.errors import InvalidArgumentError
 
 SHM_DIR = "/dev/shm"
 PREFIX = "kvshm-"
@@ -56,10 +56,10 @@ def _legacy(name: str) -> tuple[re.Pattern[str], re.Pattern[str]]:
                        rf"|kvshmtier-{n}-bell)"))
 
 
-def remove_objects(name: str) -> list[str]:
+def remove_objects(name: str) -> tuple[list[str], list[str]]:
     """Remove the objects of every removed incarnation of segment ``name`` (those of a
-    segment now under the name stay); returns the ``/dev/shm`` entries removed. Raises
-    ``SegmentPermissionError`` (after removing what it may) for objects of another user.
+    segment now under the name stay). Returns the ``/dev/shm`` entries removed and those
+    refused: another user's, which the sticky ``/dev/shm`` lets only that user or root remove.
 
     Each pass lists before it looks the name up: an object in the listing was made by a
     process that had its incarnation open, so an incarnation still linked then is the one the
@@ -89,8 +89,4 @@ def remove_objects(name: str) -> list[str]:
                 pass  # removed by somebody else meanwhile
             except posix_ipc.PermissionsError:
                 denied.append(entry)
-    if denied:
-        raise SegmentPermissionError(
-            f"permission denied removing {', '.join(denied)} in {SHM_DIR}: they belong to "
-            "another user; run 'kvshm-inspect rm' as that user or as root")
-    return removed
+    return removed, denied

@@ -307,7 +307,8 @@ class Segment:
     @staticmethod
     def unlink(name: str) -> bool:
         """Remove segment ``name`` and its objects (doorbells, tier area). True if the
-        segment existed.
+        segment existed. Objects of another user that this process may not remove stay:
+        ``kvshm-inspect rm NAME`` run as that user or root removes them (and says so).
 
         Processes that still map it keep their mapping; the memory goes when they exit. One
         that opens an object of it after this sees it removed and removes that object again

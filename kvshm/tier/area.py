@@ -42,7 +42,7 @@ import time
 import posix_ipc
 
 from kvshm.crashpoints import crash_point
-from kvshm.errors import InvalidArgumentError, SegmentNotFoundError
+from kvshm.errors import InvalidArgumentError, SegmentNotFoundError, SegmentPermissionError
 from kvshm.shm import locks
 from kvshm.shm.fence import full_fence
 from kvshm.shm.layout import MAX_KEY_BYTES
@@ -131,9 +131,16 @@ class TierArea:
                 break
             except posix_ipc.ExistentialError:
                 pass  # it exists: open it (unless it was removed in between: create it)
-            with contextlib.suppress(posix_ipc.ExistentialError):
+            try:
                 shm = posix_ipc.SharedMemory(posix)
                 break
+            except posix_ipc.ExistentialError:
+                continue
+            except posix_ipc.PermissionsError as e:  # (another user's mover is creating it)
+                raise SegmentPermissionError(
+                    f"permission denied opening the tier area of segment {seg.name!r} ({e}); "
+                    "run the mover as the user who runs the segment's other mover, or give "
+                    "the segment a group mode such as 0o660") from None
         fd = shm.fd
         crash_point("mover.area.after_open")
         if seg.removed():
