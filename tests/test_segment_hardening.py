@@ -210,6 +210,7 @@ def _child_ring_as_nobody(name: str, sem: str) -> str:
     return "ok"
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a process as another user")
 def test_a_group_member_opens_the_semaphores_of_a_0660_segment(make_segment):
     from multiprocessing import get_context
     from kvshm.shm.ring import Doorbell
@@ -236,6 +237,7 @@ def _child_opens_a_doorbell_after_the_removal(name: str, sem: str, conn) -> None
             conn.send("ok")
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a process as another user")
 def test_a_doorbell_of_a_removed_segment_made_by_another_user_fails_typed(make_segment):
     # The remover is between removing the segment and its semaphores; a process of another
     # user opens the root-made doorbell then: the sticky /dev/shm refuses it the removal,
