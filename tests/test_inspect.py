@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import signal
+import stat
 import struct
 import subprocess
 import sys
@@ -615,7 +616,8 @@ def _rm_as_nobody(name: str) -> tuple[int, str, str]:
     return rc, out.getvalue(), err.getvalue()
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run rm as another user")
+@pytest.mark.skipif(os.geteuid() != 0 or not os.stat("/dev/shm").st_mode & stat.S_ISVTX,
+                    reason="needs root to run rm as another user, and a sticky /dev/shm")
 def test_rm_names_the_objects_of_another_user_it_may_not_remove(name):
     # The segment is nobody's, one of its doorbells root's, and the sticky /dev/shm lets
     # only root remove that one: rm run by nobody removes the segment, says what stays and

@@ -198,10 +198,15 @@ def test_semaphores_get_the_segments_group_mode(seg_name):
         stop_owner(pid)
 
 
-def _child_ring_as_nobody(name: str, sem: str) -> str:
+def _as_nobody() -> None:
+    """Become uid/gid 65534 (import what is needed first: the tree may be root's alone)."""
     os.setgid(65534)
     os.setuid(65534)
+
+
+def _child_ring_as_nobody(name: str, sem: str) -> str:
     from kvshm.shm.ring import Doorbell
+    _as_nobody()
     try:
         with Segment.attach(name) as seg:
             Doorbell(seg.buf[L.OFF_OWNER_BELL:L.OFF_OWNER_BELL + 8], sem, like_fd=seg.fd)
@@ -223,9 +228,8 @@ def test_a_group_member_opens_the_semaphores_of_a_0660_segment(make_segment):
 
 
 def _child_opens_a_doorbell_after_the_removal(name: str, sem: str, conn) -> None:
-    os.setgid(65534)
-    os.setuid(65534)
     from kvshm.shm.ring import Doorbell
+    _as_nobody()
     with Segment.attach(name) as seg:
         conn.send("attached")
         conn.recv()  # the segment is removed now
@@ -251,12 +255,14 @@ def test_a_doorbell_of_a_removed_segment_made_by_another_user_fails_typed(make_s
     parent, child = ctx.Pipe()
     p = ctx.Process(target=_child_opens_a_doorbell_after_the_removal, args=(seg.name, sem, child))
     p.start()
+    child.close()  # a child that dies early ends our reads (EOFError), never hangs them
     try:
-        assert parent.recv() == "attached"
+        assert parent.poll(DEADLINE_S) and parent.recv() == "attached"
         posix_ipc.unlink_shared_memory(shm_name(seg.name))
         parent.send("go")
-        assert parent.recv() == "SegmentNotFoundError"
+        assert parent.poll(DEADLINE_S) and parent.recv() == "SegmentNotFoundError"
     finally:
+        p.kill()
         p.join(DEADLINE_S)
 
 

@@ -47,6 +47,7 @@ from kvshm.shm import locks
 from kvshm.shm.fence import full_fence
 from kvshm.shm.layout import MAX_KEY_BYTES
 from kvshm.shm.ring import Doorbell
+from kvshm.shm.names import SHM_DIR
 from kvshm.shm.segment import Segment
 
 MAGIC = int.from_bytes(b"KVTIER01", "little")
@@ -121,6 +122,7 @@ class TierArea:
         posix, n = seg.object_name("tier"), seg.geometry.max_clients
         st = os.fstat(seg.fd)
         mode = stat.S_IMODE(st.st_mode)
+        deadline = time.monotonic() + 5.0
         while True:
             try:
                 shm = posix_ipc.SharedMemory(posix, posix_ipc.O_CREX, mode=mode)
@@ -136,7 +138,12 @@ class TierArea:
                 break
             except posix_ipc.ExistentialError:
                 continue
-            except posix_ipc.PermissionsError as e:  # (another user's mover is creating it)
+            except posix_ipc.PermissionsError as e:
+                with contextlib.suppress(OSError):  # its creator has yet to chmod it: wait
+                    if stat.S_IMODE(os.stat(SHM_DIR + posix).st_mode) != mode and \
+                            time.monotonic() < deadline:
+                        time.sleep(0.001)
+                        continue
                 raise SegmentPermissionError(
                     f"permission denied opening the tier area of segment {seg.name!r} ({e}); "
                     "run the mover as the user who runs the segment's other mover, or give "
