@@ -52,6 +52,8 @@ POINTS = (
     "bell.before_open",  # a doorbell's semaphore about to be opened (created if absent)
     "bell.after_open",  # a doorbell's semaphore open (perhaps created), its object not yet
     #                     checked for removal
+    "object.before_link",  # a doorbell or tier area made under a name of its own, its mode
+    #                        set, not yet linked under its name
     # segment creation
     "segment.create.after_open",  # object exists (exclusive open), creation lock not taken
     "segment.create.after_lock",  # creation lock held, nothing reserved

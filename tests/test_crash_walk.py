@@ -52,7 +52,7 @@ CLIENT_POINTS = {
 # Walked by the tests of their own module (copy workers, batch table writes, segment
 # creation, doorbells, the mover).
 WALKED_ELSEWHERE = {"worker.store.mid_copy", "bell.before_open", "bell.after_open",
-                    "mover.area.after_open", "segment.create.after_open",
+                    "object.before_link", "mover.area.after_open", "segment.create.after_open",
                     "segment.create.after_lock", "segment.create.after_reserve",
                     "mover.fill.after_prepare", "mover.fill.after_get",
                     "mover.spill.after_pin"}

@@ -227,6 +227,28 @@ def test_a_group_member_opens_the_semaphores_of_a_0660_segment(make_segment):
         assert pool.apply(_child_ring_as_nobody, (seg.name, sem)) == "ok"
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a process as another user")
+def test_a_creator_killed_while_making_a_doorbell_blocks_no_other_user(make_segment):
+    # Its umask would have left the semaphore readable by its own user alone until it set
+    # the segment's mode: killed in between, another user must still get the doorbell.
+    seg = make_segment(mode=0o666)
+    code = ("import os, sys; os.umask(0o077)\n"
+            "from kvshm.shm import layout as L\nfrom kvshm.shm.ring import Doorbell\n"
+            "seg = Segment.attach(sys.argv[1])\n"
+            "Doorbell(seg.buf[L.OFF_OWNER_BELL:L.OFF_OWNER_BELL + 8], seg.object_name('owner'),"
+            " like_fd=seg.fd)\n")
+    creator = _armed("from kvshm.shm.segment import Segment\n" + code, seg.name,
+                     at="object.before_link")
+    try:
+        poll(lambda: stopped(creator), "the creator to stop with its doorbell half made")
+    finally:
+        creator.kill()
+        creator.wait(timeout=DEADLINE_S)
+    from multiprocessing import get_context
+    with get_context("spawn").Pool(1) as pool:
+        assert pool.apply(_child_ring_as_nobody, (seg.name, seg.object_name("owner"))) == "ok"
+
+
 def _child_opens_a_doorbell_after_the_removal(name: str, sem: str, conn) -> None:
     from kvshm.shm.ring import Doorbell
     _as_nobody()

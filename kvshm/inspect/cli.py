@@ -22,7 +22,7 @@ from kvshm.shm import locks
 from kvshm.shm import slots
 from kvshm.index.owner_link import OWNER_IDLE_EXIT_S
 from kvshm.errors import OwnerUnavailableError, SegmentNotFoundError, SegmentPermissionError
-from kvshm.shm.names import PREFIX, SHM_DIR, list_segments, remove_objects, shm_name
+from kvshm.shm.names import PREFIX, SHM_DIR, list_segments, remove, remove_objects, shm_name
 from kvshm.shm.segment import Segment
 from kvshm.inspect.schema import encode
 from kvshm.inspect.snapshot import block_rows, metric_samples, prometheus, snapshot, verify
@@ -313,8 +313,7 @@ def cmd_rm(args: Args) -> int:
         if args.json:
             print(encode(out))
         return 1
-    out["removed"] = Segment.unlink(args.name)
-    out["refused"] = remove_objects(args.name)[1]  # what it may not remove: say so
+    out["removed"], out["refused"] = remove(args.name)
     return _removed(args, out)
 
 

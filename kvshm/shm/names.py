@@ -15,7 +15,7 @@ import re
 
 import posix_ipc
 
-from kvshm.errors import InvalidArgumentError
+from kvshm.errors import InvalidArgumentError, SegmentPermissionError
 
 SHM_DIR = "/dev/shm"
 PREFIX = "kvshm-"
@@ -90,3 +90,19 @@ def remove_objects(name: str) -> tuple[list[str], list[str]]:
             except posix_ipc.PermissionsError:
                 denied.append(entry)
     return removed, denied
+
+
+def remove(name: str) -> tuple[bool, list[str]]:
+    """Remove segment ``name`` and then the objects of its removed incarnations (``remove_objects``,
+    which finds them only once the file is gone). Returns whether the segment existed and
+    the objects refused."""
+    try:
+        posix_ipc.unlink_shared_memory(shm_name(name))
+        existed = True
+    except posix_ipc.ExistentialError:
+        existed = False
+    except posix_ipc.PermissionsError as e:
+        raise SegmentPermissionError(
+            f"permission denied removing segment {name!r} ({e}); run as its owner or "
+            "as root") from None
+    return existed, remove_objects(name)[1]

@@ -35,10 +35,8 @@ it always fences.
 """
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import os
-import stat
 import time
 from typing import Callable
 
@@ -47,8 +45,8 @@ import posix_ipc
 from kvshm.crashpoints import crash_point
 from kvshm.shm.fence import WEAK_ORDER as _WEAK_ORDER  # module-level: tests patch it
 from kvshm.shm.fence import full_fence
-from kvshm.errors import (FrameTooLargeError, InvalidArgumentError, ProtocolError,
-                          RingFullError, SegmentNotFoundError, SegmentPermissionError)
+from kvshm.errors import FrameTooLargeError, InvalidArgumentError, ProtocolError, RingFullError
+from kvshm.shm.objects import open_object
 
 __all__ = ["Ring", "Doorbell", "memory_fence"]
 
@@ -251,55 +249,6 @@ class Ring:
             view.release()
 
 
-def _open_semaphore(name: str, like_fd: int | None) -> posix_ipc.Semaphore:
-    """Open (creating if needed) semaphore ``name`` with the access of file ``like_fd``.
-
-    sem_open applies the umask, so the creator chmods the file right after creating it. A
-    process that opens it in between may be refused: while the file's mode is not yet the
-    wanted one that is that window, polled for a short while; after it, a refusal is real
-    and becomes ``SegmentPermissionError``.
-    """
-    mode, gid = 0o600, -1
-    if like_fd is not None:
-        st = os.fstat(like_fd)
-        mode, gid = stat.S_IMODE(st.st_mode), st.st_gid
-    path = "/dev/shm/sem." + name.lstrip("/")
-    deadline = time.monotonic() + 5.0
-    while True:
-        try:
-            sem = posix_ipc.Semaphore(name, posix_ipc.O_CREX, mode=mode, initial_value=0)
-        except posix_ipc.ExistentialError:
-            pass  # somebody else created it: open theirs below
-        except posix_ipc.PermissionsError as e:
-            raise _sem_denied(name, e) from None
-        else:
-            with contextlib.suppress(OSError):  # mode/group are best effort for the creator
-                os.chmod(path, mode)
-                if gid >= 0 and os.stat(path).st_gid != gid:
-                    os.chown(path, -1, gid)
-            return sem
-        try:
-            return posix_ipc.Semaphore(name)
-        except posix_ipc.ExistentialError:
-            continue  # removed between our two opens: create it
-        except posix_ipc.PermissionsError as e:
-            try:
-                pending = stat.S_IMODE(os.stat(path).st_mode) != mode
-            except OSError:
-                pending = True
-            if not pending or time.monotonic() > deadline:
-                raise _sem_denied(name, e) from None
-            time.sleep(0.001)  # polling for the creator's chmod
-
-
-def _sem_denied(name: str, e: Exception) -> SegmentPermissionError:
-    return SegmentPermissionError(
-        f"permission denied opening semaphore {name} ({e}); every process sharing a segment "
-        "must be able to open its semaphores: create the segment with a group mode such as "
-        "mode=0o660 and run the processes in that group, or remove stale semaphores with "
-        "'kvshm-inspect rm NAME'")
-
-
 class Doorbell:
     """Wakes one consumer (that may serve many rings) from producers in other processes.
 
@@ -316,24 +265,12 @@ class Doorbell:
         open (a removal after it removes the semaphore too)."""
         self._flag = _view(flag_buf, 8, "Doorbell").cast("Q")
         crash_point("bell.before_open")
-        self._sem = _open_semaphore(sem_name, like_fd)
-        self.name = sem_name
-        crash_point("bell.after_open")
-        if like_fd is not None and os.fstat(like_fd).st_nlink == 0:
-            # The object was removed, and whoever removed it removed the semaphores it found;
-            # one made after that would stay forever. Checked after the open: a removal that
-            # comes later finds ours. The name is this removed object's alone (a new object
-            # under the same name has names of its own), so it goes whoever made it.
-            self._sem.close()
+        try:
+            self._sem = open_object(sem_name, like_fd, semaphore=True, point="bell.after_open")
+        except BaseException:
             self._flag.release()
-            # Another user's (the sticky /dev/shm refuses us): its maker removes it when it
-            # checks, or the remover's listing has it. This must stay a SegmentNotFoundError.
-            with contextlib.suppress(posix_ipc.ExistentialError, posix_ipc.PermissionsError):
-                posix_ipc.unlink_semaphore(sem_name)
-            raise SegmentNotFoundError(
-                f"the shared memory object of semaphore {sem_name} was removed while this "
-                "process was attaching it; create it again, or connect to the one now under "
-                "its name")
+            raise
+        self.name = sem_name
 
     @staticmethod
     def flag_size() -> int:

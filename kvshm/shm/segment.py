@@ -24,7 +24,7 @@ from kvshm.errors import (CreationStalledError, InsufficientSpaceError, InvalidA
                           SegmentPermissionError)
 from kvshm.shm import header, words
 from kvshm.shm.layout import Geometry, Layout
-from kvshm.shm.names import SHM_DIR, object_name, remove_objects, shm_name
+from kvshm.shm.names import SHM_DIR, object_name, remove, shm_name
 
 if TYPE_CHECKING:
     import torch
@@ -314,17 +314,7 @@ class Segment:
         that opens an object of it after this sees it removed and removes that object again
         (``Doorbell``, ``TierArea``).
         """
-        try:
-            posix_ipc.unlink_shared_memory(shm_name(name))
-            existed = True
-        except posix_ipc.ExistentialError:
-            existed = False
-        except posix_ipc.PermissionsError as e:
-            raise SegmentPermissionError(
-                f"permission denied removing segment {name!r} ({e}); run as its owner or "
-                "as root") from None
-        remove_objects(name)
-        return existed
+        return remove(name)[0]
 
     def object_name(self, what: str) -> str:
         """POSIX name of this incarnation's object ``what`` (see ``object_name``)."""

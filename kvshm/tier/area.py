@@ -37,17 +37,15 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
-import stat
 import time
 import posix_ipc
 
-from kvshm.crashpoints import crash_point
-from kvshm.errors import InvalidArgumentError, SegmentNotFoundError, SegmentPermissionError
+from kvshm.errors import InvalidArgumentError, SegmentNotFoundError
 from kvshm.shm import locks
 from kvshm.shm.fence import full_fence
 from kvshm.shm.layout import MAX_KEY_BYTES
 from kvshm.shm.ring import Doorbell
-from kvshm.shm.names import SHM_DIR
+from kvshm.shm.objects import open_object
 from kvshm.shm.segment import Segment
 
 MAGIC = int.from_bytes(b"KVTIER01", "little")
@@ -120,45 +118,8 @@ class TierArea:
         except counters, and those only when the geometry matches. Raises
         ``SegmentNotFoundError`` when ``seg`` was removed (it needs no area any more)."""
         posix, n = seg.object_name("tier"), seg.geometry.max_clients
-        st = os.fstat(seg.fd)
-        mode = stat.S_IMODE(st.st_mode)
-        deadline = time.monotonic() + 5.0
-        while True:
-            try:
-                shm = posix_ipc.SharedMemory(posix, posix_ipc.O_CREX, mode=mode)
-                with contextlib.suppress(OSError):  # shm_open applied the umask: whoever may
-                    os.fchmod(shm.fd, mode)         # open the segment may open its area
-                    if os.fstat(shm.fd).st_gid != st.st_gid:
-                        os.fchown(shm.fd, -1, st.st_gid)
-                break
-            except posix_ipc.ExistentialError:
-                pass  # it exists: open it (unless it was removed in between: create it)
-            try:
-                shm = posix_ipc.SharedMemory(posix)
-                break
-            except posix_ipc.ExistentialError:
-                continue
-            except posix_ipc.PermissionsError as e:
-                with contextlib.suppress(OSError):  # its creator has yet to chmod it: wait
-                    if stat.S_IMODE(os.stat(SHM_DIR + posix).st_mode) != mode and \
-                            time.monotonic() < deadline:
-                        time.sleep(0.001)
-                        continue
-                raise SegmentPermissionError(
-                    f"permission denied opening the tier area of segment {seg.name!r} ({e}); "
-                    "run the mover as the user who runs the segment's other mover, or give "
-                    "the segment a group mode such as 0o660") from None
+        shm = open_object(posix, seg.fd, semaphore=False, point="mover.area.after_open")
         fd = shm.fd
-        crash_point("mover.area.after_open")
-        if seg.removed():
-            # Its remover removed the objects it found; an area made now would stay forever.
-            # The name is this removed incarnation's alone (a segment created since under
-            # the same name has an area of its own), so it goes whoever made it.
-            os.close(fd)
-            with contextlib.suppress(posix_ipc.ExistentialError, posix_ipc.PermissionsError):
-                posix_ipc.unlink_shared_memory(posix)  # (another user's: as in ``Doorbell``)
-            raise SegmentNotFoundError(f"segment {seg.name!r} was removed: it needs no tier "
-                                       "area")
         size = area_bytes(n)
         if os.fstat(fd).st_size != size:
             os.ftruncate(fd, size)
