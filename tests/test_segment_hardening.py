@@ -249,6 +249,45 @@ def test_a_creator_killed_while_making_a_doorbell_blocks_no_other_user(make_segm
         assert pool.apply(_child_ring_as_nobody, (seg.name, seg.object_name("owner"))) == "ok"
 
 
+def _owner_as_nobody(name: str, conn) -> None:
+    from kvshm.index.owner import Owner
+    _as_nobody()
+    owner = Owner(name)
+    conn.send("serving")
+    owner.run()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a process as another user")
+def test_a_client_whose_doorbell_the_owner_may_not_open_is_quarantined_not_fatal(make_segment):
+    # A bad client made its reply doorbell readable by itself alone; the owner (another
+    # user) cannot open it: that client gets no service, and everyone else still does.
+    from multiprocessing import get_context
+    from kvshm.errors import KvshmError
+    from kvshm.index.client import connect
+    seg = make_segment(mode=0o666)
+    posix_ipc.Semaphore(seg.object_name("c0-reply"), posix_ipc.O_CREX, mode=0o600).close()
+    ctx = get_context("spawn")
+    parent, child = ctx.Pipe()
+    owner = ctx.Process(target=_owner_as_nobody, args=(seg.name, child), daemon=True)
+    owner.start()
+    child.close()
+    try:
+        assert parent.poll(DEADLINE_S) and parent.recv() == "serving"
+        with pytest.raises(KvshmError):
+            connect(seg.name, timeout=DEADLINE_S)  # slot 0: quarantined
+        good = connect(seg.name, timeout=DEADLINE_S)
+        try:
+            assert good.slot != 0
+            out = good.prepare_store([b"k" * 36])
+            good.complete_store(out.keys_to_store)
+            assert good.lookup([b"k" * 36]) == 1 and owner.is_alive()
+        finally:
+            good.shutdown()
+    finally:
+        owner.kill()
+        owner.join(DEADLINE_S)
+
+
 def _child_opens_a_doorbell_after_the_removal(name: str, sem: str, conn) -> None:
     from kvshm.shm.ring import Doorbell
     _as_nobody()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 
 from kvshm.crashpoints import crash_point
-from kvshm.errors import KvshmError, ProtocolError
+from kvshm.errors import KvshmError, ProtocolError, SegmentPermissionError
 from kvshm.index import protocol as P
 from kvshm.index.manager import LocalManager
 from kvshm.shm import keys as K
@@ -37,8 +37,12 @@ class _Client:
             self.replies = Ring(slots.ring_view(seg, slot, "reply"))
         except KvshmError as e:  # no service; its holds still count while it lives
             self.quarantined, self.why = True, f"unusable rings ({e})"
-        self.bell = Doorbell(slots.bell_view(seg, slot, "reply"),
-                             seg.object_name(f"c{slot}-reply"), like_fd=seg.fd)
+        self.bell: Doorbell | None = None
+        try:
+            self.bell = Doorbell(slots.bell_view(seg, slot, "reply"),
+                                 seg.object_name(f"c{slot}-reply"), like_fd=seg.fd)
+        except SegmentPermissionError as e:  # it made its doorbell ours to not open
+            self.quarantined, self.why = True, f"unusable reply doorbell ({e})"
         self.served = slots.served(seg, slot)  # layout.SERVED_FIELDS
         self.grant_words, self.grant_ids = slots.grants(seg, slot)
         self.stores = False  # it stores: keep its grant ring stocked
@@ -93,7 +97,8 @@ class _Client:
         return keys, positions
 
     def close(self) -> None:
-        self.bell.close()
+        if self.bell is not None:
+            self.bell.close()
         for r in (self.requests, self.replies):
             if r is not None:
                 r.close()
