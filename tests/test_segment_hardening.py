@@ -393,6 +393,26 @@ def test_an_owner_of_a_removed_segment_leaves_the_semaphores_of_its_successor_al
         owner.wait(timeout=DEADLINE_S)
 
 
+def test_a_client_of_a_removed_segment_starts_no_owner_for_its_successor(seg_name):
+    # Its owner stopped serving the removed segment; a call must fail as owner-unavailable,
+    # not start an owner by name, which would attach the segment now under that name.
+    from test_exactly_once import owner_proc
+    from kvshm.errors import OwnerUnavailableError
+    from kvshm.index.client import connect
+    Segment.create(seg_name, TEST_LAYOUT, 8, **SMALL_GEOMETRY).close()
+    owner = owner_proc(seg_name)
+    mgr = connect(seg_name, grants=False, timeout=2)
+    try:
+        Segment.unlink(seg_name)
+        assert owner.wait(timeout=DEADLINE_S) == 0  # it stops serving a removed segment
+        with Segment.create(seg_name, TEST_LAYOUT, 8, **SMALL_GEOMETRY) as successor:
+            with pytest.raises(OwnerUnavailableError):
+                mgr.prepare_store([b"k" * 36])
+            assert successor.owner_record()[1] == 0  # no owner has ever run on it
+    finally:
+        mgr.shutdown()
+
+
 def test_liveness_through_a_closed_handle_is_refused(seg_name):
     # After close the descriptor's number may denote another file: asking through it would
     # answer for that file.

@@ -105,6 +105,7 @@ def start_owner(segment: Segment) -> subprocess.Popen | None:
     the log, is appended to ``owner_log_path(segment.name)``."""
     if segment.owner_alive():
         return None
+    _refuse_removed(segment)  # an owner started by name would serve a successor instead
     path = owner_log_path(segment.name)
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
@@ -127,8 +128,16 @@ def start_owner(segment: Segment) -> subprocess.Popen | None:
                 f"could not start an owner for segment {segment.name!r} (exit "
                 f"{rc}): {' | '.join(why) or 'no output'}; see {path}, or run 'kvshm "
                 f"serve {segment.name}' to see why")
+        _refuse_removed(segment)  # removed meanwhile: our lock will never be taken
         time.sleep(0.005)  # polling the child's start, bounded by the deadline
     return proc
+
+
+def _refuse_removed(segment: Segment) -> None:
+    if segment.removed():
+        raise OwnerUnavailableError(
+            f"segment {segment.name!r} was removed, and no owner serves it any more; shut "
+            "this manager down and connect again (to the segment now under its name)")
 
 
 class OwnerLink:
