@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 _PUBLIC = {
-    "connect": "index.client", "SharedManager": "index.client",
-    "LocalManager": "index.manager",
+    "connect": "client.manager", "SharedManager": "client.manager",
+    "LocalManager": "owner.manager",
     "Segment": "shm.segment", "list_segments": "shm.names",
     "Layout": "shm.layout",
     "OffloadingManager": "index.api", "PrepareStoreOutput": "index.api", "OffloadingEvent": "index.api",
@@ -45,12 +45,12 @@ def __getattr__(name: str) -> Any:
 if TYPE_CHECKING:  # for type checkers and IDEs only
     from kvshm.index.api import LookupResult, OffloadingEvent, OffloadingManager, PrepareStoreOutput
     from kvshm.engine.channel import SchedulerChannel, WorkerChannel
-    from kvshm.index.client import SharedManager, connect
+    from kvshm.client.manager import SharedManager, connect
     from kvshm.engine.connector import SchedulerConnector
     from kvshm.errors import KvshmError
     from kvshm.engine.hashing import block_hashes, offload_key
     from kvshm.shm.layout import Layout
-    from kvshm.index.manager import LocalManager
+    from kvshm.owner.manager import LocalManager
     from kvshm.shm.names import list_segments
     from kvshm.shm.segment import Segment
     from kvshm.transfer.spec import TransferHandler, TransferResult, TransferSpec, make_handler

@@ -52,10 +52,10 @@ def make_manager(kind: str, segment: Segment, policy: str,
     start an owner process read it from there).
     """
     if kind == "local":
-        from kvshm.index.manager import LocalManager
+        from kvshm.owner.manager import LocalManager
         return LocalManager(segment, policy, enable_events=enable_events)
     if kind == "shared":  # a proxy to an owner process it starts; the policy is the segment's
-        from kvshm.index.client import SharedManager
+        from kvshm.client.manager import SharedManager
         return SharedManager(Segment.attach(segment.name), events=enable_events)
     raise ValueError(f"unknown manager kind {kind!r}; known: {MANAGER_KINDS}")
 

@@ -13,7 +13,7 @@ import zlib
 
 import numpy as np
 
-from kvshm.index.client import connect
+from kvshm.client.manager import connect
 from kvshm.shm import layout as L
 
 

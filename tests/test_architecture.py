@@ -1,8 +1,10 @@
 """The import direction between kvshm's layers holds (import-linter contracts in setup.cfg).
 
-The layers, top to bottom: ``integrations`` > ``inspect`` | ``engine`` > ``tier`` > ``index``
-| ``transfer`` > ``shm``; ``errors``, ``crashpoints`` and ``units`` import nothing of kvshm. A
-module that reaches upwards fails here with the offending import chain.
+The layers, top to bottom: ``integrations`` > ``inspect`` | ``engine`` > ``tier`` > ``client`` |
+``owner`` > ``index`` | ``transfer`` > ``shm``; ``errors``, ``crashpoints`` and ``units`` import
+nothing of kvshm. The engine side (``client``) and the owner share only ``index`` (the API, the
+protocol) and the segment. A module that reaches upwards or sideways fails here with the
+offending import chain.
 """
 from __future__ import annotations
 
@@ -37,3 +39,18 @@ def test_no_module_is_longer_than_the_house_limit():
                     long.append(f"{os.path.relpath(os.path.join(d, f), ROOT)}: {n}")
     assert not long, f"modules over {LIMIT} lines (split them by concept): {long}"
 
+
+
+def test_clients_start_the_owner_by_the_entry_point_the_owner_package_provides():
+    """The one import the checks cannot see (a module path a client runs with ``-m``) is
+    named once, in kvshm.index.launch, and names the owner package's ``main``."""
+    import importlib.util
+
+    from kvshm.index.launch import OWNER_MODULE
+    from kvshm.owner.server import main
+    assert OWNER_MODULE.split(".")[:2] == ["kvshm", "owner"]
+    spec = importlib.util.find_spec(OWNER_MODULE + ".__main__")
+    assert spec is not None and spec.origin is not None
+    with open(spec.origin) as f:
+        assert "from kvshm.owner.server import main" in f.read()
+    assert callable(main)

@@ -18,7 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvshm.index.policy import LRUPolicy
+from kvshm.owner.policy import LRUPolicy
 from kvshm.shm import layout as L
 from kvshm.shm.keyindex import KeyIndex
 from kvshm.shm.segment import Segment

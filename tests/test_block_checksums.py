@@ -72,7 +72,7 @@ def test_corrupt_byte_fails_the_load_and_counts(seg):
 
 
 def test_verify_data_reports_the_corrupt_block(seg):
-    from kvshm.index.manager import LocalManager
+    from kvshm.owner.manager import LocalManager
     dev, h = _rig(seg)
     mgr = LocalManager(seg, "lru")
     keys = [b"k%d" % i for i in range(2)]

@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 import torch
 
-from kvshm.index.client import connect
+from kvshm.client.manager import connect
 from kvshm.engine.connector import SchedulerConnector
 from kvshm.engine.hashing import ROOT, block_hashes, offload_key
 from kvshm.shm.layout import Layout
-from kvshm.index.manager import LocalManager
+from kvshm.owner.manager import LocalManager
 from kvshm.shm.segment import Segment
 from kvshm.transfer.spec import make_handler
 from kvshm.engine.worker import WorkerConnector

@@ -28,7 +28,7 @@ from kvshm.shm.table import BlockTable
 
 import procs
 from conftest import SMALL_GEOMETRY, TEST_LAYOUT, stop_owner
-from kvshm.index.grants import grant_target
+from kvshm.owner.grants import grant_target
 from test_exactly_once import owner_proc
 from test_shared import wait_for
 
@@ -110,7 +110,7 @@ def _check_cache(seg: Segment, stats: list[dict]) -> None:
     assert sum(s["corrupt"] for s in stats) == 0, "a load returned another key's bytes"
     assert sum(s["stores"] for s in stats) > 0 and sum(s["loads"] for s in stats) > 0
     if not seg.owner_alive():  # it died after the last call: the next client brings one
-        from kvshm.index.client import connect
+        from kvshm.client.manager import connect
         connect(seg.name).shutdown()
     t = BlockTable(seg.buf, seg.geometry)
     planes = seg.planes()
@@ -187,7 +187,7 @@ def test_owner_dying_inside_a_batch_write_loses_nothing(seg_name, hit):
 
 def owner_proc_no_wait(name: str, crash_at: str) -> subprocess.Popen:
     env = dict(os.environ, KVSHM_CRASH_AT=crash_at)
-    return subprocess.Popen([sys.executable, "-m", "kvshm.index.owner", name], env=env,
+    return subprocess.Popen([sys.executable, "-m", "kvshm.owner", name], env=env,
                             stdin=subprocess.DEVNULL)
 
 

@@ -19,10 +19,10 @@ import pytest
 from kvshm.shm import layout as L
 from kvshm.index import protocol as P
 from kvshm.shm import slots
-from kvshm.index.client import connect
+from kvshm.client.manager import connect
 from kvshm.errors import ReplyTimeoutError
 from kvshm.shm.segment import Segment
-from kvshm.index.grants import grant_target
+from kvshm.owner.grants import grant_target
 from kvshm.inspect.snapshot import verify
 
 import procs
@@ -39,7 +39,7 @@ def owner_proc(name: str, crash_at: str | None = None, signal_name: str = "KILL"
     env.pop("KVSHM_CRASH_AT", None)
     if crash_at:
         env.update(KVSHM_CRASH_AT=crash_at, KVSHM_CRASH_SIGNAL=signal_name)
-    p = subprocess.Popen([sys.executable, "-m", "kvshm.index.owner", name], env=env,
+    p = subprocess.Popen([sys.executable, "-m", "kvshm.owner", name], env=env,
                          stdin=subprocess.DEVNULL)
     seg = Segment.attach(name)
     try:

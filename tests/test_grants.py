@@ -17,8 +17,8 @@ import sys
 import pytest
 
 from kvshm.index import protocol as P
-from kvshm.index.client import connect
-from kvshm.index.grants import grant_budget, grant_target
+from kvshm.client.manager import connect
+from kvshm.owner.grants import grant_budget, grant_target
 from kvshm.index.api import LookupResult
 from kvshm.errors import BlockStateError, ProtocolError
 from kvshm.shm import layout as L
@@ -244,7 +244,7 @@ _HOLDER = """
 import sys, time
 sys.path.insert(0, sys.argv[2])
 from kvshm.index import protocol as P
-from kvshm.index.client import connect
+from kvshm.client.manager import connect
 from kvshm.shm import layout as L, slots
 import procs
 m = connect(sys.argv[1])

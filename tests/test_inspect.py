@@ -29,10 +29,10 @@ import pytest
 from kvshm.shm import layout as L
 from kvshm.inspect import snapshot as S
 from kvshm.inspect.cli import main
-from kvshm.index.grants import grant_budget
+from kvshm.owner.grants import grant_budget
 from kvshm.inspect.schema import DOCUMENTS, Show, render_docs
 from kvshm.shm.layout import Layout
-from kvshm.index.manager import LocalManager
+from kvshm.owner.manager import LocalManager
 from kvshm.shm.segment import Segment
 from kvshm.shm.keyindex import KeyIndex
 from kvshm.shm.table import BlockTable
@@ -69,7 +69,7 @@ CHILD = textwrap.dedent("""
     seg = Segment.attach(spec["name"])
     g, out = seg.geometry, {}
     if spec["role"] == "engine":  # a real client: connect() starts an owner process
-        from kvshm.index.client import connect
+        from kvshm.client.manager import connect
         mgr = connect(spec["name"])
         keys = [b"E%035d" % i for i in range(4)]
         mgr.prepare_store(keys); mgr.complete_store(keys)
@@ -78,7 +78,7 @@ CHILD = textwrap.dedent("""
         mgr.prepare_store([b"F%035d" % i for i in range(2)])  # never completed
         out = {"slot": mgr.slot, "owner": seg.owner_record()[0]}
     elif spec["role"] == "owner":
-        from kvshm.index.manager import LocalManager
+        from kvshm.owner.manager import LocalManager
         mgr = LocalManager(seg, writer_alive=lambda s, gen: True)
         ready = [b"R%035d" % i for i in range(spec["ready"])]
         mgr.prepare_store(ready); mgr.complete_store(ready)
@@ -653,7 +653,7 @@ def test_subprocess_json_without_torch(live):
     script = ("import sys; from kvshm.inspect.cli import main\n"
               f"for a in (['ls'], ['show', {n!r}], ['blocks', {n!r}], ['verify', {n!r}], "
               f"['metrics', {n!r}], ['gc', {n!r}]):\n    main(a)\n"
-              "import kvshm.index.manager  # what gc imports when it acts\n"
+              "import kvshm.owner.manager  # what gc imports when it acts\n"
               "assert 'torch' not in sys.modules, 'torch imported'\n"
               "print('NO-TORCH')")
     p = subprocess.run([sys.executable, "-c", script], env=ENV, capture_output=True, text=True)

@@ -17,7 +17,7 @@ from kvshm.shm import layout as L
 from kvshm.index.api import LookupResult, OffloadingEvent, PrepareStoreOutput
 from kvshm.errors import (BlockStateError, InvalidArgumentError, KvshmError,
                           OwnerUnavailableError, UnknownKeyError)
-from kvshm.index.manager import LocalManager
+from kvshm.owner.manager import LocalManager
 from kvshm.shm.segment import Segment
 from kvshm.shm.keyindex import KeyIndex
 from kvshm.shm.table import BlockTable

@@ -24,7 +24,7 @@ from kvshm.shm import layout as L
 from kvshm.index.api import LookupResult, OffloadingEvent
 from kvshm.errors import BlockStateError, UnknownKeyError
 from kvshm.shm.layout import Layout
-from kvshm.index.manager import LOCAL_WRITER, LocalManager
+from kvshm.owner.manager import LOCAL_WRITER, LocalManager
 from kvshm.shm.segment import Segment
 from kvshm.shm.keyindex import KeyIndex
 from kvshm.shm.table import BlockTable

@@ -10,8 +10,8 @@ import time
 from pathlib import Path
 
 from conftest import TEST_LAYOUT, unique_name
-from kvshm.index.client import connect
-from kvshm.index.manager import LocalManager
+from kvshm.client.manager import connect
+from kvshm.owner.manager import LocalManager
 from kvshm.inspect.cli import main
 from kvshm.shm.segment import Segment
 
@@ -76,12 +76,12 @@ def test_gc_and_clean_exits_are_not_failovers(capsys):
 
 
 def test_log_level_is_checked_and_case_insensitive():
-    for cmd in (["-m", "kvshm.cli", "serve"], ["-m", "kvshm.index.owner"]):
+    for cmd in (["-m", "kvshm.cli", "serve"], ["-m", "kvshm.owner"]):
         p = subprocess.run([sys.executable, *cmd, "x", "--log-level", "foo"], env=ENV,
                            capture_output=True, text=True, timeout=60)
         assert p.returncode == 2 and "invalid choice: 'FOO'" in p.stderr, p.stderr
         assert "Traceback" not in p.stderr
-    p = subprocess.run([sys.executable, "-m", "kvshm.index.owner", unique_name(),
+    p = subprocess.run([sys.executable, "-m", "kvshm.owner", unique_name(),
                         "--log-level", "debug"], env=ENV, capture_output=True, text=True,
                        timeout=60)
     assert p.returncode == 2 and "no kvshm segment named" in p.stderr, p.stderr

@@ -1,4 +1,4 @@
-"""Tests for kvshm.index.policy: LRU and ARC eviction order, ARC adaptation, all-or-nothing eviction."""
+"""Tests for kvshm.owner.policy: LRU and ARC eviction order, ARC adaptation, all-or-nothing eviction."""
 from __future__ import annotations
 
 import copy
@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvshm.errors import InvalidArgumentError
-from kvshm.index.policy import RANKED, REUSED, ARCPolicy, CachePolicy, LRUPolicy, make_policy
+from kvshm.index.access import RANKED, REUSED
+from kvshm.owner.policy import ARCPolicy, CachePolicy, LRUPolicy, make_policy
 
 POLICIES = ["lru", "arc"]
 

@@ -11,12 +11,12 @@ from __future__ import annotations
 import pytest
 
 from kvshm.errors import InvalidArgumentError
-from kvshm.index import running as running_mod
+from kvshm.owner import running as running_mod
 from kvshm.index import protocol as P
 from kvshm.index.api import LookupResult, Running
-from kvshm.index.client import connect
-from kvshm.index.manager import LocalManager
-from kvshm.index.policy import RANKED, SEEN
+from kvshm.client.manager import connect
+from kvshm.owner.manager import LocalManager
+from kvshm.index.access import RANKED, SEEN
 
 import procs
 from conftest import TEST_LAYOUT, make_manager, stop_owner

@@ -15,7 +15,7 @@ import pytest
 
 from kvshm.shm import layout as L
 from kvshm.index import protocol as P
-from kvshm.index.client import connect
+from kvshm.client.manager import connect
 from kvshm.errors import ProtocolError
 from kvshm.shm.segment import Segment
 from kvshm.shm.table import BlockTable
@@ -370,7 +370,7 @@ def test_a_lookup_in_a_new_step_is_not_taken_for_asking_past_the_last_steps_leas
 def test_a_long_prefix_asked_from_many_places_keeps_few_lease_layouts(roomy):
     # Each place a prefix is first asked from remembers how its lease was laid out; asked
     # from everywhere, a long prefix must not keep one layout (up to its length) per key.
-    from kvshm.index.runs import PLANS_KEPT
+    from kvshm.client.runs import PLANS_KEPT
     _loaded_before(roomy, LONG)
     for off in range(0, len(LONG), 10):
         assert roomy.key_status(LONG[off]) == LookupResult.HIT

@@ -1,10 +1,10 @@
-"""The owner's idle spin (``kvshm.index.spin``): it busy-polls only while recent gaps between
+"""The owner's idle spin (``kvshm.owner.spin``): it busy-polls only while recent gaps between
 frames were short, for a bounded multiple of them, and sleeps at once otherwise."""
 from __future__ import annotations
 
 import pytest
 
-from kvshm.index.spin import PAYS_S, SPAN, SPIN_MAX_S, SpinPolicy
+from kvshm.owner.spin import PAYS_S, SPAN, SPIN_MAX_S, SpinPolicy
 
 
 def test_a_chatty_client_gets_a_spin_bounded_by_its_gaps():

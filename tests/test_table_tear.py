@@ -19,7 +19,7 @@ import struct
 
 from kvshm.shm import layout as L
 from kvshm.inspect.cli import main as inspect_main
-from kvshm.index.manager import LocalManager
+from kvshm.owner.manager import LocalManager
 from kvshm.shm.segment import Segment
 from kvshm.shm.keyindex import KeyIndex
 from kvshm.shm.table import VECTOR_MIN, BlockTable

@@ -78,7 +78,7 @@ class _Apply:
 
     def __init__(self, seg_name: str, num_blocks: int, ring_capacity: int):
         from kvshm.index import protocol as P
-        from kvshm.index.manager import LocalManager
+        from kvshm.owner.manager import LocalManager
         from kvshm.shm.segment import Segment
         self.P = P
         self.seg = Segment.create(seg_name, _layout(), num_blocks, ring_capacity=ring_capacity)

@@ -202,7 +202,7 @@ class _Kvshm:
 
 
 def _local_baseline(capacity: int) -> tuple[_Kvshm, Any]:
-    from kvshm.index.manager import LocalManager
+    from kvshm.owner.manager import LocalManager
     from kvshm.shm.segment import Segment
     name = _unique("L")
     seg = Segment.create(name, _small_layout(), capacity)
@@ -327,7 +327,7 @@ class _Shared:
         self.owner_pid = self.mgr.segment.owner_record()[0]
 
     def close(self) -> None:
-        from kvshm.index.owner_link import owner_log_path
+        from kvshm.index.launch import owner_log_path
         from kvshm.shm.segment import Segment
         try:
             self.mgr.shutdown()

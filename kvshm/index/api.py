@@ -91,7 +91,7 @@ class OffloadingManager(ABC):
               running: Running | None = None) -> None:
         """Mark ``keys`` recently used; the first key ends up most recent. Unknown keys ignored.
 
-        ``how`` (one ``kvshm.index.policy`` access kind per key) applies a finished request's
+        ``how`` (one ``kvshm.owner.policy`` access kind per key) applies a finished request's
         classified accesses instead, as vLLM's ``on_request_finished`` does; its ``RANKED``
         keys take ``running``'s provisional rank (LRU)."""
 

@@ -10,7 +10,7 @@ generation); every reply echoes it and carries the epoch of the owner that wrote
 ``PrepareStore`` too large for one frame travels as several frames with the same ``req`` (``part`` 0, 1, ...; all but the last with ``more``): the
 owner executes it once, whole, when the last part arrives, and answers in parts the same way.
 Other requests that are too large are split by the client into independent requests. Why a request
-is executed at most once whatever dies is told in ``owner_link.py``.
+is executed at most once whatever dies is told in ``client/owner_link.py``.
 
 ``Touch``, ``PrepareStore`` and ``Publish`` may name the running request their keys belong to
 (``api.Running``, vLLM 0.33's provisional LRU rank): ``request`` (the client's number for it,
@@ -60,7 +60,7 @@ class CompleteStore(_Msg):
 class Touch(_Msg):
     req: int
     keys: list[bytes]
-    how: bytes | None = None  # one kvshm.index.policy access kind per key; None: plain touch
+    how: bytes | None = None  # one kvshm.owner.policy access kind per key; None: plain touch
     request: int = 0
     positions: list[int] | None = None
 

@@ -20,7 +20,7 @@ from typing import Any, Callable
 from kvshm.shm import layout as L
 from kvshm.shm import locks
 from kvshm.shm import slots
-from kvshm.index.owner_link import OWNER_IDLE_EXIT_S
+from kvshm.index.launch import OWNER_IDLE_EXIT_S
 from kvshm.errors import OwnerUnavailableError, SegmentNotFoundError, SegmentPermissionError
 from kvshm.shm.names import PREFIX, SHM_DIR, list_segments, remove, remove_objects, shm_name
 from kvshm.shm.segment import Segment
@@ -216,7 +216,7 @@ def _gc(seg: Segment) -> dict[str, Any]:
         out["reason"] = (f"owner pid {seg.owner_record()[0]} is alive and reclaims dead "
                          "clients itself; nothing done")
         return out
-    from kvshm.index.manager import LocalManager  # only gc needs the manager
+    from kvshm.owner.manager import LocalManager  # only gc needs the manager
     g, live = seg.geometry, seg.clients_alive()
     dead_owner = seg.owner_record()  # pid 0 unless the last owner died holding the segment
     try:  # the rebuild frees stores whose writer died (and settles torn entries)

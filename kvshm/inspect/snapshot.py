@@ -5,7 +5,7 @@ This module owns turning a mapped segment into plain dicts and lists (ready for 
 show (listed in ``docs/inspect.md``), and the Prometheus rendering; ``docs/inspect.md`` documents the output's
 stable schema. It works on a private copy of the metadata, so it must never write to the
 segment, never take a lock (it only asks the kernel who holds one), never spin on an entry a
-dead owner left half-written, and never import torch or ``kvshm.index.manager``.
+dead owner left half-written, and never import torch or ``kvshm.owner.manager``.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from kvshm.shm.ring import Ring
 from kvshm.shm.segment import Segment
 from kvshm.shm.keyindex import KeyIndex
 from kvshm.shm.table import BlockTable, state_counts
-from kvshm.index.owner_link import owner_log_path
+from kvshm.index.launch import owner_log_path
 from kvshm.tier.area import COUNTERS as TIER_COUNTERS, TierArea
 
 _ENTRY_DT = np.dtype({"names": [n for n, _ in L.ENTRY_FIELDS],

@@ -102,7 +102,7 @@ SLOT_NAME_BYTES = SLOT_DTYPE.fields["name"][0].itemsize
 SLOT_COUNTERS = ("lookups", "hits", "loads", "load_blocks", "bytes_in", "bytes_out")
 SLOT_OFF_COUNTERS = 64  # u64 each, client-written
 assert SLOT_DTYPE.itemsize <= SLOT_OFF_COUNTERS
-# The served record: owner-written u64 words that make requests exactly-once (owner_link.py).
+# The served record: owner-written u64 words that make requests exactly-once (client/owner_link.py).
 SLOT_OFF_SERVED = 128
 SERVED_FIELDS = ("epoch",  # epoch of the owner that last wrote this record
                  "consumed",  # last request id an owner began to execute (before any effect)

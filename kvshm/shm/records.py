@@ -122,7 +122,7 @@ COUNTER_NAMES = (
     # matched its checksum (kvshm.shm.checksums). Any copying process adds to it, holding
     # lock byte LOCK_CHECKSUM_FAILURES; zero on a segment without checksums.
     "checksum_failures",
-    # Blocks granted to clients ahead of their stores (kvshm.index.grants); owner-written.
+    # Blocks granted to clients ahead of their stores (kvshm.owner.grants); owner-written.
     "granted_blocks",
     # CPU time (thread clock, ns) the owner spent on passes that served frames, the grant
     # refills after them included; its idle waits and spins are not in it. Owner-written.

@@ -37,7 +37,7 @@ from typing import Iterable, Sequence
 
 from kvshm.index.api import (LookupResult, OffloadingEvent, OffloadingManager,
                              PrepareStoreOutput, Running)
-from kvshm.index.client import SharedManager
+from kvshm.client.manager import SharedManager
 from kvshm.shm import layout as L
 from kvshm.tier.area import TierArea
 
@@ -227,5 +227,5 @@ class TieredManager(OffloadingManager):
 
 def connect_tiered(name: str, layout: L.Layout | None = None, **kw: object) -> TieredManager:
     """``kvshm.connect(name, layout, **kw)`` wrapped in a ``TieredManager`` (its defaults)."""
-    from kvshm.index.client import connect
+    from kvshm.client.manager import connect
     return TieredManager(connect(name, layout, **kw))  # type: ignore[arg-type]

@@ -40,7 +40,7 @@ import posix_ipc
 
 from kvshm.crashpoints import crash_point
 from kvshm.errors import KvshmError, SegmentNotFoundError
-from kvshm.index.client import SharedManager
+from kvshm.client.manager import SharedManager
 from kvshm.index.api import LookupResult
 from kvshm.shm.checksums import BlockSums
 from kvshm.shm.segment import Segment

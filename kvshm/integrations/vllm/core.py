@@ -18,7 +18,7 @@ from typing import Annotated, Any, Callable, Iterable, Mapping, Sequence
 import msgspec
 
 from kvshm.index.api import LookupResult, PrepareStoreOutput, Running
-from kvshm.index.policy import INSERTED, MISSED, RANKED, REUSED, SEEN
+from kvshm.index.access import INSERTED, MISSED, RANKED, REUSED, SEEN
 from kvshm.errors import InvalidArgumentError, KvshmError, LayoutMismatchError, SegmentNotFoundError
 from kvshm.shm import layout as L
 from kvshm.shm.layout import Layout

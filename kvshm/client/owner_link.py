@@ -61,13 +61,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from typing import Callable
 
 from kvshm.shm import layout as L
 from kvshm.index import protocol as P
+from kvshm.index.launch import OWNER_IDLE_EXIT_S, OWNER_MODULE, owner_log_path
 from kvshm.shm import slots
 from kvshm.errors import (OwnerUnavailableError, ProtocolError, ReplyTimeoutError,
                           RingFullError)
@@ -78,15 +78,7 @@ from kvshm.shm.segment import Segment
 # a small store round trip, short enough not to steal the owner's CPU on a busy host.
 REPLY_SPIN_S = 200e-6
 OWNER_START_TIMEOUT_S = 20.0
-OWNER_IDLE_EXIT_S = 10.0
 _CHECK_OWNER_S = 0.1  # while waiting, look whether the owner still lives this often
-
-
-def owner_log_path(name: str) -> str:
-    """Where an auto-started owner of segment ``name`` logs: ``kvshm-NAME-owner.log`` in
-    ``$XDG_RUNTIME_DIR`` if set, else the system temp dir (appended, mode 0600)."""
-    return os.path.join(os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir(),
-                        f"kvshm-{name}-owner.log")
 
 
 def _tail(path: str, start: int, n: int = 3) -> list[str]:
@@ -111,7 +103,7 @@ def start_owner(segment: Segment) -> subprocess.Popen | None:
     try:
         start = os.lseek(fd, 0, os.SEEK_END)
         proc = subprocess.Popen(
-            [sys.executable, "-m", "kvshm.index.owner", segment.name, "--idle-exit",
+            [sys.executable, "-m", OWNER_MODULE, segment.name, "--idle-exit",
              str(OWNER_IDLE_EXIT_S)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
             stderr=fd, start_new_session=True, close_fds=True)
     finally:

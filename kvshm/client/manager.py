@@ -37,10 +37,10 @@ from kvshm.index.api import (LookupResult, OffloadingEvent, OffloadingManager,
 from kvshm.crashpoints import crash_point
 from kvshm.shm.fence import full_fence
 from kvshm.errors import BlockStateError, HoldsExhaustedError, InvalidArgumentError, UnknownKeyError
-from kvshm.index.holds import HoldTable
+from kvshm.client.holds import HoldTable
 from kvshm.shm.layout import Layout
-from kvshm.index.owner_link import OwnerLink, start_owner
-from kvshm.index.own_stores import OwnStores
+from kvshm.client.owner_link import OwnerLink, start_owner
+from kvshm.client.own_stores import OwnStores
 from kvshm.shm.ring import Ring
 from kvshm.shm.segment import Segment
 from kvshm.shm.keyindex import KeyIndex

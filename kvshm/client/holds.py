@@ -51,7 +51,7 @@ from kvshm.shm.fence import full_fence
 from kvshm.shm.keyindex import KeyIndex
 from kvshm.shm.keys import check_key
 from kvshm.shm.table import BlockTable
-from kvshm.index.runs import Plan, Run, remember
+from kvshm.client.runs import Plan, Run, remember
 
 # A held block is READY, or EVICTING for the instant an eviction honours our hold.
 LOADABLE = (L.READY, L.EVICTING)

@@ -16,8 +16,8 @@ from kvshm.shm import layout as L
 from kvshm.shm.fence import full_fence
 
 if TYPE_CHECKING:
-    from kvshm.index.manager import _Entry
-    from kvshm.index.policy import CachePolicy
+    from kvshm.owner.manager import _Entry
+    from kvshm.owner.policy import CachePolicy
     from kvshm.shm.segment import Segment
     from kvshm.shm.table import BlockTable
 

@@ -14,7 +14,7 @@ import time
 from kvshm.crashpoints import crash_point
 from kvshm.errors import KvshmError, ProtocolError, SegmentPermissionError
 from kvshm.index import protocol as P
-from kvshm.index.manager import LocalManager
+from kvshm.owner.manager import LocalManager
 from kvshm.shm import keys as K
 from kvshm.shm import layout as L
 from kvshm.shm import slots

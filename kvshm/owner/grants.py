@@ -44,7 +44,7 @@ from kvshm.shm.layout import Geometry
 
 if TYPE_CHECKING:
     from kvshm.index.api import Running
-    from kvshm.index.manager import LocalManager
+    from kvshm.owner.manager import LocalManager
 
 # Evicting for a grant must respect every client's leases, the grantee's own too: unlike a
 # store's reply, a grant cannot tell its client which of its leases it took away.

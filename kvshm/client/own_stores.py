@@ -15,7 +15,7 @@ from typing import Sequence
 from kvshm.crashpoints import crash_point
 from kvshm.index import protocol as P
 from kvshm.index.api import Running
-from kvshm.index.owner_link import OwnerLink
+from kvshm.client.owner_link import OwnerLink
 from kvshm.shm import layout as L
 from kvshm.shm import slots
 from kvshm.shm.fence import publish_fence

@@ -16,8 +16,8 @@ from kvshm.crashpoints import crash_point
 from kvshm.shm import layout as L
 
 if TYPE_CHECKING:
-    from kvshm.index.grants import Grants
-    from kvshm.index.manager import _Entry
+    from kvshm.owner.grants import Grants
+    from kvshm.owner.manager import _Entry
     from kvshm.shm.keyindex import KeyIndex
     from kvshm.shm.table import BlockTable
 

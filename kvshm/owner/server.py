@@ -6,7 +6,7 @@ which clients are alive, and reclaims what dead ones held. One doorbell wakes it
 clients. It must never crash on a bad frame (every failure becomes an ``Error`` reply) and
 never copies block data.
 
-Run ``python -m kvshm.index.owner NAME`` (what clients start on demand) or ``kvshm serve NAME``.
+Run ``python -m kvshm.owner NAME`` (what clients start on demand) or ``kvshm serve NAME``.
 """
 from __future__ import annotations
 
@@ -26,15 +26,15 @@ from kvshm.shm import slots
 from kvshm.errors import KvshmError, OwnerUnavailableError, SegmentNotFoundError
 from kvshm.crashpoints import crash_point
 from kvshm.shm.fence import full_fence
-from kvshm.index.grants import grant_budget, grant_target, stock
-from kvshm.index.manager import LocalManager
-from kvshm.index.requests import RequestHandlers, _Client
-from kvshm.index.spin import SpinPolicy
+from kvshm.owner.grants import grant_budget, grant_target, stock
+from kvshm.owner.manager import LocalManager
+from kvshm.owner.requests import RequestHandlers, _Client
+from kvshm.owner.spin import SpinPolicy
 from kvshm.shm.ring import Doorbell
 from kvshm.shm.segment import Segment
 
-log = logging.getLogger("kvshm.index.owner")
-# The one default for 'kvshm serve' and 'python -m kvshm.index.owner' (an auto-started
+log = logging.getLogger("kvshm.owner")
+# The one default for 'kvshm serve' and 'python -m kvshm.owner' (an auto-started
 # owner's log file then records its start, take-overs and reclaimed clients).
 DEFAULT_LOG_LEVEL = "INFO"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -418,7 +418,7 @@ class Owner(RequestHandlers):
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m kvshm.index.owner",
+        prog="python -m kvshm.owner",
         description="Serve a kvshm segment's index (clients start this on demand).")
     ap.add_argument("name", help="segment name (as given to kvshm.connect)")
     ap.add_argument("--idle-exit", type=float, default=None, metavar="S",

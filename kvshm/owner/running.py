@@ -15,7 +15,7 @@ from typing import Callable
 
 from kvshm.errors import InvalidArgumentError
 from kvshm.index.api import Running
-from kvshm.index.policy import CachePolicy, Rank
+from kvshm.owner.policy import CachePolicy, Rank
 
 MAX_RUNNING = 1 << 16  # running requests remembered (all clients together)
 _U64 = 1 << 64

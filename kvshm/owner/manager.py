@@ -25,13 +25,13 @@ from kvshm.shm import locks
 from kvshm.shm import writers
 from kvshm.index.api import (LookupResult, OffloadingEvent, OffloadingManager,
                              PrepareStoreOutput, Running)
-from kvshm.index.eviction import Eviction
-from kvshm.index.rebuild import Rebuild
-from kvshm.index.grants import Grants
+from kvshm.owner.eviction import Eviction
+from kvshm.owner.rebuild import Rebuild
+from kvshm.owner.grants import Grants
 from kvshm.errors import (BlockStateError, InvalidArgumentError, OwnerUnavailableError,
                      UnknownKeyError)
-from kvshm.index.policy import ACCESS_KINDS, MISSED, RANKED, CachePolicy, make_policy
-from kvshm.index.running import RankOf, RunningRanks
+from kvshm.owner.policy import ACCESS_KINDS, MISSED, RANKED, CachePolicy, make_policy
+from kvshm.owner.running import RankOf, RunningRanks
 from kvshm.shm.segment import Segment
 from kvshm.shm.keyindex import KeyIndex
 from kvshm.shm.table import BlockTable

@@ -20,17 +20,13 @@ from collections.abc import Callable, Iterator, Sequence
 from itertools import repeat
 
 from kvshm.errors import InvalidArgumentError
+from kvshm.index.access import (  # noqa: F401  (the policy's vocabulary)
+    ACCESS_KINDS, INSERTED, MISSED, RANKED, REUSED, SEEN)
 
 CanEvict = Callable[[bytes], bool]
 Rank = tuple[int, int]  # LRU: (n, sub), lowest first (see LRUPolicy)
 
-# How a request used a key, for ``CachePolicy.access`` (vLLM's request-finished recency rules):
-SEEN = 0  # looked at (e.g. offered for a store that was refused): recency only (LRU)
-INSERTED = 1  # stored by the request, not reused by it: recency only, no ARC promotion
-REUSED = 2  # ready when the request loaded it or offered it again: one ARC frequency hit
-MISSED = 3  # a store miss: ARC learns from a ghost-list hit; no recency change
-RANKED = 4  # used by a running request: LRU raises the key to the request's provisional rank
-ACCESS_KINDS = (SEEN, INSERTED, REUSED, MISSED, RANKED)
+# How a request used a key (``kvshm.index.access``), as ``CachePolicy.access`` applies it.
 
 from kvshm.shm.layout import POLICY_NAMES  # recorded in the segment header, so defined there
 
