@@ -896,7 +896,7 @@ def test_local_reclaim_writer_frees_only_that_writers_stores(local_seg, local_vi
 
 def test_local_a_store_with_nothing_new_enters_no_writer_record(local_seg):
     """A prepare_store whose keys are all cached allocates nothing, so it must not enter its
-    writer into the writer index: an empty record is never removed (``_unpend`` drops a
+    writer into the writer index: an empty record is never removed (``Entries.unpend`` drops a
     writer with its last key, ``reclaim_writer`` frees nothing), so every client generation
     that ever offered only cached keys would stay there, walked by every reclaim scan, for
     the owner's lifetime."""
@@ -905,9 +905,9 @@ def test_local_a_store_with_nothing_new_enters_no_writer_record(local_seg):
         store(m, [A])
         out = m.prepare_store([A], writer=(1, 1, 1))
         assert out.keys_to_store == [] and m.pending_of((1, 1, 1)) == []
-        assert m._pending == {}
+        assert m.entries.pending == {}
         assert m.reclaim_dead_writers(lambda slot, gen: False) == 0
-        assert m._pending == {}
+        assert m.entries.pending == {}
     finally:
         m.shutdown()
 

@@ -297,8 +297,8 @@ class ManagerMachine(RuleBasedStateMachine):
 
     @invariant()
     def no_block_both_free_and_in_use(self):
-        free = list(self.m._free)
-        used = [e.block for e in self.m._entries.values()]
+        free = list(self.m.entries.free)
+        used = [e.block for e in self.m.entries.by_key.values()]
         assert len(set(free)) == len(free)
         assert len(set(used)) == len(used)
         assert not set(free) & set(used)
@@ -306,8 +306,8 @@ class ManagerMachine(RuleBasedStateMachine):
 
     @invariant()
     def writer_index_matches_the_entries(self):
-        entries = self.m._entries
-        by_writer = {(w, k) for w, ks in self.m._pending.items() for k in ks}
+        entries = self.m.entries.by_key
+        by_writer = {(w, k) for w, ks in self.m.entries.pending.items() for k in ks}
         assert by_writer == {(e.writer, k) for k, e in entries.items() if e.writer is not None}
         assert all(e.ready == (e.writer is None) for e in entries.values())
         assert all(not e.pins or e.ready for e in entries.values())

@@ -1,59 +1,52 @@
 """Eviction in the owner's index: choosing victims, and the lease handshake.
 
-This module owns how ``LocalManager`` frees room: the policy proposes victims among evictable
-keys (ready, unpinned, not held against the requester, not offered in the same store), and
-the handshake with lock-free client lookups makes sure a block leased meanwhile is spared.
-It is a mixin over ``LocalManager``'s state (entries, policy, table, held); it never copies
-block data and never decides which keys to store.
+This module owns how the index frees room: the policy proposes victims among evictable keys
+(ready, unpinned, not held against the requester, not offered in the same store), and the
+handshake with lock-free client lookups makes sure a block leased meanwhile is spared. It
+never copies block data and never decides which keys to store.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 from kvshm.crashpoints import crash_point
-from kvshm.index.api import OffloadingEvent
 from kvshm.shm import layout as L
 from kvshm.shm.fence import full_fence
+from kvshm.owner.entries import Entries
+from kvshm.owner.outcomes import Outcomes
 
-if TYPE_CHECKING:
-    from kvshm.owner.manager import _Entry
-    from kvshm.owner.policy import CachePolicy
-    from kvshm.shm.segment import Segment
-    from kvshm.shm.table import BlockTable
+# held(requester_slot) -> blocks other clients hold against that requester's stores
+Held = Callable[[int], "set[int]"]
 
 
-class Eviction:
-    """The eviction methods of ``LocalManager`` (which provides the attributes below)."""
+class Evictor:
+    """Frees room in ``entries`` for one requester at a time."""
 
-    _entries: dict[bytes, "_Entry"]
-    _held: Callable[[int], set[int]] | None
-    policy: "CachePolicy"
-    table: "BlockTable"
-    segment: "Segment"
-    enable_events: bool
-    _events: list[OffloadingEvent]
-    _drop_many: Callable[[list[bytes]], None]  # forget keys and free their blocks
+    def __init__(self, entries: Entries, outcomes: Outcomes, held: Held | None) -> None:
+        self.entries = entries
+        self.outcomes = outcomes
+        self.held = held  # None: nobody but this process holds blocks (no handshake)
 
-    def _evict(self, n: int, protected: set[bytes], requester: int) -> list[bytes] | None:
-        held = self._held(requester) if self._held else set()
-        entries = self._entries
+    def evict(self, n: int, protected: set[bytes], requester: int) -> list[bytes] | None:
+        """Evict ``n`` keys, all or none (None: not enough are evictable); never one of
+        ``protected`` (the keys the same store offers)."""
+        held = self.held(requester) if self.held else set()
+        by_key = self.entries.by_key
 
         def can_evict(k: bytes) -> bool:
-            e = entries[k]
+            e = by_key[k]
             return e.ready and not e.pins and e.block not in held and k not in protected
 
-        victims = self.policy.evict(n, can_evict)
+        victims = self.entries.policy.evict(n, can_evict)
         if victims is None:
             return None
-        if self._held:
+        if self.held:
             victims = self._fence_victims(victims, can_evict, requester)
             if victims is None:
                 return None
-        self._drop_many(victims)
+        self.entries.drop_many(victims)
         crash_point("owner.evict.after_drop")
-        self.segment.counter_add("evictions", len(victims))
-        if self.enable_events:
-            self._events.append(OffloadingEvent(victims, removed=True))
+        self.outcomes.evicted(victims)
         return victims
 
     def _fence_victims(self, victims: list[bytes], can_evict: Callable[[bytes], bool],
@@ -65,29 +58,25 @@ class Eviction:
         the other: either the client sees EVICTING and reports a miss, or we see the lease
         and keep the block. Blocks that got leased meanwhile go back into the cache.
         """
-        self.table.set_states([self._entries[k].block for k in victims], L.EVICTING)
+        assert self.held is not None
+        by_key, table, policy = self.entries.by_key, self.entries.table, self.entries.policy
+        table.set_states([by_key[k].block for k in victims], L.EVICTING)
         crash_point("owner.evict.after_mark")
         full_fence()
-        held = self._held(requester)
-        lost = [k for k in victims if self._entries[k].block in held]
+        held = self.held(requester)
+        lost = [k for k in victims if by_key[k].block in held]
         if not lost:
             return victims
         for k in lost:
-            self.table.set_state(self._entries[k].block, L.READY)
-            self.policy.insert(k)  # it is being read: most recent is right
+            table.set_state(by_key[k].block, L.READY)
+            policy.insert(k)  # it is being read: most recent is right
         keep = [k for k in victims if k not in lost]
-        more = self._evict_more(len(lost), can_evict, held, requester)
+        more = policy.evict(len(lost), lambda k: can_evict(k) and by_key[k].block not in held)
+        if more is not None:
+            more = self._fence_victims(more, can_evict, requester)
         if more is None:
             for k in keep:
-                self.table.set_state(self._entries[k].block, L.READY)
-                self.policy.insert(k)
+                table.set_state(by_key[k].block, L.READY)
+                policy.insert(k)
             return None
         return keep + more
-
-    def _evict_more(self, n: int, can_evict: Callable[[bytes], bool], held: set[int],
-                    requester: int) -> list[bytes] | None:
-        victims = self.policy.evict(n, lambda k: can_evict(k) and self._entries[k].block not in held)
-        if victims is None:
-            return None
-        return self._fence_victims(victims, can_evict, requester)
-

@@ -32,19 +32,21 @@ quarter again), so grants never hold more than half the cache. It never copies b
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import numpy as np
 
 from kvshm.crashpoints import crash_point
 from kvshm.errors import InvalidArgumentError
+from kvshm.index.api import Running
 from kvshm.shm import layout as L
 from kvshm.shm.fence import publish_fence
 from kvshm.shm.layout import Geometry
-
-if TYPE_CHECKING:
-    from kvshm.index.api import Running
-    from kvshm.owner.manager import LocalManager
+from kvshm.shm.segment import Segment
+from kvshm.owner.entries import Client, Entries
+from kvshm.owner.eviction import Evictor
+from kvshm.owner.outcomes import Outcomes
+from kvshm.owner.running import RunningRanks
 
 # Evicting for a grant must respect every client's leases, the grantee's own too: unlike a
 # store's reply, a grant cannot tell its client which of its leases it took away.
@@ -63,21 +65,24 @@ def grant_budget(g: Geometry) -> int:
 
 
 class Grants:
-    """The granted blocks of every client, kept by the owner's ``LocalManager``."""
+    """The granted blocks of every client, beside the owner's ``Entries``: a granted block is
+    in neither the entries nor the free list until it is published or freed."""
 
-    def __init__(self, manager: "LocalManager") -> None:
-        self.m = manager
+    def __init__(self, entries: Entries, evictor: Evictor, running: RunningRanks,
+                 outcomes: Outcomes, segment: Segment) -> None:
+        self.entries, self.evictor, self.running = entries, evictor, running
+        self.outcomes, self.segment = outcomes, segment
         # (slot, gen) -> {granted block: its position in that client's ring}
-        self.blocks: dict[tuple[int, int], dict[int, int]] = {}
+        self.blocks: dict[Client, dict[int, int]] = {}
         self.deferred: dict[bytes, int] = {}  # key -> completed block waiting for a store
 
-    def held(self, writer: tuple[int, int] | None = None) -> int:
+    def held(self, writer: Client | None = None) -> int:
         """Blocks granted (to ``writer``; to anyone if None) and not yet published or freed."""
         if writer is not None:
             return len(self.blocks.get(writer, ()))
         return sum(map(len, self.blocks.values()))
 
-    def adopt(self, block: int, writer: tuple[int, int], pos: int) -> None:
+    def adopt(self, block: int, writer: Client, pos: int) -> None:
         """A rebuild found ``block`` GRANTED to a live ``writer`` at ring position ``pos``."""
         self.blocks.setdefault(writer, {})[block] = pos
 
@@ -92,24 +97,21 @@ class Grants:
         lost = [b for b, pos in mine.items() if pos >= granted]
         for b in lost:
             del mine[b]
-        self._free_many(lost)
+        self.entries.release(lost)
         return len(lost)
-
-    def _free_many(self, blocks: list[int]) -> None:
-        self.m.table.write_many(blocks, L.FREE)
-        self.m._free.extend(blocks)
 
     def grant(self, slot: int, gen: int, n: int, first: int) -> list[int]:
         """Up to ``n`` blocks for (slot, gen), evicting if the free list is short (fewer when
         too little can be evicted). Each is GRANTED in the table before the caller rings it."""
-        m = self.m
-        short = n - len(m._free)
-        if short > 0 and m._evict(short, set(), ALL_HOLDS) is None:
-            n = len(m._free)
-        out = [m._free.popleft() for _ in range(n)]
-        m.table.write_many(out, L.GRANTED, None, slot, gen, range(first, first + n), m.tick)
+        entries = self.entries
+        short = n - len(entries.free)
+        if short > 0 and self.evictor.evict(short, set(), ALL_HOLDS) is None:
+            n = len(entries.free)
+        out = entries.take_free(n)
+        entries.table.write_many(out, L.GRANTED, None, slot, gen, range(first, first + n),
+                                 entries.tick)
         self.blocks.setdefault((slot, gen), {}).update(zip(out, range(first, first + n)))
-        m.segment.counter_add("granted_blocks", len(out))
+        self.segment.counter_add("granted_blocks", len(out))
         return out
 
     def publish(self, slot: int, gen: int, keys: list[bytes], blocks: list[int],
@@ -118,14 +120,14 @@ class Grants:
         index (unless the key is cached already, or the store failed: then it is freed), at
         ``running``'s provisional rank when it has one. Blocks not granted to the sender, or
         not yet taken by it (position at or above its ``taken`` count), are ignored."""
-        m = self.m
+        entries = self.entries
         try:
-            rank_of = m.running.rank_of(running, (slot, gen)) if success else None
+            rank_of = self.running.rank_of(running, (slot, gen)) if success else None
         except InvalidArgumentError:
             rank_of = None  # ranks are advice: a bad one never costs a store
-            m.segment.counter_add("errors")
+            self.segment.counter_add("errors")
         mine = self.blocks.get((slot, gen), {})
-        m.tick += 1
+        entries.tick += 1
         done: dict[bytes, int] = {}  # key -> block, published by this frame
         freed = []
         for k, b in zip(keys, blocks):
@@ -133,11 +135,11 @@ class Grants:
             if pos >= taken:
                 continue  # published already (a replayed frame), never ours, or not taken
             del mine[b]
-            e = m._entries.get(k)
+            e = entries.get(k)
             if success and e is not None and not e.ready and k not in self.deferred:
                 # Another client's store of k is unfinished: wait for it, keyed in the
                 # table so that a successor owner still knows (``adopt``).
-                m.table.write(b, L.GRANTED, k, slot, gen, pos, m.tick)
+                entries.table.write(b, L.GRANTED, k, slot, gen, pos, entries.tick)
                 self.deferred[k] = b
             elif not success or e is not None or k in done:  # failed, or stored first
                 freed.append(b)
@@ -145,13 +147,13 @@ class Grants:
                 done[k] = b
         if not mine:
             self.blocks.pop((slot, gen), None)
-        self._free_many(freed)
+        entries.release(freed)
         keys, blocks = list(done), list(done.values())
-        m.table.write_many(blocks, L.READY, keys, -1, 0, 0, m.tick, time.time_ns())
+        entries.table.write_many(blocks, L.READY, keys, -1, 0, 0, entries.tick, time.time_ns())
         if keys:
             crash_point("owner.publish.mid")
-        m._adopt_many(blocks, keys, None, rank_of)
-        m._stored(keys, success, len(freed))
+        entries.adopt_many(blocks, keys, None, rank_of)
+        self.outcomes.stored(keys, success, len(freed))
 
     def resolve(self, key: bytes) -> None:
         """The unfinished store of ``key`` ended: a block deferred behind it is published if
@@ -159,18 +161,18 @@ class Grants:
         b = self.deferred.pop(key, None)
         if b is None:
             return
-        m = self.m
-        if key in m._entries:
-            self._free_many([b])
+        entries = self.entries
+        if key in entries:
+            entries.release([b])
             return
-        m.table.write(b, L.READY, key, -1, 0, 0, m.tick, time.time_ns())
-        m._adopt(b, key, None)
-        m._stored([key], True, 0)
+        entries.table.write(b, L.READY, key, -1, 0, 0, entries.tick, time.time_ns())
+        entries.adopt(b, key, None)
+        self.outcomes.stored([key], True, 0)
 
-    def free(self, writer: tuple[int, int]) -> int:
+    def free(self, writer: Client) -> int:
         """Free every block granted to ``writer`` (its client is gone, with its copiers)."""
         blocks = self.blocks.pop(writer, {})
-        self._free_many(sorted(blocks))
+        self.entries.release(sorted(blocks))
         return len(blocks)
 
 

@@ -1,57 +1,44 @@
 """The authoritative index of one segment: ``LocalManager``.
 
-This module owns the index (one ``_Entry`` per cached key: block, readiness, load pins, the
-writer of an unfinished store; the free list; the writer -> keys index derived from the
-entries, for reclaiming a dead writer's stores; the blocks granted to clients, in
-``grants.py``; running requests' provisional ranks, in ``running.py``) and applies vLLM's
-v1 offload semantics to it, mirroring every block's durable state into the segment's block
-table and key index so that other processes can read it and a successor can rebuild it
-(``rebuild.py``). A batch of keys (a store, its publish, an eviction's victims, a touch) is
-mirrored with the table's and the index's batch writers, a few numpy operations per batch.
-Exactly one LocalManager exists per segment: it holds the segment's owner lock. The owner
-process wraps it; single-process users may use it directly.
-It never copies block data and never imports torch.
+This module applies vLLM's v1 offload semantics (lookups, loads, stores, touches, events) to
+the index it composes, each part owning its state: ``Entries`` (keys, blocks, free list,
+unfinished stores, mirrored into the segment's block table and key index), the eviction
+``policy`` and the ``Evictor``, the blocks ``Grants`` hand clients ahead of their stores,
+``RunningRanks`` of running requests, and ``Outcomes`` (events and counters). It rebuilds the
+index from the table when it takes a segment over (``rebuild.py``). Exactly one
+LocalManager exists per segment: it holds the segment's owner lock. The owner process wraps
+it; single-process users may use it directly. It never copies block data.
 """
 from __future__ import annotations
 
 import os
 import time
-from collections import deque
 from typing import Callable, Sequence
 
-from kvshm.shm import keys as K
-from kvshm.shm import layout as L
-from kvshm.shm import locks
-from kvshm.shm import writers
+from kvshm.errors import (BlockStateError, InvalidArgumentError, OwnerUnavailableError,
+                          UnknownKeyError)
+from kvshm.index.access import ACCESS_KINDS, MISSED, RANKED
 from kvshm.index.api import (LookupResult, OffloadingEvent, OffloadingManager,
                              PrepareStoreOutput, Running)
-from kvshm.owner.eviction import Eviction
-from kvshm.owner.rebuild import Rebuild
-from kvshm.owner.grants import Grants
-from kvshm.errors import (BlockStateError, InvalidArgumentError, OwnerUnavailableError,
-                     UnknownKeyError)
-from kvshm.owner.policy import ACCESS_KINDS, MISSED, RANKED, CachePolicy, make_policy
-from kvshm.owner.running import RankOf, RunningRanks
-from kvshm.shm.segment import Segment
+from kvshm.shm import keys as K
+from kvshm.shm import layout as L
+from kvshm.shm import locks, writers
 from kvshm.shm.keyindex import KeyIndex
+from kvshm.shm.segment import Segment
 from kvshm.shm.table import BlockTable
+from kvshm.owner.entries import Client, Entries
+from kvshm.owner.eviction import Evictor, Held
+from kvshm.owner.grants import Grants
+from kvshm.owner.outcomes import Outcomes
+from kvshm.owner.policy import make_policy
+from kvshm.owner.rebuild import rebuild
+from kvshm.owner.running import RunningRanks
 
 Writer = tuple[int, int, int]  # (client slot, client generation, request id)
 LOCAL_WRITER: Writer = (-1, 0, 0)
 
 
-class _Entry:
-    """One cached key: everything ``LocalManager`` knows of it, in one place."""
-    __slots__ = ("block", "ready", "pins", "writer")
-
-    def __init__(self, block: int, ready: bool, writer: tuple[int, int] | None) -> None:
-        self.block = block
-        self.ready = ready
-        self.pins = 0  # load pins taken by prepare_load (only ready keys are pinned)
-        self.writer = writer  # (slot, gen) whose store is unfinished; None once ready
-
-
-class LocalManager(Rebuild, Eviction, OffloadingManager):
+class LocalManager(OffloadingManager):
     """In-process manager over a segment. Thread-unsafe: one caller (the owner loop).
 
     ``held(requester_slot)`` returns the blocks that clients hold against a store of that
@@ -62,8 +49,7 @@ class LocalManager(Rebuild, Eviction, OffloadingManager):
     """
 
     def __init__(self, segment: Segment, policy: str | None = None, *,
-                 enable_events: bool = False,
-                 held: Callable[[int], set[int]] | None = None,
+                 enable_events: bool = False, held: Held | None = None,
                  writer_alive: Callable[[int, int], bool] | None = None):
         if not locks.try_lock(segment.fd, L.LOCK_OWNER):
             raise OwnerUnavailableError(
@@ -72,65 +58,27 @@ class LocalManager(Rebuild, Eviction, OffloadingManager):
         self.segment = segment
         self.table = BlockTable(segment.buf, segment.geometry)
         self.index = KeyIndex(segment.buf, segment.geometry, self.table)
-        self.policy: CachePolicy = make_policy(policy or segment.policy,
-                                               segment.geometry.num_blocks)
-        self.enable_events = enable_events
-        self._held = held
-        self._events: list[OffloadingEvent] = []
-        self._entries: dict[bytes, _Entry] = {}
-        # writer (slot, gen) -> keys whose entry names it: kept by _adopt/_unpend only
-        self._pending: dict[tuple[int, int], set[bytes]] = {}
-        # Free blocks, granted oldest-freed first (popleft) and freed at the tail (append). A
-        # late writer still copying into a block freed under it (its store was failed or
-        # reclaimed) then lands in the block least likely to have been granted again.
-        self._free: deque[int] = deque()
-        # Dead writers (slot, gen) whose stores wait for their registered copying processes.
-        self.quarantined: set[tuple[int, int]] = set()
-        self.grants = Grants(self)  # blocks handed to clients ahead of their stores
-        self.running = RunningRanks(self.policy)  # provisional ranks of running requests
+        self.policy = make_policy(policy or segment.policy, segment.geometry.num_blocks)
         pid, epoch, _, tick = segment.owner_record()
         self.epoch = epoch + 1
-        self.tick = tick
+        self.entries = Entries(self.policy, self.table, self.index, tick)
+        self.outcomes = Outcomes(segment, enable_events)
+        self.evictor = Evictor(self.entries, self.outcomes, held)
+        self.running = RunningRanks(self.policy)  # provisional ranks of running requests
+        self.grants = Grants(self.entries, self.evictor, self.running, self.outcomes, segment)
+        # Dead writers (slot, gen) whose stores wait for their registered copying processes.
+        self.quarantined: set[Client] = set()
         client_alive = writer_alive or (lambda slot, gen: False)
-        self.recovered = self._rebuild(lambda slot, gen: client_alive(slot, gen)
-                                       or writers.alive(segment, slot, gen))
-        segment.write_owner_record(os.getpid(), self.epoch, time.time_ns(), self.tick)
+        self.recovered = rebuild(self.entries, self.grants, lambda slot, gen: client_alive(
+            slot, gen) or writers.alive(segment, slot, gen))
+        segment.write_owner_record(os.getpid(), self.epoch, time.time_ns(), self.entries.tick)
         if pid:  # the last owner died holding the segment (a clean exit writes pid 0)
             segment.counter_add("failovers")
 
-    def _adopt(self, block: int, key: bytes, writer: tuple[int, int] | None) -> None:
-        """Enter ``key`` at ``block``, most recent: ready without a writer, else pending for
-        ``writer``."""
-        self._adopt_many([block], [key], writer)
-
-    def _adopt_many(self, blocks: list[int], keys: list[bytes], writer: tuple[int, int] | None,
-                    rank_of: RankOf | None = None) -> None:
-        """``_adopt`` of every key (distinct, none entered) at its block: one pass each over
-        the entries, the policy and the index, as a batch of stores needs. With a running
-        request's ``rank_of``, each key is ranked as it is inserted, as ``_adopt`` one by one
-        would: the request takes its rank at its first key with a position, after the
-        fresh ranks of the keys before it."""
-        ready = writer is None
-        self._entries.update(zip(keys, [_Entry(b, ready, writer) for b in blocks]))
-        if writer is not None and keys:  # no empty record: nothing would ever remove it
-            self._pending.setdefault(writer, set()).update(keys)
-        if rank_of is None:
-            self.policy.insert_many(keys)
-        else:
-            for k in keys:
-                self.policy.insert(k, rank_of(k))
-        insert = self.index.insert
-        for k, b in zip(keys, blocks):
-            insert(k, b)
-
-    def _unpend(self, key: bytes, e: _Entry) -> None:
-        """The store of ``key`` is over (published or freed): forget its writer."""
-        if e.writer is not None:
-            keys = self._pending[e.writer]
-            keys.discard(key)
-            if not keys:
-                del self._pending[e.writer]
-            e.writer = None
+    @property
+    def tick(self) -> int:
+        """The eviction clock (saved in the owner record for the next owner)."""
+        return self.entries.tick
 
     # --- reads --------------------------------------------------------------------------
     def lookup(self, keys: Sequence[bytes]) -> int:
@@ -139,7 +87,7 @@ class LocalManager(Rebuild, Eviction, OffloadingManager):
         (the first miss, anything unhashable), so a list of bytes costs no extra pass."""
         if type(keys) is not list and type(keys) is not tuple:
             keys = K.key_seq(keys)
-        n, entries = 0, self._entries
+        n, entries = 0, self.entries.by_key
         try:
             for k in keys:
                 e = entries.get(k)
@@ -157,20 +105,20 @@ class LocalManager(Rebuild, Eviction, OffloadingManager):
     def key_status(self, key: bytes) -> LookupResult:
         if type(key) is not bytes:
             K.check_key(key)
-        e = self._entries.get(key)
+        e = self.entries.get(key)
         return LookupResult.MISS if e is None else \
             LookupResult.HIT if e.ready else LookupResult.PENDING
 
     def block_of(self, key: bytes) -> int | None:
-        e = self._entries.get(key)
+        e = self.entries.get(key)
         return None if e is None else e.block
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self.entries)
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self.entries.free)
 
     # --- loads --------------------------------------------------------------------------
     def prepare_load(self, keys: Sequence[bytes]) -> list[int]:
@@ -178,8 +126,7 @@ class LocalManager(Rebuild, Eviction, OffloadingManager):
             keys = K.key_seq(keys)
         for k in keys:
             K.check_key(k)
-            self._require_ready(k)
-        entries = [self._entries[k] for k in keys]
+        entries = [self.entries.require_ready(k) for k in keys]
         for e in entries:
             e.pins += 1
             self.table.set_pins(e.block, e.pins)
@@ -191,7 +138,7 @@ class LocalManager(Rebuild, Eviction, OffloadingManager):
         need: dict[bytes, int] = {}
         for k in keys:
             K.check_key(k)
-            e = self._entries.get(k)
+            e = self.entries.get(k)
             if e is None:
                 raise UnknownKeyError(f"complete_load of key {k.hex()[:16]}… which is not cached")
             need[k] = need.get(k, 0) + 1
@@ -199,7 +146,7 @@ class LocalManager(Rebuild, Eviction, OffloadingManager):
                 raise BlockStateError(
                     f"complete_load of key {k.hex()[:16]}… without a matching prepare_load")
         for k, n in need.items():
-            e = self._entries[k]
+            e = self.entries.by_key[k]
             e.pins -= n
             self.table.set_pins(e.block, e.pins)
 
@@ -214,12 +161,12 @@ class LocalManager(Rebuild, Eviction, OffloadingManager):
         rank_of = self.running.rank_of(running, client)
         if rank_of is not None and how is not None and RANKED in how:
             rank_of(None)  # vLLM: a request takes its rank at its first access, cached or not
-        self.tick += 1
-        entries = self._entries
+        tick = self.entries.tick = self.entries.tick + 1
+        entries = self.entries.by_key
         if how is None:  # last to first: the prefix head ends up most recent
             found = [(k, e) for k in keys[::-1] if (e := entries.get(k)) is not None]
             self.policy.touch_many([k for k, _ in found], [e.ready for _, e in found])
-            self.table.set_last_uses([e.block for _, e in found], self.tick)
+            self.table.set_last_uses([e.block for _, e in found], tick)
         else:
             used = []
             for i in range(len(keys) - 1, -1, -1):
@@ -228,7 +175,7 @@ class LocalManager(Rebuild, Eviction, OffloadingManager):
                 e = entries.get(k)  # a store miss (ghost) has no entry
                 if e is not None and h < MISSED:
                     used.append(e.block)
-            self.table.set_last_uses(used, self.tick)
+            self.table.set_last_uses(used, tick)
         self.running.end(running, client)
 
     # --- stores -------------------------------------------------------------------------
@@ -240,27 +187,28 @@ class LocalManager(Rebuild, Eviction, OffloadingManager):
         if not 0 <= writer[2] < 2**64:  # checked before anything changes (entry: u64)
             raise InvalidArgumentError(f"request id {writer[2]} is outside 0..2**64-1")
         rank_of = self.running.rank_of(running and running.for_store(), writer[:2])
-        new = list(dict.fromkeys(k for k in keys if k not in self._entries))
-        need = len(new) - len(self._free)
+        entries = self.entries
+        new = list(dict.fromkeys(k for k in keys if k not in entries))
+        need = len(new) - len(entries.free)
         evicted: list[bytes] = []
         if need > 0:
-            victims = self._evict(need, set(keys), writer[0])
+            victims = self.evictor.evict(need, set(keys), writer[0])
             if victims is None:
                 self.segment.counter_add("prepare_store_refused")
                 return None
             evicted = victims
-        self.tick += 1
+        entries.tick += 1
         slot, gen, req = writer
-        blocks = [self._free.popleft() for _ in new]
-        self.table.write_many(blocks, L.WRITING, new, slot, gen, req, self.tick)
-        self._adopt_many(blocks, new, (slot, gen), rank_of)
+        blocks = entries.take_free(len(new))
+        self.table.write_many(blocks, L.WRITING, new, slot, gen, req, entries.tick)
+        entries.adopt_many(blocks, new, (slot, gen), rank_of)
         return PrepareStoreOutput(new, blocks, evicted)
 
     def pending_of(self, writer: Writer, request: int | None = None) -> list[tuple[bytes, int]]:
         """(key, block) of ``writer``'s unfinished stores, optionally of one request only."""
         out = []
-        for k in self._pending.get(writer[:2], ()):
-            b = self._entries[k].block
+        for k in self.entries.pending.get(writer[:2], ()):
+            b = self.entries.by_key[k].block
             e = self.table.read(b) if request is not None else None
             # A torn read (only damage can cause one: we are the entry's only writer, and the
             # rebuild settled what a dead owner left) cannot name its request; the key is this
@@ -286,8 +234,9 @@ class LocalManager(Rebuild, Eviction, OffloadingManager):
         K.check_keys(keys)
         if running is not None:
             running.for_store()  # (its ranks were applied by prepare_store)
+        entries = self.entries
         for k in keys:
-            e = self._entries.get(k)
+            e = entries.get(k)
             if e is None:
                 problem = problem or UnknownKeyError(
                     f"complete_store of key {k.hex()[:16]}… which is not cached (never "
@@ -301,29 +250,19 @@ class LocalManager(Rebuild, Eviction, OffloadingManager):
                         "another writer")
         done, blocks = [], []
         if not success:
-            self._drop_many(list(dict.fromkeys(todo)))
+            self._drop(list(dict.fromkeys(todo)))
         for k in dict.fromkeys(todo) if success else ():
-            e = self._entries[k]
-            self._unpend(k, e)
+            e = entries.by_key[k]
+            entries.unpend(k, e)
             e.ready = True
             done.append(k)
             blocks.append(e.block)
-        self.table.publish_many(blocks, self.tick, time.time_ns())
+        self.table.publish_many(blocks, entries.tick, time.time_ns())
         for k in done if self.grants.deferred else ():
             self.grants.resolve(k)  # a completed grant store of k waited for this one
-        self._stored(done, success, len(todo))
+        self.outcomes.stored(done, success, len(todo))
         if problem is not None:
             raise problem
-
-    def _stored(self, done: list[bytes], success: bool, failed: int) -> None:
-        """Count a completion (and report its keys): ``done`` published, ``failed`` freed."""
-        if success:
-            self.segment.counter_add("stores")
-            self.segment.counter_add("store_blocks", len(done))
-            if self.enable_events and done:
-                self._events.append(OffloadingEvent(done, removed=False))
-        else:
-            self.segment.counter_add("store_failed_blocks", failed)
 
     def reclaim_writer(self, slot: int, gen: int) -> int:
         """Free every unfinished store of a writer that died. Returns the block count.
@@ -336,15 +275,15 @@ class LocalManager(Rebuild, Eviction, OffloadingManager):
         if w not in self.quarantined:  # a retry for a quarantined writer finds nothing
             self.running.drop_client(slot, gen)  # (a scan of every running request)
         # Quarantine: keep the blocks while a registered copier of (slot, gen) lives
-        held = len(self._pending.get(w, ())) + len(self.grants.blocks.get(w, ()))
+        held = len(self.entries.pending.get(w, ())) + len(self.grants.blocks.get(w, ()))
         if held and writers.alive(self.segment, slot, gen):
             if w not in self.quarantined:
                 self.quarantined.add(w)
                 self.segment.counter_add("quarantined_blocks", held)
             return 0
         self.quarantined.discard(w)
-        keys = list(self._pending.get(w, ()))
-        self._drop_many(keys)  # also takes them out of the writer index
+        keys = list(self.entries.pending.get(w, ()))
+        self._drop(keys)  # also takes them out of the writer index
         return len(keys) + self.grants.free(w)
 
     # The owner's periodic retry of quarantined (and rebuilt orphan) stores
@@ -352,39 +291,21 @@ class LocalManager(Rebuild, Eviction, OffloadingManager):
         """``reclaim_writer`` for every pending writer whose client is gone (quarantined ones,
         and those a rebuild kept for a registered copier). Returns the blocks freed."""
         return sum(self.reclaim_writer(slot, gen)
-                   for slot, gen in {*self._pending, *self.grants.blocks}
+                   for slot, gen in {*self.entries.pending, *self.grants.blocks}
                    if slot >= 0 and not client_alive(slot, gen))
 
-    def _drop_many(self, keys: list[bytes]) -> None:
-        """Forget every key (distinct) and free its block, the table's entries in one batch
-        write (no eviction bookkeeping: an eviction's victims, failed or reclaimed stores).
-        A deferred completed store waiting for an unfinished one of these keys is resolved."""
-        gone = [self._entries.pop(k) for k in keys]
-        policy, remove = self.policy, self.index.remove
-        for k, e in zip(keys, gone):
-            self._unpend(k, e)
-            if k in policy:
-                policy.remove(k)
-            remove(k, e.block)
-        blocks = [e.block for e in gone]
-        self.table.write_many(blocks, L.FREE)
-        self._free.extend(blocks)
+    def _drop(self, keys: list[bytes]) -> None:
+        """Forget unfinished stores of ``keys`` (failed or reclaimed) and free their blocks;
+        a completed store deferred behind one of them is resolved."""
+        gone = self.entries.drop_many(keys)
         if self.grants.deferred:
             for k, e in zip(keys, gone):
                 if not e.ready and k in self.grants.deferred:
                     self.grants.resolve(k)
 
-    def _require_ready(self, key: bytes) -> None:
-        e = self._entries.get(key)
-        if e is None:
-            raise UnknownKeyError(f"key {key.hex()[:16]}… is not cached; lookup() first")
-        if not e.ready:
-            raise BlockStateError(f"key {key.hex()[:16]}… is still being stored; retry later")
-
     # --- events and shutdown ------------------------------------------------------------
     def take_events(self) -> list[OffloadingEvent]:
-        ev, self._events = self._events, []
-        return ev
+        return self.outcomes.take()
 
     def shutdown(self) -> None:
         """Give up ownership; the table keeps the cache for the next owner."""

@@ -4,94 +4,82 @@ This module owns what a new owner trusts of the table: READY entries whose key c
 verifies are adopted (oldest use first, so recency survives a failover), the unfinished
 stores of live writers stay pending, blocks granted to live clients stay granted, completed
 stores a dead owner deferred are remembered, and everything else (torn keys, dead writers'
-stores, duplicates of a damaged table) is freed. It is a mixin over ``LocalManager``'s state;
+stores, duplicates of a damaged table) is freed. It fills a fresh ``Entries`` and ``Grants``;
 it never rewrites a key it keeps and never copies block data.
 """
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 from kvshm.crashpoints import crash_point
 from kvshm.shm import layout as L
-
-if TYPE_CHECKING:
-    from kvshm.owner.grants import Grants
-    from kvshm.owner.manager import _Entry
-    from kvshm.shm.keyindex import KeyIndex
-    from kvshm.shm.table import BlockTable
+from kvshm.owner.entries import Entries
+from kvshm.owner.grants import Grants
 
 
-class Rebuild:
-    """The rebuild of ``LocalManager`` (which provides the attributes below)."""
+def rebuild(entries: Entries, grants: Grants, writer_alive: Callable[[int, int], bool]
+            ) -> dict[str, int]:
+    """Adopt the table into the empty ``entries`` and ``grants``: ready blocks stay, stores of
+    dead writers and torn keys are freed. Returns what it found, by kind.
 
-    _entries: dict[bytes, "_Entry"]
-    _free: deque[int]
-    table: "BlockTable"
-    index: "KeyIndex"
-    grants: "Grants"
-    tick: int
-    _adopt: Callable[..., None]
-
-    def _rebuild(self, writer_alive: Callable[[int, int], bool]) -> dict[str, int]:
-        """Adopt the table: ready blocks stay, stores of dead writers and torn keys are freed.
-
-        It never rewrites a key it keeps: a kept entry only gets its state, writer and pins
-        reset by word stores (``reset_ready``), so an owner dying in here cannot tear a key.
-        """
-        ready, kept, freed, torn_keys, free = [], 0, 0, 0, []
-        writing: list[tuple[int, bytes, tuple[int, int]]] = []
-        self.index.clear()
-        for b in range(self.table.num_blocks):
-            # A dead owner may have left an entry mid-rewrite (odd seq: readers would report
-            # it torn forever). Settle it, then trust its key only if the checksum written
-            # with the key still verifies: a rewrite killed halfway may have changed any of
-            # the key bytes under an unchanged READY state.
-            torn = self.table.settle(b)
-            e = self.table.read(b)
-            if e.state != L.FREE and (e.torn or not e.key_ok):
-                torn_keys += 1  # never published: its key is neither the old nor the new one
-            elif e.state in (L.READY, L.EVICTING) and e.key:
-                ready.append((e.last_use, b, e.key, e))
-                continue
-            elif e.state == L.GRANTED and e.key and not torn and \
-                    e.key not in self.grants.deferred:
-                self.grants.deferred[e.key] = b  # a completed store a dead owner deferred
-                continue
-            elif e.state in (L.WRITING, L.GRANTED) and not torn and e.writer >= 0 and \
-                    not (e.state == L.GRANTED and e.key) and writer_alive(e.writer, e.writer_gen):
-                if e.state == L.GRANTED:
-                    self.grants.adopt(b, (e.writer, e.writer_gen), e.writer_req)
-                else:
-                    writing.append((b, e.key, (e.writer, e.writer_gen)))
-                continue
-            # a torn WRITING entry's store was never answered, a dead writer's never ends
-            if e.state != L.FREE or torn:
-                self.table.write(b, L.FREE, b"")
-                freed += e.state != L.FREE
+    It never rewrites a key it keeps: a kept entry only gets its state, writer and pins
+    reset by word stores (``reset_ready``), so an owner dying in here cannot tear a key.
+    """
+    table, by_key = entries.table, entries.by_key
+    ready, kept, freed, torn_keys, free = [], 0, 0, 0, []
+    writing: list[tuple[int, bytes, tuple[int, int]]] = []
+    entries.index.clear()
+    for b in range(table.num_blocks):
+        # A dead owner may have left an entry mid-rewrite (odd seq: readers would report
+        # it torn forever). Settle it, then trust its key only if the checksum written
+        # with the key still verifies: a rewrite killed halfway may have changed any of
+        # the key bytes under an unchanged READY state.
+        torn = table.settle(b)
+        e = table.read(b)
+        if e.state != L.FREE and (e.torn or not e.key_ok):
+            torn_keys += 1  # never published: its key is neither the old nor the new one
+        elif e.state in (L.READY, L.EVICTING) and e.key:
+            ready.append((e.last_use, b, e.key, e))
+            continue
+        elif e.state == L.GRANTED and e.key and not torn and \
+                e.key not in grants.deferred:
+            grants.deferred[e.key] = b  # a completed store a dead owner deferred
+            continue
+        elif e.state in (L.WRITING, L.GRANTED) and not torn and e.writer >= 0 and \
+                not (e.state == L.GRANTED and e.key) and writer_alive(e.writer, e.writer_gen):
+            if e.state == L.GRANTED:
+                grants.adopt(b, (e.writer, e.writer_gen), e.writer_req)
+            else:
+                writing.append((b, e.key, (e.writer, e.writer_gen)))
+            continue
+        # a torn WRITING entry's store was never answered, a dead writer's never ends
+        if e.state != L.FREE or torn:
+            table.write(b, L.FREE, b"")
+            freed += e.state != L.FREE
+        free.append(b)
+    for last_use, b, key, e in sorted(ready):  # oldest first: recency survives failover
+        if key in by_key:  # a duplicate can only come from a damaged table
+            table.write(b, L.FREE, b"")
             free.append(b)
-        for last_use, b, key, e in sorted(ready):  # oldest first: recency survives failover
-            if key in self._entries:  # a duplicate can only come from a damaged table
-                self.table.write(b, L.FREE, b"")
-                free.append(b)
-                continue
-            if e.state != L.READY or e.writer != -1 or e.pins:
-                self.table.reset_ready(b)
-            if len(self._entries) == len(ready) // 2:
-                crash_point("owner.rebuild.mid")
-            self._adopt(b, key, None)
-            self.tick = max(self.tick, last_use)
-        for b, key, writer in writing:  # after the ready ones: a duplicate key (a damaged
-            if key in self._entries:    # table) keeps its published bytes, never a store's
-                self.table.write(b, L.FREE, b"")
-                free.append(b)
-                freed += 1
-                continue
-            self._adopt(b, key, writer)
-            kept += 1
-        self._free = deque(sorted(free))  # low block ids first, like vLLM's CPU backend
-        for key in list(self.grants.deferred):  # deferred behind a store that is over now
-            e = self._entries.get(key)
-            if e is None or e.ready:
-                self.grants.resolve(key)
-        return {"ready": len(ready), "pending": kept, "freed": freed, "torn": torn_keys}
+            continue
+        if e.state != L.READY or e.writer != -1 or e.pins:
+            table.reset_ready(b)
+        if len(by_key) == len(ready) // 2:
+            crash_point("owner.rebuild.mid")
+        entries.adopt(b, key, None)
+        entries.tick = max(entries.tick, last_use)
+    for b, key, writer in writing:  # after the ready ones: a duplicate key (a damaged
+        if key in by_key:           # table) keeps its published bytes, never a store's
+            table.write(b, L.FREE, b"")
+            free.append(b)
+            freed += 1
+            continue
+        entries.adopt(b, key, writer)
+        kept += 1
+    entries.free = deque(sorted(free))  # low block ids first, like vLLM's CPU backend
+    for key in list(grants.deferred):  # deferred behind a store that is over now
+        behind = by_key.get(key)
+        if behind is None or behind.ready:
+            grants.resolve(key)
+    return {"ready": len(ready), "pending": kept, "freed": freed, "torn": torn_keys}

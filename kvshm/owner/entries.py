@@ -1,0 +1,125 @@
+"""The owner's entries: which key sits in which block, and which blocks are free.
+
+This module owns the index's state (one ``Entry`` per cached key: block, readiness, load
+pins, the writer of an unfinished store; the free list; the writer -> keys map of unfinished
+stores, for reclaiming a dead writer's) and the eviction clock, and keeps its mirrors in step
+with every change: the eviction policy's order, the block table and the key index in the
+segment, which other processes read and a successor rebuilds from. It applies no manager
+semantics (``manager.py`` does), chooses no victim (``eviction.py``) and copies no block data.
+"""
+from __future__ import annotations
+
+from collections import deque
+from typing import Iterable
+
+from kvshm.errors import BlockStateError, UnknownKeyError
+from kvshm.shm import layout as L
+from kvshm.shm.keyindex import KeyIndex
+from kvshm.shm.table import BlockTable
+from kvshm.owner.policy import CachePolicy
+from kvshm.owner.running import RankOf
+
+Client = tuple[int, int]  # (client slot, client generation): who writes a block
+
+
+class Entry:
+    """One cached key: everything the owner knows of it, in one place."""
+    __slots__ = ("block", "ready", "pins", "writer")
+
+    def __init__(self, block: int, ready: bool, writer: Client | None) -> None:
+        self.block = block
+        self.ready = ready
+        self.pins = 0  # load pins taken by prepare_load (only ready keys are pinned)
+        self.writer = writer  # (slot, gen) whose store is unfinished; None once ready
+
+
+class Entries:
+    """The cached keys of one segment, mirrored into ``policy``, ``table`` and ``index``."""
+
+    def __init__(self, policy: CachePolicy, table: BlockTable, index: KeyIndex,
+                 tick: int) -> None:
+        self.policy, self.table, self.index = policy, table, index
+        self.by_key: dict[bytes, Entry] = {}
+        # writer (slot, gen) -> keys whose entry names it: kept by adopt_many/unpend only
+        self.pending: dict[Client, set[bytes]] = {}
+        # Free blocks, granted oldest-freed first (popleft) and freed at the tail (append). A
+        # late writer still copying into a block freed under it (its store was failed or
+        # reclaimed) then lands in the block least likely to have been granted again.
+        self.free: deque[int] = deque()
+        self.tick = tick  # the eviction clock: +1 per touch, store or publish; in last_use
+
+    def __len__(self) -> int:
+        return len(self.by_key)
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self.by_key
+
+    def get(self, key: bytes) -> Entry | None:
+        return self.by_key.get(key)
+
+    def require_ready(self, key: bytes) -> Entry:
+        e = self.by_key.get(key)
+        if e is None:
+            raise UnknownKeyError(f"key {key.hex()[:16]}… is not cached; lookup() first")
+        if not e.ready:
+            raise BlockStateError(f"key {key.hex()[:16]}… is still being stored; retry later")
+        return e
+
+    def adopt(self, block: int, key: bytes, writer: Client | None) -> None:
+        """Enter ``key`` at ``block``, most recent: ready without a writer, else pending for
+        ``writer``."""
+        self.adopt_many([block], [key], writer)
+
+    def adopt_many(self, blocks: list[int], keys: list[bytes], writer: Client | None,
+                   rank_of: RankOf | None = None) -> None:
+        """``adopt`` of every key (distinct, none entered) at its block: one pass each over
+        the entries, the policy and the index, as a batch of stores needs. With a running
+        request's ``rank_of``, each key is ranked as it is inserted, as ``adopt`` one by one
+        would: the request takes its rank at its first key with a position, after the
+        fresh ranks of the keys before it. The table entries are the caller's to write."""
+        ready = writer is None
+        self.by_key.update(zip(keys, [Entry(b, ready, writer) for b in blocks]))
+        if writer is not None and keys:  # no empty record: nothing would ever remove it
+            self.pending.setdefault(writer, set()).update(keys)
+        if rank_of is None:
+            self.policy.insert_many(keys)
+        else:
+            for k in keys:
+                self.policy.insert(k, rank_of(k))
+        insert = self.index.insert
+        for k, b in zip(keys, blocks):
+            insert(k, b)
+
+    def unpend(self, key: bytes, e: Entry) -> None:
+        """The store of ``key`` is over (published or freed): forget its writer."""
+        if e.writer is not None:
+            keys = self.pending[e.writer]
+            keys.discard(key)
+            if not keys:
+                del self.pending[e.writer]
+            e.writer = None
+
+    def drop_many(self, keys: list[bytes]) -> list[Entry]:
+        """Forget every key (distinct) and free its block, the table's entries in one batch
+        write (no eviction bookkeeping: an eviction's victims, failed or reclaimed stores).
+        Returns their entries, as they were."""
+        gone = [self.by_key.pop(k) for k in keys]
+        policy, remove = self.policy, self.index.remove
+        for k, e in zip(keys, gone):
+            self.unpend(k, e)
+            if k in policy:
+                policy.remove(k)
+            remove(k, e.block)
+        self.release([e.block for e in gone])
+        return gone
+
+    def take_free(self, n: int) -> list[int]:
+        """``n`` free blocks, oldest freed first (the caller checked there are enough)."""
+        popleft = self.free.popleft
+        return [popleft() for _ in range(n)]
+
+    def release(self, blocks: Iterable[int]) -> None:
+        """Blocks that hold nothing any more: FREE in the table, then on the free list."""
+        blocks = list(blocks)
+        self.table.write_many(blocks, L.FREE)
+        self.free.extend(blocks)
