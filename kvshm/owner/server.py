@@ -1,10 +1,11 @@
 """The owner process: serves every client's request ring from one authoritative index.
 
 This module owns the serving loop: it holds the segment's ``LocalManager`` (and with it the
-kernel-released owner lock), answers the frames clients put on their request rings, learns
-which clients are alive, and reclaims what dead ones held. One doorbell wakes it for all
-clients. It must never crash on a bad frame (every failure becomes an ``Error`` reply) and
-never copies block data.
+kernel-released owner lock) and answers the frames clients put on their request rings,
+exactly once (the served record, told in ``client/owner_link.py``), goodbyes included; the
+clients themselves, alive or dead, are the ``Roster``'s, what each request does is
+``requests.py``'s. One doorbell wakes it for all clients. It must never crash on a bad frame
+(every failure becomes an ``Error`` reply) and never copies block data.
 
 Run ``python -m kvshm.owner NAME`` (what clients start on demand) or ``kvshm serve NAME``.
 """
@@ -17,21 +18,20 @@ import sys
 import time
 
 import msgspec
-import numpy as np
 
-from kvshm.shm import layout as L
-from kvshm.shm import locks
-from kvshm.index import protocol as P
-from kvshm.shm import slots
-from kvshm.errors import KvshmError, OwnerUnavailableError, SegmentNotFoundError
 from kvshm.crashpoints import crash_point
-from kvshm.shm.fence import full_fence
-from kvshm.owner.grants import grant_budget, grant_target, stock
-from kvshm.owner.manager import LocalManager
-from kvshm.owner.requests import RequestHandlers, _Client
-from kvshm.owner.spin import SpinPolicy
+from kvshm.errors import KvshmError, OwnerUnavailableError
+from kvshm.index import protocol as P
+from kvshm.shm import layout as L
+from kvshm.shm import slots
 from kvshm.shm.ring import Doorbell
 from kvshm.shm.segment import Segment
+from kvshm.owner.clients import Client
+from kvshm.owner.grants import grant_budget, grant_target, stock
+from kvshm.owner.manager import LocalManager
+from kvshm.owner.requests import Handlers
+from kvshm.owner.roster import Roster
+from kvshm.owner.spin import SpinPolicy
 
 log = logging.getLogger("kvshm.owner")
 # The one default for 'kvshm serve' and 'python -m kvshm.owner' (an auto-started
@@ -40,161 +40,60 @@ DEFAULT_LOG_LEVEL = "INFO"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 SCAN_INTERVAL_S = 0.2  # a dead client is reclaimed within about this long
-# Slots an owner serves: clients, and clients a dead predecessor was saying goodbye to
-# (their goodbye is still at the head of their ring and is finished like any request).
-_SERVED = (L.SlotState.CLIENT, L.SlotState.LEAVING)
 FRAMES_PER_PASS = 64  # per client and pass: one busy client cannot starve the others
 MAX_ATTEMPTS = 3  # owners that may die executing one request before it is dropped
 
 
-class Owner(RequestHandlers):
+class Owner:
     """Serve segment ``name`` until ``stop()`` or until the segment is unlinked."""
 
     def __init__(self, name: str, *, idle_exit_s: float | None = None):
         self.seg = Segment.attach(name)
-        self.clients: dict[int, _Client] = {}
+        self.roster = Roster(self.seg)
         try:  # (a segment removed meanwhile) its descriptor holds the owner lock: close it
-            self.manager = LocalManager(self.seg, enable_events=True, held=self._held,
-                                        writer_alive=self._writer_alive)
+            self.manager = LocalManager(self.seg, enable_events=True, held=self.roster.held,
+                                        writer_alive=self.roster.writer_alive)
             self.bell = Doorbell(self.seg.buf[L.OFF_OWNER_BELL:L.OFF_OWNER_BELL + 8],
                                  self.seg.object_name("owner"), like_fd=self.seg.fd)
         except BaseException:
             self.seg.close()
             raise
         self.epoch = self.manager.epoch
+        self.handlers = Handlers(self.seg, self.manager, self.roster.clients)
         self._max_keys = 4 * self.seg.geometry.num_blocks + 65536  # per request
         self.bell.drain()  # a predecessor that died asleep leaves stale posts behind
         self.idle_exit_s = idle_exit_s
         self._running = True
-        self._last_client = time.monotonic()
-        self._handlers = {
-            P.Hello: self._hello, P.PrepareStore: self._prepare_store,
-            P.CompleteStore: self._complete_store, P.Touch: self._touch,
-            P.Publish: self._publish, P.TakeEvents: self._take_events,
-        }
         self._grant_target = grant_target(self.seg.geometry)
         self._grant_budget = grant_budget(self.seg.geometry)
         self._newcomer = self.seg.buf[L.OFF_NEWCOMER:L.OFF_NEWCOMER + 8].cast("Q")
         # Clients attached before a failover keep working; slots of the dead are cleared.
         self._discover()
-        self._reclaim_unadopted()
+        self.roster.reclaim_unadopted(self.manager)
         log.info("owner of %s (epoch %d): %s", name, self.epoch, self.manager.recovered)
 
-    # --- liveness -----------------------------------------------------------------------
-    def _writer_alive(self, slot: int, gen: int) -> bool:
-        return 0 <= slot < self.seg.geometry.max_clients and \
-            locks.is_held(self.seg.fd, L.LOCK_CLIENT_BASE + slot) and \
-            slots.record(self.seg, slot).gen == gen
-
-    def _held(self, requester: int) -> set[int]:
-        """Blocks that adopted clients hold (dead and quarantined ones too, until reclaimed):
-        all pins, and the leases of clients other than ``requester`` — a client's own lookups
-        do not stop its own stores, exactly as in a private cache."""
-        parts = []
-        for c in self.clients.values():
-            h = c.holds
-            if c.slot == requester:
-                parts.append(h[h >= 0])
-            else:
-                h = h[h != -1]
-                parts.append(L.held_block(h))
-        if not parts:
-            return set()
-        return set(np.concatenate(parts).tolist())
+    def _discover(self) -> None:
+        self.roster.discover(self.manager, self._newcomer)
+        if self.roster.removed:  # no client has a future here
+            self._running = False
 
     def _scan(self) -> None:
-        for slot, c in list(self.clients.items()):
-            if not self._writer_alive(slot, c.gen):
-                self._reclaim(slot, c.gen)
-        # Free quarantined stores whose copiers are gone.
-        self.seg.counter_add("reclaimed_blocks",
-                             self.manager.reclaim_dead_writers(self._writer_alive))
-        self._reclaim_unadopted()
-        if not self.clients and self.idle_exit_s is not None and \
-                time.monotonic() - self._last_client > self.idle_exit_s:
+        self.roster.scan(self.manager)
+        if not self.roster.clients and self.idle_exit_s is not None and \
+                time.monotonic() - self.roster.last_client > self.idle_exit_s:
             log.info("no client for %gs: exiting", self.idle_exit_s)
             self._running = False
         if self.seg.removed():  # (perhaps replaced) no future clients: stop serving it
             self._running = False
 
-    def _reclaim_unadopted(self) -> None:
-        """Dead slots we never adopted (a client killed before its hello was served, a job
-        channel whose scheduler died) go back to FREE: nobody else clears them while we live."""
-        for slot in range(self.seg.geometry.max_clients):
-            if slot in self.clients:
-                continue
-            rec = slots.record(self.seg, slot)
-            if rec.state in _SERVED and not self._writer_alive(slot, rec.gen):
-                self._reclaim(slot, rec.gen)
-            elif rec.state == L.SlotState.CHANNEL:  # holds nothing of ours: it just goes FREE
-                slots.clear_if_dead(self.seg, slot, rec.gen)
-
-    def _retire_counters(self, slot: int) -> None:
-        """Fold a leaving client's own counters into the segment's totals."""
-        ctr = slots.counters(self.seg, slot)
-        for name, value in zip(L.SLOT_COUNTERS, ctr.tolist()):
-            self.seg.counter_add(f"gone_{name}", value)
-        ctr[:] = 0  # folded once, whoever retires it again
-
-    def _drop_client(self, slot: int) -> None:
-        c = self.clients.pop(slot, None)
-        if c is not None:
-            c.close()
-
-    def _reclaim(self, slot: int, gen: int) -> None:
-        """Release everything a dead client held, then free its slot (after we stopped
-        reading its rings, so nobody can re-format them under us)."""
-        if slots.record(self.seg, slot).gen == gen:
-            self._retire_counters(slot)
-        self._drop_client(slot)
-        self._last_client = time.monotonic()
-        freed = self.manager.reclaim_writer(slot, gen)
-        crash_point("owner.reclaim.mid")
-        slots.clear_if_dead(self.seg, slot, gen)
-        self.seg.counter_add("reclaimed_clients")
-        self.seg.counter_add("reclaimed_blocks", freed)
-        log.info("reclaimed client slot %d gen %d: %d unfinished stores freed", slot, gen, freed)
-
-    def _quarantine(self, c: _Client, why: str) -> None:
-        """Stop reading a client we cannot parse. Its holds still count while it lives."""
-        c.quarantined = True
-        c.served[L.SERVED_QUARANTINED] = 1  # its calls fail at once, not at their timeout
-        c.unsent = []
-        self.seg.counter_add("errors")
-        log.warning("client slot %d gen %d quarantined: %s", c.slot, c.gen, why)
-
     # --- serving ------------------------------------------------------------------------
     def _pending(self) -> bool:
         if self._newcomer[0]:
             return True
-        for c in self.clients.values():
+        for c in self.roster.clients.values():
             if not (c.quarantined or c.unsent) and c.requests.pending():
                 return True
         return False
-
-    def _discover(self) -> None:
-        """Adopt slots activated since we last looked (their hello waits on their ring)."""
-        self._newcomer[0] = 0
-        full_fence()  # clear the flag before reading states, or a newcomer could be missed
-        g = self.seg.geometry
-        for slot in range(g.max_clients):
-            if slot not in self.clients:
-                rec = slots.record(self.seg, slot)
-                if rec.state in _SERVED and self._writer_alive(slot, rec.gen):
-                    try:
-                        c = self.clients[slot] = _Client(self.seg, slot, rec.gen, False)
-                    except SegmentNotFoundError:  # removed: no client has a future here
-                        self._running = False
-                        return
-                    if c.quarantined:
-                        self._quarantine(c, c.why)
-                    # a client a predecessor stocked keeps being stocked (not one leaving);
-                    # blocks it died handing over never reached the client: free them
-                    granted = int(c.grant_words[L.GRANT_WORD_GRANTED])
-                    c.stores = bool(granted) and c.grants and rec.state == L.SlotState.CLIENT
-                    self.manager.grants.settle(slot, rec.gen, granted,
-                                               int(c.grant_words[L.GRANT_WORD_TAKEN]))
-                    self._last_client = time.monotonic()
 
     def serve_once(self) -> int:
         """Answer what waits now, at most ``FRAMES_PER_PASS`` frames per client (so one
@@ -202,7 +101,8 @@ class Owner(RequestHandlers):
         n = t0 = 0
         if self._newcomer[0]:
             self._discover()
-        for c in list(self.clients.values()):
+        clients = self.roster.clients
+        for c in list(clients.values()):
             if c.quarantined or (c.unsent and not self._flush(c)):
                 continue
             for _ in range(FRAMES_PER_PASS):
@@ -213,13 +113,13 @@ class Owner(RequestHandlers):
                     frame = view.tobytes()
                     view.release()
                 except KvshmError as e:  # the client scribbled over its own ring
-                    self._quarantine(c, f"request ring unreadable ({e})")
+                    self.roster.quarantine(c, f"request ring unreadable ({e})")
                     break
                 if not n:  # the CPU clock is a system call: read it only for a busy pass
                     t0 = time.thread_time_ns()
                 n += 1
                 self._serve_frame(c, frame)
-                if self.clients.get(c.slot) is not c or c.quarantined or c.unsent:
+                if clients.get(c.slot) is not c or c.quarantined or c.unsent:
                     break  # gone (goodbye), unusable, or its reply waits for room
         if n:
             self._refill()
@@ -235,7 +135,7 @@ class Owner(RequestHandlers):
             return
         grants = self.manager.grants
         room = self._grant_budget - grants.held()  # what may still be granted, to anyone
-        for c in list(self.clients.values()):
+        for c in list(self.roster.clients.values()):
             if not c.stores or c.quarantined:
                 continue
             try:
@@ -246,12 +146,12 @@ class Owner(RequestHandlers):
             else:
                 why = "its grant ring counts are impossible"
             if n is None:
-                self._quarantine(c, why)
+                self.roster.quarantine(c, why)
             else:
                 room -= n
-        self._fan_out()
+        self.handlers.fan_out()
 
-    def _serve_frame(self, c: _Client, frame: bytes) -> None:
+    def _serve_frame(self, c: Client, frame: bytes) -> None:
         """One frame, exactly once: record it consumed, execute, reply, record it answered,
         and only then release it from the request ring (see ``owner_link.py``)."""
         try:
@@ -316,7 +216,7 @@ class Owner(RequestHandlers):
         else:
             c.requests.advance()
 
-    def _begin_one_way(self, c: _Client) -> bool:
+    def _begin_one_way(self, c: Client) -> bool:
         """Record that an owner begins the one-way frame at the head of ``c``'s request ring
         (known by its position: it has no id), or drop it (False) if it killed the last
         ``MAX_ATTEMPTS`` owners that began it: no reply can fail it, so without this count
@@ -333,10 +233,10 @@ class Owner(RequestHandlers):
         crash_point("owner.one_way.after_begin")
         return True
 
-    def _execute(self, c: _Client, msg: P._Msg, replay: bool) -> list[P._Msg]:
+    def _execute(self, c: Client, msg: P._Msg, replay: bool) -> list[P._Msg]:
         req = msg.req
         try:
-            return self._handlers[type(msg)](c, msg, replay)
+            return self.handlers.handle(c, msg, replay)
         except KvshmError as e:
             self.seg.counter_add("errors")
             return [P.error_reply(req, self.epoch, e)]
@@ -346,11 +246,11 @@ class Owner(RequestHandlers):
             return [P.Error(req, self.epoch, "ProtocolError",
                             f"owner could not apply request: {e!r}")]
 
-    def _answer(self, c: _Client, req: int, replies: list[P._Msg]) -> None:
+    def _answer(self, c: Client, req: int, replies: list[P._Msg]) -> None:
         c.unsent_req = req
         self._reply(c, req, replies)
 
-    def _reply(self, c: _Client, req: int, replies: list[P._Msg]) -> None:
+    def _reply(self, c: Client, req: int, replies: list[P._Msg]) -> None:
         frames = []
         for r in replies:
             frame = P.reply_encoder.encode(r)
@@ -363,7 +263,7 @@ class Owner(RequestHandlers):
         c.unsent = frames
         self._flush(c)
 
-    def _flush(self, c: _Client) -> bool:
+    def _flush(self, c: Client) -> bool:
         """Put what waits for ``c``'s reply ring; never blocks. True once all is out, the
         request is recorded answered and released from the request ring."""
         try:
@@ -373,7 +273,7 @@ class Owner(RequestHandlers):
                     return False  # it does not drain its replies: try again next pass
                 c.unsent.pop(0)
         except KvshmError as e:
-            self._quarantine(c, f"reply ring unusable ({e})")
+            self.roster.quarantine(c, f"reply ring unusable ({e})")
             return False
         c.bell.ring()
         if c.unsent_req:
@@ -382,6 +282,22 @@ class Owner(RequestHandlers):
             c.requests.advance()
             c.unsent_req = 0
         return True
+
+    def _goodbye(self, c: Client, m: P.Bye) -> None:
+        """Free the client's unfinished stores, answer, forget it and free its slot — in
+        that order. Recorded like any request, so a successor finishes a goodbye its
+        predecessor died in. The slot is cleared last: while the record says CLIENT nobody
+        may claim it, so the reply cannot land in a newcomer's freshly formatted ring. It
+        is marked LEAVING first: a copy worker that registers from then on sees the client's
+        generation dead and copies nothing, so the registry read by ``reclaim_writer``
+        cannot miss a worker about to copy (the same order as for a death)."""
+        slots.leave(self.seg, c.slot)
+        self.manager.reclaim_writer(c.slot, c.gen)
+        crash_point("owner.goodbye.mid")
+        self.roster.retire_counters(c.slot)
+        self._answer(c, m.req, [P.Ok(m.req, self.epoch)])  # if it does not fit, the client
+        self.roster.drop(c.slot)                           # times out and goes all the same
+        slots.clear(self.seg, c.slot, c.gen)
 
     def run(self) -> None:
         next_scan = 0.0
@@ -409,8 +325,7 @@ class Owner(RequestHandlers):
 
     def close(self) -> None:
         self.manager.shutdown()
-        for c in self.clients.values():
-            c.close()
+        self.roster.close()
         self.bell.close()
         self._newcomer.release()
         self.seg.close()

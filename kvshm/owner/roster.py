@@ -1,0 +1,153 @@
+"""The clients an owner serves: adopting them, telling the living from the dead, reclaiming.
+
+This module owns the owner's set of adopted clients (one ``Client`` per slot generation): it
+adopts slots activated since it last looked (``discover``), decides liveness by the slot's
+kernel lock and generation (never by a pid), gives back everything a dead client held
+(its unfinished stores and grants through the manager, its counters into the segment's
+totals, its slot last), and quarantines a client whose rings or doorbell it cannot use. It
+also answers which blocks clients hold against a store (``held``). It reads no request frame
+and never blocks on a client.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+
+from kvshm.crashpoints import crash_point
+from kvshm.errors import SegmentNotFoundError
+from kvshm.shm import layout as L
+from kvshm.shm import locks, slots
+from kvshm.shm.fence import full_fence
+from kvshm.shm.segment import Segment
+from kvshm.owner.clients import Client
+from kvshm.owner.manager import LocalManager
+
+log = logging.getLogger("kvshm.owner")
+
+# Slots an owner serves: clients, and clients a dead predecessor was saying goodbye to
+# (their goodbye is still at the head of their ring and is finished like any request).
+SERVED = (L.SlotState.CLIENT, L.SlotState.LEAVING)
+
+
+class Roster:
+    """The adopted clients of one owner. It exists before the owner's ``LocalManager`` (whose
+    rebuild asks ``writer_alive``), so the methods that change the index take the manager."""
+
+    def __init__(self, seg: Segment) -> None:
+        self.seg = seg
+        self.clients: dict[int, Client] = {}
+        self.last_client = time.monotonic()  # when the roster last changed (idle exit)
+        self.removed = False  # discover found the segment removed: no client has a future
+
+    # --- liveness -----------------------------------------------------------------------
+    def writer_alive(self, slot: int, gen: int) -> bool:
+        return 0 <= slot < self.seg.geometry.max_clients and \
+            locks.is_held(self.seg.fd, L.LOCK_CLIENT_BASE + slot) and \
+            slots.record(self.seg, slot).gen == gen
+
+    def held(self, requester: int) -> set[int]:
+        """Blocks that adopted clients hold (dead and quarantined ones too, until reclaimed):
+        all pins, and the leases of clients other than ``requester`` — a client's own lookups
+        do not stop its own stores, exactly as in a private cache."""
+        parts = []
+        for c in self.clients.values():
+            h = c.holds
+            if c.slot == requester:
+                parts.append(h[h >= 0])
+            else:
+                h = h[h != -1]
+                parts.append(L.held_block(h))
+        if not parts:
+            return set()
+        return set(np.concatenate(parts).tolist())
+
+    # --- adoption -----------------------------------------------------------------------
+    def discover(self, manager: LocalManager, newcomer: memoryview) -> None:
+        """Adopt slots activated since we last looked (their hello waits on their ring).
+        ``newcomer``: the header flag a client sets after activating its slot."""
+        newcomer[0] = 0
+        full_fence()  # clear the flag before reading states, or a newcomer could be missed
+        for slot in range(self.seg.geometry.max_clients):
+            if slot in self.clients:
+                continue
+            rec = slots.record(self.seg, slot)
+            if rec.state not in SERVED or not self.writer_alive(slot, rec.gen):
+                continue
+            try:
+                c = self.clients[slot] = Client(self.seg, slot, rec.gen, False)
+            except SegmentNotFoundError:  # removed: no client has a future here
+                self.removed = True
+                return
+            if c.quarantined:
+                self.quarantine(c, c.why)
+            # a client a predecessor stocked keeps being stocked (not one leaving);
+            # blocks it died handing over never reached the client: free them
+            granted = int(c.grant_words[L.GRANT_WORD_GRANTED])
+            c.stores = bool(granted) and c.grants and rec.state == L.SlotState.CLIENT
+            manager.grants.settle(slot, rec.gen, granted,
+                                       int(c.grant_words[L.GRANT_WORD_TAKEN]))
+            self.last_client = time.monotonic()
+
+    def quarantine(self, c: Client, why: str) -> None:
+        """Stop reading a client we cannot parse. Its holds still count while it lives."""
+        c.quarantined = True
+        c.served[L.SERVED_QUARANTINED] = 1  # its calls fail at once, not at their timeout
+        c.unsent = []
+        self.seg.counter_add("errors")
+        log.warning("client slot %d gen %d quarantined: %s", c.slot, c.gen, why)
+
+    # --- departure ----------------------------------------------------------------------
+    def scan(self, manager: LocalManager) -> None:
+        """Reclaim dead clients, adopted or not, and the quarantined stores of dead copiers."""
+        for slot, c in list(self.clients.items()):
+            if not self.writer_alive(slot, c.gen):
+                self.reclaim(manager, slot, c.gen)
+        # Free quarantined stores whose copiers are gone.
+        self.seg.counter_add("reclaimed_blocks", manager.reclaim_dead_writers(self.writer_alive))
+        self.reclaim_unadopted(manager)
+
+    def reclaim_unadopted(self, manager: LocalManager) -> None:
+        """Dead slots we never adopted (a client killed before its hello was served, a job
+        channel whose scheduler died) go back to FREE: nobody else clears them while we live."""
+        for slot in range(self.seg.geometry.max_clients):
+            if slot in self.clients:
+                continue
+            rec = slots.record(self.seg, slot)
+            if rec.state in SERVED and not self.writer_alive(slot, rec.gen):
+                self.reclaim(manager, slot, rec.gen)
+            elif rec.state == L.SlotState.CHANNEL:  # holds nothing of ours: it just goes FREE
+                slots.clear_if_dead(self.seg, slot, rec.gen)
+
+    def retire_counters(self, slot: int) -> None:
+        """Fold a leaving client's own counters into the segment's totals."""
+        ctr = slots.counters(self.seg, slot)
+        for name, value in zip(L.SLOT_COUNTERS, ctr.tolist()):
+            self.seg.counter_add(f"gone_{name}", value)
+        ctr[:] = 0  # folded once, whoever retires it again
+
+    def drop(self, slot: int) -> None:
+        """Stop serving ``slot`` (it left, or died): close our views of it."""
+        c = self.clients.pop(slot, None)
+        if c is not None:
+            c.close()
+        self.last_client = time.monotonic()
+
+    def reclaim(self, manager: LocalManager, slot: int, gen: int) -> None:
+        """Release everything a dead client held, then free its slot (after we stopped
+        reading its rings, so nobody can re-format them under us)."""
+        if slots.record(self.seg, slot).gen == gen:
+            self.retire_counters(slot)
+        self.drop(slot)
+        freed = manager.reclaim_writer(slot, gen)
+        crash_point("owner.reclaim.mid")
+        slots.clear_if_dead(self.seg, slot, gen)
+        self.seg.counter_add("reclaimed_clients")
+        self.seg.counter_add("reclaimed_blocks", freed)
+        log.info("reclaimed client slot %d gen %d: %d unfinished stores freed", slot, gen, freed)
+
+    def close(self) -> None:
+        for c in self.clients.values():
+            c.close()
+        self.clients.clear()
