@@ -8,25 +8,22 @@ from __future__ import annotations
 
 import os
 import time
-from typing import TYPE_CHECKING
 
 from kvshm.shm import layout as L
 from kvshm.shm import words
 
-if TYPE_CHECKING:
-    from kvshm.shm.segment import Segment
-
 
 class PinProgress:
-    """This process's pin-progress record in the header (visible to ``kvshm-inspect``)."""
+    """This process's pin-progress record in the header (visible to ``kvshm-inspect``) of
+    the segment mapped at ``buf``."""
 
-    def __init__(self, seg: Segment):
-        self._seg = seg
+    def __init__(self, buf: memoryview):
+        self._buf = buf
         pid = os.getpid()
-        self._off = None
+        self._off: int | None = None
         for i in range(L.MAX_PINNERS):
             off = L.OFF_PINNERS + i * L.PINNER.size
-            rec = L.PinnerRecord._make(L.PINNER.unpack_from(seg.buf, off))
+            rec = L.PinnerRecord._make(L.PINNER.unpack_from(buf, off))
             if rec.pid == pid or rec.state in (L.PIN_IDLE, L.PIN_DONE, L.PIN_FAILED) or \
                     not _pid_alive(rec.pid):
                 self._off = off
@@ -35,7 +32,7 @@ class PinProgress:
 
     def update(self, state: int, done: int, total: int) -> None:
         if self._off is not None:  # table full: progress simply isn't shown
-            words.store_fields(self._seg.buf, self._off, L.PINNER_DTYPE, pid=os.getpid(),
+            words.store_fields(self._buf, self._off, L.PINNER_DTYPE, pid=os.getpid(),
                                state=state, done_bytes=done, total_bytes=total,
                                updated_ns=time.time_ns())
 

@@ -29,7 +29,6 @@ from kvshm.shm.names import SHM_DIR, object_name, remove, shm_name
 if TYPE_CHECKING:
     import torch
 
-    from kvshm.shm.pins import PinProgress
 
 # An attacher gives up on a creator that holds the creation lock but has not grown the
 # object for this long (fallocate keeps growing it; only a stopped or hung creator stalls).
@@ -401,8 +400,4 @@ class Segment:
         """Hold the segment-wide pin turn: processes register with CUDA one at a time."""
         with locks.holding(self.fd, L.LOCK_PIN_TURN):
             yield
-
-    def pin_progress(self) -> "PinProgress":
-        from kvshm.shm.pins import PinProgress
-        return PinProgress(self)
 

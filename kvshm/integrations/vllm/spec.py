@@ -32,6 +32,7 @@ from kvshm.client.manager import SharedManager, connect
 from kvshm.tier.client import TieredManager
 from kvshm.errors import LayoutMismatchError
 from kvshm.shm import writers
+from kvshm.shm.pins import PinProgress
 from kvshm.shm.segment import Segment
 from kvshm.integrations.vllm import compat as V
 from kvshm.integrations.vllm.core import (KvshmOptions, ManagerCore, check_layout, explain_mismatch,
@@ -239,7 +240,7 @@ class KvshmOffloadingSpec(V.OffloadingSpec):
                 if tensors and tensors[0].device.type == "cuda":
                     from kvshm.transfer.pinning import pin_in_background
                     pin = pin_in_background(plane.data_ptr(), plane.numel(),
-                                            turn=seg.pin_turn, progress=seg.pin_progress())
+                                            turn=seg.pin_turn, progress=PinProgress(seg.buf))
                     options["pin"] = pin
                 core = WorkerCore(tensors, groups, plane, self.blocks_per_chunk,
                                   make_handler=make_handler,
