@@ -166,7 +166,7 @@ def poison_one_way(name: str, conn, kind: str, point: str) -> None:
     mgr = connect(name, timeout=30.0)
     store(mgr, [b"poison-0"])
     words = mgr._own._gw  # the grant ring's counts: wait until a block is stocked for us
-    while words[L.GRANT_WORD_GRANTED] <= words[L.GRANT_WORD_TAKEN]:
+    while words["granted"] <= words["taken"]:
         time.sleep(0.001)
     out = mgr.prepare_store([b"poison-1"])
     assert b"poison-1" in mgr._own.inflight  # served from the grants: its completion is one-way

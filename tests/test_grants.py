@@ -47,7 +47,7 @@ def _stocked(m, n: int = 1) -> None:
     """Make ``m`` a storing client (one round-trip store) and wait for its grants."""
     procs.store(m, [b"warm-%d-%d" % (m.slot, i) for i in range(2)])
     words, _ = slots.grants(m.segment, m.slot)
-    wait_for(lambda: int(words[L.GRANT_WORD_GRANTED]) - m._own.taken >= n, "grants to arrive")
+    wait_for(lambda: int(words["granted"]) - m._own.taken >= n, "grants to arrive")
 
 
 def _states(seg) -> list[int]:
@@ -83,7 +83,7 @@ def test_a_client_storing_more_than_its_share_is_granted_enough_for_its_next_sto
     assert procs.store(mgr, first) == first
     assert mgr._link._req > req
     words, _ = slots.grants(mgr.segment, mgr.slot)
-    level = lambda: int(words[L.GRANT_WORD_GRANTED]) - mgr._own.taken  # noqa: E731
+    level = lambda: int(words["granted"]) - mgr._own.taken  # noqa: E731
     wait_for(lambda: level() >= 2 * size, "the grants to grow to twice the store")
     req = mgr._link._req
     second = [b"second-%d" % i for i in range(size)]
@@ -103,7 +103,7 @@ def test_grants_grow_with_the_blocks_a_store_took_not_with_the_keys_it_offered(m
     share = grant_target(g)
     _stocked(mgr, share)
     words, _ = slots.grants(mgr.segment, mgr.slot)
-    level = lambda: int(words[L.GRANT_WORD_GRANTED]) - mgr._own.taken  # noqa: E731
+    level = lambda: int(words["granted"]) - mgr._own.taken  # noqa: E731
     assert level() == share
     new = [b"new-%d" % i for i in range(share + 1)]  # one more than the ring holds
     req = mgr._link._req
@@ -126,7 +126,7 @@ def test_a_client_whose_taken_count_runs_ahead_is_not_granted_the_whole_cache(mg
     _stocked(mgr, share)
     words, _ = slots.grants(mgr.segment, mgr.slot)
     for _ in range(2 * g.num_blocks // share):  # refills enough to grant the whole cache
-        words[L.GRANT_WORD_TAKEN] = words[L.GRANT_WORD_GRANTED]
+        words["taken"] = words["granted"]
         mgr.take_events()  # a round trip: the owner refills after each frame it serves
     assert _states(mgr.segment).count(L.GRANTED) <= budget + share
     assert mgr.lookup(cached) == len(cached)
@@ -141,7 +141,7 @@ def test_a_steady_scheduler_step_sends_no_request_to_the_owner(mgr):
     # Every round trip takes a request id (client) and is recorded consumed (owner) before
     # it runs; one-way frames (touch, publish) have neither.
     served = slots.served(mgr.segment, mgr.slot)
-    consumed, req = int(served[1]), mgr._link._req
+    consumed, req = int(served["consumed"]), mgr._link._req
     # one step: lookups (a hit prefix), a load of it, a touch, and a store of new keys
     new = [b"new-%d" % i for i in range(8)]
     assert mgr.lookup(cached + new) == 4
@@ -154,9 +154,9 @@ def test_a_steady_scheduler_step_sends_no_request_to_the_owner(mgr):
     mgr.complete_store(new)
     assert len(blocks) == 4
     assert mgr._link._req == req  # no request id was used: no round trip
-    assert int(served[1]) == consumed  # the owner executed no request of ours
+    assert int(served["consumed"]) == consumed  # the owner executed no request of ours
     assert mgr.lookup(new) == 8  # read back at once: the owner took the one-way frames
-    assert mgr._link._req == req and int(served[1]) == consumed
+    assert mgr._link._req == req and int(served["consumed"]) == consumed
 
 
 def test_a_client_reads_its_own_completed_store_before_others_see_it(mgr, seg_name):
@@ -250,7 +250,7 @@ import procs
 m = connect(sys.argv[1])
 procs.store(m, [b"holder-warm"])
 words, _ = slots.grants(m.segment, m.slot)
-while int(words[L.GRANT_WORD_GRANTED]) - m._own.taken < 4:
+while int(words["granted"]) - m._own.taken < 4:
     time.sleep(0.01)
 out = m.prepare_store([b"holder-%d" % i for i in range(4)])  # taken, never completed
 print(m.slot, m.gen, *out.block_ids, flush=True)
@@ -292,7 +292,7 @@ def test_a_dead_clients_granted_blocks_come_back(mgr, seg_name):
     theirs = [b for b, s in enumerate(_states(mgr.segment)) if s == L.GRANTED]
     words, ids = slots.grants(mgr.segment, mgr.slot)
     assert set(theirs) <= {int(ids[i % L.GRANT_CAPACITY]) for i in
-                           range(mgr._own.taken, int(words[L.GRANT_WORD_GRANTED]))}  # only ours
+                           range(mgr._own.taken, int(words["granted"]))}  # only ours
 
 
 def test_a_dead_clients_taken_grants_wait_for_its_live_copier(mgr, seg_name):
@@ -392,8 +392,8 @@ def test_an_owner_dying_while_it_hands_grants_over_leaks_none(seg_name):
         assert first.wait() == -signal.SIGKILL  # blocks GRANTED, ids in the ring, no count
         procs.store(m, [b"rt2-%d" % i for i in range(5)])  # a successor serves (and refills)
         words, _ = slots.grants(m.segment, m.slot)
-        wait_for(lambda: int(words[L.GRANT_WORD_GRANTED]) - m._own.taken >= 4, "grants")
-        level = int(words[L.GRANT_WORD_GRANTED]) - m._own.taken
+        wait_for(lambda: int(words["granted"]) - m._own.taken >= 4, "grants")
+        level = int(words["granted"]) - m._own.taken
         assert _states(m.segment).count(L.GRANTED) == level  # none stranded
     finally:
         pid = m.segment.owner_record()[0]
@@ -414,7 +414,7 @@ def test_a_deferred_store_survives_an_owner_death(mgr, other):
     assert procs.check(mgr.segment.planes(), mine.block_ids[0], K)
     mgr.complete_load([K])
     words, _ = slots.grants(mgr.segment, mgr.slot)
-    level = int(words[L.GRANT_WORD_GRANTED]) - mgr._own.taken
+    level = int(words["granted"]) - mgr._own.taken
     t = BlockTable(mgr.segment.buf, mgr.segment.geometry)
     try:
         mine_granted = sum(t.read(b).state == L.GRANTED and t.read(b).writer == mgr.slot
@@ -455,12 +455,12 @@ def test_a_client_refusing_grants_is_not_stocked_by_a_successor(seg_name):
     try:
         procs.store(m, [b"before-%d" % i for i in range(2)])
         words, _ = slots.grants(m.segment, m.slot)
-        assert int(words[L.GRANT_WORD_GRANTED]) == 0
+        assert int(words["granted"]) == 0
         os.kill(m.segment.owner_record()[0], signal.SIGKILL)
         wait_for(lambda: not m.segment.owner_alive(), "the owner to die")
         procs.store(m, [b"after-%d" % i for i in range(2)])  # starts and meets the successor
         m.take_events()  # a round trip behind whatever the failover made the client send
-        assert int(words[L.GRANT_WORD_GRANTED]) == 0
+        assert int(words["granted"]) == 0
         assert _states(m.segment).count(L.GRANTED) == 0
     finally:
         pid = m.segment.owner_record()[0]
@@ -476,7 +476,7 @@ def test_a_scribbled_granted_count_never_frees_blocks_its_client_took(mgr):
     keys = [b"scribbled-%d" % i for i in range(3)]
     out = mgr.prepare_store(keys)
     words, _ = slots.grants(mgr.segment, mgr.slot)
-    words[L.GRANT_WORD_GRANTED] = 0  # below taken: impossible counts
+    words["granted"] = 0  # below taken: impossible counts
     owner = mgr.segment.owner_record()[0]
     os.kill(owner, signal.SIGKILL)
     wait_for(lambda: not mgr.segment.owner_alive(), "the owner to die")
@@ -495,7 +495,7 @@ def test_grant_counts_at_the_top_of_their_range_never_take_the_owner_down(mgr):
     _stocked(mgr, 1)
     owner, errors = mgr.segment.owner_record()[0], mgr.segment.counter("errors")
     words, _ = slots.grants(mgr.segment, mgr.slot)
-    words[L.GRANT_WORD_GRANTED] = words[L.GRANT_WORD_TAKEN] = 2**64 - 1
+    words["granted"] = words["taken"] = 2**64 - 1
     other = connect(mgr.segment.name)
     try:
         procs.store(other, [b"wakes-the-owner-%d" % i for i in range(3)])  # passes that refill
@@ -513,7 +513,7 @@ def test_a_quarantined_client_is_told_so_at_once_instead_of_timing_out(mgr):
     _stocked(mgr, 1)
     errors = mgr.segment.counter("errors")
     words, _ = slots.grants(mgr.segment, mgr.slot)
-    words[L.GRANT_WORD_GRANTED] = words[L.GRANT_WORD_TAKEN] = 2**64 - 1
+    words["granted"] = words["taken"] = 2**64 - 1
     other = connect(mgr.segment.name)
     try:
         procs.store(other, [b"wakes-the-owner-%d" % i for i in range(3)])

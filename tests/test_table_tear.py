@@ -169,7 +169,7 @@ def test_owner_killed_mid_batch_rewrite_publishes_no_torn_key(make_segment):
 
 # --- the key checksum ----------------------------------------------------------------------
 def _damage_checksum(seg: Segment, block: int) -> None:
-    off = seg.geometry.entry_offset(block) + L.entry_field_offset("keysum")
+    off = seg.geometry.entry_offset(block) + L.field_offset(L.ENTRY_DTYPE, "keysum")
     seg.buf[off] ^= 0xFF
 
 

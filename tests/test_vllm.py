@@ -242,7 +242,7 @@ def test_stats_reader_never_counts_a_block_of_unknown_state_as_granted(seg_name)
     seg = Segment.create(seg_name, Layout((4096,), 16, "t"), 8)
     try:
         g = seg.geometry
-        seg.buf[g.table_offset + 3 * L.ENTRY_BYTES + L.entry_field_offset("state")] = 9
+        seg.buf[g.table_offset + 3 * L.ENTRY_BYTES + L.field_offset(L.ENTRY_DTYPE, "state")] = 9
         got = {(n, lab): v for n, v, lab in StatsReader(seg, 0).block_samples()}
         assert got[("vllm:kvshm_blocks", ("granted",))] == 0
         assert got[("vllm:kvshm_blocks", ("free",))] == 7

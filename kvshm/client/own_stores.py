@@ -28,8 +28,8 @@ class OwnStores:
     """The grant-path stores of one client slot."""
 
     def __init__(self, segment: Segment, slot: int, link: OwnerLink) -> None:
-        words, ids = slots.grants(segment, slot)
-        self._gw, self._gi = memoryview(words), memoryview(ids)
+        self._gw, ids = slots.grants(segment, slot)  # counts, and ids the owner hands us
+        self._gi = memoryview(ids)
         self._link = link
         self.taken = 0  # blocks taken from the grant ring (we alone store the word)
         self.inflight: dict[bytes, int] = {}  # key -> granted block, store not completed
@@ -44,13 +44,13 @@ class OwnStores:
     def take(self, keys: list[bytes]) -> list[int] | None:
         """Granted blocks for ``keys`` (now in flight), or None if the ring holds too few."""
         gw, n, t = self._gw, len(keys), self.taken
-        if n > gw[L.GRANT_WORD_GRANTED] - t:
+        if n > gw["granted"] - t:
             return None
         gi, cap = self._gi, L.GRANT_CAPACITY
         blocks = [gi[(t + i) % cap] for i in range(n)]
         crash_point("client.store.after_take")
         publish_fence()  # ids read before the count that lets the owner reuse their places
-        self.taken = gw[L.GRANT_WORD_TAKEN] = t + n
+        self.taken = gw["taken"] = t + n
         self.inflight.update(zip(keys, blocks))
         return blocks
 

@@ -8,7 +8,7 @@ holds blocks (``holds.py``) and never imports torch.
 The protocol: every request is executed at most once
 --------------------------------------------------------
 Each client slot has a request ring, a reply ring, and a *served record* of u64 words that
-only owners write (``layout.SERVED_FIELDS``): ``consumed`` (the last request id an owner began
+only owners write (``records.SERVED_DTYPE``): ``consumed`` (the last request id an owner began
 to execute), ``answered`` (the last request id whose whole reply is on the reply ring),
 ``attempts``, ``one_way`` and ``epoch``. Request ids increase per slot generation (u64, never
 wrap).
@@ -161,7 +161,7 @@ class OwnerLink:
             raise
         self.requests = Ring(slots.ring_view(segment, slot, "request"))
         self.replies = Ring(slots.ring_view(segment, slot, "reply"))
-        self._served = memoryview(slots.served(segment, slot))
+        self._served = slots.served(segment, slot)
         self.max_frame = Ring.max_payload(segment.geometry.ring_capacity)
         self.owner_proc: subprocess.Popen | None = None
 
@@ -172,7 +172,7 @@ class OwnerLink:
     def quarantined(self) -> bool:
         """Whether an owner stopped serving us for good (our rings or grant counts were
         found corrupt): no call of ours will be answered."""
-        return bool(self._served[L.SERVED_QUARANTINED])
+        return bool(self._served["quarantined"])
 
     def _check_served(self) -> None:
         if self.quarantined():

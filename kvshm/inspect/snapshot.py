@@ -26,14 +26,11 @@ from kvshm.shm.table import BlockTable, state_counts
 from kvshm.index.launch import owner_log_path
 from kvshm.tier.area import COUNTERS as TIER_COUNTERS, TierArea
 
-_ENTRY_DT = np.dtype({"names": [n for n, _ in L.ENTRY_FIELDS],
-                      "formats": ["<" + c for _, c in L.ENTRY_FIELDS],
-                      "offsets": [L.entry_field_offset(n) for n, _ in L.ENTRY_FIELDS],
-                      "itemsize": L.ENTRY_BYTES})
+_ENTRY_DT = L.ENTRY_DTYPE
 _KEY_OFF = L.ENTRY_KEY_OFFSET
 # Entry fields a ``blocks`` row shows (docs/inspect.md); seq and keysum are checked by verify.
 _ROW_FIELDS = ("writer", "writer_gen", "writer_req", "last_use", "stored_ns", "pins")
-_INDEX_DT = np.dtype([("tag", "<u4"), ("block", "<i4")])
+_INDEX_DT = L.INDEX_SLOT_DTYPE
 _GEOMETRY = ("num_blocks max_clients ring_capacity hold_capacity index_slots slot_bytes "
              "table_offset index_offset data_offset data_bytes total_bytes").split()
 PIN_STATES = ("idle", "waiting", "running", "done", "failed")

@@ -40,15 +40,15 @@ class Client:
                                  seg.object_name(f"c{slot}-reply"), like_fd=seg.fd)
         except SegmentPermissionError as e:  # it made its doorbell ours to not open
             self.quarantined, self.why = True, f"unusable reply doorbell ({e})"
-        self.served = slots.served(seg, slot)  # layout.SERVED_FIELDS
-        self.grant_words, self.grant_ids = slots.grants(seg, slot)
+        self.served = slots.served(seg, slot)  # the requests it answered (owner_link.py)
+        self.grant_head, self.grant_ids = slots.grants(seg, slot)
         self.stores = False  # it stores: keep its grant ring stocked
         # Its largest store so far, in keys (round trip, or grants taken between refills):
         # the owner keeps its grant ring at twice that, within the budget (``grants.py``).
         self.largest_store = 0
-        self.taken_seen = int(self.grant_words[L.GRANT_WORD_TAKEN])
+        self.taken_seen = int(self.grant_head["taken"])
         # it takes grants: the slot says so from its activation, before any request
-        self.grants = not self.grant_words[L.GRANT_WORD_REFUSED]
+        self.grants = not self.grant_head["refused"]
         self.max_reply = Ring.max_payload(seg.geometry.ring_capacity)
         self.events_log: list[tuple[bool, list[bytes]]] = []
         # Reply frames of request `unsent_req` that did not fit the reply ring yet. While any

@@ -43,6 +43,7 @@ from kvshm.shm import layout as L
 from kvshm.shm.fence import publish_fence
 from kvshm.shm.layout import Geometry
 from kvshm.shm.segment import Segment
+from kvshm.shm.words import WordView
 from kvshm.owner.entries import Client, Entries
 from kvshm.owner.eviction import Evictor
 from kvshm.owner.outcomes import Outcomes
@@ -180,7 +181,7 @@ class StockedClient(Protocol):
     """What ``stock`` reads and keeps of a client (the owner's ``_Client``)."""
     slot: int
     gen: int
-    grant_words: np.ndarray  # its slot's counts (layout.GRANT_WORD_*)
+    grant_head: WordView  # its slot's grant counts (records.GRANT_HEAD_DTYPE)
     grant_ids: np.ndarray  # its slot's grant ring
     taken_seen: int  # its taken count at the last refill
     largest_store: int  # in blocks, the most it took between two refills or in one store
@@ -209,7 +210,7 @@ def sized_target(grants: Grants, level: int, writer: tuple[int, int], share: int
     return min(grown, max(share - inflight, level + room, 0))
 
 
-def refill(grants: Grants, words: np.ndarray, ids: np.ndarray, slot: int, gen: int,
+def refill(grants: Grants, head: WordView, ids: np.ndarray, slot: int, gen: int,
            granted: int, level: int, target: int) -> int:
     """Top up one client's grant ring (``granted`` pushed so far, ``level`` in it, from
     ``grant_level``) to ``target`` blocks, when it is half empty. The ids go in first, then
@@ -221,7 +222,7 @@ def refill(grants: Grants, words: np.ndarray, ids: np.ndarray, slot: int, gen: i
         ids[(granted + i) % L.GRANT_CAPACITY] = b
     crash_point("owner.grant.before_count")
     publish_fence()  # ids before the count that hands them over
-    words[L.GRANT_WORD_GRANTED] = granted + len(blocks)
+    head["granted"] = granted + len(blocks)
     return len(blocks)
 
 
@@ -229,8 +230,8 @@ def stock(grants: Grants, c: StockedClient, share: int, room: int) -> int | None
     """One refill of client ``c``'s grant ring, sized by ``sized_target`` (its largest store
     so far grows from the blocks it took since the last refill). Returns the blocks
     granted, or None if its ring's counts are impossible (grant it nothing)."""
-    words = c.grant_words
-    granted, taken = int(words[L.GRANT_WORD_GRANTED]), int(words[L.GRANT_WORD_TAKEN])
+    head = c.grant_head
+    granted, taken = head["granted"], head["taken"]
     level = grant_level(granted, taken)
     if level is None:
         return None
@@ -238,4 +239,4 @@ def stock(grants: Grants, c: StockedClient, share: int, room: int) -> int | None
         c.largest_store = max(c.largest_store, taken - c.taken_seen)
     c.taken_seen = taken
     target = sized_target(grants, level, (c.slot, c.gen), share, c.largest_store, room)
-    return refill(grants, words, c.grant_ids, c.slot, c.gen, granted, level, target)
+    return refill(grants, head, c.grant_ids, c.slot, c.gen, granted, level, target)

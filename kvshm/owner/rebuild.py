@@ -49,7 +49,7 @@ def rebuild(entries: Entries, grants: Grants, writer_alive: Callable[[int, int],
         elif e.state in (L.WRITING, L.GRANTED) and not torn and e.writer >= 0 and \
                 not (e.state == L.GRANTED and e.key) and writer_alive(e.writer, e.writer_gen):
             if e.state == L.GRANTED:
-                grants.adopt(b, (e.writer, e.writer_gen), e.writer_req)
+                grants.adopt(b, (e.writer, e.writer_gen), e.grant_pos)
             else:
                 writing.append((b, e.key, (e.writer, e.writer_gen)))
             continue

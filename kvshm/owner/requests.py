@@ -103,7 +103,7 @@ class Handlers:
             running = None  # ranks are advice: a bad one never costs a store
             self.seg.counter_add("errors")
         self.manager.grants.publish(c.slot, c.gen, m.keys, m.blocks, m.success,
-                                    int(c.grant_words[L.GRANT_WORD_TAKEN]), running)
+                                    int(c.grant_head["taken"]), running)
         self.fan_out()
         return []
 

@@ -84,16 +84,16 @@ class Roster:
                 self.quarantine(c, c.why)
             # a client a predecessor stocked keeps being stocked (not one leaving);
             # blocks it died handing over never reached the client: free them
-            granted = int(c.grant_words[L.GRANT_WORD_GRANTED])
+            granted = int(c.grant_head["granted"])
             c.stores = bool(granted) and c.grants and rec.state == L.SlotState.CLIENT
             manager.grants.settle(slot, rec.gen, granted,
-                                       int(c.grant_words[L.GRANT_WORD_TAKEN]))
+                                       int(c.grant_head["taken"]))
             self.last_client = time.monotonic()
 
     def quarantine(self, c: Client, why: str) -> None:
         """Stop reading a client we cannot parse. Its holds still count while it lives."""
         c.quarantined = True
-        c.served[L.SERVED_QUARANTINED] = 1  # its calls fail at once, not at their timeout
+        c.served["quarantined"] = 1  # its calls fail at once, not at their timeout
         c.unsent = []
         self.seg.counter_add("errors")
         log.warning("client slot %d gen %d quarantined: %s", c.slot, c.gen, why)

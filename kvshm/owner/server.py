@@ -166,7 +166,7 @@ class Owner:
             return
         req = msg.req
         served = c.served
-        if req and req <= served[2]:  # answered already (by a dead owner): drop the copy
+        if req and req <= served["answered"]:  # answered (by a dead owner): drop the copy
             c.requests.advance()
             return
         if not req and not isinstance(msg, (P.Touch, P.Publish)):  # one-way kinds only
@@ -175,7 +175,7 @@ class Owner:
             self._reply(c, 0, [P.Error(0, self.epoch, "ProtocolError",
                                        f"{type(msg).__name__} needs a request id")])
             return
-        replay = bool(req) and req == served[1]
+        replay = bool(req) and req == served["consumed"]
         if isinstance(msg, P.PrepareStore) and (msg.more or msg.part):
             keys, positions = c.gather(msg, self._max_keys)
             if keys is None:
@@ -193,7 +193,7 @@ class Owner:
                 return
             msg = msgspec.structs.replace(msg, keys=keys, positions=positions)
         if req:
-            attempts = int(served[3]) + 1 if replay else 1
+            attempts = int(served["attempts"]) + 1 if replay else 1
             if attempts > MAX_ATTEMPTS:  # it killed every owner that began it: drop it.
                 # What those owners granted stays pending for the client: a reply may have
                 # reached it, so it may be copying; its goodbye or its death frees them.
@@ -201,8 +201,8 @@ class Owner:
                                               f"request {req} was in progress when "
                                               f"{MAX_ATTEMPTS} owners died; it was dropped")])
                 return
-            served[0], served[3] = self.epoch, attempts
-            served[1] = req  # consumed: from here on a successor replays instead of executing
+            served["epoch"], served["attempts"] = self.epoch, attempts
+            served["consumed"] = req  # from here on a successor replays instead of executing
             crash_point("owner.request.after_consume")
         elif not self._begin_one_way(c):
             return
@@ -222,14 +222,14 @@ class Owner:
         ``MAX_ATTEMPTS`` owners that began it: no reply can fail it, so without this count
         every successor would begin it again and die."""
         served, pos = c.served, c.requests.head() + 1
-        attempts = int(served[3]) + 1 if served[4] == pos else 1
+        attempts = int(served["attempts"]) + 1 if served["one_way"] == pos else 1
         if attempts > MAX_ATTEMPTS:
             self.seg.counter_add("errors")
             log.error("client slot %d: a one-way frame was in progress when %d owners died; "
                       "it was dropped", c.slot, MAX_ATTEMPTS)
             c.requests.advance()
             return False
-        served[0], served[3], served[4] = self.epoch, attempts, pos
+        served["epoch"], served["attempts"], served["one_way"] = self.epoch, attempts, pos
         crash_point("owner.one_way.after_begin")
         return True
 
@@ -278,7 +278,7 @@ class Owner:
         c.bell.ring()
         if c.unsent_req:
             crash_point("owner.request.after_reply")
-            c.served[2] = c.unsent_req  # answered
+            c.served["answered"] = c.unsent_req
             c.requests.advance()
             c.unsent_req = 0
         return True

@@ -1,17 +1,17 @@
 """The byte layout of a kvshm segment: what lies where, and the model-layout fingerprint.
 
 This module owns every offset of the shared segment (where each region and record lies; the
-fields of the header and slot records are defined once in ``records.py``), so that the
-segment, the owner, the clients and ``kvshm-inspect`` agree on them. It computes; it never
-maps memory, never locks and never imports torch.
+fields of every record are defined once, in ``records.py``), so that the segment, the owner,
+the clients and ``kvshm-inspect`` agree on them. It computes; it never maps memory and never
+locks.
 
-Segment (format version 2)::
+Segment (format version ``FORMAT_VERSION``)::
 
     header (4 KiB)        magic, version, geometry, offsets, owner record, counters, pinners
     client slots          max_clients x (slot record | holds | 4 rings | doorbell flags)
-    writer registry       writer_records x 32-byte records: who copies for which scheduler
-    block table           num_blocks x 128-byte entries (seq, state, key + checksum, writer, ...)
-    key index             open-addressing hash table: slot -> (crc32 tag, block id)
+    writer registry       writer_records x WRITER_DTYPE: who copies for which scheduler
+    block table           num_blocks x ENTRY_DTYPE (seq, state, key + checksum, writer, ...)
+    key index             index_slots x INDEX_SLOT_DTYPE: open addressing, (crc32 tag, block)
     block checksums       only with ``Layout(checksums=True)``: (num_blocks, num_planes) u32
     data (2 MiB aligned)  num_planes planes, each (num_blocks, page_bytes[p]), 2 MiB aligned
 """
@@ -29,10 +29,11 @@ import numpy as np
 
 from kvshm.errors import InvalidArgumentError
 from kvshm.shm.records import (  # noqa: F401  (re-exported: one definition, two names)
-    COUNTER_NAMES, COUNTERS_DTYPE, HEADER, HEADER_DTYPE, OWNER, OWNER_BYTES, OWNER_DTYPE,
-    PIN_DONE, PIN_FAILED, PIN_IDLE, PIN_RUNNING, PIN_WAITING, PINNER, PINNER_DTYPE, SLOT,
-    SLOT_DTYPE, SLOT_STATE_NAMES, HeaderRecord, OwnerRecord, PinnerRecord, SlotRecord,
-    SlotState, header_record)
+    COUNTER_NAMES, COUNTERS_DTYPE, ENTRY_BODY, ENTRY_DTYPE, GRANT_HEAD_DTYPE, HEADER,
+    HEADER_DTYPE, INDEX_SLOT, INDEX_SLOT_DTYPE, OWNER, OWNER_BYTES, OWNER_DTYPE, PIN_DONE,
+    PIN_FAILED, PIN_IDLE, PIN_RUNNING, PIN_WAITING, PINNER, PINNER_DTYPE, SERVED_DTYPE, SLOT,
+    SLOT_DTYPE, SLOT_STATE_NAMES, WRITER_DTYPE, HeaderRecord, OwnerRecord, PinnerRecord,
+    SlotRecord, SlotState, field_offset, header_record)
 
 MAGIC = b"KVSHM\x00\x00\x01"
 FORMAT_VERSION = 5  # 2: 64-bit writer_req, keysum in every table entry; 3: block grants;
@@ -102,29 +103,16 @@ SLOT_NAME_BYTES = SLOT_DTYPE.fields["name"][0].itemsize
 SLOT_COUNTERS = ("lookups", "hits", "loads", "load_blocks", "bytes_in", "bytes_out")
 SLOT_OFF_COUNTERS = 64  # u64 each, client-written
 assert SLOT_DTYPE.itemsize <= SLOT_OFF_COUNTERS
-# The served record: owner-written u64 words that make requests exactly-once (client/owner_link.py).
+# The served record (SERVED_DTYPE): owner-written words that make requests exactly-once.
 SLOT_OFF_SERVED = 128
-SERVED_FIELDS = ("epoch",  # epoch of the owner that last wrote this record
-                 "consumed",  # last request id an owner began to execute (before any effect)
-                 "answered",  # last request id whose whole reply is on the reply ring
-                 "attempts",  # owners that began `consumed` or `one_way`
-                 "one_way",  # 1 + request ring position of the last one-way frame begun
-                 "quarantined")  # 1: an owner stopped serving this generation (for good)
-SERVED_QUARANTINED = SERVED_FIELDS.index("quarantined")
 SLOT_HEAD_BYTES = 192
 assert SLOT_OFF_COUNTERS + 8 * len(SLOT_COUNTERS) <= SLOT_OFF_SERVED
-assert SLOT_OFF_SERVED + 8 * len(SERVED_FIELDS) <= SLOT_HEAD_BYTES
+assert SLOT_OFF_SERVED + SERVED_DTYPE.itemsize <= SLOT_HEAD_BYTES
 RING_NAMES = ("request", "reply", "peer_in", "peer_out")
 # The grant ring of a client slot (after its holds): block ids the owner hands the client
-# ahead of its stores, so that a store needs no round trip. A single-producer single-consumer
-# ring: the owner writes ids and then the ``granted`` count, the client reads ids below it
-# and then stores its ``taken`` count. Counts are u64 and never wrap; an id sits at
-# ``count % GRANT_CAPACITY``. Each count sits in its own cache line.
+# ahead of its stores, so that a store needs no round trip; its counts are GRANT_HEAD_DTYPE.
 GRANT_CAPACITY = 1024
-GRANT_WORD_GRANTED = 0  # u64 word index: owner-written, blocks ever pushed
-GRANT_WORD_TAKEN = 8    # u64 word index: client-written, blocks ever taken (<= granted)
-GRANT_WORD_REFUSED = 9  # u64 word index: written at activation, 1: never stock this client
-GRANT_HEAD_BYTES = 128
+GRANT_HEAD_BYTES = GRANT_HEAD_DTYPE.itemsize
 BELL_NAMES = ("reply", "peer_in", "peer_out")
 
 # A hold entry is -1 (empty), a block id (a load pin) or lease_code(block) (a lookup lease).
@@ -144,53 +132,11 @@ def held_block(code: Any) -> Any:
 
 
 # --- block table -------------------------------------------------------------------------
-# One 128-byte entry per block, the one definition that table.py (writer and reader),
-# snapshot.py (numpy view) and the tests derive every offset from. Only the owner writes an
-# entry; any process reads it. Who writes each field, and what it guarantees:
-ENTRY_FIELDS = (
-    # seqlock word, written alone as one aligned 32-bit store: odd while the owner changes
-    # the entry. A dead owner can leave it odd; only the next owner's rebuild settles it.
-    ("seq", "I"),
-    # FREE/WRITING/READY/EVICTING. Changed by a lone byte store (set_state, publish) or
-    # with the body; a reader trusts it only under an even, unchanged seq.
-    ("state", "B"),
-    # length of the key, 0 for FREE. Written only with the key, in one body copy.
-    ("keylen", "B"),
-    # client slot storing into the block, -1 for none (the owner's own store, or ready).
-    ("writer", "h"),
-    # generation of that slot when the store was granted (a reused slot is another writer).
-    ("writer_gen", "I"),
-    # key_checksum(key): written with the key, in the same body copy, never on its own.
-    # A rebuild (and verify) recomputes it: a mismatch means the key bytes were left half
-    # rewritten (or damaged), and the block is freed instead of published.
-    ("keysum", "I"),
-    # the writer's request id: client request counters are unbounded, so 64 bits.
-    ("writer_req", "Q"),
-    # eviction clock at the last touch: a lone aligned 64-bit store (readers may see old or
-    # new, both fine); the rebuild orders ready blocks by it.
-    ("last_use", "Q"),
-    # wall clock when the store completed (publish), for inspection only.
-    ("stored_ns", "Q"),
-    # load pins the owner counts on the block: a lone aligned 64-bit store.
-    ("pins", "Q"),
-)
-ENTRY_FORMAT = "<" + "".join(c for _, c in ENTRY_FIELDS)
-ENTRY_KEY_OFFSET = struct.calcsize(ENTRY_FORMAT)  # then MAX_KEY_BYTES of key, zero padded
-ENTRY_BYTES = 128
-# Native alignment adds no padding, so every field sits at a multiple of its own size: the
-# 64-bit words can be stored through aligned memoryview casts, the seq word likewise.
-assert struct.calcsize("@" + ENTRY_FORMAT[1:]) == ENTRY_KEY_OFFSET == 48
-assert ENTRY_KEY_OFFSET + MAX_KEY_BYTES <= ENTRY_BYTES and ENTRY_BYTES % 8 == 0
-assert ENTRY_FIELDS[0] == ("seq", "I")  # the seqlock word is word 0 of the entry
-
-
-def entry_field_offset(name: str) -> int:
-    """Byte offset of field ``name`` inside an entry."""
-    i = [n for n, _ in ENTRY_FIELDS].index(name)
-    return struct.calcsize("<" + "".join(c for _, c in ENTRY_FIELDS[:i]))
-
-
-assert all(entry_field_offset(n) % struct.calcsize(c) == 0 for n, c in ENTRY_FIELDS)
+# One ENTRY_DTYPE record per block (records.py says who writes each field and why).
+ENTRY_BYTES = ENTRY_DTYPE.itemsize
+ENTRY_KEY_OFFSET = field_offset(ENTRY_DTYPE, "key")
+assert ENTRY_DTYPE.fields["key"][0].itemsize == MAX_KEY_BYTES and ENTRY_BYTES % 8 == 0
+assert ENTRY_DTYPE.names[0] == "seq"  # the seqlock word is word 0 of the entry
 
 
 def key_checksum(key: bytes) -> int:
@@ -207,20 +153,9 @@ def key_checksum(key: bytes) -> int:
 _LENGTH_CRC = tuple(zlib.crc32(bytes((n,))) for n in range(MAX_KEY_BYTES + 1))
 
 
-INDEX_SLOT = struct.Struct("<Ii")  # crc32 tag, block id (-1 empty)
-
 # --- writer registry ---------------------------------------------------------------------
-# One record per registration of a process that copies blocks on behalf of a scheduler's
-# manager slot (its channel worker, an engine's worker processes). Only the registrant
-# writes a record, and only while it holds lock byte LOCK_WRITER_BASE + record; a record
-# whose lock is free is dead whatever it says (the kernel drops the lock with the process).
-# The owner reads records to decide whether a dead client's WRITING blocks may be reused.
-WRITER_FIELDS = (("slot", "i"),      # scheduler's manager slot; -1 once unregistered
-                 ("pid", "I"),       # registrant's pid: for kvshm-inspect only, never liveness
-                 ("gen", "Q"),       # that slot's client generation the registrant copies for
-                 ("since_ns", "Q"))  # time.time_ns() at registration, for kvshm-inspect
-WRITER = struct.Struct("<" + "".join(c for _, c in WRITER_FIELDS))
-WRITER_BYTES = 32
+# One WRITER_DTYPE record per registration of a process that copies blocks for a scheduler.
+WRITER_BYTES = WRITER_DTYPE.itemsize
 
 
 def writer_records(max_clients: int) -> int:

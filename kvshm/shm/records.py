@@ -1,11 +1,12 @@
-"""The named records of the segment header and of each client slot: one definition each.
+"""Every record of the segment, in one notation: one numpy structured dtype each.
 
-This module owns the field names, types and byte offsets of the header record, the owner
-record, the header counters, the pin-progress records and the client slot record, as numpy
-structured dtypes (packed, little-endian), with the ``struct`` format and the NamedTuple
-that readers get derived from each dtype. Every field says who writes it and what invariant
-it keeps. Where a record sits in the segment is ``layout.py``'s business; this module
-computes nothing else, never maps memory and never imports torch.
+This module owns the field names, types and byte offsets of every shared record — the header,
+the owner record, the header counters, the pin-progress records, the client slot record, a
+slot's served record and grant-ring counts, a block-table entry, a key-index slot and a
+writer registration — as numpy structured dtypes (little-endian, no implicit padding), with
+the ``struct`` format and the NamedTuple that readers get derived from a dtype. Every field
+says who writes it and what invariant it keeps. Where a record sits in the segment is
+``layout.py``'s business; this module computes nothing else and never maps memory.
 """
 from __future__ import annotations
 
@@ -15,16 +16,35 @@ from typing import NamedTuple
 
 import numpy as np
 
+# The one table from a field's numpy type to its ``struct`` code (and to the word size of
+# the aligned store that writes it, ``words.py``).
 _STRUCT_CODES = {"u1": "B", "i2": "h", "u2": "H", "i4": "i", "u4": "I", "i8": "q", "u8": "Q"}
 
 
-def struct_format(dtype: np.dtype) -> str:
-    """The ``struct`` format of a packed record dtype (fails if the dtype has padding)."""
-    codes = "".join(f"{dt.itemsize}s" if dt.kind == "S" else _STRUCT_CODES[dt.str[1:]]
-                    for dt, *_ in (dtype.fields[n] for n in dtype.names))
+def struct_format(dtype: np.dtype, names: tuple[str, ...] | None = None) -> str:
+    """The ``struct`` format of the consecutive fields ``names`` (all by default) of a record
+    dtype; fails if they leave a gap between them."""
+    names = names or dtype.names
+    codes = "".join(f"{dt.itemsize}s" if dt.kind in "SV" else _STRUCT_CODES[dt.str[1:]]
+                    for dt, *_ in (dtype.fields[n] for n in names))
     fmt = "<" + codes
-    assert struct.calcsize(fmt) == dtype.itemsize, f"{dtype} is not packed"
+    first, (last_dt, last_off) = dtype.fields[names[0]][1], dtype.fields[names[-1]]
+    assert struct.calcsize(fmt) == last_off + last_dt.itemsize - first, f"gap in {names}"
     return fmt
+
+
+def field_offset(dtype: np.dtype, name: str) -> int:
+    """Byte offset of field ``name`` inside a record of ``dtype``."""
+    return int(dtype.fields[name][1])
+
+
+def sub_dtype(dtype: np.dtype, names: tuple[str, ...]) -> np.dtype:
+    """The fields ``names`` of ``dtype`` as a record of their own, starting at the first."""
+    base = field_offset(dtype, names[0])
+    last_dt, last_off = dtype.fields[names[-1]]
+    return np.dtype({"names": list(names), "formats": [dtype.fields[n][0] for n in names],
+                     "offsets": [field_offset(dtype, n) - base for n in names],
+                     "itemsize": last_off + last_dt.itemsize - base})
 
 
 def _offsets(dtype: np.dtype, **expected: int) -> None:
@@ -200,3 +220,96 @@ class SlotRecord(NamedTuple):
 
 
 assert SlotRecord._fields == SLOT_DTYPE.names
+
+
+# --- served record (in each client slot): written only by the owner ----------------------
+# The words that make a client's requests exactly-once (the protocol is told in
+# ``client/owner_link.py``). Each is one aligned u64 store, so a client reads each old or
+# new; ``consumed`` is stored before a request has any effect, ``answered`` after its whole
+# reply is on the reply ring.
+SERVED_DTYPE = np.dtype([
+    ("epoch", "<u8"),        # owner: epoch of the owner that last wrote this record
+    ("consumed", "<u8"),     # owner: last request id an owner began to execute
+    ("answered", "<u8"),     # owner: last request id whose whole reply is on the reply ring
+    ("attempts", "<u8"),     # owner: owners that began ``consumed`` or ``one_way``
+    ("one_way", "<u8"),      # owner: 1 + request ring position of the last one-way frame begun
+    ("quarantined", "<u8"),  # owner: 1 once an owner stopped serving this generation (for good)
+], align=False)
+assert SERVED_DTYPE.itemsize == 48
+
+# --- grant-ring counts (in each client slot, before its ``GRANT_CAPACITY`` block ids) ------
+# A single-producer single-consumer ring: the owner writes ids and then ``granted``, the
+# client reads ids below it and then stores ``taken``. Counts are u64 and never wrap; an id
+# sits at ``count % GRANT_CAPACITY``. The two counts sit on their own cache lines.
+GRANT_HEAD_DTYPE = np.dtype({
+    "names": ["granted", "taken", "refused"],
+    "formats": ["<u8", "<u8", "<u8"],
+    # granted: owner, blocks ever pushed (ids first, then this count, fenced)
+    # taken: the client, blocks ever taken; <= granted unless the client scribbled
+    # refused: the client at activation, before any request: 1 = never stock this client
+    "offsets": [0, 64, 72],
+    "itemsize": 128})
+
+# --- block-table entry (one per block): written only by the owner ------------------------
+# Any process reads an entry without a lock, under its seqlock word. Who writes each field,
+# and what it guarantees:
+ENTRY_DTYPE = np.dtype([
+    # seqlock word, written alone as one aligned 32-bit store: odd while the owner changes
+    # the entry. A dead owner can leave it odd; only the next owner's rebuild settles it.
+    ("seq", "<u4"),
+    # FREE/WRITING/READY/EVICTING/GRANTED. Changed by a lone byte store (set_state,
+    # publish) or with the body; a reader trusts it only under an even, unchanged seq.
+    ("state", "u1"),
+    # length of the key, 0 for FREE. Written only with the key, in one body copy.
+    ("keylen", "u1"),
+    # client slot storing into the block (WRITING) or granted it (GRANTED), -1 for none.
+    ("writer", "<i2"),
+    # generation of that slot when the store was granted (a reused slot is another writer).
+    ("writer_gen", "<u4"),
+    # key_checksum(key): written with the key, in the same body copy, never on its own.
+    # A rebuild (and verify) recomputes it: a mismatch means the key bytes were left half
+    # rewritten (or damaged), and the block is freed instead of published.
+    ("keysum", "<u4"),
+    # WRITING: the writer's request id (client request counters are unbounded: 64 bits).
+    # GRANTED: the block's position in its client's grant ring (``Entry.grant_pos``), which
+    # tells a successor whether the ring's ``granted`` count ever handed it over.
+    ("writer_req", "<u8"),
+    # eviction clock at the last touch: a lone aligned 64-bit store (readers may see old or
+    # new, both fine); the rebuild orders ready blocks by it.
+    ("last_use", "<u8"),
+    # wall clock when the store completed (publish), for inspection only.
+    ("stored_ns", "<u8"),
+    # load pins the owner counts on the block: a lone aligned 64-bit store.
+    ("pins", "<u8"),
+    # the key, zero padded; written only in the body copy, with keylen and keysum.
+    ("key", "S64"),
+    ("spare", "V16"),  # nobody: zero
+], align=False)
+assert ENTRY_DTYPE.itemsize == 128
+# Every field sits at a multiple of its own size: the 64-bit words can be stored through
+# aligned memoryview casts, the seq word likewise (and the batch writers view rows as words).
+assert all(off % dt.itemsize == 0 for dt, off in ENTRY_DTYPE.fields.values() if dt.kind in "iu")
+# The body (every field from state to the key) is copied in with one slice assignment.
+ENTRY_BODY = ("state", "keylen", "writer", "writer_gen", "keysum", "writer_req", "last_use",
+              "stored_ns", "pins", "key")
+
+# --- key-index slot (open addressing, a power of two of them): written only by the owner --
+INDEX_SLOT_DTYPE = np.dtype([
+    ("tag", "<u4"),    # owner: crc32 of the key, a cheap filter before the table's key compare
+    ("block", "<i4"),  # owner: the key's block, -1 for an empty slot (a lone 4-byte store)
+], align=False)
+INDEX_SLOT = struct.Struct(struct_format(INDEX_SLOT_DTYPE))
+
+# --- writer registration (one per process copying for a scheduler's slot) -----------------
+# Only the registrant writes a record, and only while it holds lock byte LOCK_WRITER_BASE +
+# record; a record whose lock is free is dead whatever it says (the kernel drops the lock
+# with the process). The owner reads records to decide whether a dead client's WRITING
+# blocks may be reused.
+WRITER_DTYPE = np.dtype([
+    ("slot", "<i4"),      # registrant: the scheduler's manager slot; -1 once unregistered
+    ("pid", "<u4"),       # registrant: its pid, for kvshm-inspect only, never liveness
+    ("gen", "<u8"),       # registrant: that slot's client generation it copies for
+    ("since_ns", "<u8"),  # registrant: time.time_ns() at registration, for kvshm-inspect
+    ("spare", "V8"),      # nobody: zero
+], align=False)
+assert WRITER_DTYPE.itemsize == 32

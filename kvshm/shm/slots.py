@@ -20,6 +20,7 @@ import numpy as np
 
 from kvshm.shm import layout as L
 from kvshm.shm import locks, words
+from kvshm.shm.words import WordView
 from kvshm.errors import ClientSlotsExhaustedError
 from kvshm.shm.fence import full_fence
 from kvshm.shm.layout import SlotRecord, SlotState
@@ -76,12 +77,12 @@ def activate(seg: Segment, slot: int, gen: int, state: int = SlotState.CLIENT,
     when it adopts the slot, before it serves any request of it)."""
     g = seg.geometry
     holds(seg, slot)[:] = -1
-    words, ids = grants(seg, slot)
+    head, ids = grants(seg, slot)
     ids[:] = -1
-    words[:] = 0
-    words[L.GRANT_WORD_REFUSED] = not takes_grants
+    head.clear()
+    head["refused"] = not takes_grants
     counters(seg, slot)[:] = 0
-    served(seg, slot)[:] = 0
+    served(seg, slot).clear()
     for name in L.RING_NAMES:
         Ring.format(ring_view(seg, slot, name), g.ring_capacity)
     _store(seg, slot, "name", os.path.basename(sys.argv[0] or "python")[:L.SLOT_NAME_BYTES]
@@ -133,10 +134,10 @@ def clear_if_dead(seg: Segment, slot: int, gen: int) -> bool:
         locks.unlock(seg.fd, L.LOCK_CLIENT_BASE + slot)
 
 
-def served(seg: Segment, slot: int) -> np.ndarray:
-    """The slot's served record (``layout.SERVED_FIELDS``), u64 words the owner writes."""
-    return np.frombuffer(seg.buf, np.uint64, len(L.SERVED_FIELDS),
-                         seg.geometry.slot_offset(slot) + L.SLOT_OFF_SERVED)
+def served(seg: Segment, slot: int) -> WordView:
+    """The slot's served record (``records.SERVED_DTYPE``), words the owner writes."""
+    return WordView(seg.buf, seg.geometry.slot_offset(slot) + L.SLOT_OFF_SERVED,
+                    L.SERVED_DTYPE)
 
 
 def holds(seg: Segment, slot: int) -> np.ndarray:
@@ -144,11 +145,11 @@ def holds(seg: Segment, slot: int) -> np.ndarray:
     return np.frombuffer(seg.buf, np.int32, g.hold_capacity, g.slot_offset(slot) + g.hold_offset)
 
 
-def grants(seg: Segment, slot: int) -> tuple[np.ndarray, np.ndarray]:
-    """The slot's grant ring: its u64 count words (``layout.GRANT_WORD_*``) and its
+def grants(seg: Segment, slot: int) -> tuple[WordView, np.ndarray]:
+    """The slot's grant ring: its counts (``records.GRANT_HEAD_DTYPE``) and its
     ``GRANT_CAPACITY`` int32 block ids."""
     off = seg.geometry.slot_offset(slot) + seg.geometry.grants_offset
-    return (np.frombuffer(seg.buf, np.uint64, L.GRANT_HEAD_BYTES // 8, off),
+    return (WordView(seg.buf, off, L.GRANT_HEAD_DTYPE),
             np.frombuffer(seg.buf, np.int32, L.GRANT_CAPACITY, off + L.GRANT_HEAD_BYTES))
 
 

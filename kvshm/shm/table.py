@@ -27,32 +27,27 @@ import numpy as np
 from kvshm import crashpoints
 from kvshm.shm import layout as L
 from kvshm.shm.fence import publish_fence
+from kvshm.shm.records import ENTRY_BODY, ENTRY_DTYPE, field_offset, struct_format, sub_dtype
 
-# The entry body: every field but seq, then the key (zero padded to MAX_KEY_BYTES). It is
-# packed into a private bytes object and copied into the segment with one slice assignment
-# (a memcpy: no zero-fill, no transient value a reader or a successor could mistake).
-_BODY = struct.Struct(f"<{L.ENTRY_FORMAT[2:]}{L.MAX_KEY_BYTES}s")
-_BODY_OFF = L.entry_field_offset("state")
+# The entry body (records.ENTRY_BODY: every field from state to the key, zero padded to
+# MAX_KEY_BYTES). It is packed into a private bytes object and copied into the segment with
+# one slice assignment (a memcpy: no zero-fill, no transient value a reader or a successor
+# could mistake).
+_BODY = struct.Struct(struct_format(ENTRY_DTYPE, ENTRY_BODY))
+_BODY_OFF = field_offset(ENTRY_DTYPE, "state")
 _KEY_OFF = L.ENTRY_KEY_OFFSET
-_STATE_OFF = L.entry_field_offset("state")
-_KEYLEN_OFF = L.entry_field_offset("keylen")
-_WRITER_OFF = L.entry_field_offset("writer")
-_LAST_USE_WORD = L.entry_field_offset("last_use") // 8
-_STORED_NS_WORD = L.entry_field_offset("stored_ns") // 8
-_PINS_WORD = L.entry_field_offset("pins") // 8
+_STATE_OFF = field_offset(ENTRY_DTYPE, "state")
+_KEYLEN_OFF = field_offset(ENTRY_DTYPE, "keylen")
+_WRITER_OFF = field_offset(ENTRY_DTYPE, "writer")
+_LAST_USE_WORD = field_offset(ENTRY_DTYPE, "last_use") // 8
+_STORED_NS_WORD = field_offset(ENTRY_DTYPE, "stored_ns") // 8
+_PINS_WORD = field_offset(ENTRY_DTYPE, "pins") // 8
 _WORDS32 = L.ENTRY_BYTES // 4
 _WORDS64 = L.ENTRY_BYTES // 8
 assert _BODY_OFF == 4 and _BODY_OFF + _BODY.size == _KEY_OFF + L.MAX_KEY_BYTES
 assert _STORED_NS_WORD == _LAST_USE_WORD + 1  # publish stores them as adjacent words
-# The same body as a numpy record, for the batch writers: one row per entry, fields at the
-# offsets ``_BODY`` packs them to (derived from layout.ENTRY_FIELDS, never restated).
-_NP_CODES = {"B": "u1", "h": "<i2", "i": "<i4", "I": "<u4", "Q": "<u8"}
-_BODY_DTYPE = np.dtype({
-    "names": [n for n, _ in L.ENTRY_FIELDS[1:]] + ["key"],
-    "formats": [_NP_CODES[c] for _, c in L.ENTRY_FIELDS[1:]] + [f"S{L.MAX_KEY_BYTES}"],
-    "offsets": [L.entry_field_offset(n) - _BODY_OFF for n, _ in L.ENTRY_FIELDS[1:]]
-    + [_KEY_OFF - _BODY_OFF],
-    "itemsize": _BODY.size})
+# The same body as a numpy record, for the batch writers: one row per entry.
+_BODY_DTYPE = sub_dtype(ENTRY_DTYPE, ENTRY_BODY)
 _EMPTY_KEYSUM = L.key_checksum(b"")
 # Below this many entries the batch writers loop over the scalar ones: numpy's per-call cost
 # (one to a few microseconds an operation on a small host) outweighs that many struct packs
@@ -72,17 +67,24 @@ def state_counts(states: np.ndarray) -> list[int]:
 
 
 class Entry(NamedTuple):
+    """A consistent copy of one block's entry (``records.ENTRY_DTYPE`` says what each field
+    means), as ``BlockTable.read`` returns it."""
     seq: int
     state: int
     key: bytes
-    writer: int  # client slot writing the block, -1 for none
+    writer: int  # client slot writing the block (or granted it), -1 for none
     writer_gen: int
-    writer_req: int
+    writer_req: int  # WRITING: the writer's request id; GRANTED: see ``grant_pos``
     last_use: int
     stored_ns: int
     pins: int
     keysum: int = 0  # the checksum stored with the key (layout.key_checksum)
     torn: bool = False  # read() gave up: the seq stayed odd (or kept moving); do not trust
+
+    @property
+    def grant_pos(self) -> int:
+        """A GRANTED block's position in its client's grant ring (stored in writer_req)."""
+        return self.writer_req
 
     @property
     def key_ok(self) -> bool:
@@ -91,10 +93,10 @@ class Entry(NamedTuple):
 
 
 # write() packs and _entry() unpacks the body positionally, in this order: a reordering of
-# layout.ENTRY_FIELDS must fail here, at import, not scramble fields silently.
-assert [n for n, _ in L.ENTRY_FIELDS] == ["seq", "state", "keylen", "writer", "writer_gen",
-                                          "keysum", "writer_req", "last_use", "stored_ns",
-                                          "pins"]
+# records.ENTRY_DTYPE must fail here, at import, not scramble fields silently.
+assert ENTRY_BODY == ("state", "keylen", "writer", "writer_gen", "keysum", "writer_req",
+                      "last_use", "stored_ns", "pins", "key")
+assert ENTRY_DTYPE.names[:len(ENTRY_BODY) + 1] == ("seq", *ENTRY_BODY)
 
 
 def _entry(seq: int, f: tuple, torn: bool) -> Entry:

@@ -31,5 +31,36 @@ def store_fields(buf: memoryview, off: int, dtype: np.dtype, **values: Any) -> N
             dt, at = dtype.fields[name][:2]
             if dt.kind == "S":
                 buf[off + at:off + at + dt.itemsize] = values[name].ljust(dt.itemsize, b"\0")
-            else:
-                store(buf, off + at, values[name], dt.itemsize)
+            else:  # a signed field's value as the unsigned word of the same bits
+                store(buf, off + at, values[name] & ((1 << 8 * dt.itemsize) - 1), dt.itemsize)
+
+
+class WordView:
+    """A record of u64 fields in shared memory, read and stored by field name, each access
+    one aligned 8-byte load or store (``view["consumed"]``, ``view["taken"] = n``).
+
+    Cheaper than a numpy structured scalar (which builds a numpy scalar per read) and than a
+    u64 array indexed by number, and it names every word it touches.
+    """
+
+    __slots__ = ("_w", "_at")
+
+    def __init__(self, buf: memoryview, off: int, dtype: np.dtype) -> None:
+        assert off % 8 == 0 and all(dt == np.dtype("<u8") and at % 8 == 0
+                                    for dt, at in (dtype.fields[n][:2] for n in dtype.names))
+        self._w = buf[off:off + dtype.itemsize].cast("Q")
+        self._at = {n: dtype.fields[n][1] // 8 for n in dtype.names}
+
+    def __getitem__(self, name: str) -> int:
+        return self._w[self._at[name]]
+
+    def __setitem__(self, name: str, value: int) -> None:
+        self._w[self._at[name]] = value
+
+    def clear(self) -> None:
+        """Store 0 in every field, one word at a time."""
+        for i in self._at.values():
+            self._w[i] = 0
+
+    def release(self) -> None:
+        self._w.release()

@@ -7,7 +7,7 @@ blocks and be published under its key. So every process that copies for a schedu
 slot registers under that slot *and its generation* before copying, and the owner keeps a
 dead generation's WRITING blocks (quarantines them) while any such registration lives.
 
-This module owns the registry region of the segment (``layout.WRITER`` records) and its lock
+This module owns the registry region of the segment (``records.WRITER_DTYPE`` records) and its lock
 bytes (``layout.LOCK_WRITER_BASE + record``): a registration is alive exactly while its
 kernel-released lock is held, so a registrant that dies drops it without anyone's help.
 Registration is ordered against the scheduler's death (Dekker-style): the registrant publishes
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import os
-import struct
 import threading
 import time
 
@@ -29,24 +28,15 @@ import numpy as np
 
 from kvshm.shm import layout as L
 from kvshm.shm import locks
-from kvshm.shm import slots
+from kvshm.shm import slots, words
 from kvshm.shm.fence import full_fence
 from kvshm.shm.segment import Segment
 
 log = logging.getLogger(__name__)
 
-_NP = {"i": "<i4", "I": "<u4", "Q": "<u8"}  # struct codes used by layout.WRITER_FIELDS
-_DTYPE = np.dtype({
-    "names": [n for n, _ in L.WRITER_FIELDS],
-    "formats": [_NP[c] for _, c in L.WRITER_FIELDS],
-    "offsets": [struct.calcsize("<" + "".join(c for _, c in L.WRITER_FIELDS[:i]))
-                for i in range(len(L.WRITER_FIELDS))],
-    "itemsize": L.WRITER_BYTES})
-
-
 def _records(seg: Segment) -> np.ndarray:
     g = seg.geometry
-    return np.frombuffer(seg.buf, _DTYPE, g.writer_records, g.writers_offset)
+    return np.frombuffer(seg.buf, L.WRITER_DTYPE, g.writer_records, g.writers_offset)
 
 
 def _query_fd(seg: Segment) -> int:
@@ -116,8 +106,11 @@ class Registrations:
                 continue  # cheap skip of live records; try_lock decides
             if not locks.try_lock(fd, L.LOCK_WRITER_BASE + i):
                 continue
-            L.WRITER.pack_into(self.seg.buf, self.seg.geometry.writers_offset
-                               + i * L.WRITER_BYTES, slot, os.getpid(), gen, time.time_ns())
+            off = self.seg.geometry.writers_offset + i * L.WRITER_BYTES
+            # the slot last: a record names its generation before it names the slot
+            words.store_fields(self.seg.buf, off, L.WRITER_DTYPE, pid=os.getpid(), gen=gen,
+                               since_ns=time.time_ns())
+            words.store_fields(self.seg.buf, off, L.WRITER_DTYPE, slot=slot)
             full_fence()  # the record is visible before we look at the scheduler's liveness
             self._mine[(slot, gen)] = i
             return True
@@ -135,7 +128,8 @@ class Registrations:
         if i is None:
             return
         off = self.seg.geometry.writers_offset + i * L.WRITER_BYTES
-        L.WRITER.pack_into(self.seg.buf, off, -1, 0, 0, 0)
+        words.store_fields(self.seg.buf, off, L.WRITER_DTYPE, slot=-1)  # first: unnamed
+        words.store_fields(self.seg.buf, off, L.WRITER_DTYPE, pid=0, gen=0, since_ns=0)
         full_fence()
         locks.unlock(self.seg.fd, L.LOCK_WRITER_BASE + i)
 

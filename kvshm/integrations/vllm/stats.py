@@ -72,7 +72,7 @@ KINDS = {m.name: m.kind for m in METRICS}
 _COUNTERS_FMT = f"<{len(L.COUNTER_NAMES)}Q"
 _SEGMENT_AT = [(name, L.COUNTER_NAMES.index(name)) for name, _ in _SEGMENT]
 
-_STATE_OFF = L.entry_field_offset("state")
+_STATE_OFF = L.field_offset(L.ENTRY_DTYPE, "state")
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
