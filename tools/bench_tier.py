@@ -134,7 +134,7 @@ def throughput(a: argparse.Namespace, master) -> dict[str, Any]:
             _wait(lambda: _tier(name)["state"] == "connected", 120, "movers")
         ma = TieredManager(kvshm.connect(names[0]))  # its complete_store wakes the mover
         area_a = TierArea.attach(ma.segment)
-        puts = lambda: int(area_a.counters[0 + TIER_COUNTERS.index("puts")])  # noqa: E731
+        puts = lambda: area_a.counters["puts"]  # noqa: E731
         mb = TieredManager(kvshm.connect(names[1]), max_wait=600.0, want_ahead=n)
         mgrs += [ma, mb]
         for r in range(a.rounds):

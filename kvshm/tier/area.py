@@ -13,14 +13,13 @@ and, when the mover sleeps, one semaphore post; the owner's exactly-once protoco
 rings stay untouched, and an owner failover never loses or replays a want. Wants are lossy on
 purpose (a lost want is a miss); nothing in the index depends on them.
 
-Layout (native u64 words)::
+Layout (the records below, each defined once as a numpy dtype)::
 
-    0     magic | version | max_clients | ring_entries | mover pid | mover state | since_ns
-          | last_error | last_error_ns | sleeping flag (the doorbell's) | kick (header, 512 B)
-    128   counters, COUNTERS order (the mover is their only writer)
+    0     AREA_HEAD_DTYPE: magic, version, geometry, the mover's pid, state and last error,
+          the doorbell's sleeping flag, the kick flag
+    128   AREA_COUNTERS_DTYPE (the mover is their only writer)
     384   backend description, 128 bytes of UTF-8 (what the mover talks to)
-    512   per client slot s: tail (producer) | done (mover) | ring_entries x entry
-          entry = seq u64 | key length u64 | key 64 bytes
+    512   per client slot s: WANT_RING_DTYPE (tail, done), then RING_ENTRIES x WANT_DTYPE
 
 A want ring has one producer, the client holding slot ``s`` (slots are exclusive by kernel
 lock), and one consumer, the mover. The producer writes an entry's key, then its ``seq``, then
@@ -38,6 +37,8 @@ import contextlib
 import mmap
 import os
 import time
+
+import numpy as np
 import posix_ipc
 
 from kvshm.errors import InvalidArgumentError, SegmentNotFoundError
@@ -47,25 +48,11 @@ from kvshm.shm.layout import MAX_KEY_BYTES
 from kvshm.shm.ring import Doorbell
 from kvshm.shm.objects import open_object
 from kvshm.shm.segment import Segment
+from kvshm.shm.words import WordView
 
 MAGIC = int.from_bytes(b"KVTIER01", "little")
-VERSION = 1
+VERSION = 2  # 2: a want ring's done word on its own cache line
 RING_ENTRIES = 256
-_CTR, _DESC = 128, 384  # byte offsets of the counters and the backend description
-_SLOT0 = 512
-# A want ring: its words (u64 each; tail and done on separate cache lines), then its entries.
-_R_TAIL = 0   # seq of the last entry the producer published
-_R_DONE = 8   # seq of the last entry the mover handled (its effect visible in the segment)
-_RING_HDR = 128
-# An entry (ring_entries of them after the ring's words):
-_E_SEQ = 0    # word: the want's seq, 0 while the producer rewrites the entry
-_E_LEN = 1    # word: the key's length
-_E_KEY = 16   # byte offset of the key (MAX_KEY_BYTES)
-_ENTRY = _E_KEY + MAX_KEY_BYTES
-_ENTRY_WORDS = _ENTRY // 8
-_SLOT_BYTES = _RING_HDR + RING_ENTRIES * _ENTRY
-(_W_MAGIC, _W_VERSION, _W_CLIENTS, _W_ENTRIES, _W_PID, _W_STATE, _W_SINCE, _W_ERR,
- _W_ERR_NS, _W_SLEEP, _W_KICK) = range(11)
 LOCK_MOVER = 0
 
 STATES = ("stopped", "connecting", "connected", "down")
@@ -87,7 +74,44 @@ COUNTERS = (
     "rpc_failures",     # calls answered with an RPC failure (lower tier unreachable)
     "reconnects",       # times the mover (re)connected to its lower tier
 )
-_COUNTER = {name: i for i, name in enumerate(COUNTERS)}
+
+# The area's header, at offset 0. Every field is one aligned u64 word.
+AREA_HEAD_DTYPE = np.dtype({"names": [
+    "magic",          # whoever (re)initialises the area, last of all: MAGIC once complete
+    "version",        # the initialiser: VERSION; another version is re-initialised
+    "max_clients",    # the initialiser: the segment's client slots (one want ring each)
+    "ring_entries",   # the initialiser: RING_ENTRIES
+    "mover_pid",      # the mover: its pid, for people (liveness is LOCK_MOVER)
+    "mover_state",    # the mover: an index into STATES
+    "since_ns",       # the mover: time.time_ns() when it took the area
+    "last_error",     # the mover: the lower tier's last error code (signed, as u64)
+    "last_error_ns",  # the mover: when it happened
+    "sleeping",       # the doorbell's flag: the mover sleeps on the semaphore
+    "kick",           # any engine: 1 = a store completed, read the events now; the mover: 0
+], "formats": ["<u8"] * 11, "offsets": [8 * i for i in range(11)], "itemsize": 128})
+_CTR, _DESC, _SLOT0 = 128, 384, 512  # byte offsets: counters, backend description, rings
+AREA_COUNTERS_DTYPE = np.dtype({"names": list(COUNTERS), "formats": ["<u8"] * len(COUNTERS),
+                                "offsets": [8 * i for i in range(len(COUNTERS))]})
+assert _CTR + AREA_COUNTERS_DTYPE.itemsize <= _DESC
+# A want ring's words: one producer (the client holding the slot), one consumer (the mover),
+# each word on its own cache line.
+WANT_RING_DTYPE = np.dtype({"names": ["tail", "done"], "formats": ["<u8", "<u8"],
+                            # tail: the producer, seq of the last entry it published
+                            # done: the mover, seq of the last entry it handled (its
+                            #       effect visible in the segment)
+                            "offsets": [0, 64], "itemsize": 128})
+# A want entry (RING_ENTRIES of them after the ring's words).
+WANT_DTYPE = np.dtype([
+    ("seq", "<u8"),               # producer, last: the want's seq; 0 while it rewrites it
+    ("length", "<u8"),            # producer: the key's length (<= MAX_KEY_BYTES)
+    ("key", f"S{MAX_KEY_BYTES}"),  # producer: the key, before its seq
+])
+_RING_HDR = WANT_RING_DTYPE.itemsize
+_ENTRY = WANT_DTYPE.itemsize
+_E_SEQ, _E_LEN = WANT_DTYPE.fields["seq"][1] // 8, WANT_DTYPE.fields["length"][1] // 8
+_E_KEY = WANT_DTYPE.fields["key"][1]
+_ENTRY_WORDS = _ENTRY // 8
+_SLOT_BYTES = _RING_HDR + RING_ENTRIES * _ENTRY
 
 
 def area_bytes(max_clients: int) -> int:
@@ -100,12 +124,12 @@ class TierArea:
     def __init__(self, name: str, posix: str, fd: int, mm: mmap.mmap) -> None:
         self.name, self.posix, self.fd, self._mm = name, posix, fd, mm  # segment, area names
         self.buf = memoryview(mm)
-        self.w = self.buf[:_CTR].cast("Q")
-        self.counters = self.buf[_CTR:_CTR + 8 * len(COUNTERS)].cast("Q")
-        self.max_clients = int(self.w[_W_CLIENTS])
+        self.head = WordView(self.buf, 0, AREA_HEAD_DTYPE)
+        self.counters = WordView(self.buf, _CTR, AREA_COUNTERS_DTYPE)
+        self.max_clients = int(self.head["max_clients"])
         self._slots = [self.buf[_SLOT0 + s * _SLOT_BYTES:_SLOT0 + (s + 1) * _SLOT_BYTES]
                        for s in range(self.max_clients)]
-        self._words = [v[:_RING_HDR].cast("Q") for v in self._slots]
+        self._rings = [WordView(v, 0, WANT_RING_DTYPE) for v in self._slots]
         self._entry_words = [v[_RING_HDR:].cast("Q") for v in self._slots]
         self._bell: Doorbell | None = None
         self._qfd: int | None = None
@@ -125,15 +149,16 @@ class TierArea:
             os.ftruncate(fd, size)
         mm = mmap.mmap(fd, size)
         area = cls.__new__(cls)
-        w = memoryview(mm)[:_CTR].cast("Q")
-        if w[_W_MAGIC] != MAGIC or w[_W_VERSION] != VERSION or w[_W_CLIENTS] != n \
-                or w[_W_ENTRIES] != RING_ENTRIES:
-            w[_W_MAGIC] = 0
+        head = WordView(memoryview(mm), 0, AREA_HEAD_DTYPE)
+        if head["magic"] != MAGIC or head["version"] != VERSION or \
+                head["max_clients"] != n or head["ring_entries"] != RING_ENTRIES:
+            head["magic"] = 0
             mm[:] = bytes(size)
-            w[_W_CLIENTS], w[_W_ENTRIES], w[_W_VERSION] = n, RING_ENTRIES, VERSION
+            head["max_clients"], head["ring_entries"], head["version"] = \
+                n, RING_ENTRIES, VERSION
             full_fence()
-            w[_W_MAGIC] = MAGIC  # last: an attacher sees a whole header or none
-        w.release()
+            head["magic"] = MAGIC  # last: an attacher sees a whole header or none
+        head.release()
         area.__init__(seg.name, posix, fd, mm)
         return area
 
@@ -152,10 +177,11 @@ class TierArea:
             os.close(fd)
             return None
         mm = mmap.mmap(fd, size)
-        w = memoryview(mm)[:_CTR].cast("Q")
-        ok = (w[_W_MAGIC] == MAGIC and w[_W_VERSION] == VERSION and
-              w[_W_ENTRIES] == RING_ENTRIES and size == area_bytes(w[_W_CLIENTS]))
-        w.release()
+        head = WordView(memoryview(mm), 0, AREA_HEAD_DTYPE)
+        ok = (head["magic"] == MAGIC and head["version"] == VERSION and
+              head["ring_entries"] == RING_ENTRIES and
+              size == area_bytes(head["max_clients"]))
+        head.release()
         if not ok:
             mm.close()
             os.close(fd)
@@ -166,9 +192,11 @@ class TierArea:
         if self._bell is not None:
             self._bell.close()
             self._bell = None
-        for v in self._words + self._entry_words + self._slots:
+        for r in self._rings:
+            r.release()
+        for v in self._entry_words + self._slots:
             v.release()
-        self.w.release()
+        self.head.release()
         self.counters.release()
         self.buf.release()
         self._mm.close()
@@ -187,27 +215,27 @@ class TierArea:
         return locks.is_held(self._qfd, LOCK_MOVER)
 
     def set_mover(self, pid: int, description: str) -> None:
-        self.w[_W_PID] = pid
-        self.w[_W_SINCE] = time.time_ns()
+        self.head["mover_pid"] = pid
+        self.head["since_ns"] = time.time_ns()
         raw = description.encode()[:127]
         self.buf[_DESC:_DESC + 128] = raw + bytes(128 - len(raw))
 
     def set_state(self, state: str) -> None:
-        self.w[_W_STATE] = STATES.index(state)
+        self.head["mover_state"] = STATES.index(state)
 
     def set_error(self, code: int) -> None:
-        self.w[_W_ERR] = code & 0xFFFFFFFFFFFFFFFF
-        self.w[_W_ERR_NS] = time.time_ns()
+        self.head["last_error"] = code & 0xFFFFFFFFFFFFFFFF
+        self.head["last_error_ns"] = time.time_ns()
 
     def add(self, counter: str, n: int = 1) -> None:
         """Mover only (the single writer of the counters)."""
         if n:
-            i = _COUNTER[counter]
-            self.counters[i] = (self.counters[i] + n) & 0xFFFFFFFFFFFFFFFF
+            self.counters[counter] = (self.counters[counter] + n) & 0xFFFFFFFFFFFFFFFF
 
     def bell(self) -> Doorbell:
         if self._bell is None:
-            self._bell = Doorbell(self.buf[8 * _W_SLEEP:8 * _W_SLEEP + 8],
+            at = AREA_HEAD_DTYPE.fields["sleeping"][1]
+            self._bell = Doorbell(self.buf[at:at + 8],
                                   self.posix + "-bell", like_fd=self.fd)
         return self._bell
 
@@ -220,30 +248,30 @@ class TierArea:
     def kick(self) -> None:
         """An engine completed a store: wake the mover to read the store events now rather
         than at its next poll (any process may; a lost kick only delays the write-through)."""
-        self.w[_W_KICK] = 1
+        self.head["kick"] = 1
         self._ring()
 
     def kicked(self) -> bool:
-        return bool(self.w[_W_KICK])
+        return bool(self.head["kick"])
 
     def take_kick(self) -> bool:
         """Mover: whether a kick came since the last call (and clear it)."""
-        if not self.w[_W_KICK]:
+        if not self.head["kick"]:
             return False
-        self.w[_W_KICK] = 0
+        self.head["kick"] = 0
         return True
 
     def pending(self) -> bool:
         """Whether any want ring holds unread entries."""
-        return any(w[_R_TAIL] != w[_R_DONE] for w in self._words)
+        return any(r["tail"] != r["done"] for r in self._rings)
 
     def drain(self, limit: int = 4096) -> tuple[list[bytes], dict[int, int]]:
         """Read up to ``limit`` wanted keys; returns them and, per slot, the ``done`` value
         to publish (with ``publish``) once they are handled."""
         keys: list[bytes] = []
         done: dict[int, int] = {}
-        for s, w in enumerate(self._words):
-            tail, seen = w[_R_TAIL], w[_R_DONE]
+        for s, ring in enumerate(self._rings):
+            tail, seen = ring["tail"], ring["done"]
             if tail == seen:
                 continue
             if tail - seen > RING_ENTRIES:  # lapped: the oldest are overwritten
@@ -275,7 +303,7 @@ class TierArea:
         """Answer the wants ``drain`` returned: their effect is visible in the segment."""
         full_fence()
         for s, seen in done.items():
-            self._words[s][_R_DONE] = seen
+            self._rings[s]["done"] = seen
 
     def skip_all(self) -> None:
         """Mark every want answered (as misses): the mover is stopping or the tier is down."""
@@ -287,8 +315,8 @@ class TierArea:
         """Producer of ring ``slot``: ask for ``keys``; returns the seq of the last one."""
         if not 0 <= slot < self.max_clients:
             raise InvalidArgumentError(f"slot {slot} is not a client slot of {self.name!r}")
-        w, e, view = self._words[slot], self._entry_words[slot], self._slots[slot]
-        tail = w[_R_TAIL]
+        ring, e, view = self._rings[slot], self._entry_words[slot], self._slots[slot]
+        tail = ring["tail"]
         for k in keys[:RING_ENTRIES]:
             tail += 1
             i = (tail - 1) % RING_ENTRIES
@@ -300,26 +328,26 @@ class TierArea:
             full_fence()
             e[base + _E_SEQ] = tail
         full_fence()
-        w[_R_TAIL] = tail
+        ring["tail"] = tail
         self._ring()
         return tail
 
     def answered(self, slot: int, seq: int) -> bool:
         """Whether the mover has handled want ``seq`` of ring ``slot``."""
-        return self._words[slot][_R_DONE] >= seq
+        return self._rings[slot]["done"] >= seq
 
     # --- what kvshm-inspect shows -----------------------------------------------------
     def snapshot(self) -> dict[str, object]:
-        w = self.w
+        head = self.head
         alive = self.mover_alive()
-        err = int(w[_W_ERR])
+        err, state = head["last_error"], head["mover_state"]
         return {
-            "mover_pid": int(w[_W_PID]), "mover_alive": alive,
-            "state": STATES[w[_W_STATE]] if alive and w[_W_STATE] < len(STATES) else "stopped",
+            "mover_pid": head["mover_pid"], "mover_alive": alive,
+            "state": STATES[state] if alive and state < len(STATES) else "stopped",
             "backend": bytes(self.buf[_DESC:_DESC + 128]).rstrip(b"\0").decode(errors="replace"),
-            "since_ns": int(w[_W_SINCE]),
+            "since_ns": head["since_ns"],
             "last_error": err - (1 << 64) if err >= 1 << 63 else err,
-            "last_error_ns": int(w[_W_ERR_NS]),
-            "wants_queued": sum(int(v[_R_TAIL] - v[_R_DONE]) for v in self._words),
-            "counters": dict(zip(COUNTERS, (int(c) for c in self.counters)))}
+            "last_error_ns": head["last_error_ns"],
+            "wants_queued": sum(r["tail"] - r["done"] for r in self._rings),
+            "counters": {name: self.counters[name] for name in COUNTERS}}
 
