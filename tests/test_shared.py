@@ -15,7 +15,7 @@ import pytest
 
 from kvshm.shm import layout as L
 from kvshm.index import protocol as P
-from kvshm.client.manager import connect
+from kvshm.client.connect import connect
 from kvshm.errors import ProtocolError
 from kvshm.shm.segment import Segment
 from kvshm.shm.table import BlockTable
@@ -98,6 +98,11 @@ def test_killed_client_slot_is_reused(cache, seg_name):
     dead_slot = conn.recv()["slot"]
     os.kill(p.pid, signal.SIGKILL)
     p.join()
+    # Free slots are claimed lowest first, so wait until the owner has reclaimed the dead
+    # one (until then a newcomer rightly takes another free slot).
+    from kvshm.shm import slots
+    wait_for(lambda: slots.record(cache.segment, dead_slot).state == L.SlotState.FREE,
+             "the owner to reclaim the dead client's slot")
     p2, conn2 = spawn(procs.connect_and_report, seg_name)
     info = conn2.recv()
     conn2.send("go")
@@ -375,7 +380,7 @@ def test_a_long_prefix_asked_from_many_places_keeps_few_lease_layouts(roomy):
     for off in range(0, len(LONG), 10):
         assert roomy.key_status(LONG[off]) == LookupResult.HIT
         roomy.release()
-    run = roomy._h.runs[LONG[0]][0]
+    run = roomy._h.runs.by_key[LONG[0]][0]
     assert 0 < len(run.plans) <= PLANS_KEPT < len(LONG) // 10
 
 
