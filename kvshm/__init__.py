@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 _PUBLIC = {
-    "connect": "client.manager", "SharedManager": "client.manager",
+    "connect": "client.connect", "SharedManager": "client.manager",
     "LocalManager": "owner.manager",
     "Segment": "shm.segment", "list_segments": "shm.names",
     "Layout": "shm.layout",
@@ -45,7 +45,8 @@ def __getattr__(name: str) -> Any:
 if TYPE_CHECKING:  # for type checkers and IDEs only
     from kvshm.index.api import LookupResult, OffloadingEvent, OffloadingManager, PrepareStoreOutput
     from kvshm.engine.channel import SchedulerChannel, WorkerChannel
-    from kvshm.client.manager import SharedManager, connect
+    from kvshm.client.connect import connect
+    from kvshm.client.manager import SharedManager
     from kvshm.engine.connector import SchedulerConnector
     from kvshm.errors import KvshmError
     from kvshm.engine.hashing import block_hashes, offload_key

@@ -13,7 +13,7 @@ import zlib
 
 import numpy as np
 
-from kvshm.client.manager import connect
+from kvshm.client.connect import connect
 from kvshm.shm import layout as L
 
 

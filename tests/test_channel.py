@@ -22,7 +22,7 @@ from kvshm.engine import channel as ch
 from kvshm.shm import layout as L
 from kvshm.shm import slots
 from kvshm.engine.channel import SchedulerChannel, WorkerChannel
-from kvshm.client.manager import connect
+from kvshm.client.connect import connect
 from kvshm.engine.connector import SchedulerConnector
 from kvshm.errors import InvalidArgumentError, SegmentNotFoundError
 from kvshm.engine.hashing import block_hashes, offload_key

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvshm.client.manager import connect
+from kvshm.client.connect import connect
 from kvshm.engine.connector import SchedulerConnector
 from kvshm.engine.hashing import ROOT, block_hashes, offload_key
 from kvshm.shm.layout import Layout

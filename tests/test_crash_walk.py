@@ -110,7 +110,7 @@ def _check_cache(seg: Segment, stats: list[dict]) -> None:
     assert sum(s["corrupt"] for s in stats) == 0, "a load returned another key's bytes"
     assert sum(s["stores"] for s in stats) > 0 and sum(s["loads"] for s in stats) > 0
     if not seg.owner_alive():  # it died after the last call: the next client brings one
-        from kvshm.client.manager import connect
+        from kvshm.client.connect import connect
         connect(seg.name).shutdown()
     t = BlockTable(seg.buf, seg.geometry)
     planes = seg.planes()

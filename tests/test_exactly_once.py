@@ -19,7 +19,7 @@ import pytest
 from kvshm.shm import layout as L
 from kvshm.index import protocol as P
 from kvshm.shm import slots
-from kvshm.client.manager import connect
+from kvshm.client.connect import connect
 from kvshm.errors import ReplyTimeoutError
 from kvshm.shm.segment import Segment
 from kvshm.owner.grants import grant_target

@@ -16,7 +16,7 @@ from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from kvshm.index import protocol as P
-from kvshm.client.manager import connect
+from kvshm.client.connect import connect
 from kvshm.errors import KvshmError
 from kvshm.inspect.snapshot import verify
 

@@ -17,7 +17,7 @@ import sys
 import pytest
 
 from kvshm.index import protocol as P
-from kvshm.client.manager import connect
+from kvshm.client.connect import connect
 from kvshm.owner.grants import grant_budget, grant_target
 from kvshm.index.api import LookupResult
 from kvshm.errors import BlockStateError, ProtocolError
@@ -244,7 +244,7 @@ _HOLDER = """
 import sys, time
 sys.path.insert(0, sys.argv[2])
 from kvshm.index import protocol as P
-from kvshm.client.manager import connect
+from kvshm.client.connect import connect
 from kvshm.shm import layout as L, slots
 import procs
 m = connect(sys.argv[1])

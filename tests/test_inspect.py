@@ -69,7 +69,7 @@ CHILD = textwrap.dedent("""
     seg = Segment.attach(spec["name"])
     g, out = seg.geometry, {}
     if spec["role"] == "engine":  # a real client: connect() starts an owner process
-        from kvshm.client.manager import connect
+        from kvshm.client.connect import connect
         mgr = connect(spec["name"])
         keys = [b"E%035d" % i for i in range(4)]
         mgr.prepare_store(keys); mgr.complete_store(keys)

@@ -25,7 +25,7 @@ from kvshm.shm import layout as L
 from kvshm.shm import slots
 from kvshm.shm import writers
 from kvshm.engine.channel import SchedulerChannel, WorkerChannel
-from kvshm.client.manager import connect
+from kvshm.client.connect import connect
 from kvshm.engine.connector import SchedulerConnector
 from kvshm.engine.hashing import block_hashes, offload_key
 from kvshm.shm.segment import Segment
@@ -286,7 +286,7 @@ def test_writer_lock_bytes_overlap_no_client_or_channel_lock():
 # --- kvshm-inspect gc: a temporary owner honours the registry as an owner does -------------
 _GC_SCHED = """
 import sys
-from kvshm.client.manager import connect
+from kvshm.client.connect import connect
 m = connect(sys.argv[1])
 out = m.prepare_store([b"victim-%d" % i for i in range(4)])  # a round trip: WRITING
 print(m.slot, m.gen, *out.block_ids, flush=True)

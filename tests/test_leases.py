@@ -13,7 +13,7 @@ import random
 import pytest
 
 from kvshm.index.api import LookupResult
-from kvshm.client.manager import connect
+from kvshm.client.connect import connect
 from kvshm.errors import (BlockStateError, HoldsExhaustedError, InvalidArgumentError,
                           UnknownKeyError)
 from kvshm.shm import layout as L

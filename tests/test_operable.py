@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from conftest import TEST_LAYOUT, unique_name
-from kvshm.client.manager import connect
+from kvshm.client.connect import connect
 from kvshm.owner.manager import LocalManager
 from kvshm.inspect.cli import main
 from kvshm.shm.segment import Segment

@@ -14,7 +14,7 @@ from kvshm.errors import InvalidArgumentError
 from kvshm.owner import running as running_mod
 from kvshm.index import protocol as P
 from kvshm.index.api import LookupResult, Running
-from kvshm.client.manager import connect
+from kvshm.client.connect import connect
 from kvshm.owner.manager import LocalManager
 from kvshm.index.access import RANKED, SEEN
 

@@ -184,7 +184,7 @@ def _sem_files(name: str) -> list[str]:
 
 
 def test_semaphores_get_the_segments_group_mode(seg_name):
-    from kvshm.client.manager import connect
+    from kvshm.client.connect import connect
     mgr = connect(seg_name, TEST_LAYOUT, num_blocks=8, mode=0o660, **SMALL_GEOMETRY)
     try:
         mgr.prepare_store([b"k" * 36])
@@ -263,7 +263,7 @@ def test_a_client_whose_doorbell_the_owner_may_not_open_is_quarantined_not_fatal
     # user) cannot open it: that client gets no service, and everyone else still does.
     from multiprocessing import get_context
     from kvshm.errors import KvshmError
-    from kvshm.client.manager import connect
+    from kvshm.client.connect import connect
     seg = make_segment(mode=0o666)
     posix_ipc.Semaphore(seg.object_name("c0-reply"), posix_ipc.O_CREX, mode=0o600).close()
     ctx = get_context("spawn")
@@ -352,7 +352,7 @@ def test_a_client_attaching_as_its_segment_is_removed_leaves_no_semaphore(seg_na
     from test_exactly_once import owner_proc
     Segment.create(seg_name, TEST_LAYOUT, 8, **SMALL_GEOMETRY).close()
     owner = owner_proc(seg_name)
-    client = _armed("import sys, json; from kvshm.client.manager import connect\ntry:\n"
+    client = _armed("import sys, json; from kvshm.client.connect import connect\ntry:\n"
                     " connect(sys.argv[1]); print(json.dumps(['ok', 0]))\n"
                     "except Exception as e:\n print(json.dumps([type(e).__name__, str(e)]))\n",
                     seg_name)
@@ -371,7 +371,7 @@ def test_an_owner_of_a_removed_segment_leaves_the_semaphores_of_its_successor_al
     # nothing of the new segment's: a process that opened a removed doorbell name later
     # would make a new semaphore that the new owner never waits on.
     from test_exactly_once import owner_proc
-    from kvshm.client.manager import connect
+    from kvshm.client.connect import connect
     Segment.create(seg_name, TEST_LAYOUT, 8, **SMALL_GEOMETRY).close()
     late = _armed("import sys; from kvshm.owner.server import main; sys.exit(main())", seg_name,
                   at="bell.after_open")
@@ -398,7 +398,7 @@ def test_a_client_of_a_removed_segment_starts_no_owner_for_its_successor(seg_nam
     # not start an owner by name, which would attach the segment now under that name.
     from test_exactly_once import owner_proc
     from kvshm.errors import OwnerUnavailableError
-    from kvshm.client.manager import connect
+    from kvshm.client.connect import connect
     Segment.create(seg_name, TEST_LAYOUT, 8, **SMALL_GEOMETRY).close()
     owner = owner_proc(seg_name)
     mgr = connect(seg_name, grants=False, timeout=2)

@@ -19,7 +19,7 @@ import threading
 import pytest
 
 from kvshm.errors import SegmentNotFoundError
-from kvshm.client.manager import connect
+from kvshm.client.connect import connect
 from kvshm.shm.layout import Layout
 from kvshm.shm.segment import Segment
 from kvshm.shm.wait import poll_until

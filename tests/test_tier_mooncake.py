@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from kvshm.client.manager import connect
+from kvshm.client.connect import connect
 from kvshm.inspect.snapshot import tier_snapshot
 from kvshm.shm.wait import poll_until
 from kvshm.tier.client import TieredManager

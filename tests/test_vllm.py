@@ -21,7 +21,7 @@ import torch
 
 from kvshm.shm import slots
 from kvshm.index.api import LookupResult
-from kvshm.client.manager import connect
+from kvshm.client.connect import connect
 from kvshm.errors import InvalidArgumentError, KvshmError, LayoutMismatchError
 from kvshm.integrations.vllm.core import KvshmOptions, ManagerCore, layout_for, open_segment
 from kvshm.integrations.vllm.jobs import WorkerCore, split_job

@@ -22,7 +22,7 @@ import time
 import torch
 
 from kvshm.index.api import LookupResult
-from kvshm.client.manager import connect
+from kvshm.client.connect import connect
 from kvshm.integrations.vllm.jobs import WorkerCore
 from kvshm.shm import layout as L
 from kvshm.shm import writers
@@ -39,7 +39,7 @@ from test_vllm import tiny_model  # noqa: F401  (a fixture)
 # --- the auto-started owner outlives the process group that started it ---------------------
 _GROUP_CHILD = """
 import os, subprocess, sys
-from kvshm.client.manager import connect
+from kvshm.client.connect import connect
 from kvshm.shm.layout import Layout
 mgr = connect(sys.argv[1], Layout((4096,), 16, "t"), num_blocks=8)  # starts the owner
 out = mgr.prepare_store([b"k" * 36]); mgr.complete_store(out.keys_to_store)
@@ -90,7 +90,7 @@ def test_the_owner_survives_a_sigkill_of_the_starting_engines_process_group():
 
 _SCHEDULER_CHILD = """
 import sys
-from kvshm.client.manager import connect
+from kvshm.client.connect import connect
 mgr = connect(sys.argv[1])
 out = mgr.prepare_store([bytes([i]) * 36 for i in range(3)])
 print(mgr.slot, mgr.gen, *out.block_ids, flush=True)

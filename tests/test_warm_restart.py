@@ -12,7 +12,7 @@ import os
 import signal
 
 from kvshm.shm import layout as L
-from kvshm.client.manager import connect
+from kvshm.client.connect import connect
 from kvshm.shm.table import BlockTable
 
 import procs

@@ -57,7 +57,7 @@ import numpy as np
 from kvshm.shm import layout as L
 from kvshm.shm import slots
 from kvshm.index.api import LookupResult
-from kvshm.client.manager import connect
+from kvshm.client.connect import connect
 from kvshm.errors import KvshmError
 from kvshm.shm.layout import Layout
 from kvshm.shm.segment import Segment

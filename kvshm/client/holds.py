@@ -2,46 +2,38 @@
 
 This module owns the client side of the lease handshake and the client's hold array in its
 slot (``hold_capacity`` int32 entries the owner reads before it evicts). A hold entry is -1
-(empty), a block id (a load pin, which protects the block from everyone's stores) or
-``layout.lease_code(block)`` (a lookup lease, which protects it from *other* clients' stores).
+(empty), a block id (a load pin: protects the block from everyone's stores) or
+``layout.lease_code(block)`` (a lookup lease: protects it from *other* clients' stores).
 
 Leasing: write the lease into the hold array, full fence, re-check that the block still holds
 the key and is READY. The owner marks a victim EVICTING, fences, then reads every client's
-holds and spares held blocks (``LocalManager._fence_victims``), so one of the two always sees
-the other: a leased hit stays loadable until it is pinned or released. A client holds at most
+holds and spares held blocks (``owner/eviction.py``), so one of the two always sees the
+other: a leased hit stays loadable until it is pinned or released. A client holds at most
 ``hold_capacity // 2`` leases; past that lookups report misses (always safe).
 
-Leases are counted. A scheduler looks up several requests in one step, and two of them may
-ask for the same key: the client holds one lease for it (one hold entry per key, all the owner
-reads, so the segment does not change), but both requests were told it is a hit. So the
-client counts, per leased key, the lookups that answered it as a hit (``asks``, in this process
-only): a ``release`` of the key gives back one of them, a ``prepare_load`` takes one (the lease
-becomes the load's pin with the last one; before that the pin is a hold of its own and the
-lease stays), and the lease goes when none is left; ``release()`` of all drops every count.
-Without the count, one request's release (its load was not wanted, or a lower tier said "not
-yet") took the lease from under the other, whose load then failed once another client evicted
-the block. Each hit a lookup reports counts once, a key named twice in it twice; a load or a
-release that names a key twice gives back two. A key that our own store evicted (or an owner
+Leases are counted. Two requests of one scheduler step may ask for the same key: the client
+holds one lease for it (one hold entry per key, which is all the owner reads), but counts
+per leased key the lookups that answered it as a hit (``asks``, in this process only). A
+``release`` gives back one of them, a ``prepare_load`` takes one (the lease becomes the load's
+pin with the last; before that the pin is a hold of its own), and the lease goes when none is
+left; ``release()`` of all drops every count. Without the count, one request's release took
+the lease from under the other, whose load then failed once another client evicted the
+block. A key named twice counts twice. A key that our own store evicted (or an owner
 failover lost) is forgotten whatever its count: it is no hit any more.
 
 A scheduler asks for the same prefixes over and over, so the client remembers, per key it
-verified, the block and the entry's sequence number then (``seen``). The table's writer bumps
-the sequence number on every rewrite of an entry, so an unchanged number proves the entry
-still holds that key in that state: a repeated lookup skips the index search and the key
-comparison (a u32 that wrapped back to the same value in between, 2**31 rewrites of one
-block, is the one thing this trusts not to happen). A prefix the client loaded is kept the
-same way as a whole (``runs.py``), so the next request's first lookup of it leases much of
-it with one fence (``relet``) and the lookups after it are dict hits: the scheduler asks
-key by key, and a fence per key was most of its cost.
-The keys leased so, ahead of their lookups, are ``ahead`` until asked for; nobody was told
-they are hits, so they count no lookup and are given back at the next ``relet``,
-``prepare_load`` or ``release`` (a caller that loads or releases exactly what it asked for
-holds nothing else).
-It never talks to the owner, never writes the block table and never imports torch.
+verified, the block and the entry's sequence number then (``seen``): the table's writer bumps
+it on every rewrite, so an unchanged number proves the entry still holds that key in that
+state (trusting that a u32 does not wrap back to the same value in between, 2**31 rewrites
+of one block). A prefix the client loaded is kept the same way as a whole (``runs.py``), so
+the next request's first lookup of it leases much of it with one fence (``relet``) and the
+lookups after it are dict hits. Keys leased so, ahead of their lookups, are ``ahead`` until
+asked for: nobody was told they are hits, so they count no lookup and are given back at the
+next ``relet``, ``prepare_load`` or ``release``. It never talks to the owner and never writes
+the block table.
 """
 from __future__ import annotations
 
-from itertools import repeat
 from typing import Sequence
 
 import numpy as np
@@ -51,10 +43,21 @@ from kvshm.shm.fence import full_fence
 from kvshm.shm.keyindex import KeyIndex
 from kvshm.shm.keys import check_key
 from kvshm.shm.table import BlockTable
-from kvshm.client.runs import Plan, Run, remember
+from kvshm.client.runs import Runs
 
 # A held block is READY, or EVICTING for the instant an eviction honours our hold.
 LOADABLE = (L.READY, L.EVICTING)
+
+
+def key_array(keys: Sequence[bytes]) -> np.ndarray | None:
+    """Equal-length bytes keys as an (n, len) uint8 array for ``lease_many``; None if they
+    are not that."""
+    klen = len(keys[0])
+    joined = b"".join(keys)
+    if len(joined) != len(keys) * klen or not all(type(k) is bytes and len(k) == klen
+                                                  for k in keys):
+        return None
+    return np.frombuffer(joined, np.uint8).reshape(len(keys), klen)
 
 
 class HoldTable:
@@ -74,11 +77,10 @@ class HoldTable:
         self.lease_limit = len(holds) // 2
         self.seen: dict[bytes, tuple[int, int]] = {}  # key -> (block, seq) verified READY
         self._seen_limit = 4 * len(holds)
-        self.runs: dict[bytes, tuple[Run, int]] = {}  # key -> (its loaded prefix, offset)
+        self.runs = Runs(table, self._seen_limit)  # the prefixes this client loaded
         # Leased keys that ``relet`` took ahead of their lookups and nobody asked for yet.
         # Every path that answers a leased key as a hit discards it here (``asked``).
         self.ahead: set[bytes] = set()
-        self._last: tuple[Run, int] | None = None  # the last relet's run and key count
 
     def __len__(self) -> int:
         """How many holds (leases + pins) are taken."""
@@ -123,96 +125,28 @@ class HoldTable:
         idx = [i for i in [pop(k, -1) for k in self.ahead] if i >= 0]
         # (counted by what is given back: a key whose lease went another way, pinned or
         # forgotten, may still be named in ``ahead``; it went unasked by no one)
-        if self._last is not None and 2 * len(idx) > self._last[1]:
-            self._last[0].shrink()  # most of what it took went unasked: take less next time
+        self.runs.unasked(len(idx))
         self.ahead.clear()
         if idx:  # a relet can take a long prefix ahead: give it back in one numpy call
             self.holds[np.array(idx, np.intp)] = -1
             self.free.extend(idx)
 
     def relet(self, key: bytes) -> bool:
-        """Lease ``key`` and the keys that followed it in a prefix this client loaded
-        (``follow``), all with one handshake: the scheduler asks for a prefix key by key, so
-        the next lookups are dict hits. Each key is leased only if its entry is unchanged
-        since the load proved it READY (same sequence number). False: ``key`` not leased
-        (not in a loaded prefix, changed, or no room), ask ``lease_key``."""
-        at = self.runs.get(key)
-        if at is None:
-            return False
-        self.drop_ahead()
-        run, off = at
-        last, self._last = self._last, None
-        if last is not None and last[0] is run and off > 0:  # asked past the last relet
-            run.grow()
-        n = min(len(run.keys) - off, run.reach, self.room())
-        if n <= 0:
-            return False
-        self._last = (run, n)
-        free, leases = self.free, self.leases
-        plan = run.plans.get(off)
-        if plan is None or free[-n:] != plan.idx:  # (compares identical ints: cheap)
-            plan = run.plan(off, n, free[-n:])
-        if leases and not leases.keys().isdisjoint(plan.leases.keys()):
-            return self._relet_partly(run, off, n)  # some leased already: never twice
-        del free[-n:]
-        end = off + n
-        self.holds[plan.ia] = run.codes[off:end]
-        full_fence()  # our holds before our re-checks: the owner fences the other way round
-        now = run.seqs_now(self.table, off, end)
-        if now.tobytes() == run.seqs[off:end].tobytes():  # (a ufunc and .all() cost 3 us)
-            leases.update(plan.leases)
-            self.ahead.update(plan.ahead)
-            return True
-        return self._keep_unchanged(key, plan, now == run.seqs[off:end])
+        """Lease ``key`` and the keys that followed it in a prefix this client loaded, all
+        with one handshake (``Runs.relet``). False: ``key`` not leased, ask ``lease_key``."""
+        return self.runs.relet(self, key)
 
-    def _relet_partly(self, run: Run, off: int, n: int) -> bool:
-        """``relet`` up to the first key of the run that is leased already."""
-        part, leases = run.keys[off:off + n], self.leases
-        n = next(i for i, k in enumerate(part) if k in leases)
-        if n == 0:
-            return False
-        plan = Plan(part[:n], self.free[-n:])
-        del self.free[-n:]
-        self.holds[plan.ia] = run.codes[off:off + n]
-        full_fence()  # our holds before our re-checks: the owner fences the other way round
-        return self._keep_unchanged(part[0], plan, run.seqs_now(self.table, off, off + n)
-                                    == run.seqs[off:off + n])
+    def write_holds(self, ia: np.ndarray, codes: np.ndarray) -> None:
+        """Take the top ``len(ia)`` entries of the free stack, which are ``ia`` (the caller
+        read them off the stack), and write ``codes`` into them. The caller then fences and
+        re-checks, and gives back what does not hold (``give_back``)."""
+        del self.free[-len(ia):]
+        self.holds[ia] = codes
 
-    def _keep_unchanged(self, key: bytes, plan: Plan, ok: np.ndarray) -> bool:
-        """Keep the holds ``plan`` just wrote where ``ok`` (the entry is unchanged since the
-        load), give back the rest; whether ``key`` (the one asked for) is leased."""
-        ia = plan.ia
-        bad = ~ok
-        self.holds[ia[bad]] = -1
-        self.free.extend(ia[bad].tolist())
-        good = [kj for kj, g in zip(plan.leases.items(), ok.tolist()) if g]
-        self.leases.update(good)
-        self.ahead.update(k for k, _ in good)
-        if ok[0]:
-            self.ahead.discard(key)
-        return bool(ok[0])
-
-    def proven(self, keys: list[bytes], blocks: list[int]) -> bool:
-        """Whether ``keys`` at ``blocks`` are the head of a prefix remembered by ``follow``
-        whose entries are all unchanged since (so each still holds its key READY): the
-        whole batch proven with one comparison."""
-        at = self.runs.get(keys[0]) if keys else None
-        if at is None or at[1] != 0:
-            return False
-        run, n = at[0], len(keys)
-        if run.keys[:n] != keys or run.blocks[:n].tolist() != blocks:
-            return False
-        return run.seqs_now(self.table, 0, n).tobytes() == run.seqs[:n].tobytes()
-
-    def follow(self, keys: Sequence[bytes], blocks: Sequence[int]) -> None:
-        """``keys`` (a prefix, in order) were just pinned at ``blocks`` and found READY:
-        remember them with their entries' sequence numbers for ``relet``."""
-        run = remember(keys, blocks, self.table)
-        if run is None:
-            return
-        if len(self.runs) + len(run.keys) > self._seen_limit:
-            self.runs.clear()
-        self.runs.update(zip(run.keys, zip(repeat(run), range(len(run.keys)))))
+    def give_back(self, ia: np.ndarray) -> None:
+        """Empty the hold entries ``ia`` and put them back on the free stack."""
+        self.holds[ia] = -1
+        self.free.extend(ia.tolist())
 
     def lease_key(self, key: bytes, index: KeyIndex) -> int:
         """Find ``key`` and lease it if it is READY: returns its state (READY: leased now),
@@ -285,11 +219,7 @@ class HoldTable:
         seen = self.seen.get(key)
         if seen is not None:
             return seen[0] == block and self.table.seq(block) == seen[1]
-        at = self.runs.get(key)
-        if at is None:
-            return False
-        run, off = at
-        return int(run.blocks[off]) == block and self.table.seq(block) == int(run.seqs[off])
+        return self.runs.still_ready(key, block)
 
     def lease_many(self, keys: Sequence[bytes], karr: np.ndarray, blocks: np.ndarray,
                    hits: int) -> int:
@@ -340,7 +270,7 @@ class HoldTable:
             self.leases.clear()
             self.asks.clear()
             self.ahead.clear()
-            self._last = None  # the step is over: the next lookup asks past nothing
+            self.runs.step_over()  # the next lookup asks past nothing
             if idx:
                 self.holds[np.array(idx, np.intp)] = -1
                 self.free.extend(idx)
@@ -423,5 +353,4 @@ class HoldTable:
         self.pins.clear()
         self.seen.clear()
         self.runs.clear()
-        self._last = None
         self._hv.release()

@@ -1,25 +1,15 @@
-"""Engine-side access to a shared segment: ``connect()`` and the ``SharedManager`` proxy.
+"""Engine-side access to a shared segment: the ``SharedManager`` proxy.
 
-This module owns the manager API of a client process and its lock-free reads. It composes a
-client slot (claimed with a kernel-released lock, ``slots.py``), the link to the owner
-(``owner_link.py``: calls, exactly-once, failover) and the hold table (``holds.py``: leases
-and pins). Reads never go through the owner:
-
-* ``lookup``/``key_status`` read the key index and block table in the segment directly; a hit
-  is *leased* (``holds.py``) so no other client can evict it before ``prepare_load``. Leases
-  are counted: each lookup that reported a key as a hit is given back by one ``release`` (or
-  taken by one ``prepare_load``) of it, so two requests that hit the same key each keep it.
-* ``prepare_load``/``complete_load`` only change holds; ``touch`` is a one-way frame.
-* Stores take blocks the owner granted this client ahead of time (``grants.py``): a
-  ``prepare_store`` that its grant ring covers sends nothing, and its ``complete_store`` is
-  a one-way ``Publish`` frame. A store larger than the ring holds is a round trip (one
-  atomic operation, in as many frames as it needs), and so is its completion. Keys this
-  client published are read back as soon as the owner has taken the frame: a lookup of such
-  a key waits briefly for that (``own_stores.py``), so a client sees its own completed
-  stores; an owner that stalls longer makes them read as still being stored, never an error.
-
-When the owner dies mid-call, the client starts another and the successor finishes the call:
-callers see a delay, not an error. It never copies block data and never imports torch.
+This module owns the manager API of a client process and its lock-free reads (``connect.py``
+attaches or creates the segment and builds one). It composes a client slot (claimed with a
+kernel-released lock), the link to the owner (``owner_link.py``: calls, exactly-once,
+failover), the hold table (``holds.py``: counted leases and pins) and its own stores
+(``own_stores.py``). Lookups and loads never go through the owner: they read the key index
+and the block table and lease what they find. A ``prepare_store`` the client's grant ring
+covers sends nothing and its ``complete_store`` is a one-way ``Publish``; a larger store is
+one atomic round trip. ``touch`` is one-way. When the owner dies mid-call, the client starts
+another and the successor finishes the call: callers see a delay, not an error. It never
+copies block data.
 """
 from __future__ import annotations
 
@@ -37,8 +27,7 @@ from kvshm.index.api import (LookupResult, OffloadingEvent, OffloadingManager,
 from kvshm.crashpoints import crash_point
 from kvshm.shm.fence import full_fence
 from kvshm.errors import BlockStateError, HoldsExhaustedError, InvalidArgumentError, UnknownKeyError
-from kvshm.client.holds import HoldTable
-from kvshm.shm.layout import Layout
+from kvshm.client.holds import HoldTable, key_array
 from kvshm.client.owner_link import OwnerLink, start_owner
 from kvshm.client.own_stores import OwnStores
 from kvshm.shm.ring import Ring
@@ -47,49 +36,8 @@ from kvshm.shm.keyindex import KeyIndex
 from kvshm.shm.table import BlockTable
 
 
-def connect(name: str, layout: Layout | None = None, *, num_blocks: int | None = None,
-            nbytes: int | None = None, policy: str = "lru", mode: int = 0o600,
-            events: bool = False, grants: bool = True, timeout: float = 30.0,
-            **create_kw: int) -> "SharedManager":
-    """Attach this process to shared cache ``name`` and return its manager.
-
-    Give ``num_blocks`` or ``nbytes`` (with ``layout``) to create the segment if it does not
-    exist yet; without them the segment must exist. ``layout``, when given, must match the
-    segment's. An owner process is started if none is serving. ``events=True`` makes
-    ``take_events`` report every store and eviction in the shared cache. ``grants=False``
-    stores by round trip only, so that other clients see a store in flight as such (PENDING)
-    rather than as a miss: for a client others wait for, like the lower tier's mover.
-    """
-    if num_blocks is None and nbytes is not None:
-        if layout is None:
-            raise TypeError("connect(nbytes=...) needs the layout to size blocks")
-        num_blocks = L.blocks_for_bytes(layout, nbytes)
-    if num_blocks is not None:
-        if layout is None:
-            raise TypeError("connect(num_blocks=...) needs the layout of the blocks")
-        seg = Segment.create(name, layout, num_blocks, mode=mode, policy=policy,
-                             exist_ok=True, **create_kw)
-    else:
-        seg = Segment.attach(name, layout)
-    try:
-        return SharedManager(seg, events=events, grants=grants, timeout=timeout)
-    except BaseException:
-        seg.close()
-        raise
-
-
 _HIT = LookupResult.HIT
 _EVICTING_SPINS = 10_000  # an owner decides an eviction in microseconds; past this it died
-
-
-def _key_array(keys: Sequence[bytes]) -> np.ndarray | None:
-    """Equal-length bytes keys as an (n, len) uint8 array; None if they are not that."""
-    klen = len(keys[0])
-    joined = b"".join(keys)
-    if len(joined) != len(keys) * klen or not all(type(k) is bytes and len(k) == klen
-                                                  for k in keys):
-        return None
-    return np.frombuffer(joined, np.uint8).reshape(len(keys), klen)
 
 
 class SharedManager(OffloadingManager):
@@ -112,7 +60,7 @@ class SharedManager(OffloadingManager):
         self._chunk_keys = max(1, (Ring.max_payload(g.ring_capacity) - 64) // (L.MAX_KEY_BYTES + 16))
         self.slot, self.gen = slots.claim(segment, lambda: start_owner(segment))
         try:
-            self._ctr = memoryview(slots.counters(segment, self.slot))
+            self._ctr = slots.counter_words(segment, self.slot)
             self._lk_n = self._lk_miss = 0  # key_status calls and non-hits, not yet in _ctr
             self._h = HoldTable(slots.holds(segment, self.slot), self.table)
             slots.activate(segment, self.slot, self.gen, takes_grants=grants)
@@ -175,7 +123,7 @@ class SharedManager(OffloadingManager):
             self._h.asked(keys if held == n else keys[:held])
             self._count_lookup(held, held)
             return n if held == n else self._rest(keys, held)
-        karr = _key_array(keys) if n >= 64 else None  # measured: below 64 keys the per-key
+        karr = key_array(keys) if n >= 64 else None  # measured: below 64 keys the per-key
         if karr is not None:                            # loop is cheaper than numpy's setup
             blocks, states = self.index.find_prefix(keys, karr)
             ready = states == L.READY
@@ -201,8 +149,8 @@ class SharedManager(OffloadingManager):
     def _count_lookup(self, n: int = 0, hits: int = 0) -> None:
         """Store the lookup counters (kvshm-inspect's), with what key_status counted."""
         ctr = self._ctr
-        ctr[0] += hits + (hits < n) + self._lk_n  # keys examined: the hits and the first miss
-        ctr[1] += hits + self._lk_n - self._lk_miss
+        ctr["lookups"] += hits + (hits < n) + self._lk_n  # the hits and the first miss
+        ctr["hits"] += hits + self._lk_n - self._lk_miss
         self._lk_n = self._lk_miss = 0
 
     def key_status(self, key: bytes) -> LookupResult:
@@ -273,7 +221,7 @@ class SharedManager(OffloadingManager):
                 blocks.append(block)
             full_fence()  # one fence for the batch: every pin is stored before any re-check
             keys = keys if type(keys) is list else list(keys)
-            proven = h.proven(keys, blocks)  # a prefix loaded before, unchanged: all at once
+            proven = h.runs.proven(keys, blocks)  # a prefix loaded before, unchanged: all at once
             for (k, _), block in zip(taken, blocks) if not proven else ():
                 if not h.still_ready(k, block) and not self._settled_ready(block, k):
                     raise UnknownKeyError(f"key {k.hex()[:16]}… is no longer cached; "
@@ -284,10 +232,10 @@ class SharedManager(OffloadingManager):
         h.pin(taken)
         h.drop_ahead()  # what a relet took ahead and nobody asked for: no load needs it
         if not proven:
-            h.follow(keys, blocks)
+            h.runs.follow(keys, blocks)
         self._count_lookup()
-        self._ctr[2] += 1
-        self._ctr[3] += len(blocks)
+        self._ctr["loads"] += 1
+        self._ctr["load_blocks"] += len(blocks)
         return blocks
 
     def _lease_for_load(self, k: bytes) -> int:
@@ -340,8 +288,8 @@ class SharedManager(OffloadingManager):
 
     def add_bytes(self, loaded: int = 0, stored: int = 0) -> None:
         """Count bytes moved by this process's transfers (shown by kvshm-inspect)."""
-        self._ctr[4] += loaded
-        self._ctr[5] += stored
+        self._ctr["bytes_in"] += loaded
+        self._ctr["bytes_out"] += stored
 
     # --- owner round trips --------------------------------------------------------------
     def touch(self, keys: Sequence[bytes], how: bytes | None = None, *,

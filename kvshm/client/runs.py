@@ -7,17 +7,23 @@ array (``Plan``). The scheduler asks for a prefix key by key, over and over; the
 of a remembered prefix leases many of its keys with one fence (``HoldTable.relet``) and the
 lookups after it are dict hits. An unchanged sequence number proves the entry still holds
 its key READY (the table's writer bumps it on every rewrite), so nothing is searched again.
-It only describes; ``holds.py`` takes and gives back the holds. It never writes the segment,
-never talks to the owner and never imports torch.
+``Runs`` leases from them (``relet``) through the hold table's public operations
+(``HoldTable.write_holds``/``give_back``, its ``leases`` and ``ahead``); it never writes the
+segment's table and never talks to the owner.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from itertools import repeat
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
 from kvshm.shm import layout as L
+from kvshm.shm.fence import full_fence
 from kvshm.shm.table import BlockTable
+
+if TYPE_CHECKING:
+    from kvshm.client.holds import HoldTable
 
 # How many keys of a prefix one relet leases at first (``Run.reach`` adapts it), and the
 # shortest prefix worth remembering (below it numpy's set-up costs more than it saves).
@@ -102,3 +108,114 @@ def remember(keys: Sequence[bytes], blocks: Sequence[int], table: BlockTable) ->
     if (seqs < 0).any():
         return None  # a rewrite in progress: no proof to keep
     return Run(list(keys), b, seqs)
+
+
+class Runs:
+    """The prefixes one client loaded (key -> its run and offset), and the relets of them."""
+
+    def __init__(self, table: BlockTable, limit: int) -> None:
+        self.table = table
+        self.limit = limit  # keys remembered, all runs together
+        self.by_key: dict[bytes, tuple[Run, int]] = {}
+        self._last: tuple[Run, int] | None = None  # the last relet's run and key count
+
+    def clear(self) -> None:
+        self.by_key.clear()
+        self._last = None
+
+    def step_over(self) -> None:
+        """Every lease was given back: the next lookup asks past no relet."""
+        self._last = None
+
+    def unasked(self, n: int) -> None:
+        """``n`` keys the last relet took ahead were given back unasked."""
+        if self._last is not None and 2 * n > self._last[1]:
+            self._last[0].shrink()  # most of what it took went unasked: take less next time
+
+    def follow(self, keys: Sequence[bytes], blocks: Sequence[int]) -> None:
+        """``keys`` (a prefix, in order) were just pinned at ``blocks`` and found READY:
+        remember them with their entries' sequence numbers for ``relet``."""
+        run = remember(keys, blocks, self.table)
+        if run is None:
+            return
+        if len(self.by_key) + len(run.keys) > self.limit:
+            self.by_key.clear()
+        self.by_key.update(zip(run.keys, zip(repeat(run), range(len(run.keys)))))
+
+    def proven(self, keys: list[bytes], blocks: list[int]) -> bool:
+        """Whether ``keys`` at ``blocks`` are the head of a remembered prefix whose entries
+        are all unchanged since (so each still holds its key READY): the whole batch proven
+        with one comparison."""
+        at = self.by_key.get(keys[0]) if keys else None
+        if at is None or at[1] != 0:
+            return False
+        run, n = at[0], len(keys)
+        if run.keys[:n] != keys or run.blocks[:n].tolist() != blocks:
+            return False
+        return run.seqs_now(self.table, 0, n).tobytes() == run.seqs[:n].tobytes()
+
+    def still_ready(self, key: bytes, block: int) -> bool:
+        """Whether a remembered prefix proves that ``block`` still holds ``key`` READY."""
+        at = self.by_key.get(key)
+        if at is None:
+            return False
+        run, off = at
+        return int(run.blocks[off]) == block and self.table.seq(block) == int(run.seqs[off])
+
+    def relet(self, h: HoldTable, key: bytes) -> bool:
+        """Lease ``key`` and the keys that followed it in a remembered prefix into ``h``, all
+        with one handshake: the scheduler asks for a prefix key by key, so the next lookups
+        are dict hits. Each key is leased only if its entry is unchanged since the load
+        proved it READY (same sequence number). False: ``key`` not leased (not in a loaded
+        prefix, changed, or no room)."""
+        at = self.by_key.get(key)
+        if at is None:
+            return False
+        h.drop_ahead()
+        run, off = at
+        last, self._last = self._last, None
+        if last is not None and last[0] is run and off > 0:  # asked past the last relet
+            run.grow()
+        n = min(len(run.keys) - off, run.reach, h.room())
+        if n <= 0:
+            return False
+        self._last = (run, n)
+        top = h.free[-n:]
+        plan = run.plans.get(off)
+        if plan is None or top != plan.idx:  # (compares identical ints: cheap)
+            plan = run.plan(off, n, top)
+        if h.leases and not h.leases.keys().isdisjoint(plan.leases.keys()):
+            return self._relet_partly(h, run, off, n)  # some leased already: never twice
+        end = off + n
+        h.write_holds(plan.ia, run.codes[off:end])
+        full_fence()  # our holds before our re-checks: the owner fences the other way round
+        now = run.seqs_now(self.table, off, end)
+        if now.tobytes() == run.seqs[off:end].tobytes():  # (a ufunc and .all() cost 3 us)
+            h.leases.update(plan.leases)
+            h.ahead.update(plan.ahead)
+            return True
+        return self._keep_unchanged(h, key, plan, now == run.seqs[off:end])
+
+    def _relet_partly(self, h: HoldTable, run: Run, off: int, n: int) -> bool:
+        """``relet`` up to the first key of the run that is leased already."""
+        part = run.keys[off:off + n]
+        n = next(i for i, k in enumerate(part) if k in h.leases)
+        if n == 0:
+            return False
+        plan = Plan(part[:n], h.free[-n:])
+        h.write_holds(plan.ia, run.codes[off:off + n])
+        full_fence()  # our holds before our re-checks: the owner fences the other way round
+        return self._keep_unchanged(h, part[0], plan, run.seqs_now(self.table, off, off + n)
+                                    == run.seqs[off:off + n])
+
+    @staticmethod
+    def _keep_unchanged(h: HoldTable, key: bytes, plan: Plan, ok: np.ndarray) -> bool:
+        """Keep the holds ``plan`` just wrote where ``ok`` (the entry is unchanged since the
+        load), give back the rest; whether ``key`` (the one asked for) is leased."""
+        h.give_back(plan.ia[~ok])
+        good = [kj for kj, g in zip(plan.leases.items(), ok.tolist()) if g]
+        h.leases.update(good)
+        h.ahead.update(k for k, _ in good)
+        if ok[0]:
+            h.ahead.discard(key)
+        return bool(ok[0])

@@ -32,7 +32,7 @@ from kvshm.shm.records import (  # noqa: F401  (re-exported: one definition, two
     COUNTER_NAMES, COUNTERS_DTYPE, ENTRY_BODY, ENTRY_DTYPE, GRANT_HEAD_DTYPE, HEADER,
     HEADER_DTYPE, INDEX_SLOT, INDEX_SLOT_DTYPE, OWNER, OWNER_BYTES, OWNER_DTYPE, PIN_DONE,
     PIN_FAILED, PIN_IDLE, PIN_RUNNING, PIN_WAITING, PINNER, PINNER_DTYPE, SERVED_DTYPE, SLOT,
-    SLOT_DTYPE, SLOT_STATE_NAMES, WRITER_DTYPE, HeaderRecord, OwnerRecord, PinnerRecord,
+    SLOT_COUNTERS_DTYPE, SLOT_DTYPE, SLOT_STATE_NAMES, WRITER_DTYPE, HeaderRecord, OwnerRecord, PinnerRecord,
     SlotRecord, SlotState, field_offset, header_record)
 
 MAGIC = b"KVSHM\x00\x00\x01"
@@ -100,8 +100,8 @@ assert OFF_PINNERS % 8 == 0 and OFF_PINNERS + PINNER.size * MAX_PINNERS <= HEADE
 SLOT_OFF_STATE, SLOT_OFF_PID, SLOT_OFF_GEN, SLOT_OFF_ATTACHED, SLOT_OFF_NAME = (
     SLOT_DTYPE.fields[n][1] for n in ("state", "pid", "gen", "attached_ns", "name"))
 SLOT_NAME_BYTES = SLOT_DTYPE.fields["name"][0].itemsize
-SLOT_COUNTERS = ("lookups", "hits", "loads", "load_blocks", "bytes_in", "bytes_out")
-SLOT_OFF_COUNTERS = 64  # u64 each, client-written
+SLOT_COUNTERS = SLOT_COUNTERS_DTYPE.names  # u64 each, client-written
+SLOT_OFF_COUNTERS = 64
 assert SLOT_DTYPE.itemsize <= SLOT_OFF_COUNTERS
 # The served record (SERVED_DTYPE): owner-written words that make requests exactly-once.
 SLOT_OFF_SERVED = 128

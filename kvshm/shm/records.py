@@ -222,6 +222,18 @@ class SlotRecord(NamedTuple):
 assert SlotRecord._fields == SLOT_DTYPE.names
 
 
+# --- a client's own counters (in each client slot): written only by that client ----------
+# Stored one aligned word at a time; the owner folds them into the header's ``gone_*``
+# counters when the client leaves, and kvshm-inspect adds them up.
+SLOT_COUNTERS_DTYPE = np.dtype({"names": [
+    "lookups",      # keys its lookups examined (the hits and the first miss)
+    "hits",         # keys its lookups reported as hits
+    "loads",        # its prepare_load calls
+    "load_blocks",  # blocks they pinned
+    "bytes_in",     # bytes its transfers loaded (as its connector reports them)
+    "bytes_out",    # bytes its transfers stored
+], "formats": ["<u8"] * 6, "offsets": [8 * i for i in range(6)]})
+
 # --- served record (in each client slot): written only by the owner ----------------------
 # The words that make a client's requests exactly-once (the protocol is told in
 # ``client/owner_link.py``). Each is one aligned u64 store, so a client reads each old or

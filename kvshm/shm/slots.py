@@ -153,6 +153,12 @@ def grants(seg: Segment, slot: int) -> tuple[WordView, np.ndarray]:
             np.frombuffer(seg.buf, np.int32, L.GRANT_CAPACITY, off + L.GRANT_HEAD_BYTES))
 
 
+def counter_words(seg: Segment, slot: int) -> WordView:
+    """The slot's own counters (``records.SLOT_COUNTERS_DTYPE``) by name, for its client."""
+    return WordView(seg.buf, seg.geometry.slot_offset(slot) + L.SLOT_OFF_COUNTERS,
+                    L.SLOT_COUNTERS_DTYPE)
+
+
 def counters(seg: Segment, slot: int) -> np.ndarray:
     return np.frombuffer(seg.buf, np.uint64, len(L.SLOT_COUNTERS),
                          seg.geometry.slot_offset(slot) + L.SLOT_OFF_COUNTERS)

@@ -227,5 +227,5 @@ class TieredManager(OffloadingManager):
 
 def connect_tiered(name: str, layout: L.Layout | None = None, **kw: object) -> TieredManager:
     """``kvshm.connect(name, layout, **kw)`` wrapped in a ``TieredManager`` (its defaults)."""
-    from kvshm.client.manager import connect
+    from kvshm.client.connect import connect
     return TieredManager(connect(name, layout, **kw))  # type: ignore[arg-type]

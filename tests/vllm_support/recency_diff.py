@@ -24,7 +24,7 @@ if len(sys.argv) > 4:  # vLLM 0.33's manager and API, from its wheel (over the 0
 from vllm.v1.kv_offload.base import ReqContext  # noqa: E402
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager  # noqa: E402
 
-from kvshm.client.manager import connect  # noqa: E402
+from kvshm.client.connect import connect  # noqa: E402
 from kvshm.integrations.vllm.spec import KvshmOffloadingManager  # noqa: E402
 from kvshm.shm.layout import Layout  # noqa: E402
 from kvshm.shm.segment import Segment  # noqa: E402

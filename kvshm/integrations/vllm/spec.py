@@ -28,7 +28,8 @@ from __future__ import annotations
 import logging
 from typing import Any, Collection, Iterable
 
-from kvshm.client.manager import SharedManager, connect
+from kvshm.client.connect import connect
+from kvshm.client.manager import SharedManager
 from kvshm.tier.client import TieredManager
 from kvshm.errors import LayoutMismatchError
 from kvshm.shm import writers
