@@ -21,8 +21,8 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from kvshm.errors import InvalidArgumentError, TransferError
-from kvshm.transfer.spec import (BlockPlan, TransferSpec, coalesce, expand_block_ids,
-                            make_handler)
+from kvshm.transfer.factory import make_handler
+from kvshm.transfer.spec import BlockPlan, TransferSpec, coalesce, expand_block_ids
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 TARGETS = ["cpu"] + [pytest.param(f"cuda-{m}", marks=CUDA)
@@ -464,7 +464,17 @@ def test_make_handler_gives_the_cpu_handler_for_cpu_tensors():
 
 
 def test_importing_kvshm_transfer_does_not_import_torch():
-    code = "import sys, kvshm.transfer.spec; assert 'torch' not in sys.modules, 'torch imported'"
+    code = ("import sys, kvshm.transfer.spec, kvshm.transfer.factory; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_interface_imports_no_handler_and_the_factory_none_eagerly():
+    """spec is what the handlers import: importing a handler from it would be a cycle."""
+    code = ("import sys, kvshm.transfer.spec, kvshm.transfer.factory; "
+            "bad = [m for m in sys.modules if m.startswith('kvshm.transfer.') and "
+            "m.split('.')[-1] in ('cpu_copy', 'cuda_copy', 'triton_copy', 'cuda_gather')]; "
+            "assert not bad and 'triton' not in sys.modules, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -611,7 +621,8 @@ def test_the_handler_releases_the_pin_it_was_given_at_shutdown():
 def test_explicit_skip_allows_a_job_that_ends_inside_its_last_segment_block():
     """vLLM loads may start and end mid-chunk: 4 device blocks from sub-blocks 1..4 of 2x3."""
     torch = pytest.importorskip("torch")
-    from kvshm.transfer.spec import TransferSpec, make_handler
+    from kvshm.transfer.factory import make_handler
+    from kvshm.transfer.spec import TransferSpec
     dev = torch.zeros(8, 16, dtype=torch.uint8)
     plane = torch.arange(4 * 48, dtype=torch.int64).remainder(251).to(torch.uint8).reshape(4, 48)
     h = make_handler([dev], [plane], block_size_factor=3)
@@ -629,7 +640,8 @@ def test_explicit_skip_allows_a_job_that_ends_inside_its_last_segment_block():
 def test_skip_that_leaves_a_whole_segment_block_unused_is_refused():
     torch = pytest.importorskip("torch")
     from kvshm.errors import InvalidArgumentError
-    from kvshm.transfer.spec import TransferSpec, make_handler
+    from kvshm.transfer.factory import make_handler
+    from kvshm.transfer.spec import TransferSpec
     h = make_handler([torch.zeros(8, 16, dtype=torch.uint8)],
                      [torch.zeros(4, 48, dtype=torch.uint8)], block_size_factor=3)
     try:

@@ -50,7 +50,8 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from kvshm.errors import TransferError  # noqa: E402
-from kvshm.transfer.spec import TransferSpec, make_handler  # noqa: E402
+from kvshm.transfer.factory import make_handler  # noqa: E402
+from kvshm.transfer.spec import TransferSpec  # noqa: E402
 from kvshm.units import parse_size  # noqa: E402
 
 CUDA_METHODS = ("auto", "copy", "batch", "kernel")

@@ -4,11 +4,11 @@ This module owns ``TransferSpec`` / ``TransferResult``, the ``TransferHandler`` 
 geometry check that pairs each canonical device tensor with its segment plane, validation of a
 job against that geometry (ids in range, counts, duplicates), vLLM-style block-id expansion
 (``block_size_factor`` and the skip of a partially device-cached first block), coalescing of
-contiguous runs, and ``make_handler``.
+contiguous runs. ``make_handler`` lives in ``factory.py``.
 
 It must never import torch at module level (``import kvshm`` stays light; torch is imported
-inside the functions that receive tensors), move a byte, or touch CUDA: copying lives in
-``cpu_copy.py`` and ``cuda_copy.py``.
+inside the functions that receive tensors), move a byte, touch CUDA, or import a handler
+(``cpu_copy`` and ``cuda_copy`` import this module; the reverse would be a cycle).
 """
 from __future__ import annotations
 
@@ -329,23 +329,3 @@ def job_runs(plan: BlockPlan, geo: Geometry) -> list[PairRuns]:
         out.append(PairRuns(p, d, s, nb))
     return out
 
-
-def make_handler(device_tensors: Sequence["torch.Tensor"], planes: Sequence["torch.Tensor"], *,
-                 block_size_factor: int = 1,
-                 kv_dim_before_num_blocks: Sequence[bool] | None = None,
-                 **options: Any) -> TransferHandler:
-    """CUDA handler if the device tensors are on CUDA, CPU-thread handler otherwise.
-
-    ``options`` go to the handler: CPU ``threads``, ``split_min_bytes``, ``checksums`` (a
-    ``kvshm.shm.checksums.BlockSums``: write sums on stores, verify them on loads); CUDA ``pin`` (a
-    PinnedRegion or BackgroundPin the handler owns and releases on shutdown), ``method``.
-    """
-    if not device_tensors:
-        raise InvalidArgumentError("make_handler needs at least one device tensor")
-    if device_tensors[0].device.type == "cuda":
-        from kvshm.transfer.cuda_copy import CudaTransferHandler
-        return CudaTransferHandler(device_tensors, planes, block_size_factor=block_size_factor,
-                                   kv_dim_before_num_blocks=kv_dim_before_num_blocks, **options)
-    from kvshm.transfer.cpu_copy import CpuTransferHandler
-    return CpuTransferHandler(device_tensors, planes, block_size_factor=block_size_factor,
-                              kv_dim_before_num_blocks=kv_dim_before_num_blocks, **options)
