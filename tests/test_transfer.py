@@ -485,6 +485,21 @@ def test_expand_block_ids_matches_vllm():
     assert expand_block_ids(np.array([2, 5]), 3, skip=2).tolist() == [8, 15, 16, 17]
 
 
+@pytest.mark.parametrize("blocks", [8, 4096, 70_000])  # marks, uint16 radix sort, int64 sort
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_duplicate_destination_is_found_whatever_the_segment_size(blocks, kind):
+    from kvshm.transfer.spec import build_geometry, plan_transfer
+    geo = build_geometry([torch.zeros(blocks, 1, dtype=torch.uint8)],
+                         [torch.zeros(blocks, 1, dtype=torch.uint8)])
+    ids = [blocks - 1, 3, 0, 5]
+    plan = plan_transfer(TransferSpec(kind, ids, ids[::-1]), geo)
+    assert plan.device_ids.tolist() == ids and plan.segment_rows.tolist() == ids[::-1]
+    dup = [blocks - 1, 3, blocks - 1, 5]
+    spec = TransferSpec(kind, dup, ids) if kind == "load" else TransferSpec(kind, ids, dup)
+    with pytest.raises(InvalidArgumentError, match=f"destination {blocks - 1} more than once"):
+        plan_transfer(spec, geo)
+
+
 def _plan(dev, sub, f):
     sub = np.array(sub)
     return BlockPlan("store", np.array(dev), sub // f, sub % f)

@@ -240,21 +240,35 @@ def _ids(values: Sequence[int], what: str) -> np.ndarray:
 
 
 def _check_range(ids: np.ndarray, limit: int, what: str) -> None:
+    # One pass: a negative id is a huge unsigned one. The detailed search runs on failure only.
+    if not ids.size or int(ids.view(np.uint64).max()) < limit:
+        return
     bad = np.flatnonzero((ids < 0) | (ids >= limit))
-    if bad.size:
-        i = int(bad[0])
-        raise InvalidArgumentError(
-            f"{what}[{i}] = {int(ids[i])} is out of range [0, {limit}) ({bad.size} bad ids); "
-            f"nothing was copied")
+    i = int(bad[0])
+    raise InvalidArgumentError(
+        f"{what}[{i}] = {int(ids[i])} is out of range [0, {limit}) ({bad.size} bad ids); "
+        f"nothing was copied")
 
 
-def _check_unique(ids: np.ndarray, what: str) -> None:
-    srt = np.sort(ids)  # ~10x faster than np.unique at engine-sized jobs
+def _check_unique(ids: np.ndarray, limit: int, what: str) -> None:
+    """Refuse a destination named twice; ``ids`` are already known to lie in [0, limit)."""
+    if ids.size < 2:
+        return
+    if limit <= 16 * ids.size:  # a mark per possible id: ~4 us for 1,000 ids, no sort
+        seen = np.zeros(limit, np.bool_)
+        seen[ids] = True
+        if np.count_nonzero(seen) == ids.size:
+            return
+    else:  # sort the narrowest type: uint16 takes numpy's radix sort, 3x faster than int64
+        narrow = ids.astype(np.uint16 if limit <= 1 << 16 else np.int64)
+        srt = np.sort(narrow, kind="stable")
+        if not np.any(srt[1:] == srt[:-1]):
+            return
+    srt = np.sort(ids)
     dup = np.flatnonzero(srt[1:] == srt[:-1])
-    if dup.size:
-        raise InvalidArgumentError(
-            f"{what} names destination {int(srt[dup[0]])} more than once; a job may write "
-            f"each destination block once")
+    raise InvalidArgumentError(
+        f"{what} names destination {int(srt[dup[0]])} more than once; a job may write "
+        f"each destination block once")
 
 
 def plan_transfer(spec: TransferSpec, geo: Geometry) -> BlockPlan:
@@ -273,11 +287,13 @@ def plan_transfer(spec: TransferSpec, geo: Geometry) -> BlockPlan:
             f"and end in the last segment block (skip in [0, {f}))")
     _check_range(dev, geo.num_device_blocks, "device_block_ids")
     _check_range(seg, geo.num_segment_blocks, "segment_block_ids")
-    sub = expand_block_ids(seg, f, skip)[:dev.size]
     if spec.kind == "store":
-        _check_unique(seg, "segment_block_ids")
+        _check_unique(seg, geo.num_segment_blocks, "segment_block_ids")
     else:
-        _check_unique(dev, "device_block_ids")
+        _check_unique(dev, geo.num_device_blocks, "device_block_ids")
+    if f == 1:  # the common case: no expansion, no division
+        return BlockPlan(spec.kind, dev, seg, np.zeros(seg.size, np.int64))
+    sub = expand_block_ids(seg, f, skip)[:dev.size]
     return BlockPlan(spec.kind, dev, sub // f, sub % f)
 
 
