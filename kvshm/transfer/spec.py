@@ -180,7 +180,9 @@ def build_geometry(device_tensors: Sequence["torch.Tensor"], planes: Sequence["t
             f"{len(planes)} planes given for {len(halves)} canonical device tensors (a K/V-first "
             f"tensor needs two planes, K then V)")
     device = device_tensors[0].device
-    pairs, n_dev, n_seg = [], None, None
+    pairs: list[PlanePair] = []
+    n_dev: int | None = None
+    n_seg: int | None = None
     for (half, what), plane in zip(halves, planes):
         if half.device != device:
             raise InvalidArgumentError(f"{what} is on {half.device}, tensor 0 on {device}; "
@@ -205,7 +207,8 @@ def build_geometry(device_tensors: Sequence["torch.Tensor"], planes: Sequence["t
             raise InvalidArgumentError(f"{what}/{pname}: blocks overlap (row stride < row size)")
         pairs.append(PlanePair(dev, pl, page, dev.stride(0), pl.stride(0), dev.data_ptr(),
                                pl.data_ptr()))
-    return Geometry(tuple(pairs), int(n_dev), int(n_seg), factor)
+    assert n_dev is not None and n_seg is not None  # at least one pair was checked above
+    return Geometry(tuple(pairs), n_dev, n_seg, factor)
 
 
 # --- block maps ----------------------------------------------------------------------------
