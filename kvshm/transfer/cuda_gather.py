@@ -146,22 +146,22 @@ class Gather:
     # --- triton ------------------------------------------------------------------------
     def copy_triton(self, plan: BlockPlan, stream: torch.cuda.Stream) -> IndexBuffer:
         """Queue the job's ONE kernel on ``stream``; returns the buffer it reads."""
-        from kvshm.transfer import triton_copy
         has_sub = self._geo.factor > 1
         buf, n = self._ids(plan, has_sub)
         try:
-            self._launch(triton_copy, buf, n, plan.kind == "store", has_sub, stream)
+            self._launch(buf, n, plan.kind == "store", has_sub, stream)
         except BaseException:
             self._pool.give_back(buf)
             raise
         return buf
 
-    def _launch(self, tc: Any, buf: IndexBuffer, n: int, store: bool, has_sub: bool,
+    def _launch(self, buf: IndexBuffer, n: int, store: bool, has_sub: bool,
                 stream: torch.cuda.Stream) -> None:
         key = (store, has_sub)
         fast = self._fast.get(key)
         pairs = len(self._geo.pairs)
         if fast is None:  # first launch: Triton binds, specialises and compiles
+            from kvshm.transfer import triton_copy as tc
             with torch.cuda.stream(stream):
                 self._fast[key] = tc.launch(self._base, buf.device, self._table, n, pairs,
                                             self._max_page, store=store, has_sub=has_sub,

@@ -50,9 +50,8 @@ def _copy_pages(base, idx, table, n, n_pairs, n_pieces,
             src, dst = seg, dev
         src = tl.multiple_of(src, ALIGN)  # lets Triton issue 16-byte loads and stores
         dst = tl.multiple_of(dst, ALIGN)
-        end = tl.minimum(start + PIECE, page)
-        for w in range(start, end, BLOCK):
-            o = w + tl.arange(0, BLOCK)
+        for k in range(PIECE // BLOCK):  # a constant trip count; the mask ends the page
+            o = start + k * BLOCK + tl.arange(0, BLOCK)
             m = o < page
             tl.store(base + dst + o, tl.load(base + src + o, mask=m), mask=m)
 
@@ -64,13 +63,15 @@ def launch(base: Any, idx: Any, table: Any, n: int, n_pairs: int, max_page_words
            store: bool, has_sub: bool, align: int, block: int = 1024,
            piece_words: int = 4096, num_warps: int = 4) -> Launcher:
     """Copy ``n`` blocks of every pair on torch's current stream; returns a launcher for the
-    next jobs with the same ``base``, ``table`` and flags: ``fast(n, idx, stream_handle)``.
+    next jobs with the same ``base``, ``table`` and flags: ``fast(n, idx, stream_handle)``,
+    ``idx`` a tensor at a 16-byte aligned address.
 
     ``base``: a tensor of the word type; every table offset is in words from its address.
     ``idx``: int64 ``[device ids (n), segment rows (n), sub-blocks (n) if has_sub]``.
-    ``piece_words``: words per program (a multiple of ``block``); raised when a page would
-    need more programs than the grid's y dimension allows.
+    ``piece_words``: words per program, a multiple of ``block``: cut to the page for small
+    pages, raised where a page would need more programs than the grid's y dimension allows.
     """
+    piece_words = min(piece_words, triton.cdiv(max_page_words, block) * block)
     pieces = triton.cdiv(max_page_words, piece_words)
     while pieces * n_pairs > MAX_GRID_Y:
         piece_words *= 2
@@ -84,19 +85,27 @@ def launch(base: Any, idx: Any, table: Any, n: int, n_pairs: int, max_page_words
         return None
 
     kernel = slow(n, idx, 0)
-    try:  # the documented-by-use launch of a compiled kernel, as JITFunction.run does it
+    try:  # the launch of a compiled kernel as JITFunction.run does it (Triton 3.x)
         from triton import knobs
         rt = knobs.runtime
         run, function, meta = kernel.run, kernel.function, kernel.packed_metadata
-    except Exception:  # noqa: BLE001 — another Triton: keep its own (slower) launch path
+        # Addresses as ints: the launcher then skips data_ptr() and a driver query per pointer
+        base_p, table_p = base.data_ptr(), table.data_ptr()
+    except Exception:  # noqa: BLE001 — another Triton (or the interpreter): its own path
         return lambda n, idx, stream: slow(n, idx, stream)
 
     def fast(n: int, idx: Any, stream: int) -> None:
-        if rt.launch_enter_hook is not None or rt.launch_exit_hook is not None:
+        if not (_quiet(rt.launch_enter_hook) and _quiet(rt.launch_exit_hook)):
             import torch  # a profiler is listening: let Triton call its hooks
             with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
                 slow(n, idx, stream)
         elif n:
-            run(n, n_pairs * pieces, 1, stream, function, meta, None, None, None, base, idx,
-                table, n, n_pairs, pieces, store, has_sub, align, block, piece_words)
+            run(n, n_pairs * pieces, 1, stream, function, meta, None, None, None, base_p,
+                idx.data_ptr(), table_p, n, n_pairs, pieces, store, has_sub, align, block,
+                piece_words)
     return fast
+
+
+def _quiet(hook: Any) -> bool:
+    """No launch hook to call: None, or an empty HookChain (Triton 3.4+ keeps one always)."""
+    return hook is None or (isinstance(getattr(hook, "calls", None), list) and not hook.calls)
