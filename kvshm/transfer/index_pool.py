@@ -25,10 +25,11 @@ METHODS = ("auto", "copy", "batch", "kernel", "triton")
 
 # Pages below these sizes (bytes, per plane pair) go to the gather/scatter kernel under
 # ``auto``; from them up, to DMA. Measured with tools/bench_transfer.py on an H200 (see
-# docs/benchmarks.md): DMA descriptors of 256 KiB still lose ~20% to per-copy overhead in the
-# copy engine, 2 MiB ones do not. Stores keep DMA wherever it is as fast: the copy engines
-# leave the SMs to the model.
-KERNEL_BELOW = {"load": 1 << 20, "store": 1 << 20}
+# docs/benchmarks.md): 1,000 DMA descriptors of 256 KiB reach 78% of one contiguous copy (the
+# copy engine pays per descriptor) where the kernel reaches 84%; from 512 KiB DMA is at least
+# as fast both ways. Stores keep DMA wherever it is as fast: the copy engines leave the SMs
+# to the model.
+KERNEL_BELOW = {"load": 512 << 10, "store": 512 << 10}
 
 
 @dataclass
