@@ -30,7 +30,6 @@ import contextlib
 import importlib.util
 import logging
 import threading
-import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
@@ -56,9 +55,10 @@ class _Job:
     end: Any = None
     failed: bool = False
     keep: Any = None  # whatever the GPU may still read (index buffer, descriptors)
+    reported: bool = False  # get_finished saw it done (its events may serve another job now)
 
     def done(self) -> bool:
-        return self.end is None or bool(self.end.query())
+        return self.reported or self.end is None or bool(self.end.query())
 
     def result(self) -> TransferResult:
         secs = 0.0
@@ -78,15 +78,17 @@ class CudaTransferHandler(TransferHandler):
     ``pinned`` flag before choosing a method and unregisters it at shutdown, after draining.
     Without one it probes the planes' first and last bytes with ``is_pinned``.
     ``kernel_below``: per direction, the page size (bytes per pair) from which ``auto`` uses
-    DMA instead of a kernel. ``wait_spin_s``: ``wait`` polls this long before it sleeps on
-    the event (a sleeping thread wakes tens of us late: a tenth of a 16 KiB-block job).
+    DMA instead of a kernel. ``blocking_wait``: ``wait`` sleeps on the job's event instead of
+    waiting as torch's ``synchronize`` does (a spin, with the GIL released, when the process
+    has a core per GPU): it frees the core, but a woken thread comes back late, by up to
+    hundreds of us on a VM, which is most of a 16 KiB-block job.
     """
 
     def __init__(self, device_tensors: Sequence[torch.Tensor], planes: Sequence[torch.Tensor], *,
                  block_size_factor: int = 1,
                  kv_dim_before_num_blocks: Sequence[bool] | None = None, pin: Any = None,
                  method: str = "auto", kernel_below: Mapping[str, int] | None = None,
-                 wait_spin_s: float = 1e-3) -> None:
+                 blocking_wait: bool = False) -> None:
         if method not in METHODS:
             raise InvalidArgumentError(f"method must be one of {METHODS}, got {method!r}")
         self._geo = build_geometry(device_tensors, planes, block_size_factor,
@@ -98,7 +100,7 @@ class CudaTransferHandler(TransferHandler):
             self._dev = torch.device("cuda", torch.cuda.current_device())
         self._pin, self._method = pin, method
         self._kernel_below = dict(KERNEL_BELOW if kernel_below is None else kernel_below)
-        self._spin = max(0.0, float(wait_spin_s))
+        self._blocking = bool(blocking_wait)
         self._block_bytes = sum(p.page_bytes for p in self._geo.pairs)
         self._page = self._block_bytes / len(self._geo.pairs)
         self._streams = {"load": torch.cuda.Stream(self._dev, priority=-100),  # clamped: highest
@@ -127,6 +129,13 @@ class CudaTransferHandler(TransferHandler):
             else None
         self._seen_pinned = False
         self._warned = False
+        self._one_gpu = torch.cuda.device_count() == 1
+        self._events: list[tuple[Any, Any]] = []  # (start, end) of reported jobs, for reuse
+        self._memo: dict[str, str] = {}  # method per kind, once nothing can change it
+        # the caller's current stream, rebuilt only when its handle changes (building the torch
+        # object costs ~15 us per job on a slow host; the raw handle, ~1 us)
+        self._raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        self._cur: tuple[int, Any] = (-1, None)
 
     # --- interface -----------------------------------------------------------------------
     def transfer_async(self, job_id: int, spec: TransferSpec) -> bool:
@@ -143,10 +152,11 @@ class CudaTransferHandler(TransferHandler):
             job = _Job(job_id, spec.kind, plan.n * self._block_bytes)
             stream = self._streams[spec.lane]
             try:
-                job.start = torch.cuda.Event(enable_timing=True)
-                job.end = torch.cuda.Event(enable_timing=True, blocking=True)
+                job.start, job.end = self._events.pop() if self._events else (
+                    torch.cuda.Event(enable_timing=True),
+                    torch.cuda.Event(enable_timing=True, blocking=self._blocking))
                 order = self._order[spec.lane]
-                order.record(torch.cuda.current_stream(self._dev))
+                order.record(self._caller_stream())
                 stream.wait_event(order)
                 job.start.record(stream)
                 with self._on_device():
@@ -174,20 +184,18 @@ class CudaTransferHandler(TransferHandler):
                     job = q.popleft()
                     del self._jobs[job.job_id]
                     out.append(job.result())
+                    job.reported = True
+                    if job.end is not None and len(self._events) < 64:
+                        self._events.append((job.start, job.end))  # creating them costs more
         return out
 
     def wait(self, job_ids: Iterable[int]) -> None:
         with self._lock:
-            ends = [self._jobs[j].end for j in job_ids if j in self._jobs]
-        deadline = time.perf_counter() + self._spin
-        for e in ends:
-            if e is None:
-                continue
-            while not e.query():  # a short poll first: a small job ends within microseconds
-                if time.perf_counter() > deadline:
-                    e.synchronize()  # blocking event: the thread sleeps instead of spinning
-                    break
-                time.sleep(0)  # lets other Python threads run while we poll
+            jobs = [job for j in job_ids if (job := self._jobs.get(j)) is not None]
+        for job in jobs:
+            # once reported, a job's events may already time a later job: never wait on them
+            if not job.reported and job.end is not None:
+                job.end.synchronize()  # releases the GIL
 
     def shutdown(self) -> None:
         with self._lock:
@@ -203,9 +211,17 @@ class CudaTransferHandler(TransferHandler):
     # --- copy methods --------------------------------------------------------------------
     def _on_device(self) -> contextlib.AbstractContextManager:
         """Our device current (kernels load per device); a no-op in the usual one-GPU process."""
-        if torch.cuda.current_device() == self._dev.index:
+        if self._one_gpu or torch.cuda.current_device() == self._dev.index:
             return contextlib.nullcontext()
         return torch.cuda.device(self._dev)
+
+    def _caller_stream(self) -> Any:
+        if self._raw_stream is None:
+            return torch.cuda.current_stream(self._dev)
+        raw = self._raw_stream(self._dev.index)
+        if raw != self._cur[0]:
+            self._cur = (raw, torch.cuda.current_stream(self._dev))
+        return self._cur[1]
 
     def _pinned(self) -> bool:
         if self._pin is not None:
@@ -216,15 +232,21 @@ class CudaTransferHandler(TransferHandler):
         return self._seen_pinned
 
     def _choose(self, plan: BlockPlan) -> str:
+        known = self._memo.get(plan.kind) if plan.n else None
+        if known is not None:
+            return known
         pinned = self._method != "copy" and plan.n > 0 and self._pinned()
         if self._method != "copy" and plan.n > 0 and not pinned and not self._warned:
             self._warned = True
             logger.warning("kvshm: segment planes are not pinned (yet); copies run from "
                            "pageable memory: slower, and they block the calling thread")
         uva = pinned and self._gather is not None and self._gather.ready()
-        return choose_method(self._method, plan.kind, self._page, plan.n, pinned=pinned,
-                             uva=uva, triton=self._triton, batch=self._batch is not None,
-                             kernel_below=self._kernel_below)
+        method = choose_method(self._method, plan.kind, self._page, plan.n, pinned=pinned,
+                               uva=uva, triton=self._triton, batch=self._batch is not None,
+                               kernel_below=self._kernel_below)
+        if pinned:  # pinning only goes false -> true; the UVA check ran once
+            self._memo[plan.kind] = method
+        return method
 
     def _copy(self, plan: BlockPlan, method: str, runs: Any, stream: torch.cuda.Stream) -> Any:
         if method == "triton" and self._gather is not None:
@@ -232,6 +254,7 @@ class CudaTransferHandler(TransferHandler):
                 return self._gather.copy_triton(plan, stream)
             except Exception as e:  # noqa: BLE001 — nothing was queued: DMA takes this job
                 self._triton = False  # and later ones go to the next method auto knows
+                self._memo.clear()
                 logger.warning("kvshm: the Triton copy kernel failed (%s); it is off", e)
                 method, runs = "dma", job_runs(plan, self._geo)
         if method == "kernel" and self._gather is not None:
