@@ -14,8 +14,9 @@ What the CUDA handler's ``auto`` picks per job comes from these figures. For eve
 
 Then, host side (perf_counter, median): plan_transfer, the Triton launch through Triton's
 own path and through kvshm's cached launcher, an event create+record, and the whole
-``transfer_async + wait`` of the handler at the smallest size with and without the short
-poll in ``wait`` (the rest of the host cost is the difference to the device time).
+``transfer_async + wait`` of the handler at the smallest size, with ``wait`` as torch's
+synchronize and with ``blocking_wait`` (the rest of the host cost is the difference to the
+device time).
 
   python tools/bench_gather.py --json > gather.json
   python tools/bench_gather.py --sizes 16K,2M --reps 5
@@ -36,7 +37,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from kvshm.units import parse_size  # noqa: E402
 
-CONFIGS = [(1024, 4096, 4), (2048, 8192, 8), (512, 2048, 4), (1024, 16384, 4), (2048, 4096, 4)]
+CONFIGS = [(1024, 4096, 4), (2048, 8192, 8), (512, 2048, 4), (1024, 16384, 4), (2048, 4096, 4),
+           (1024, 4096, 8), (4096, 16384, 8)]
 
 
 def events_ms(fn: Callable[[], object], reps: int, warm: int = 2, inner: int = 4) -> float:
@@ -85,8 +87,9 @@ def device_rates(page: int, blocks: int, reps: int) -> dict:
     table = torch.from_numpy(pair_table(geo, base.data_ptr(), elem)).cuda()
     rng = np.random.default_rng(0)
     ids = rng.permutation(blocks), rng.permutation(blocks)
-    return {kind: _rates(kind, dev, host, geo, base, table, align, ids, reps)
-            for kind in ("store", "load")}
+    with torch.cuda.stream(torch.cuda.Stream()):  # a real stream: events and launches share it
+        return {kind: _rates(kind, dev, host, geo, base, table, align, ids, reps)
+                for kind in ("store", "load")}
 
 
 def _rates(kind: Any, dev, host, geo, base, table, align: int, ids: tuple, reps: int) -> dict:
@@ -172,7 +175,7 @@ def host_costs(page: int, blocks: int) -> dict:
             lambda: host_us(lambda: torch.cuda.Event(enable_timing=True).record()))
     h = make_handler([dev], [plane], method="triton")
     hb = make_handler([dev], [plane], method="batch")
-    h0 = make_handler([dev], [plane], method="triton", wait_spin_s=0)
+    h0 = make_handler([dev], [plane], method="triton", blocking_wait=True)
     job = iter(range(1 << 30))
 
     def one(hh: Any) -> None:
@@ -200,9 +203,9 @@ def host_costs(page: int, blocks: int) -> dict:
         lambda: h.transfer_async(next(job), spec), after=lambda: (sync(), h.get_finished())))
     measure("transfer_async_batch", lambda: host_us(
         lambda: hb.transfer_async(next(job), spec), after=lambda: (sync(), hb.get_finished())))
-    times: dict[str, list[float]] = {"spin": [], "block": [], "batch": []}
+    times: dict[str, list[float]] = {"triton": [], "triton_blocking_wait": [], "batch": []}
     for _ in range(100):  # interleaved: noise hits all alike
-        for name, hh in (("spin", h), ("block", h0), ("batch", hb)):
+        for name, hh in (("triton", h), ("triton_blocking_wait", h0), ("batch", hb)):
             t0 = time.perf_counter()
             one(hh)
             times[name].append(time.perf_counter() - t0)
@@ -230,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
         report["device"][s] = device_rates(parse_size(s), args.blocks, args.reps)
         torch.cuda.empty_cache()
     try:
-        report["host_us_16K"] = host_costs(16 << 10, args.blocks)
+        with torch.cuda.stream(torch.cuda.Stream()):
+            report["host_us_16K"] = host_costs(16 << 10, args.blocks)
     except Exception as e:  # noqa: BLE001 — keep the device figures
         report["host_us_16K"] = f"failed: {e!r}"
     report["loadavg_end"] = os.getloadavg()
