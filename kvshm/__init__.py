@@ -21,7 +21,7 @@ _PUBLIC = {
     "OffloadingManager": "index.api", "PrepareStoreOutput": "index.api", "OffloadingEvent": "index.api",
     "LookupResult": "index.api",
     "TransferSpec": "transfer.spec", "TransferResult": "transfer.spec", "TransferHandler": "transfer.spec",
-    "make_handler": "transfer.spec",
+    "make_handler": "transfer.factory",
     "SchedulerConnector": "engine.connector", "WorkerConnector": "engine.worker",
     "SchedulerChannel": "engine.channel", "WorkerChannel": "engine.channel",
     "block_hashes": "engine.hashing", "offload_key": "engine.hashing",
@@ -54,6 +54,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs only
     from kvshm.owner.manager import LocalManager
     from kvshm.shm.names import list_segments
     from kvshm.shm.segment import Segment
-    from kvshm.transfer.spec import TransferHandler, TransferResult, TransferSpec, make_handler
+    from kvshm.transfer.factory import make_handler
+    from kvshm.transfer.spec import TransferHandler, TransferResult, TransferSpec
     from kvshm.engine.worker import WorkerConnector
     from kvshm.tier.client import TieredManager, connect_tiered

@@ -15,7 +15,8 @@ from kvshm.inspect.snapshot import verify
 from kvshm.shm.checksums import BlockSums
 from kvshm.shm.layout import Geometry, Layout
 from kvshm.shm.segment import Segment
-from kvshm.transfer.spec import TransferSpec, make_handler
+from kvshm.transfer.factory import make_handler
+from kvshm.transfer.spec import TransferSpec
 
 PAGES = (4096, 8192)
 LAYOUT = Layout(PAGES, 16, "sums", checksums=True)

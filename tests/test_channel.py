@@ -28,7 +28,8 @@ from kvshm.errors import InvalidArgumentError, SegmentNotFoundError
 from kvshm.engine.hashing import block_hashes, offload_key
 from kvshm.shm.segment import Segment
 from kvshm.shm.table import BlockTable
-from kvshm.transfer.spec import TransferHandler, make_handler
+from kvshm.transfer.factory import make_handler
+from kvshm.transfer.spec import TransferHandler
 from kvshm.engine.worker import WorkerConnector
 
 from conftest import SMALL_GEOMETRY

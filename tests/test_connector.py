@@ -23,7 +23,7 @@ from kvshm.engine.hashing import ROOT, block_hashes, offload_key
 from kvshm.shm.layout import Layout
 from kvshm.owner.manager import LocalManager
 from kvshm.shm.segment import Segment
-from kvshm.transfer.spec import make_handler
+from kvshm.transfer.factory import make_handler
 from kvshm.engine.worker import WorkerConnector
 
 import procs

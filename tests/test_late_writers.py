@@ -30,7 +30,7 @@ from kvshm.engine.connector import SchedulerConnector
 from kvshm.engine.hashing import block_hashes, offload_key
 from kvshm.shm.segment import Segment
 from kvshm.shm.table import BlockTable
-from kvshm.transfer.spec import make_handler
+from kvshm.transfer.factory import make_handler
 from kvshm.engine.worker import WorkerConnector
 
 from conftest import SMALL_GEOMETRY

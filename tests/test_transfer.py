@@ -21,12 +21,12 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from kvshm.errors import InvalidArgumentError, TransferError
-from kvshm.transfer.spec import (BlockPlan, TransferSpec, coalesce, expand_block_ids,
-                            make_handler)
+from kvshm.transfer.factory import make_handler
+from kvshm.transfer.spec import BlockPlan, TransferSpec, coalesce, expand_block_ids
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 TARGETS = ["cpu"] + [pytest.param(f"cuda-{m}", marks=CUDA)
-                     for m in ("auto", "copy", "batch", "kernel", "unpinned")]
+                     for m in ("auto", "copy", "batch", "kernel", "triton", "unpinned")]
 
 
 # --- rig ---------------------------------------------------------------------------------
@@ -71,7 +71,7 @@ class Rig:
         try:
             h = make_handler(devs, planes, **kw)
         except TransferError as e:
-            if "cuMemcpyBatchAsync" in str(e):
+            if "cuMemcpyBatchAsync" in str(e) or "needs Triton" in str(e):
                 pytest.skip(str(e))
             raise
         self.handlers.append(h)
@@ -464,7 +464,17 @@ def test_make_handler_gives_the_cpu_handler_for_cpu_tensors():
 
 
 def test_importing_kvshm_transfer_does_not_import_torch():
-    code = "import sys, kvshm.transfer.spec; assert 'torch' not in sys.modules, 'torch imported'"
+    code = ("import sys, kvshm.transfer.spec, kvshm.transfer.factory; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_interface_imports_no_handler_and_the_factory_none_eagerly():
+    """spec is what the handlers import: importing a handler from it would be a cycle."""
+    code = ("import sys, kvshm.transfer.spec, kvshm.transfer.factory; "
+            "bad = [m for m in sys.modules if m.startswith('kvshm.transfer.') and "
+            "m.split('.')[-1] in ('cpu_copy', 'cuda_copy', 'triton_copy', 'cuda_gather')]; "
+            "assert not bad and 'triton' not in sys.modules, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -473,6 +483,21 @@ def test_expand_block_ids_matches_vllm():
     assert expand_block_ids(np.array([0, 1, 3]), 4).tolist() == \
         [0, 1, 2, 3, 4, 5, 6, 7, 12, 13, 14, 15]
     assert expand_block_ids(np.array([2, 5]), 3, skip=2).tolist() == [8, 15, 16, 17]
+
+
+@pytest.mark.parametrize("blocks", [8, 4096, 70_000])  # marks, uint16 radix sort, int64 sort
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_duplicate_destination_is_found_whatever_the_segment_size(blocks, kind):
+    from kvshm.transfer.spec import build_geometry, plan_transfer
+    geo = build_geometry([torch.zeros(blocks, 1, dtype=torch.uint8)],
+                         [torch.zeros(blocks, 1, dtype=torch.uint8)])
+    ids = [blocks - 1, 3, 0, 5]
+    plan = plan_transfer(TransferSpec(kind, ids, ids[::-1]), geo)
+    assert plan.device_ids.tolist() == ids and plan.segment_rows.tolist() == ids[::-1]
+    dup = [blocks - 1, 3, blocks - 1, 5]
+    spec = TransferSpec(kind, dup, ids) if kind == "load" else TransferSpec(kind, ids, dup)
+    with pytest.raises(InvalidArgumentError, match=f"destination {blocks - 1} more than once"):
+        plan_transfer(spec, geo)
 
 
 def _plan(dev, sub, f):
@@ -611,7 +636,8 @@ def test_the_handler_releases_the_pin_it_was_given_at_shutdown():
 def test_explicit_skip_allows_a_job_that_ends_inside_its_last_segment_block():
     """vLLM loads may start and end mid-chunk: 4 device blocks from sub-blocks 1..4 of 2x3."""
     torch = pytest.importorskip("torch")
-    from kvshm.transfer.spec import TransferSpec, make_handler
+    from kvshm.transfer.factory import make_handler
+    from kvshm.transfer.spec import TransferSpec
     dev = torch.zeros(8, 16, dtype=torch.uint8)
     plane = torch.arange(4 * 48, dtype=torch.int64).remainder(251).to(torch.uint8).reshape(4, 48)
     h = make_handler([dev], [plane], block_size_factor=3)
@@ -629,7 +655,8 @@ def test_explicit_skip_allows_a_job_that_ends_inside_its_last_segment_block():
 def test_skip_that_leaves_a_whole_segment_block_unused_is_refused():
     torch = pytest.importorskip("torch")
     from kvshm.errors import InvalidArgumentError
-    from kvshm.transfer.spec import TransferSpec, make_handler
+    from kvshm.transfer.factory import make_handler
+    from kvshm.transfer.spec import TransferSpec
     h = make_handler([torch.zeros(8, 16, dtype=torch.uint8)],
                      [torch.zeros(4, 48, dtype=torch.uint8)], block_size_factor=3)
     try:

@@ -27,7 +27,7 @@ from kvshm.integrations.vllm.core import KvshmOptions, ManagerCore, layout_for, 
 from kvshm.integrations.vllm.jobs import WorkerCore, split_job
 from kvshm.shm.layout import Layout
 from kvshm.shm.segment import Segment
-from kvshm.transfer.spec import make_handler
+from kvshm.transfer.factory import make_handler
 
 from conftest import unique_name
 

@@ -28,7 +28,7 @@ from kvshm.shm import layout as L
 from kvshm.shm import writers
 from kvshm.shm.layout import Layout
 from kvshm.shm.segment import Segment
-from kvshm.transfer.spec import make_handler
+from kvshm.transfer.factory import make_handler
 
 from conftest import unique_name
 import procs

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from kvshm.errors import InvalidArgumentError
-from kvshm.transfer.spec import TransferSpec, make_handler
+from kvshm.transfer.factory import make_handler
+from kvshm.transfer.spec import TransferSpec
 
 from test_vllm import VLLM_PY, needs_vllm, recency_diff
 

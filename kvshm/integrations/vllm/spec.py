@@ -229,7 +229,7 @@ class KvshmOffloadingSpec(V.OffloadingSpec):
 
     def get_worker(self, kv_caches: V.CanonicalKVCaches) -> KvshmOffloadingWorker:
         if self._worker is None:
-            from kvshm.transfer.spec import make_handler
+            from kvshm.transfer.factory import make_handler
             seg = open_segment(self.options, self.layout)
             pin: Any = None
             try:
