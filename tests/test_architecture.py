@@ -54,3 +54,47 @@ def test_clients_start_the_owner_by_the_entry_point_the_owner_package_provides()
     with open(spec.origin) as f:
         assert "from kvshm.owner.server import main" in f.read()
     assert callable(main)
+
+
+def _cycles(modules: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected groups of more than one module (Tarjan), each an import cycle."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in modules[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                out.append(sorted(group))
+
+    for m in modules:
+        if m not in index:
+            visit(m)
+    return out
+
+
+def test_no_module_imports_itself_back_through_others():
+    """No import cycle, type-checking imports included: a cycle means two modules hold one
+    concept between them (or one reaches into the other's privates)."""
+    grimp = pytest.importorskip("grimp", reason="grimp comes with import-linter")
+    graph = grimp.build_graph("kvshm", include_external_packages=False)
+    modules = {m: set(graph.find_modules_directly_imported_by(m)) for m in graph.modules}
+    assert _cycles(modules) == []

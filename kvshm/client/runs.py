@@ -14,7 +14,7 @@ segment's table and never talks to the owner.
 from __future__ import annotations
 
 from itertools import repeat
-from typing import TYPE_CHECKING, Sequence
+from typing import Protocol, Sequence
 
 import numpy as np
 
@@ -22,8 +22,17 @@ from kvshm.shm import layout as L
 from kvshm.shm.fence import full_fence
 from kvshm.shm.table import BlockTable
 
-if TYPE_CHECKING:
-    from kvshm.client.holds import HoldTable
+
+class HoldTable(Protocol):
+    """What a relet uses of the client's hold table (``holds.HoldTable``)."""
+    free: list[int]  # free hold entries, a stack
+    leases: dict[bytes, int]  # leased key -> its hold entry
+    ahead: set[bytes]  # leased ahead of their lookups
+
+    def room(self) -> int: ...
+    def drop_ahead(self) -> None: ...
+    def write_holds(self, ia: np.ndarray, codes: np.ndarray) -> None: ...
+    def give_back(self, ia: np.ndarray) -> None: ...
 
 # How many keys of a prefix one relet leases at first (``Run.reach`` adapts it), and the
 # shortest prefix worth remembering (below it numpy's set-up costs more than it saves).
