@@ -131,16 +131,17 @@ def run(o: Options) -> dict[str, Any]:
     num_blocks = max(1, int(o.cache_mib * 2**20) // lay.block_bytes)
     rounds = workload(o)
     procs, pipes = [], []
+    created: dict[str, str] = {}  # name -> incarnation: only these may be stopped or removed
     try:
         for name in names:
-            kvshm.Segment.create(name, lay, num_blocks, max_clients=2 * o.engines + 2).close()
+            created[name] = create_cache(name, lay, num_blocks, max_clients=2 * o.engines + 2)
         start_engines(cfgs, engine_main, procs, pipes)
         wrong = sum(play_round(pipes, turns) for turns in rounds)
         stats = stop_engines(procs, pipes)
     finally:
         kill_engines(procs)
-        for name in names:
-            release_cache(name, remove=not o.keep)
+        for name, tag in created.items():
+            release_cache(name, remove=not o.keep, tag=tag)
     total = {k: sum(s[k] for s in stats) for k in STAT_KEYS}
     return {"schema": "kvshm.demo/1", "options": asdict(o), "caches": names,
             "cache_bytes_each": num_blocks * lay.block_bytes, "kept": o.keep,
@@ -201,12 +202,36 @@ def expect(pipe, what: str) -> Any:
     return payload
 
 
-def release_cache(name: str, remove: bool) -> None:
+class DemoError(Exception):
+    """What the demo refuses to do, said in one line (``main`` prints it and exits 2)."""
+
+
+def create_cache(name: str, layout: "kvshm.Layout", num_blocks: int, max_clients: int) -> str:
+    """Create segment ``name``; returns its incarnation tag. An existing segment is never
+    taken over: it may be a cache someone kept, or another demo's, so it is left as it is."""
+    try:
+        seg = kvshm.Segment.create(name, layout, num_blocks, max_clients=max_clients)
+    except kvshm.errors.SegmentExistsError:
+        raise DemoError(
+            f"a kvshm cache named {name!r} already exists (kept by an earlier --keep run, or "
+            f"in use by another demo) and was left as it is: look at it with 'kvshm-inspect "
+            f"show {name}', remove it with 'kvshm-inspect rm {name}', or choose another "
+            "--cache") from None
+    tag = seg.tag
+    seg.close()
+    return tag
+
+
+def release_cache(name: str, remove: bool, tag: str | None = None) -> None:
     """Stop the segment's auto-started owner (the cache stays intact) and, if ``remove``,
-    unlink the segment and its semaphores."""
+    unlink the segment and its semaphores. With ``tag``, only if the segment under ``name``
+    is still that incarnation (the one this run created): never one made since by others."""
     try:
         seg = kvshm.Segment.attach(name)
     except kvshm.errors.SegmentNotFoundError:
+        return
+    if tag is not None and seg.tag != tag:  # ours was removed; this one is someone else's
+        seg.close()
         return
     pid = seg.owner_record()[0] if seg.owner_alive() else 0
     seg.close()
@@ -292,9 +317,11 @@ def parse(argv: list[str] | None = None) -> Options:
                     help="run each engine's worker in its scheduler process (no job channel)")
     ap.add_argument("--device", choices=("cpu", "cuda", "auto"), default="auto",
                     help="device KV pool: CPU memory, or CUDA tensors (auto: CUDA if present)")
-    ap.add_argument("--cache", help="segment name (default: a fresh unique one)")
+    ap.add_argument("--cache", help="segment name (default: a fresh unique one); the demo "
+                    "creates it and refuses a name that exists, which it leaves alone")
     ap.add_argument("--keep", action="store_true",
-                    help="leave the cache in /dev/shm for kvshm-inspect")
+                    help="leave the cache in /dev/shm for kvshm-inspect (remove it with "
+                    "'kvshm-inspect rm NAME' before reusing NAME)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead")
     a = ap.parse_args(argv)
     opts = {k: v for k, v in vars(a).items() if k != "json"}
@@ -313,7 +340,11 @@ def _cuda() -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     o = parse(argv)
-    r = run(o)
+    try:
+        r = run(o)
+    except DemoError as e:
+        print(f"colocated_engines.py: error: {e}", file=sys.stderr)
+        return 2
     if parse.json:  # type: ignore[attr-defined]
         print(json.dumps(r, indent=2))
     else:
