@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import sys
 import time
 
@@ -21,6 +20,7 @@ import numpy as np
 
 from kvshm.shm import layout as L
 from kvshm.shm import locks
+from kvshm import signals
 from kvshm.index import protocol as P
 from kvshm.shm import slots
 from kvshm.errors import KvshmError, OwnerUnavailableError, SegmentNotFoundError
@@ -428,6 +428,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=args.log_level,
                         format="%(asctime)s kvshm-owner[%(process)d] %(message)s")
+    stops = signals.StopSignals()  # before it starts: a stop asked meanwhile is kept
     try:
         owner = Owner(args.name, idle_exit_s=args.idle_exit)
     except OwnerUnavailableError as e:  # someone else won the race: that is success
@@ -436,12 +437,12 @@ def main(argv: list[str] | None = None) -> int:
     except KvshmError as e:
         print(f"kvshm owner: error: {e}", file=sys.stderr)
         return 2
-    signal.signal(signal.SIGTERM, lambda *_: owner.stop())
-    signal.signal(signal.SIGINT, lambda *_: owner.stop())
+    stops.on_stop(owner.stop)
     try:
         owner.run()
     finally:
         owner.close()
+    stops.report(log, "; the cache stays for the next owner")
     return 0
 
 
