@@ -305,16 +305,17 @@ class Segment:
         self.close()
 
     @staticmethod
-    def unlink(name: str) -> bool:
-        """Remove segment ``name`` and its objects (doorbells, tier area). True if the
-        segment existed. Objects of another user that this process may not remove stay:
+    def unlink(name: str, keep_log: bool = False) -> bool:
+        """Remove segment ``name`` and its objects (doorbells, tier area) and, unless
+        ``keep_log``, its auto-started owners' log. True if the segment existed. Objects of
+        another user that this process may not remove stay:
         ``kvshm-inspect rm NAME`` run as that user or root removes them (and says so).
 
         Processes that still map it keep their mapping; the memory goes when they exit. One
         that opens an object of it after this sees it removed and removes that object again
         (``Doorbell``, ``TierArea``).
         """
-        return remove(name)[0]
+        return remove(name, keep_log)[0]
 
     def object_name(self, what: str) -> str:
         """POSIX name of this incarnation's object ``what`` (see ``object_name``)."""
