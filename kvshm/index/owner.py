@@ -20,7 +20,7 @@ import numpy as np
 
 from kvshm.shm import layout as L
 from kvshm.shm import locks
-from kvshm import signals
+from kvshm import logs, signals
 from kvshm.index import protocol as P
 from kvshm.shm import slots
 from kvshm.errors import KvshmError, OwnerUnavailableError, SegmentNotFoundError
@@ -426,8 +426,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--log-level", default=DEFAULT_LOG_LEVEL, type=str.upper,
                     choices=LOG_LEVELS, help=f"logging level (default {DEFAULT_LOG_LEVEL})")
     args = ap.parse_args(argv)
-    logging.basicConfig(level=args.log_level,
-                        format="%(asctime)s kvshm-owner[%(process)d] %(message)s")
+    logs.owner_logging(args.name, args.log_level)
     stops = signals.StopSignals()  # before it starts: a stop asked meanwhile is kept
     try:
         owner = Owner(args.name, idle_exit_s=args.idle_exit)

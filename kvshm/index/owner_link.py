@@ -61,7 +61,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from typing import Callable
@@ -71,6 +70,7 @@ from kvshm.index import protocol as P
 from kvshm.shm import slots
 from kvshm.errors import (OwnerUnavailableError, ProtocolError, ReplyTimeoutError,
                           RingFullError)
+from kvshm.logs import bound as bound_log, owner_log_path
 from kvshm.shm.ring import Doorbell, Ring
 from kvshm.shm.segment import Segment
 
@@ -80,13 +80,6 @@ REPLY_SPIN_S = 200e-6
 OWNER_START_TIMEOUT_S = 20.0
 OWNER_IDLE_EXIT_S = 10.0
 _CHECK_OWNER_S = 0.1  # while waiting, look whether the owner still lives this often
-
-
-def owner_log_path(name: str) -> str:
-    """Where an auto-started owner of segment ``name`` logs: ``kvshm-NAME-owner.log`` in
-    ``$XDG_RUNTIME_DIR`` if set, else the system temp dir (appended, mode 0600)."""
-    return os.path.join(os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir(),
-                        f"kvshm-{name}-owner.log")
 
 
 def _tail(path: str, start: int, n: int = 3) -> list[str]:
@@ -107,6 +100,7 @@ def start_owner(segment: Segment) -> subprocess.Popen | None:
         return None
     _refuse_removed(segment)  # an owner started by name would serve a successor instead
     path = owner_log_path(segment.name)
+    bound_log(path)  # before we note where the new owner's lines start
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         start = os.lseek(fd, 0, os.SEEK_END)
