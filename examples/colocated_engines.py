@@ -25,6 +25,8 @@ sys.path.insert(0, HERE)
 sys.path.append(os.path.dirname(HERE))  # a repository checkout works without installing kvshm
 
 import kvshm  # noqa: E402
+from demo_options import (OPTION_HELP, DemoError, OneLineParser, Options,  # noqa: E402,F401
+                          check, cuda_available)
 from mini_engine import STAT_KEYS, Engine, EngineConfig, layout_for  # noqa: E402
 from mini_model import VOCAB, generate  # noqa: E402
 
@@ -50,30 +52,12 @@ examples:
   python examples/colocated_engines.py --json           # the same as one JSON object
   python examples/colocated_engines.py --keep --cache demo && kvshm-inspect show demo
   python examples/colocated_engines.py --engines 4 --turns 6 --inline-workers
+
+Every option is checked before anything starts. Only a cache this run created is ever
+removed: a --cache name that exists is refused and left as it is.
+exit status: 0 every loaded block and reply was right; 1 one was not; 2 a bad option, or a
+cache that could not be created; 130 interrupted (Ctrl-C: engines stopped, cache removed)
 """
-
-
-@dataclass
-class Options:
-    engines: int = 3
-    conversations: int = 12
-    turns: int = 6
-    system_prompts: int = 4
-    system_tokens: int = 512
-    user_tokens: int = 48
-    reply_tokens: int = 32
-    block_tokens: int = 16
-    block_size_factor: int = 1
-    token_bytes: int = 1024
-    device_blocks: int = 128
-    max_running: int = 2
-    cache_mib: float = 16.0
-    private: bool = False        # one cache per engine (of cache_mib each) instead of one
-    inline_workers: bool = False
-    device: str = "cpu"
-    cache: str | None = None
-    keep: bool = False
-    seed: int = 0
 
 
 @dataclass
@@ -117,7 +101,9 @@ def engine_main(cfg: EngineConfig, conn) -> None:
 
 
 def run(o: Options) -> dict[str, Any]:
-    """Run the demo; returns the summary (see ``--json``)."""
+    """Run the demo; returns the summary (see ``--json``). Raises ``DemoError`` for options
+    that cannot make a sensible run, and for a cache name that exists, before it starts."""
+    check(o)
     t0 = time.monotonic()
     base = o.cache or f"demo-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     names = [f"{base}-e{i}" for i in range(o.engines)] if o.private else [base]
@@ -158,7 +144,14 @@ def start_engines(cfgs: list[EngineConfig], target, procs: list, pipes: list) ->
     for cfg in cfgs:
         parent, child = ctx.Pipe()
         p = ctx.Process(target=target, args=(cfg, child), name=cfg.name)
-        p.start()
+        # Started with SIGINT ignored, which exec keeps (and Python then leaves alone): a
+        # terminal's Ctrl-C, sent to the whole process group, reaches only us, and our
+        # cleanup stops the engines, instead of each printing a KeyboardInterrupt traceback.
+        ctrl_c = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            p.start()
+        finally:
+            signal.signal(signal.SIGINT, ctrl_c)
         procs.append(p)
         pipes.append(parent)
     for pipe in pipes:
@@ -202,10 +195,6 @@ def expect(pipe, what: str) -> Any:
     return payload
 
 
-class DemoError(Exception):
-    """What the demo refuses to do, said in one line (``main`` prints it and exits 2)."""
-
-
 def create_cache(name: str, layout: "kvshm.Layout", num_blocks: int, max_clients: int) -> str:
     """Create segment ``name``; returns its incarnation tag. An existing segment is never
     taken over: it may be a cache someone kept, or another demo's, so it is left as it is."""
@@ -217,6 +206,8 @@ def create_cache(name: str, layout: "kvshm.Layout", num_blocks: int, max_clients
             f"in use by another demo) and was left as it is: look at it with 'kvshm-inspect "
             f"show {name}', remove it with 'kvshm-inspect rm {name}', or choose another "
             "--cache") from None
+    except kvshm.errors.KvshmError as e:  # no room in /dev/shm, no permission: say so
+        raise DemoError(f"cannot create the cache {name!r}: {e}") from None
     tag = seg.tag
     seg.close()
     return tag
@@ -284,27 +275,9 @@ def print_summary(r: dict[str, Any]) -> None:
               f"{r['caches'][0]})")
 
 
-# Help for the workload options, shared with tools/bench_sharing.py.
-OPTION_HELP = {
-    "engines": "engine processes N",
-    "conversations": "conversations C",
-    "turns": "turns per conversation T",
-    "system_prompts": "shared system prompts S",
-    "system_tokens": "tokens per system prompt",
-    "user_tokens": "tokens per user message",
-    "reply_tokens": "tokens per reply",
-    "block_tokens": "tokens per device block",
-    "block_size_factor": "device blocks per kvshm block",
-    "token_bytes": "KV bytes per token per plane (2 planes: K, V)",
-    "device_blocks": "device KV blocks per engine",
-    "max_running": "requests an engine runs at once",
-    "seed": "workload seed",
-}
-
-
 def parse(argv: list[str] | None = None) -> Options:
-    ap = argparse.ArgumentParser(prog="colocated_engines.py", description=DESCRIPTION,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = OneLineParser(prog="colocated_engines.py", description=DESCRIPTION,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     d = Options()
     for f, help_ in OPTION_HELP.items():
         ap.add_argument("--" + f.replace("_", "-"), type=int, default=getattr(d, f),
@@ -326,16 +299,9 @@ def parse(argv: list[str] | None = None) -> Options:
     a = ap.parse_args(argv)
     opts = {k: v for k, v in vars(a).items() if k != "json"}
     if opts["device"] == "auto":
-        opts["device"] = "cuda" if _cuda() else "cpu"
+        opts["device"] = "cuda" if cuda_available() else "cpu"
     parse.json = a.json  # type: ignore[attr-defined]
     return replace(d, **opts)
-
-
-def _cuda() -> bool:
-    if not os.path.exists("/dev/nvidiactl"):
-        return False  # no driver: do not pay for importing torch to find out
-    import torch
-    return torch.cuda.is_available()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -345,6 +311,10 @@ def main(argv: list[str] | None = None) -> int:
     except DemoError as e:
         print(f"colocated_engines.py: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # its engines ignore Ctrl-C: run's cleanup has stopped them
+        print("colocated_engines.py: interrupted; its engines were stopped and the cache it "
+              f"created was {'kept' if o.keep else 'removed'}", file=sys.stderr)
+        return 130
     if parse.json:  # type: ignore[attr-defined]
         print(json.dumps(r, indent=2))
     else:
