@@ -144,3 +144,18 @@ def test_a_demo_on_a_name_in_use_leaves_the_cache_and_its_clients_alone():
         mgr.shutdown()
         stop_owner(pid)
         Segment.unlink(name)
+
+
+def _cuda() -> bool:
+    import torch
+    return torch.cuda.is_available()
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/nvidiactl") or not _cuda(), reason="needs CUDA")
+def test_demo_on_cuda_ends_without_cuda_ipc_warnings():
+    """Each engine shares its CUDA KV tensors with its worker process; the worker must
+    release them before the engine exits, or torch warns at the engine's exit ("Producer
+    process has been terminated before all shared CUDA tensors released", once per engine)."""
+    proc = demo("--cache", unique_name(), "--device", "cuda")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Producer process has been terminated" not in proc.stderr, proc.stderr[-3000:]
