@@ -123,6 +123,11 @@ class Segment:
         use. Space is reserved now: too little room raises :class:`InsufficientSpaceError`
         and leaves nothing behind. See the creation protocol above.
         """
+        if isinstance(num_blocks, (str, bytes, bool)):
+            raise InvalidArgumentError(  # "64M" here meant bytes: say where bytes go
+                f"num_blocks is a count of blocks, got {num_blocks!r}; to size a cache in "
+                "bytes pass nbytes to kvshm.connect, or num_blocks=blocks_for_bytes(layout, "
+                "nbytes) (both take units: '64M', '8G')")
         geo = Geometry(int(num_blocks), layout.page_bytes, max_clients, ring_capacity,
                        hold_capacity, layout.checksums)
         if not isinstance(policy, str) or policy.lower() not in L.POLICY_NAMES:
