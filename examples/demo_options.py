@@ -126,3 +126,8 @@ def cuda_available() -> bool:
         return False  # no driver: do not pay for importing torch to find out
     import torch
     return torch.cuda.is_available()
+
+
+if __name__ == "__main__":  # a library: say what it is and what to run instead
+    from library_help import explain
+    explain("demo_options.py", __doc__)

@@ -295,12 +295,6 @@ class Engine(EngineLoop):
         return next_token(r.tokens[-1], len(r.tokens))
 
 
-if __name__ == "__main__":
-    import argparse
-    argparse.ArgumentParser(
-        prog="mini_engine.py", formatter_class=argparse.RawDescriptionHelpFormatter,
-        description=__doc__, epilog="This file is a library, not a program: "
-        "examples/colocated_engines.py runs engines built from it\n(python "
-        "examples/colocated_engines.py --help).").parse_args()
-    raise SystemExit("mini_engine.py is a library; run examples/colocated_engines.py instead "
-                     "(see --help)")
+if __name__ == "__main__":  # a library: say what it is and what to run instead
+    from library_help import explain
+    explain("mini_engine.py", __doc__)

@@ -160,3 +160,17 @@ def test_readme_sample_output_is_what_the_demo_and_inspect_print(tmp_path):
             assert shape(shown, "demo") == shape(out, name), out
     finally:
         Segment.unlink(name)
+
+
+SCRIPTS = sorted(str(p.relative_to(ROOT)) for d in ("tools", "examples")
+                 for p in (ROOT / d).glob("*.py"))
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_tool_and_example_teaches_with_help(script):
+    """``--help`` of every file in tools/ and examples/ says what it is and how to use it;
+    a library module says so and names what to run instead."""
+    p = subprocess.run([sys.executable, script, "--help"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert p.returncode == 0 and p.stdout.startswith("usage:"), (p.stdout, p.stderr[-2000:])
+    assert len(p.stdout.splitlines()) >= 5, p.stdout  # a description, not a bare usage line
