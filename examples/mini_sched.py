@@ -193,3 +193,8 @@ class EngineLoop:
                 self.deferred[r.req_id] = r  # stores still read its blocks
             else:
                 self.pool.release(r.blocks)
+
+
+if __name__ == "__main__":  # a library: say what it is and what to run instead
+    from library_help import explain
+    explain("mini_sched.py", __doc__)

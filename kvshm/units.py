@@ -10,10 +10,15 @@ _UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 def parse_size(text: str) -> int:
     """Bytes of ``text``: a number, optionally with K, M, G or T (powers of 1024; "KiB",
-    "KB" and "kb" read the same). Raises ValueError for anything else."""
+    "KB" and "kb" read the same). Raises ValueError, saying how to write one, for anything
+    else."""
     t = text.strip().upper().removesuffix("IB").removesuffix("B")
     mult = _UNITS.get(t[-1:], 1)
-    n = int(float(t[:-1] if mult > 1 else t) * mult)
+    try:
+        n = int(float(t[:-1] if mult > 1 else t) * mult)
+    except (ValueError, OverflowError):  # not a number, or inf/nan
+        raise ValueError(f"not a size: {text!r}; write a number of bytes, optionally with "
+                         "K, M, G or T (powers of 1024), such as 4096, 512M or 8G") from None
     if n < 0:
         raise ValueError(f"a size cannot be negative: {text!r}")
     return n

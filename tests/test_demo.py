@@ -36,11 +36,24 @@ def processes_naming(name: str) -> list[int]:
     return out
 
 
-def run_demo(*args: str) -> dict:
-    proc = subprocess.run([sys.executable, str(DEMO), "--json", *SMALL, *args],
+def demo(*args: str) -> subprocess.CompletedProcess:
+    """The demo as a user runs it (``--json``, the small workload, then ``args``)."""
+    return subprocess.run([sys.executable, str(DEMO), "--json", *SMALL, *args],
                           capture_output=True, text=True, timeout=300)
+
+
+def run_demo(*args: str) -> dict:
+    proc = demo(*args)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout)
+
+
+def one_line_error(proc: subprocess.CompletedProcess) -> str:
+    """A refused run's stderr: exactly one line, and no traceback."""
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-3000:])
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    return lines[0]
 
 
 # A 10-block device pool with 4 requests per engine: running requests get preempted while
@@ -83,3 +96,66 @@ def test_demo_keep_leaves_the_cache_for_inspection_and_no_process():
             seg.close()
     finally:
         Segment.unlink(name)
+
+
+def test_rerunning_a_kept_demo_fails_cleanly_and_keeps_the_cache():
+    """The README's ``--keep --cache demo`` line, run again (with or without ``--keep``), must
+    neither remove the cache the first run kept nor end in a traceback."""
+    name = unique_name()
+    try:
+        run_demo("--cache", name, "--keep", "--turns", "2", "--inline-workers")
+        seg = Segment.attach(name)
+        try:
+            stored = seg.counter("store_blocks")
+            assert stored > 0
+        finally:
+            seg.close()
+        again = [demo("--cache", name, "--keep", "--turns", "2", "--inline-workers"),
+                 demo("--cache", name, "--turns", "2", "--inline-workers")]
+        seg = Segment.attach(name)  # still there, with what the first run stored
+        try:
+            assert seg.counter("store_blocks") == stored
+        finally:
+            seg.close()
+        for proc in again:
+            err = one_line_error(proc)
+            assert name in err and f"kvshm-inspect rm {name}" in err
+    finally:
+        Segment.unlink(name)
+
+
+def test_a_demo_on_a_name_in_use_leaves_the_cache_and_its_clients_alone():
+    """Another demo (here: a live client of the segment) keeps its cache and its owner when
+    a second demo is started on the same name."""
+    import kvshm
+    from conftest import TEST_LAYOUT, stop_owner
+    name = unique_name()
+    mgr = kvshm.connect(name, TEST_LAYOUT, num_blocks=8)
+    pid = mgr.segment.owner_record()[0]
+    try:
+        out = mgr.prepare_store([b"k0", b"k1"])
+        mgr.complete_store(out.keys_to_store)
+        second = demo("--cache", name)
+        assert os.path.exists(f"/dev/shm/kvshm-{name}")
+        assert mgr.lookup([b"k0", b"k1"]) == 2  # the segment and its owner still serve us
+        mgr.release()
+        assert name in one_line_error(second)
+    finally:
+        mgr.shutdown()
+        stop_owner(pid)
+        Segment.unlink(name)
+
+
+def _cuda() -> bool:
+    import torch
+    return torch.cuda.is_available()
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/nvidiactl") or not _cuda(), reason="needs CUDA")
+def test_demo_on_cuda_ends_without_cuda_ipc_warnings():
+    """Each engine shares its CUDA KV tensors with its worker process; the worker must
+    release them before the engine exits, or torch warns at the engine's exit ("Producer
+    process has been terminated before all shared CUDA tensors released", once per engine)."""
+    proc = demo("--cache", unique_name(), "--device", "cuda")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Producer process has been terminated" not in proc.stderr, proc.stderr[-3000:]

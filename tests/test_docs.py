@@ -108,3 +108,69 @@ def test_command_lines_parse(where, cmd):
 def test_there_are_command_lines_to_check():
     assert any(c.startswith("python tools/") for _, c in CMDS)
     assert any(c.startswith("kvshm-inspect") for _, c in CMDS)
+
+
+# --- the README's sample output: what the demo and kvshm-inspect print, as they print it ----
+# Numbers, names, paths, keys and ages differ from run to run; everything else (every line,
+# label, column and counter, the format version) must be what the tools print today.
+DEMO_ARGS = ["--engines", "3", "--conversations", "3", "--turns", "2", "--system-prompts", "1",
+             "--system-tokens", "64", "--user-tokens", "16", "--reply-tokens", "16",
+             "--token-bytes", "64", "--device-blocks", "32", "--cache-mib", "1",
+             "--device", "cpu", "--inline-workers"]
+
+
+def shape(text: str, name: str) -> list[str]:
+    t = text.replace(name, "NAME")
+    t = re.sub(r"kvshm cache '[^']*'", "kvshm cache 'NAME'", t)
+    t = re.sub(r"fingerprint [0-9a-f]+", "fingerprint F", t)
+    t = re.sub(r"age [^)]*\)", "age A)", t)
+    t = re.sub(r"owner log \S+", "owner log PATH", t)
+    t = re.sub(r"[0-9a-f]{16}…", "KEY…", t)
+    t = re.sub(r"format \d+", lambda m: m.group(0).replace(" ", "_"), t)  # never a "#"
+    return re.sub(r"\d+(\.\d+)?", "#", t).split()
+
+
+def readme_block(after: str) -> str:
+    """The first fenced block after the README line that starts with ``after``."""
+    text = (ROOT / "README.md").read_text()
+    start = text.index("\n" + after)
+    return FENCE.search(text, start).group(2)
+
+
+def test_readme_sample_output_is_what_the_demo_and_inspect_print(tmp_path):
+    name = f"docs-demo-{uuid.uuid4().hex[:8]}"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "XDG_RUNTIME_DIR": str(tmp_path)}
+
+    def run(*argv: str) -> str:
+        p = subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, capture_output=True,
+                           text=True, timeout=300)
+        assert p.returncode == 0, p.stderr[-3000:]
+        return p.stdout
+
+    try:
+        printed = run("examples/colocated_engines.py", "--keep", "--cache", name, *DEMO_ARGS)
+        sample = readme_block("What the demo prints")
+        assert shape(sample, "demo") == shape(printed.split("\nkept: ")[0], name), printed
+        session = readme_block("After `python examples/colocated_engines.py --keep")
+        for part in session.split("$ ")[1:]:
+            command, _, shown = part.partition("\n")
+            argv = shlex.split(command)
+            assert argv[0] == "kvshm-inspect", command
+            out = run("-m", "kvshm.inspect.cli", *[name if a == "demo" else a for a in argv[1:]])
+            assert shape(shown, "demo") == shape(out, name), out
+    finally:
+        Segment.unlink(name)
+
+
+SCRIPTS = sorted(str(p.relative_to(ROOT)) for d in ("tools", "examples")
+                 for p in (ROOT / d).glob("*.py"))
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_tool_and_example_teaches_with_help(script):
+    """``--help`` of every file in tools/ and examples/ says what it is and how to use it;
+    a library module says so and names what to run instead."""
+    p = subprocess.run([sys.executable, script, "--help"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert p.returncode == 0 and p.stdout.startswith("usage:"), (p.stdout, p.stderr[-2000:])
+    assert len(p.stdout.splitlines()) >= 5, p.stdout  # a description, not a bare usage line

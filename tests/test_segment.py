@@ -571,3 +571,37 @@ def test_owner_record_is_named_and_stored_word_by_word(make_segment):
     assert rec[:2] == (7, 3)
     off = L.OFF_OWNER + L.OWNER_DTYPE.fields["epoch"][1]
     assert int.from_bytes(seg.buf[off:off + 4], "little") == 3
+
+
+# --- sizes as people write them ---------------------------------------------------------
+def test_connect_takes_nbytes_with_units(seg_name):
+    """``nbytes="1M"`` sizes the cache like the tools' size options (it was a TypeError)."""
+    from kvshm.client.connect import connect
+    from conftest import stop_owner
+    mgr = connect(seg_name, LAYOUT, nbytes="1M")
+    try:
+        assert mgr.segment.geometry.num_blocks == (1 << 20) // LAYOUT.block_bytes
+    finally:
+        pid = mgr.segment.owner_record()[0]
+        mgr.shutdown()
+        stop_owner(pid)
+
+
+@pytest.mark.parametrize("nbytes,says", [
+    (1 << 50, "at most"), ("1P", "not a size"), ("lots", "not a size"), (-1, "cannot hold"),
+    (1.5e6, "a number of bytes"), (True, "a number of bytes"), ("1K", "cannot hold")])
+def test_a_bad_nbytes_is_refused_in_its_own_terms(seg_name, nbytes, says):
+    """Every message names nbytes, the parameter the caller passed, and says what to give:
+    1 PiB was refused as "num_blocks must be in 1..2**31-1"."""
+    from kvshm.client.connect import connect
+    with pytest.raises(InvalidArgumentError) as e:
+        connect(seg_name, LAYOUT, nbytes=nbytes)
+    assert "nbytes" in str(e.value) and says in str(e.value), str(e.value)
+    assert "num_blocks" not in str(e.value)
+    assert not os.path.exists(f"/dev/shm/kvshm-{seg_name}")
+
+
+def test_segment_create_refuses_a_size_for_a_block_count(seg_name):
+    with pytest.raises(InvalidArgumentError, match="count of blocks.*nbytes"):
+        Segment.create(seg_name, LAYOUT, "64M")
+    assert not os.path.exists(shm_path(seg_name))

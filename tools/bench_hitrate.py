@@ -151,7 +151,7 @@ def _local(blocks: int) -> _Kvshm:
 
 def _shared(blocks: int) -> _Kvshm:
     import kvshm
-    from kvshm.index.launch import owner_log_path
+    from kvshm.logs import owner_log_path
     from kvshm.shm.segment import Segment
     name = f"bhit{os.getpid()}x{uuid.uuid4().hex[:8]}S"
     m = kvshm.connect(name, _layout(), num_blocks=blocks)

@@ -11,6 +11,7 @@ import json
 import multiprocessing as mp
 import os
 import platform
+import random
 import shutil
 import sys
 import tempfile
@@ -318,11 +319,13 @@ def _machine() -> dict[str, Any]:
 
 # --- the benchmark -------------------------------------------------------------------------
 def run(iterations: int, warmup: int, local_iterations: int, idle_s: float,
-        num_blocks: int | None, ring_capacity: int, log: Callable[[str], None]) -> dict:
+        num_blocks: int | None, ring_capacity: int, log: Callable[[str], None],
+        seed: int = 0) -> dict:
     from kvshm.index import protocol as P
     from kvshm.shm.segment import Segment
 
-    rng_keys = lambda n: [os.urandom(KEY_BYTES) for _ in range(n)]  # noqa: E731
+    rng = random.Random(seed)  # the same keys every run of a seed: a run can be repeated
+    rng_keys = lambda n: [rng.randbytes(KEY_BYTES) for _ in range(n)]  # noqa: E731
     lookup_keys = rng_keys(KEYS_PER_OP)
     n_store = warmup + iterations
     store_batches = [rng_keys(KEYS_PER_OP) for _ in range(n_store)]
@@ -334,7 +337,8 @@ def run(iterations: int, warmup: int, local_iterations: int, idle_s: float,
         "params": {"iterations": iterations, "warmup": warmup, "rounds": ROUNDS,
                    "keys_per_op": KEYS_PER_OP, "key_bytes": KEY_BYTES,
                    "num_blocks": num_blocks, "ring_capacity": ring_capacity,
-                   "local_iterations": local_iterations, "idle_seconds": idle_s},
+                   "local_iterations": local_iterations, "idle_seconds": idle_s,
+                   "seed": seed},
     }
     names = {k: _unique(k) for k in ("ring", "zmq", "pipe")}
     tmpdir = tempfile.mkdtemp(prefix="kvshm-bench-")
@@ -599,9 +603,17 @@ def main(argv: list[str] | None = None) -> int:
                          "eviction; smaller makes every server evict)")
     ap.add_argument("--ring-capacity", type=int, default=128 << 10,
                     help="ring data bytes (default: %(default)s, Segment.create's default)")
+    ap.add_argument("--seed", type=int, default=0,
+                    help="seed of the random keys (default: %(default)s)")
     ap.add_argument("--json", action="store_true",
                     help="print one JSON object with all figures, and nothing else, on stdout")
     args = ap.parse_args(argv)
+    try:
+        import zmq  # noqa: F401 - the zmq baseline's server process needs it too
+    except ImportError:
+        print("tools/bench_ring.py: error: the zmq baseline needs pyzmq: pip install -e "
+              "'.[bench]'", file=sys.stderr)
+        return 2
     if args.iterations < ROUNDS:
         ap.error(f"--iterations must be >= {ROUNDS}")
     if args.local_iterations < 5:
@@ -610,7 +622,7 @@ def main(argv: list[str] | None = None) -> int:
     log = (lambda s: print(s, file=sys.stderr, flush=True)) if not args.json else \
         (lambda s: None)
     result = run(args.iterations, warmup, args.local_iterations, args.idle_seconds,
-                 args.num_blocks, args.ring_capacity, log)
+                 args.num_blocks, args.ring_capacity, log, args.seed)
     if args.json:
         json.dump(result, sys.stdout)
         sys.stdout.write("\n")

@@ -327,7 +327,7 @@ class _Shared:
         self.owner_pid = self.mgr.segment.owner_record()[0]
 
     def close(self) -> None:
-        from kvshm.index.launch import owner_log_path
+        from kvshm.logs import owner_log_path
         from kvshm.shm.segment import Segment
         try:
             self.mgr.shutdown()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -168,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         from kvshm.shm.segment import Segment
         Segment.unlink(segment)  # its owner exits by itself once the segment is gone
+        shutil.rmtree(tmp, ignore_errors=True)  # the tiny model
     c = result["configs"]
     if "cpu" in c and "kvshm" in c:
         result["kvshm_median_vs_cpu"] = round(c["kvshm"]["median_ms"] / c["cpu"]["median_ms"], 4)

@@ -28,3 +28,13 @@ def cpu_ns(pid: int) -> int:
         fields = f.read().rsplit(")", 1)[1].split()
     ticks = int(fields[11]) + int(fields[12])  # utime, stime (fields 14, 15)
     return ticks * 1_000_000_000 // os.sysconf("SC_CLK_TCK")
+
+
+if __name__ == "__main__":  # a library: say what it is and who uses it
+    import argparse
+    argparse.ArgumentParser(prog="proc_clock.py", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter,
+                            epilog="This file is a library, not a program: tools/bench_ring.py "
+                            "and tools/bench_scheduler.py\nreport through it.").parse_args()
+    raise SystemExit("proc_clock.py is a library; run tools/bench_ring.py or "
+                     "tools/bench_scheduler.py instead")

@@ -14,14 +14,14 @@ from kvshm.client.manager import SharedManager
 
 
 def connect(name: str, layout: Layout | None = None, *, num_blocks: int | None = None,
-            nbytes: int | None = None, policy: str = "lru", mode: int = 0o600,
+            nbytes: int | str | None = None, policy: str = "lru", mode: int = 0o600,
             events: bool = False, grants: bool = True, timeout: float = 30.0,
             **create_kw: int) -> "SharedManager":
     """Attach this process to shared cache ``name`` and return its manager.
 
-    Give ``num_blocks`` or ``nbytes`` (with ``layout``) to create the segment if it does not
-    exist yet; without them the segment must exist. ``layout``, when given, must match the
-    segment's. An owner process is started if none is serving. ``events=True`` makes
+    Give ``num_blocks`` or ``nbytes`` (with ``layout``; bytes, or a size such as "64M") to
+    create the segment if it does not exist yet; without them the segment must exist.
+    ``layout``, when given, must match the segment's. An owner process is started if none is serving. ``events=True`` makes
     ``take_events`` report every store and eviction in the shared cache. ``grants=False``
     stores by round trip only, so that other clients see a store in flight as such (PENDING)
     rather than as a miss: for a client others wait for, like the lower tier's mover.

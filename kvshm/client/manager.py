@@ -321,12 +321,13 @@ class SharedManager(OffloadingManager):
             keys = K.key_seq(keys)
         K.check_keys(keys)
         running = running and running.for_store()
-        own, probe = self._own, self.index.probe
+        own, probe, find = self._own, self.index.probe, self.index.find
         own.prune()
         self._count_lookup()
-        # Present: ours in flight or unconfirmed, or indexed (a tag alone says "indexed": a
-        # crc32 collision skips a store, never more).
-        new = [k for k in dict.fromkeys(keys) if not own.mine(k) and probe(k) < 0]
+        # Present: ours in flight or unconfirmed, or indexed. A tag is a candidate only: a
+        # key whose crc32 an indexed key has (1 in 2**32 per key cached) is verified.
+        new = [k for k in dict.fromkeys(keys)
+               if not own.mine(k) and (probe(k) < 0 or find(k)[0] < 0)]
         blocks = own.take(new) if self._grants else None
         if blocks is not None:
             return PrepareStoreOutput(new, blocks, [])

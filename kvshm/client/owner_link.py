@@ -67,10 +67,11 @@ from typing import Callable
 
 from kvshm.shm import layout as L
 from kvshm.index import protocol as P
-from kvshm.index.launch import OWNER_IDLE_EXIT_S, OWNER_MODULE, owner_log_path
+from kvshm.index.launch import OWNER_IDLE_EXIT_S, OWNER_MODULE
 from kvshm.shm import slots
 from kvshm.errors import (OwnerUnavailableError, ProtocolError, ReplyTimeoutError,
                           RingFullError)
+from kvshm.logs import bound as bound_log, owner_log_path
 from kvshm.shm.ring import Doorbell, Ring
 from kvshm.shm.segment import Segment
 
@@ -99,6 +100,7 @@ def start_owner(segment: Segment) -> subprocess.Popen | None:
         return None
     _refuse_removed(segment)  # an owner started by name would serve a successor instead
     path = owner_log_path(segment.name)
+    bound_log(path)  # before we note where the new owner's lines start
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         start = os.lseek(fd, 0, os.SEEK_END)

@@ -21,6 +21,7 @@ from kvshm.shm import layout as L
 from kvshm.shm import locks
 from kvshm.shm import slots
 from kvshm.index.launch import OWNER_IDLE_EXIT_S
+from kvshm import logs
 from kvshm.errors import OwnerUnavailableError, SegmentNotFoundError, SegmentPermissionError
 from kvshm.shm.names import PREFIX, SHM_DIR, list_segments, remove, remove_objects, shm_name
 from kvshm.shm.segment import Segment
@@ -294,13 +295,16 @@ def _wait_idle_owner(args: Args) -> tuple[list[dict[str, int]], bool]:
 
 def cmd_rm(args: Args) -> int:
     out = {"schema": "kvshm.rm/1", "name": args.name, "removed": False, "forced": args.force,
-           "owner_alive": False, "live_clients": [], "leftovers": [], "refused": []}
+           "owner_alive": False, "live_clients": [], "leftovers": [], "refused": [],
+           "log_removed": None}
     try:
         clients, owner = _wait_idle_owner(args)
     except SegmentNotFoundError:
-        # No segment, but perhaps what a process killed as it attached a removed one left.
+        # No segment, but perhaps what a process killed as it attached a removed one left,
+        # or the log of its owners (a segment removed by other means than rm).
         out["leftovers"], out["refused"] = remove_objects(args.name)
-        if not out["leftovers"] and not out["refused"]:
+        out["log_removed"] = None if args.keep_log else logs.remove(args.name)
+        if not out["leftovers"] and not out["refused"] and not out["log_removed"]:
             raise
         return _removed(args, out)
     out.update(owner_alive=owner, live_clients=clients)
@@ -313,16 +317,18 @@ def cmd_rm(args: Args) -> int:
         if args.json:
             print(encode(out))
         return 1
-    out["removed"], out["refused"] = remove(args.name)
+    out["removed"], out["refused"] = remove(args.name, keep_log=True)
+    out["log_removed"] = None if args.keep_log else logs.remove(args.name)
     return _removed(args, out)
 
 
 def _removed(args: Args, out: dict[str, Any]) -> int:
     """Report an rm that ran; exit 1 if another user's objects stay."""
-    name, left = args.name, out["leftovers"]
-    _emit(args, out, lambda: f"removed {name}" if out["removed"] else
+    name, left, log = args.name, out["leftovers"], out["log_removed"]
+    _emit(args, out, lambda: (f"removed {name}" if out["removed"] else
           f"no segment {name}; removed what a removed one left: {', '.join(left)}" if left else
-          f"{name} was already gone")
+          f"no segment {name}" if log else f"{name} was already gone") +
+          (f"; removed its owner log {log}" if log else ""))
     for entry in out["refused"]:
         with contextlib.suppress(OSError):
             entry += f" (uid {os.stat(os.path.join(SHM_DIR, entry)).st_uid})"
@@ -372,7 +378,9 @@ _COMMANDS: dict[str, tuple[Callable[[Args], int], str, str]] = {
            "segment keep it until they exit, and the owner notices and exits. Also removes\n"
            "foreign or damaged kvshm-* objects, and the doorbells or tier area that a\n"
            "process killed as it attached a removed segment left behind. Exit 1 also\n"
-           "when objects of another user stay (run rm as that user or as root).\n\n"
+           "when objects of another user stay (run rm as that user or as root).\n"
+           "The segment's owner log (kvshm-NAME-owner.log, see 'show') goes with it,\n"
+           "unless --keep-log; rm of a name with no segment left removes its log.\n\n"
            "example: kvshm-inspect rm llama8b --force"),
 }
 
@@ -405,6 +413,8 @@ def build_parser() -> argparse.ArgumentParser:
                                       help="stop after N refreshes (default 0: until Ctrl-C)")
     sub.choices["rm"].add_argument("--force", action="store_true",
                                    help="remove at once, even while processes use it")
+    sub.choices["rm"].add_argument("--keep-log", action="store_true",
+                                   help="keep the segment's owner log (removed by default)")
     sub.choices["rm"].add_argument("--wait", type=float, default=OWNER_IDLE_EXIT_S + 5,
                                    metavar="S", help="when only an owner is left, wait up to S "
                                    f"seconds for its idle exit (default {OWNER_IDLE_EXIT_S + 5:g};"

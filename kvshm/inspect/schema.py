@@ -264,6 +264,8 @@ class Rm(_Doc):
                   "(a process killed as it attached it), removed now")
     refused: _d(list[str], "objects of another user it may not remove (the sticky /dev/shm): "
                 "run rm as that user or root; the exit status is then 1")
+    log_removed: _d(_Opt[str, None], "path of the owner log removed now (null: there was "
+                    "none, or `--keep-log`)")
 
 
 DOCUMENTS: dict[str, type[_Doc]] = {  # command -> its --json document (watch: show's)

@@ -23,7 +23,7 @@ from kvshm.shm.ring import Ring
 from kvshm.shm.segment import Segment
 from kvshm.shm.keyindex import KeyIndex
 from kvshm.shm.table import BlockTable, state_counts
-from kvshm.index.launch import owner_log_path
+from kvshm.logs import owner_log_path
 from kvshm.tier.area import COUNTERS as TIER_COUNTERS, TierArea
 
 _ENTRY_DT = L.ENTRY_DTYPE

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import sys
 import time
 
 import msgspec
 
+from kvshm import logs, signals
 from kvshm.crashpoints import crash_point
 from kvshm.errors import KvshmError, OwnerUnavailableError
 from kvshm.index import protocol as P
@@ -341,8 +341,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--log-level", default=DEFAULT_LOG_LEVEL, type=str.upper,
                     choices=LOG_LEVELS, help=f"logging level (default {DEFAULT_LOG_LEVEL})")
     args = ap.parse_args(argv)
-    logging.basicConfig(level=args.log_level,
-                        format="%(asctime)s kvshm-owner[%(process)d] %(message)s")
+    logs.owner_logging(args.name, args.log_level)
+    stops = signals.StopSignals()  # before it starts: a stop asked meanwhile is kept
     try:
         owner = Owner(args.name, idle_exit_s=args.idle_exit)
     except OwnerUnavailableError as e:  # someone else won the race: that is success
@@ -351,12 +351,12 @@ def main(argv: list[str] | None = None) -> int:
     except KvshmError as e:
         print(f"kvshm owner: error: {e}", file=sys.stderr)
         return 2
-    signal.signal(signal.SIGTERM, lambda *_: owner.stop())
-    signal.signal(signal.SIGINT, lambda *_: owner.stop())
+    stops.on_stop(owner.stop)
     try:
         owner.run()
     finally:
         owner.close()
+    stops.report(log, "; the cache stays for the next owner")
     return 0
 
 

@@ -28,6 +28,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from kvshm.errors import InvalidArgumentError
+from kvshm.units import parse_size
 from kvshm.shm.records import (  # noqa: F401  (re-exported: one definition, two names)
     COUNTER_NAMES, COUNTERS_DTYPE, ENTRY_BODY, ENTRY_DTYPE, GRANT_HEAD_DTYPE, HEADER,
     HEADER_DTYPE, INDEX_SLOT, INDEX_SLOT_DTYPE, OWNER, OWNER_BYTES, OWNER_DTYPE, PIN_DONE,
@@ -42,6 +43,7 @@ FORMAT_VERSION = 5  # 2: 64-bit writer_req, keysum in every table entry; 3: bloc
 HEADER_BYTES = 4096
 DATA_ALIGN = 2 << 20
 MAX_PLANES = 32
+MAX_BLOCKS = 2**31 - 1  # block ids are int32 (the key index holds them so)
 MAX_KEY_BYTES = 64
 MAX_PINNERS = 32
 LAYOUT_DESC_BYTES = 512
@@ -238,7 +240,7 @@ class Geometry:
     checksums: bool = False  # Layout.checksums: the block-checksum region exists
 
     def __post_init__(self) -> None:
-        if self.num_blocks <= 0 or self.num_blocks >= 2**31:
+        if self.num_blocks <= 0 or self.num_blocks > MAX_BLOCKS:
             raise InvalidArgumentError(
                 f"num_blocks must be in 1..2**31-1, got {self.num_blocks}")
         if not 1 <= self.max_clients <= 1024:
@@ -344,13 +346,32 @@ class Geometry:
         return self.table_offset + block * ENTRY_BYTES
 
 
-def blocks_for_bytes(layout: Layout, nbytes: int) -> int:
-    """How many blocks of ``layout`` fit in ``nbytes`` (like vLLM's ``cpu_bytes_to_use``)."""
-    if nbytes < layout.block_bytes:
+def blocks_for_bytes(layout: Layout, nbytes: int | str) -> int:
+    """How many blocks of ``layout`` fit in ``nbytes`` (like vLLM's ``cpu_bytes_to_use``): an
+    int, or a size with a unit as the command lines take it ("64M", "8G"). Every refusal is
+    an ``InvalidArgumentError`` about ``nbytes``, the parameter the caller gave."""
+    if isinstance(nbytes, str):
+        try:
+            n = parse_size(nbytes)
+        except ValueError as e:
+            raise InvalidArgumentError(f"nbytes={nbytes!r}: {e}") from None
+    elif isinstance(nbytes, int) and not isinstance(nbytes, bool):
+        n = nbytes
+    else:
         raise InvalidArgumentError(
-            f"{nbytes} bytes cannot hold one block of {layout.block_bytes} bytes; "
-            "give the cache more memory")
-    return nbytes // layout.block_bytes
+            f"nbytes must be a number of bytes: an int, or a string with a unit such as "
+            f"'64M' or '8G'; got {nbytes!r}")
+    bb = layout.block_bytes
+    if n < bb:
+        raise InvalidArgumentError(
+            f"nbytes={nbytes!r} ({n} bytes) cannot hold one block of {bb} bytes; give the "
+            "cache more memory")
+    if n // bb > MAX_BLOCKS:
+        raise InvalidArgumentError(
+            f"nbytes={nbytes!r} would make {n // bb} blocks of {bb} bytes; a segment holds "
+            f"at most {MAX_BLOCKS} blocks: give nbytes at most {MAX_BLOCKS * bb} "
+            f"({MAX_BLOCKS * bb / 2**40:.0f} TiB), or use larger blocks")
+    return n // bb
 
 
 def plane_pages(values: Sequence[int]) -> bytes:

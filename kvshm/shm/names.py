@@ -15,6 +15,7 @@ import re
 
 import posix_ipc
 
+from kvshm import logs
 from kvshm.errors import InvalidArgumentError, SegmentPermissionError
 
 SHM_DIR = "/dev/shm"
@@ -92,10 +93,10 @@ def remove_objects(name: str) -> tuple[list[str], list[str]]:
     return removed, denied
 
 
-def remove(name: str) -> tuple[bool, list[str]]:
-    """Remove segment ``name`` and then the objects of its removed incarnations (``remove_objects``,
-    which finds them only once the file is gone). Returns whether the segment existed and
-    the objects refused."""
+def remove(name: str, keep_log: bool = False) -> tuple[bool, list[str]]:
+    """Remove segment ``name``, then the objects of its removed incarnations (``remove_objects``,
+    which finds them only once the file is gone) and, unless ``keep_log``, its owner log.
+    Returns whether the segment existed and the objects refused."""
     try:
         posix_ipc.unlink_shared_memory(shm_name(name))
         existed = True
@@ -105,4 +106,7 @@ def remove(name: str) -> tuple[bool, list[str]]:
         raise SegmentPermissionError(
             f"permission denied removing segment {name!r} ({e}); run as its owner or "
             "as root") from None
-    return existed, remove_objects(name)[1]
+    refused = remove_objects(name)[1]
+    if not keep_log:
+        logs.remove(name)
+    return existed, refused

@@ -285,7 +285,9 @@ class Doorbell:
         return False
 
     def wait(self, timeout: float, ready: Callable[[], bool], spin_s: float = 100e-6) -> bool:
-        """Consumer: return True once ``ready()`` is true, False after ``timeout`` seconds."""
+        """Consumer: return True once ``ready()`` is true, False after ``timeout`` seconds or
+        when a signal whose Python handler returned interrupted the wait (so that whatever
+        the handler asked for, such as a stop, is seen at once by the caller's loop)."""
         now = time.perf_counter()
         deadline, spin_end = now + timeout, now + min(spin_s, timeout)
         while True:  # spin first: a busy producer usually publishes within microseconds
@@ -310,6 +312,8 @@ class Doorbell:
                     self._sem.acquire(left)
                 except posix_ipc.BusyError:
                     pass  # loop: one last ready() check, then the deadline ends it
+                except posix_ipc.SignalError:  # raised only after its handler returned
+                    return ready()
             return True
         finally:
             self._flag[0] = 0

@@ -122,6 +122,11 @@ class Segment:
         use. Space is reserved now: too little room raises :class:`InsufficientSpaceError`
         and leaves nothing behind. See the creation protocol above.
         """
+        if isinstance(num_blocks, (str, bytes, bool)):
+            raise InvalidArgumentError(  # "64M" here meant bytes: say where bytes go
+                f"num_blocks is a count of blocks, got {num_blocks!r}; to size a cache in "
+                "bytes pass nbytes to kvshm.connect, or num_blocks=blocks_for_bytes(layout, "
+                "nbytes) (both take units: '64M', '8G')")
         geo = Geometry(int(num_blocks), layout.page_bytes, max_clients, ring_capacity,
                        hold_capacity, layout.checksums)
         if not isinstance(policy, str) or policy.lower() not in L.POLICY_NAMES:
@@ -304,16 +309,17 @@ class Segment:
         self.close()
 
     @staticmethod
-    def unlink(name: str) -> bool:
-        """Remove segment ``name`` and its objects (doorbells, tier area). True if the
-        segment existed. Objects of another user that this process may not remove stay:
+    def unlink(name: str, keep_log: bool = False) -> bool:
+        """Remove segment ``name`` and its objects (doorbells, tier area) and, unless
+        ``keep_log``, its auto-started owners' log. True if the segment existed. Objects of
+        another user that this process may not remove stay:
         ``kvshm-inspect rm NAME`` run as that user or root removes them (and says so).
 
         Processes that still map it keep their mapping; the memory goes when they exit. One
         that opens an object of it after this sees it removed and removes that object again
         (``Doorbell``, ``TierArea``).
         """
-        return remove(name)[0]
+        return remove(name, keep_log)[0]
 
     def object_name(self, what: str) -> str:
         """POSIX name of this incarnation's object ``what`` (see ``object_name``)."""

@@ -27,7 +27,6 @@ import ctypes
 import logging
 import mmap
 import os
-import signal
 import threading
 import time
 from collections import OrderedDict
@@ -36,8 +35,8 @@ from itertools import islice
 from typing import Sequence
 
 import numpy as np
-import posix_ipc
 
+from kvshm import signals
 from kvshm.crashpoints import crash_point
 from kvshm.errors import KvshmError, SegmentNotFoundError
 from kvshm.client.manager import SharedManager
@@ -357,10 +356,7 @@ class Mover:
                 log.info("segment %r was removed; the mover exits", name)
                 return
             wait = max(0.0, self._next_events - time.monotonic()) if self.spill else 0.05
-            try:
-                bell.wait(min(wait, _IDLE_EVENTS_S), self._woken)
-            except posix_ipc.SignalError:  # SIGTERM/SIGINT: the handler set ``stop``
-                pass
+            bell.wait(min(wait, _IDLE_EVENTS_S), self._woken)  # a signal ends it early
 
     def _woken(self) -> bool:
         return self.area.pending() or self.area.kicked()
@@ -410,6 +406,7 @@ def run_from_args(a: argparse.Namespace) -> int:
     from kvshm.tier.mooncake import MooncakeConfig, MooncakeTier
     logging.basicConfig(level=a.log_level, format="%(asctime)s kvshm-mover %(process)d "
                         "%(levelname)s %(message)s")
+    stops = signals.StopSignals()  # before it starts: a stop asked meanwhile is kept
     try:
         tier = MooncakeTier(MooncakeConfig(a.master, a.metadata, a.local_host, a.global_segment,
                                            a.local_buffer, a.protocol, a.devices))
@@ -421,8 +418,7 @@ def run_from_args(a: argparse.Namespace) -> int:
         log.error("%s", e)
         return 1
     stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    stops.on_stop(stop.set)
     log.info("mover of segment %r: %s, spill %s", a.name, tier.description,
              "write-through" if not a.no_spill else "off")
     try:
@@ -432,4 +428,5 @@ def run_from_args(a: argparse.Namespace) -> int:
         return 1
     finally:
         mover.close()
+    stops.report(log)
     return 0

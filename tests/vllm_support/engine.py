@@ -34,8 +34,10 @@ Steps let subprocesses rendezvous through files:
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -254,7 +256,10 @@ class EngineProcess:
     """Handle to an engine running in a separate Python process."""
 
     def __init__(self, config: dict[str, Any], python: str | None, workdir: str | None):
-        self.workdir = workdir or tempfile.mkdtemp(prefix="kvshm-engine-")
+        if workdir is None:  # ours: its logs stay readable until this process exits
+            workdir = tempfile.mkdtemp(prefix="kvshm-engine-")
+            atexit.register(shutil.rmtree, workdir, True)
+        self.workdir = workdir
         self.config_path = os.path.join(self.workdir, f"cfg-{id(self)}.json")
         self.result_path = os.path.join(self.workdir, f"result-{id(self)}.json")
         self.log_path = os.path.join(self.workdir, f"log-{id(self)}.txt")
