@@ -15,7 +15,7 @@ import signal
 
 import numpy as np
 import pytest
-import torch
+from lazy import torch  # imported at its first use, not when the suite is collected
 
 from kvshm.client.manager import connect
 from kvshm.engine.connector import SchedulerConnector

@@ -17,7 +17,7 @@ from pathlib import Path
 from types import SimpleNamespace as NS
 
 import pytest
-import torch
+from lazy import torch  # imported at its first use, not when the suite is collected
 
 from kvshm.shm import slots
 from kvshm.index.api import LookupResult

@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 
-import torch
+from lazy import torch  # imported at its first use, not when the suite is collected
 
 from kvshm.index.api import LookupResult
 from kvshm.client.manager import connect

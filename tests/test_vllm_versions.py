@@ -15,7 +15,7 @@ import threading
 from pathlib import Path
 
 import pytest
-import torch
+from lazy import torch  # imported at its first use, not when the suite is collected
 
 from kvshm.errors import InvalidArgumentError
 from kvshm.transfer.spec import TransferSpec, make_handler
