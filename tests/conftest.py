@@ -1,8 +1,12 @@
-"""Shared fixtures: unique segment names, a segment factory, and the parametrised manager.
+"""Shared fixtures: unique segment names, a segment factory, and the parametrised manager;
+and the test tiers.
 
 Every segment a test creates is named ``<SESSION_PREFIX>-<8 hex>``, where the prefix is unique
 to this pytest session (pid + random), so concurrent test runs on one host never collide and
 ``test_zz_no_leaks.py`` can check that this session left nothing in ``/dev/shm``.
+
+Every test has exactly one tier (``TIERS``, registered in setup.cfg; ``-m unit`` runs one):
+its own tier mark if it has one, else its file's, from ``FILE_TIERS``.
 
 Manager tests run against every implementation in ``MANAGER_KINDS`` (through the
 ``OffloadingManager`` interface only) and both eviction policies. To add an implementation,
@@ -101,7 +105,13 @@ def make_segment() -> Iterator[Callable[..., Segment]]:
 
 
 # --- managers ----------------------------------------------------------------------------
-@pytest.fixture(params=MANAGER_KINDS)
+# The kinds as fixture params, with the tier each needs beyond its file's: a shared manager
+# starts an owner process. (A fixture of one kind or the other is parametrised with these.)
+KIND_PARAMS = [pytest.param("local"), pytest.param("shared", marks=pytest.mark.procs)]
+assert [p.values[0] for p in KIND_PARAMS] == MANAGER_KINDS
+
+
+@pytest.fixture(params=KIND_PARAMS)
 def manager_kind(request) -> str:
     return request.param
 
@@ -171,3 +181,80 @@ def seg(seg_name):
     s.close()
     if pid:
         stop_owner(pid)
+
+
+# --- tiers -------------------------------------------------------------------------------
+TIERS = ("unit", "procs", "e2e")  # registered (and described) in setup.cfg
+
+# Every test file's tier: that of most of its tests. A test that needs more says so with its
+# own mark (@pytest.mark.procs on a test of a unit file, or a marked parameter), which
+# replaces its file's. A file missing here fails the collection: a new file must choose.
+FILE_TIERS = {
+    "test_architecture.py": "unit",
+    "test_batch_writers.py": "unit",
+    "test_block_checksums.py": "unit",
+    "test_connector.py": "unit",
+    "test_errors_doc.py": "unit",
+    "test_manager.py": "unit",
+    "test_manager_model.py": "unit",
+    "test_pinning.py": "unit",
+    "test_policy.py": "unit",
+    "test_ring.py": "unit",
+    "test_running_ranks.py": "unit",
+    "test_segment.py": "unit",
+    "test_session.py": "unit",
+    "test_spin.py": "unit",
+    "test_table_tear.py": "unit",
+    "test_transfer.py": "unit",
+    "test_vllm.py": "unit",
+    "test_zz_no_leaks.py": "unit",
+    "test_channel.py": "procs",
+    "test_crash_walk.py": "procs",
+    "test_exactly_once.py": "procs",
+    "test_fuzz.py": "procs",
+    "test_grants.py": "procs",
+    "test_inspect.py": "procs",
+    "test_late_writers.py": "procs",
+    "test_leases.py": "procs",
+    "test_operable.py": "procs",
+    "test_segment_hardening.py": "procs",
+    "test_shared.py": "procs",
+    "test_tier.py": "procs",
+    "test_warm_restart.py": "procs",
+    "test_demo.py": "e2e",
+    "test_docs.py": "e2e",
+    "test_soak.py": "e2e",
+    "test_tier_mooncake.py": "e2e",
+    "test_tier_vllm.py": "e2e",
+    "test_vllm_processes.py": "e2e",
+    "test_vllm_versions.py": "e2e",
+}
+
+
+def tier_of(file_name: str, marked: set[str]) -> str:
+    """The one tier of a test in ``file_name`` whose own tier marks are ``marked``."""
+    if len(marked) > 1:
+        raise ValueError(f"has the tiers {sorted(marked)}: a test has exactly one")
+    if marked:
+        return next(iter(marked))
+    if file_name not in FILE_TIERS:
+        raise ValueError(f"{file_name} has no tier: add it to FILE_TIERS in tests/conftest.py "
+                         f"(one of {', '.join(TIERS)})")
+    return FILE_TIERS[file_name]
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by these marks
+def pytest_collection_modifyitems(config, items) -> None:
+    errors = []
+    for item in items:
+        marked = {m.name for m in item.iter_markers() if m.name in TIERS}
+        try:
+            tier = tier_of(item.path.name, marked)
+        except ValueError as e:
+            errors.append(str(e) if not marked else f"{item.nodeid} {e}")
+            continue
+        if not marked:
+            item.add_marker(tier)
+    if errors:
+        raise pytest.UsageError("tests without exactly one tier:\n  "
+                                + "\n  ".join(dict.fromkeys(errors)))

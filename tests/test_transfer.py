@@ -470,6 +470,7 @@ def test_make_handler_gives_the_cpu_handler_for_cpu_tensors():
     h.shutdown()
 
 
+@pytest.mark.procs
 def test_importing_kvshm_transfer_does_not_import_torch():
     code = "import sys, kvshm.transfer.spec; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -73,6 +73,7 @@ def test_eviction_order_matches_vllm_033s_own_manager():
     recency_diff(WHEEL)
 
 
+@pytest.mark.unit
 def test_an_expedited_load_runs_ahead_of_queued_loads_and_stores():
     dev = [torch.randint(-128, 127, (8, 64), dtype=torch.int8)]
     plane = torch.zeros(8, 64, dtype=torch.uint8)

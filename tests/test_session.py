@@ -1,0 +1,62 @@
+"""The suite's own rules, kept by tests/conftest.py: every test has exactly one tier.
+
+The checks are proven on real pytest sessions: a child ``python -m pytest`` runs a
+small test file written here, with this suite's conftest as its plugin and its setup.cfg.
+"""
+from __future__ import annotations
+
+import configparser
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import FILE_TIERS, TIERS, tier_of
+
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
+
+
+# --- tiers -------------------------------------------------------------------------------
+def test_every_test_file_has_a_tier_and_every_entry_names_a_file():
+    assert sorted(FILE_TIERS) == sorted(p.name for p in TESTS.glob("test_*.py"))
+    assert set(FILE_TIERS.values()) <= set(TIERS)
+
+
+def test_the_tiers_are_the_markers_registered_in_setup_cfg():
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg")
+    pytest_cfg = cfg["tool:pytest"]
+    markers = [line.split(":")[0] for line in pytest_cfg["markers"].strip().splitlines()]
+    assert markers == list(TIERS)
+    assert "--strict-markers" in pytest_cfg["addopts"].split()
+
+
+def test_a_test_has_its_own_tier_else_its_files():
+    assert tier_of("test_policy.py", set()) == FILE_TIERS["test_policy.py"] == "unit"
+    assert tier_of("test_policy.py", {"procs"}) == "procs"
+    with pytest.raises(ValueError, match="exactly one"):
+        tier_of("test_policy.py", {"unit", "procs"})
+    with pytest.raises(ValueError, match="FILE_TIERS"):
+        tier_of("test_not_in_the_table.py", set())
+
+
+# --- real sessions -------------------------------------------------------------------------
+def run_session(tmp_path: Path, source: str, *args: str) -> subprocess.CompletedProcess:
+    """``python -m pytest`` on ``source`` (as ``test_inner.py``) with this suite's conftest
+    (a plugin: the file lies outside tests/) and setup.cfg."""
+    (tmp_path / "test_inner.py").write_text(source)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(ROOT)])}
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "conftest", "-c", str(ROOT / "setup.cfg"),
+         "--rootdir", str(tmp_path), "-q", "test_inner.py", *args],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.procs
+def test_a_test_file_without_a_tier_is_refused(tmp_path):
+    r = run_session(tmp_path, "def test_anything():\n    pass\n")
+    assert r.returncode == pytest.ExitCode.USAGE_ERROR, r.stdout + r.stderr
+    assert "test_inner.py has no tier: add it to FILE_TIERS" in r.stderr
