@@ -6,7 +6,8 @@ to this pytest session (pid + random), so concurrent test runs on one host never
 ``test_zz_no_leaks.py`` can check that this session left nothing in ``/dev/shm``.
 
 Every test has exactly one tier (``TIERS``, registered in setup.cfg; ``-m unit`` runs one):
-its own tier mark if it has one, else its file's, from ``FILE_TIERS``.
+its own tier mark if it has one, else its file's, from ``FILE_TIERS``. A unit test that
+starts a process fails.
 
 Manager tests run against every implementation in ``MANAGER_KINDS`` (through the
 ``OffloadingManager`` interface only) and both eviction policies. To add an implementation,
@@ -14,8 +15,12 @@ append its name to ``MANAGER_KINDS`` and teach ``make_manager`` to build it.
 """
 from __future__ import annotations
 
+import _posixsubprocess
 import os
+import subprocess
+import traceback
 import uuid
+from pathlib import Path
 from typing import Callable, Iterator
 
 import pytest
@@ -258,3 +263,40 @@ def pytest_collection_modifyitems(config, items) -> None:
     if errors:
         raise pytest.UsageError("tests without exactly one tier:\n  "
                                 + "\n  ".join(dict.fromkeys(errors)))
+
+
+# Everything a process can be started through: subprocess (its own binding of fork_exec, or
+# posix_spawn), multiprocessing's spawn and forkserver (fork_exec) and fork context (fork),
+# and the rest of os.
+PROCESS_STARTS = [(subprocess, "_fork_exec"), (_posixsubprocess, "fork_exec"), (os, "fork"),
+                  (os, "forkpty"), (os, "posix_spawn"), (os, "posix_spawnp"), (os, "system")]
+TESTS_DIR = Path(__file__).resolve().parent
+
+
+@pytest.fixture(autouse=True)
+def _a_unit_test_starts_no_process(request, monkeypatch) -> Iterator[None]:
+    """A unit test (its fixtures included) that starts a process fails, naming where: what
+    starts processes belongs to ``procs`` or ``e2e``, so that ``-m unit`` stays quick and
+    runs anywhere."""
+    if request.node.get_closest_marker("unit") is None:
+        yield
+        return
+    started: list[str] = []
+
+    def spy(real, name):
+        def start(*args, **kwargs):
+            stack = traceback.extract_stack()[:-1]  # where: the innermost line of the test's
+            where = ([f for f in stack if f.filename == str(request.path)]  # file, else of
+                     or [f for f in stack if f.filename.startswith(str(TESTS_DIR))]  # ours
+                     or stack)[-1]
+            started.append(f"{name} from {Path(where.filename).name}:{where.lineno}")
+            return real(*args, **kwargs)
+        return start
+
+    for module, name in PROCESS_STARTS:
+        if hasattr(module, name):
+            monkeypatch.setattr(module, name, spy(getattr(module, name), name))
+    yield
+    if started:
+        pytest.fail(f"a unit test started processes ({'; '.join(started)}): mark it "
+                    "@pytest.mark.procs (or e2e)", pytrace=False)

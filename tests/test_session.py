@@ -1,4 +1,5 @@
-"""The suite's own rules, kept by tests/conftest.py: every test has exactly one tier.
+"""The suite's own rules, kept by tests/conftest.py: every test has exactly one tier, and a
+unit test starts no process.
 
 The checks are proven on real pytest sessions: a child ``python -m pytest`` runs a
 small test file written here, with this suite's conftest as its plugin and its setup.cfg.
@@ -60,3 +61,30 @@ def test_a_test_file_without_a_tier_is_refused(tmp_path):
     r = run_session(tmp_path, "def test_anything():\n    pass\n")
     assert r.returncode == pytest.ExitCode.USAGE_ERROR, r.stdout + r.stderr
     assert "test_inner.py has no tier: add it to FILE_TIERS" in r.stderr
+
+
+STARTING = '''
+import subprocess, sys
+
+import pytest
+
+
+@pytest.mark.unit
+def test_unit_starts_a_process():
+    subprocess.run([sys.executable, "-c", "pass"], check=True)
+
+
+@pytest.mark.procs
+def test_procs_starts_a_process():
+    subprocess.run([sys.executable, "-c", "pass"], check=True)
+'''
+
+
+@pytest.mark.procs
+def test_a_unit_test_that_starts_a_process_fails_and_says_where(tmp_path):
+    r = run_session(tmp_path, STARTING)
+    assert r.returncode == pytest.ExitCode.TESTS_FAILED, r.stdout + r.stderr
+    # (its call passed; the check fails it at teardown)
+    assert "ERROR test_inner.py::test_unit_starts_a_process" in r.stdout, r.stdout
+    assert "2 passed, 1 error" in r.stdout and "a unit test started processes" in r.stdout
+    assert "test_inner.py:9" in r.stdout and "mark it @pytest.mark.procs" in r.stdout
