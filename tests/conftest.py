@@ -1,9 +1,9 @@
 """Shared fixtures: unique segment names, a segment factory, and the parametrised manager;
-and the test tiers.
+the test tiers; and the end-of-session leak check.
 
 Every segment a test creates is named ``<SESSION_PREFIX>-<8 hex>``, where the prefix is unique
 to this pytest session (pid + random), so concurrent test runs on one host never collide and
-``test_zz_no_leaks.py`` can check that this session left nothing in ``/dev/shm``.
+the leak check (``pytest_sessionfinish`` below) knows what is this session's in ``/dev/shm``.
 
 Every test has exactly one tier (``TIERS``, registered in setup.cfg; ``-m unit`` runs one):
 its own tier mark if it has one, else its file's, from ``FILE_TIERS``. A unit test that
@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import _posixsubprocess
 import os
+import select
 import subprocess
+import time
 import traceback
 import uuid
 from pathlib import Path
@@ -212,7 +214,6 @@ FILE_TIERS = {
     "test_table_tear.py": "unit",
     "test_transfer.py": "unit",
     "test_vllm.py": "unit",
-    "test_zz_no_leaks.py": "unit",
     "test_channel.py": "procs",
     "test_crash_walk.py": "procs",
     "test_exactly_once.py": "procs",
@@ -300,3 +301,100 @@ def _a_unit_test_starts_no_process(request, monkeypatch) -> Iterator[None]:
     if started:
         pytest.fail(f"a unit test started processes ({'; '.join(started)}): mark it "
                     "@pytest.mark.procs (or e2e)", pytrace=False)
+
+
+# --- the leak check ----------------------------------------------------------------------
+# Processes started by this session carry this mark in their environment (set when the
+# session starts, so every descendant inherits it): an owner that a client started and that
+# outlived that client is found too, though it is nobody's child any more.
+SESSION_MARK = "KVSHM_TEST_SESSION"
+
+
+def pytest_addoption(parser) -> None:
+    parser.addoption("--leak-grace", type=float, default=30.0, metavar="SECONDS",
+                     help="how long the end-of-session leak check waits for this session's "
+                          "processes to exit (an idle owner exits 10 s after its last client)")
+
+
+def pytest_configure(config) -> None:
+    os.environ[SESSION_MARK] = SESSION_PREFIX
+
+
+# multiprocessing's helper processes live as long as the process that started them.
+HELPERS = ("from multiprocessing.resource_tracker import", "from multiprocessing.forkserver import")
+
+
+def session_processes() -> dict[int, str]:
+    """Living processes of this session (its children, and whatever carries its mark) ->
+    their command lines."""
+    me, mark = os.getpid(), f"{SESSION_MARK}={SESSION_PREFIX}".encode()
+    out = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == me:
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                state, ppid = f.read().rsplit(b")", 1)[1].split()[:2]
+            if state == b"Z":  # dead: only not reaped yet
+                continue
+            if int(ppid) != me:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    if mark not in f.read().split(b"\0"):
+                        continue
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except (OSError, ValueError):  # gone meanwhile, or not ours to read
+            continue
+        if not (int(ppid) == me and any(h in cmd for h in HELPERS)):
+            out[int(entry)] = cmd
+    return out
+
+
+def wait_for_exits(pids, timeout: float) -> None:
+    """Wait until every process in ``pids`` exited or ``timeout`` passed (pidfds, no poll
+    loop: a process's pidfd becomes readable when it exits)."""
+    fds = []
+    for pid in pids:
+        try:
+            fds.append(os.pidfd_open(pid))
+        except OSError:  # gone already
+            pass
+    try:
+        deadline = time.monotonic() + timeout
+        for fd in fds:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                return
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def shm_leftovers() -> list[str]:
+    """What this session's prefix names in /dev/shm (segments and their semaphores)."""
+    return sorted(e for e in os.listdir("/dev/shm") if SESSION_PREFIX in e)
+
+
+LEAKS: list[str] = []
+
+
+@pytest.hookimpl(trylast=True)  # after the session's fixtures were torn down
+def pytest_sessionfinish(session) -> None:
+    """Fail the run if this session left anything behind: a name of its prefix in /dev/shm,
+    or a process it started still running ``--leak-grace`` seconds after its last test.
+    Whatever subset ran (-m, -k, -x), since it looks at the session, not at a test."""
+    procs = session_processes()
+    if procs:
+        wait_for_exits(procs, session.config.getoption("leak_grace", 30.0))
+        procs = session_processes()
+    LEAKS[:] = [f"/dev/shm/{e}" for e in shm_leftovers()]
+    LEAKS.extend(f"process {pid}: {cmd}" for pid, cmd in sorted(procs.items()))
+    if LEAKS and session.exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED):
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if LEAKS:
+        terminalreporter.write_sep("=", "this session left these behind", red=True)
+        for line in LEAKS:
+            terminalreporter.write_line(line)

@@ -1,7 +1,7 @@
-"""The suite's own rules, kept by tests/conftest.py: every test has exactly one tier, and a
-unit test starts no process.
+"""The suite's own rules, kept by tests/conftest.py: every test has exactly one tier, a unit
+test starts no process, and a session that leaves something behind fails.
 
-The checks are proven on real pytest sessions: a child ``python -m pytest`` runs a
+The session checks are proven on real pytest sessions: a child ``python -m pytest`` runs a
 small test file written here, with this suite's conftest as its plugin and its setup.cfg.
 """
 from __future__ import annotations
@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import FILE_TIERS, TIERS, tier_of
+from kvshm.shm.segment import Segment
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
@@ -88,3 +89,82 @@ def test_a_unit_test_that_starts_a_process_fails_and_says_where(tmp_path):
     assert "ERROR test_inner.py::test_unit_starts_a_process" in r.stdout, r.stdout
     assert "2 passed, 1 error" in r.stdout and "a unit test started processes" in r.stdout
     assert "test_inner.py:9" in r.stdout and "mark it @pytest.mark.procs" in r.stdout
+
+
+LEAKY = '''
+import pytest
+from conftest import TEST_LAYOUT, unique_name
+from kvshm.shm.segment import Segment
+
+pytestmark = pytest.mark.unit
+
+
+def test_leaks_a_segment():
+    name = unique_name()
+    with open("leaked", "a") as f:
+        f.write(name + "\\n")
+    Segment.create(name, TEST_LAYOUT, 4).close()  # and never unlinked
+
+
+def test_fails():
+    assert False
+
+
+def test_is_clean():
+    pass
+'''
+
+
+@pytest.mark.procs
+@pytest.mark.parametrize("args,outcome", [
+    (["-k", "leaks"], "1 passed"),  # the leak alone fails the run
+    (["-m", "unit", "-x"], "1 failed, 1 passed"),  # -x stops the run; the check still runs
+], ids=["leak-only", "unit-x"])
+def test_a_session_that_leaves_a_segment_fails_and_names_it(tmp_path, args, outcome):
+    try:
+        r = run_session(tmp_path, LEAKY, *args)
+        leaked = (tmp_path / "leaked").read_text().split()
+        assert r.returncode == pytest.ExitCode.TESTS_FAILED, r.stdout + r.stderr
+        assert outcome in r.stdout and "this session left these behind" in r.stdout
+        assert f"/dev/shm/kvshm-{leaked[0]}" in r.stdout, r.stdout
+    finally:
+        for name in (tmp_path / "leaked").read_text().split():
+            Segment.unlink(name)
+
+
+@pytest.mark.procs
+def test_a_session_that_leaves_nothing_passes(tmp_path):
+    r = run_session(tmp_path, LEAKY, "-k", "clean")
+    assert r.returncode == pytest.ExitCode.OK, r.stdout + r.stderr
+    assert "left these behind" not in r.stdout
+
+
+ORPHANING = '''
+import subprocess, sys
+
+import pytest
+
+pytestmark = pytest.mark.procs
+STDIN = []  # the write ends of the pipes our leftovers read: they go when this session ends
+
+
+def test_leaves_a_child_and_an_orphaned_grandchild():
+    # The grandchild (what a detached owner is) outlives its parent: it is nobody's child
+    # by the end, and is found by the session's mark in its environment.
+    spawner = "import subprocess, sys; subprocess.Popen([sys.executable, '-c', sys.argv[1]])"
+    for argv in (["-c", "import sys; sys.stdin.read()  # child"],
+                 ["-c", spawner, "import sys; sys.stdin.read()  # grandchild"]):
+        p = subprocess.Popen([sys.executable, *argv], stdin=subprocess.PIPE)
+        STDIN.append(p.stdin)
+    p.wait()  # the spawner: gone before the session ends
+'''
+
+
+@pytest.mark.procs
+def test_a_session_whose_processes_outlive_it_fails_and_names_them(tmp_path):
+    # With no grace: both leftovers read stdin until this child session exits.
+    r = run_session(tmp_path, ORPHANING, "--leak-grace", "0")
+    assert r.returncode == pytest.ExitCode.TESTS_FAILED, r.stdout + r.stderr
+    assert "1 passed" in r.stdout and "this session left these behind" in r.stdout
+    assert "sys.stdin.read()  # child" in r.stdout, r.stdout
+    assert "sys.stdin.read()  # grandchild" in r.stdout, r.stdout
