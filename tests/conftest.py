@@ -1,8 +1,13 @@
-"""Shared fixtures: unique segment names, a segment factory, and the parametrised manager.
+"""Shared fixtures: unique segment names, a segment factory, and the parametrised manager;
+the test tiers; and the end-of-session leak check.
 
 Every segment a test creates is named ``<SESSION_PREFIX>-<8 hex>``, where the prefix is unique
 to this pytest session (pid + random), so concurrent test runs on one host never collide and
-``test_zz_no_leaks.py`` can check that this session left nothing in ``/dev/shm``.
+the leak check (``pytest_sessionfinish`` below) knows what is this session's in ``/dev/shm``.
+
+Every test has exactly one tier (``TIERS``, registered in setup.cfg; ``-m unit`` runs one):
+its own tier mark if it has one, else its file's, from ``FILE_TIERS``. A unit test that
+starts a process fails.
 
 Manager tests run against every implementation in ``MANAGER_KINDS`` (through the
 ``OffloadingManager`` interface only) and both eviction policies. To add an implementation,
@@ -10,8 +15,14 @@ append its name to ``MANAGER_KINDS`` and teach ``make_manager`` to build it.
 """
 from __future__ import annotations
 
+import _posixsubprocess
 import os
+import select
+import subprocess
+import time
+import traceback
 import uuid
+from pathlib import Path
 from typing import Callable, Iterator
 
 import pytest
@@ -101,7 +112,13 @@ def make_segment() -> Iterator[Callable[..., Segment]]:
 
 
 # --- managers ----------------------------------------------------------------------------
-@pytest.fixture(params=MANAGER_KINDS)
+# The kinds as fixture params, with the tier each needs beyond its file's: a shared manager
+# starts an owner process. (A fixture of one kind or the other is parametrised with these.)
+KIND_PARAMS = [pytest.param("local"), pytest.param("shared", marks=pytest.mark.procs)]
+assert [p.values[0] for p in KIND_PARAMS] == MANAGER_KINDS
+
+
+@pytest.fixture(params=KIND_PARAMS)
 def manager_kind(request) -> str:
     return request.param
 
@@ -171,3 +188,226 @@ def seg(seg_name):
     s.close()
     if pid:
         stop_owner(pid)
+
+
+# --- tiers -------------------------------------------------------------------------------
+TIERS = ("unit", "procs", "e2e")  # registered (and described) in setup.cfg
+
+# Every test file's tier: that of most of its tests. A test that needs more says so with its
+# own mark (@pytest.mark.procs on a test of a unit file, or a marked parameter), which
+# replaces its file's. A file missing here fails the collection: a new file must choose.
+FILE_TIERS = {
+    "test_architecture.py": "unit",
+    "test_batch_writers.py": "unit",
+    "test_block_checksums.py": "unit",
+    "test_copy_kernel.py": "unit",
+    "test_connector.py": "unit",
+    "test_errors_doc.py": "unit",
+    "test_manager.py": "unit",
+    "test_manager_model.py": "unit",
+    "test_pinning.py": "unit",
+    "test_policy.py": "unit",
+    "test_ring.py": "unit",
+    "test_running_ranks.py": "unit",
+    "test_segment.py": "unit",
+    "test_session.py": "unit",
+    "test_spin.py": "unit",
+    "test_table_tear.py": "unit",
+    "test_transfer.py": "unit",
+    "test_vllm.py": "unit",
+    "test_channel.py": "procs",
+    "test_crash_walk.py": "procs",
+    "test_exactly_once.py": "procs",
+    "test_fuzz.py": "procs",
+    "test_grants.py": "procs",
+    "test_inspect.py": "procs",
+    "test_late_writers.py": "procs",
+    "test_leases.py": "procs",
+    "test_operable.py": "procs",
+    "test_segment_hardening.py": "procs",
+    "test_shared.py": "procs",
+    "test_stop_signals.py": "procs",
+    "test_tier.py": "procs",
+    "test_warm_restart.py": "procs",
+    "test_bench_ring.py": "e2e",
+    "test_demo.py": "e2e",
+    "test_demo_options.py": "e2e",
+    "test_docs.py": "e2e",
+    "test_soak.py": "e2e",
+    "test_tier_mooncake.py": "e2e",
+    "test_tier_vllm.py": "e2e",
+    "test_vllm_processes.py": "e2e",
+    "test_vllm_versions.py": "e2e",
+}
+
+
+def tier_of(file_name: str, marked: set[str]) -> str:
+    """The one tier of a test in ``file_name`` whose own tier marks are ``marked``."""
+    if len(marked) > 1:
+        raise ValueError(f"has the tiers {sorted(marked)}: a test has exactly one")
+    if marked:
+        return next(iter(marked))
+    if file_name not in FILE_TIERS:
+        raise ValueError(f"{file_name} has no tier: add it to FILE_TIERS in tests/conftest.py "
+                         f"(one of {', '.join(TIERS)})")
+    return FILE_TIERS[file_name]
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by these marks
+def pytest_collection_modifyitems(config, items) -> None:
+    errors = []
+    for item in items:
+        marked = {m.name for m in item.iter_markers() if m.name in TIERS}
+        try:
+            tier = tier_of(item.path.name, marked)
+        except ValueError as e:
+            errors.append(str(e) if not marked else f"{item.nodeid} {e}")
+            continue
+        if not marked:
+            item.add_marker(tier)
+    if errors:
+        raise pytest.UsageError("tests without exactly one tier:\n  "
+                                + "\n  ".join(dict.fromkeys(errors)))
+
+
+# Everything a process can be started through: subprocess (its own binding of fork_exec, or
+# posix_spawn), multiprocessing's spawn and forkserver (fork_exec) and fork context (fork),
+# and the rest of os.
+PROCESS_STARTS = [(subprocess, "_fork_exec"), (_posixsubprocess, "fork_exec"), (os, "fork"),
+                  (os, "forkpty"), (os, "posix_spawn"), (os, "posix_spawnp"), (os, "system")]
+TESTS_DIR = Path(__file__).resolve().parent
+
+
+@pytest.fixture(autouse=True)
+def _a_unit_test_starts_no_process(request, monkeypatch) -> Iterator[None]:
+    """A unit test (its fixtures included) that starts a process fails, naming where: what
+    starts processes belongs to ``procs`` or ``e2e``, so that ``-m unit`` stays quick and
+    runs anywhere."""
+    if request.node.get_closest_marker("unit") is None:
+        yield
+        return
+    started: list[str] = []
+
+    def spy(real, name):
+        def start(*args, **kwargs):
+            stack = traceback.extract_stack()[:-1]  # where: the innermost line of the test's
+            where = ([f for f in stack if f.filename == str(request.path)]  # file, else of
+                     or [f for f in stack if f.filename.startswith(str(TESTS_DIR))]  # ours
+                     or stack)[-1]
+            started.append(f"{name} from {Path(where.filename).name}:{where.lineno}")
+            return real(*args, **kwargs)
+        return start
+
+    for module, name in PROCESS_STARTS:
+        if hasattr(module, name):
+            monkeypatch.setattr(module, name, spy(getattr(module, name), name))
+    yield
+    if started:
+        pytest.fail(f"a unit test started processes ({'; '.join(started)}): mark it "
+                    "@pytest.mark.procs (or e2e)", pytrace=False)
+
+
+# --- the leak check ----------------------------------------------------------------------
+# Processes started by this session carry this mark in their environment (set when the
+# session starts, so every descendant inherits it): an owner that a client started and that
+# outlived that client is found too, though it is nobody's child any more.
+SESSION_MARK = "KVSHM_TEST_SESSION"
+
+
+def pytest_addoption(parser) -> None:
+    parser.addoption("--leak-grace", type=float, default=30.0, metavar="SECONDS",
+                     help="how long the end-of-session leak check waits for this session's "
+                          "processes to exit (an idle owner exits 10 s after its last client)")
+
+
+def pytest_configure(config) -> None:
+    os.environ[SESSION_MARK] = SESSION_PREFIX
+
+
+# multiprocessing's helper processes live as long as the process that started them.
+HELPERS = ("from multiprocessing.resource_tracker import", "from multiprocessing.forkserver import")
+
+
+def session_processes() -> dict[int, str]:
+    """Living processes of this session (its children, and whatever carries its mark) ->
+    their command lines."""
+    me, mark = os.getpid(), f"{SESSION_MARK}={SESSION_PREFIX}".encode()
+    out = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == me:
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                state, ppid = f.read().rsplit(b")", 1)[1].split()[:2]
+            if state == b"Z":  # dead: only not reaped yet
+                continue
+            if int(ppid) != me:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    if mark not in f.read().split(b"\0"):
+                        continue
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except (OSError, ValueError):  # gone meanwhile, or not ours to read
+            continue
+        if not (int(ppid) == me and any(h in cmd for h in HELPERS)):
+            out[int(entry)] = cmd
+    return out
+
+
+def wait_for_exits(pids, timeout: float) -> None:
+    """Wait until every process in ``pids`` exited or ``timeout`` passed (pidfds, no poll
+    loop: a process's pidfd becomes readable when it exits)."""
+    fds = []
+    for pid in pids:
+        try:
+            fds.append(os.pidfd_open(pid))
+        except OSError:  # gone already
+            pass
+    try:
+        deadline = time.monotonic() + timeout
+        for fd in fds:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                return
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def shm_leftovers() -> list[str]:
+    """What this session's prefix names in /dev/shm (segments and their semaphores)."""
+    return sorted(e for e in os.listdir("/dev/shm") if SESSION_PREFIX in e)
+
+
+def file_leftovers() -> list[str]:
+    """What this session's prefix names in the temp dir or ``$XDG_RUNTIME_DIR``, where
+    auto-started owners log (``kvshm-<prefix>…-owner.log``)."""
+    import tempfile
+    dirs = {tempfile.gettempdir(), os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()}
+    return sorted(os.path.join(d, e) for d in dirs for e in os.listdir(d) if SESSION_PREFIX in e)
+
+
+LEAKS: list[str] = []
+
+
+@pytest.hookimpl(trylast=True)  # after the session's fixtures were torn down
+def pytest_sessionfinish(session) -> None:
+    """Fail the run if this session left anything behind: a name of its prefix in /dev/shm,
+    the temp dir or ``$XDG_RUNTIME_DIR`` (an owner's log), or a process it started still
+    running ``--leak-grace`` seconds after its last test.
+    Whatever subset ran (-m, -k, -x), since it looks at the session, not at a test."""
+    procs = session_processes()
+    if procs:
+        wait_for_exits(procs, session.config.getoption("leak_grace", 30.0))
+        procs = session_processes()
+    LEAKS[:] = [f"/dev/shm/{e}" for e in shm_leftovers()] + file_leftovers()
+    LEAKS.extend(f"process {pid}: {cmd}" for pid, cmd in sorted(procs.items()))
+    if LEAKS and session.exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED):
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if LEAKS:
+        terminalreporter.write_sep("=", "this session left these behind", red=True)
+        for line in LEAKS:
+            terminalreporter.write_line(line)

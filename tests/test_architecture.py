@@ -18,6 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LIMIT = 450  # lines: a module that grows past this holds more than one concept
 
 
+@pytest.mark.procs
 def test_import_contracts_are_kept():
     exe = shutil.which("lint-imports") or pytest.fail("import-linter is not installed; "
                                                       "pip install -e '.[test]'")

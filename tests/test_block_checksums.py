@@ -7,7 +7,7 @@ import json
 import zlib
 
 import pytest
-import torch
+from lazy import torch  # imported at its first use, not when the suite is collected
 
 from conftest import SMALL_GEOMETRY, unique_name
 from kvshm.errors import InvalidArgumentError, LayoutMismatchError, TransferError

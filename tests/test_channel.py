@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 import pytest
-import torch
+from lazy import torch  # imported at its first use, not when the suite is collected
 
 from kvshm.engine import channel as ch
 from kvshm.shm import layout as L

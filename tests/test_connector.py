@@ -15,7 +15,7 @@ import signal
 
 import numpy as np
 import pytest
-import torch
+from lazy import torch  # imported at its first use, not when the suite is collected
 
 from kvshm.client.connect import connect
 from kvshm.engine.connector import SchedulerConnector
@@ -27,7 +27,7 @@ from kvshm.transfer.factory import make_handler
 from kvshm.engine.worker import WorkerConnector
 
 import procs
-from conftest import SMALL_GEOMETRY
+from conftest import KIND_PARAMS, SMALL_GEOMETRY
 from test_shared import spawn
 
 BT = 16                 # tokens per device block
@@ -99,7 +99,7 @@ def prompt(seed: int, n: int) -> list[int]:
     return np.random.default_rng(seed).integers(0, 50_000, n).tolist()
 
 
-@pytest.fixture(params=["local", "shared"])
+@pytest.fixture(params=KIND_PARAMS)
 def make(request, seg_name):
     """``make(factor=1, num_blocks=16) -> (manager, segment)`` of the parametrised kind."""
     made = []
@@ -397,6 +397,7 @@ def _engine_a(name: str, conn, seed: int, n: int) -> None:
     mgr.shutdown()
 
 
+@pytest.mark.procs
 def test_prefix_stored_by_another_engine_process_is_loaded_and_verifies(seg_name):
     mgr = connect(seg_name, layout(1), num_blocks=16, **SMALL_GEOMETRY)
     try:
@@ -421,6 +422,7 @@ def test_prefix_stored_by_another_engine_process_is_loaded_and_verifies(seg_name
         kill(owner)
 
 
+@pytest.mark.procs
 def test_a_hit_two_requests_share_stays_loadable_when_one_of_them_does_not_load(seg_name):
     # Requests b and c look up the same prefix in one step (one lease per key in the
     # client); b is not loaded, which releases its hits. Another engine then stores as many
@@ -451,6 +453,7 @@ def test_a_hit_two_requests_share_stays_loadable_when_one_of_them_does_not_load(
         kill(owner)
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("factor", [1, 2])
 def test_completed_jobs_count_their_bytes_in_the_client_counters(seg_name, factor):
     from kvshm.shm import layout as L

@@ -177,6 +177,7 @@ def _interpreted_check(seeds: int) -> None:
                 assert torch.equal(p.device, d0) and torch.equal(p.plane, p0), (seed, kind)
 
 
+@pytest.mark.procs  # runs a child process
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
 def test_the_copy_kernel_matches_a_per_block_loop_on_random_layouts():
     here = os.path.dirname(os.path.abspath(__file__))

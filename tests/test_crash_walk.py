@@ -70,10 +70,12 @@ def seg(seg_name):
         stop_owner(pid)
 
 
+@pytest.mark.unit
 def test_the_walk_takes_both_store_paths(seg):
     assert grant_target(seg.geometry) == 1
 
 
+@pytest.mark.unit
 def test_every_crash_point_is_walked():
     walked = set(OWNER_POINTS) | set(CLIENT_POINTS) | {"owner.rebuild.mid", BATCH_POINT}
     assert set(POINTS) - WALKED_ELSEWHERE == walked

@@ -67,6 +67,7 @@ def test_python_block_runs(where, code, why, tmp_path):
     assert p.returncode == 0, f"{where} failed:\n{p.stderr[-3000:]}"
 
 
+@pytest.mark.unit
 def test_only_marked_blocks_are_skipped():
     skipped = [f"{w} ({why})" for w, _, why in PY if why is not None]
     assert len(skipped) < len(PY), "every python block is marked not-run"
@@ -90,7 +91,10 @@ def command_lines() -> list[tuple[str, str]]:
 CMDS = command_lines()
 
 
-@pytest.mark.parametrize("where,cmd", CMDS, ids=[w for w, _ in CMDS])
+# kvshm-inspect's command lines parse in this process (unit); a tool's --help runs the tool.
+@pytest.mark.parametrize("where,cmd", [
+    pytest.param(w, c, id=w, marks=pytest.mark.unit if c.startswith("kvshm-inspect") else ())
+    for w, c in CMDS])
 def test_command_lines_parse(where, cmd):
     argv = shlex.split(cmd)
     if argv[0] == "kvshm-inspect":
@@ -105,6 +109,7 @@ def test_command_lines_parse(where, cmd):
         assert p.returncode == 0 and "usage:" in p.stdout, f"{where}: {p.stderr[-2000:]}"
 
 
+@pytest.mark.unit
 def test_there_are_command_lines_to_check():
     assert any(c.startswith("python tools/") for _, c in CMDS)
     assert any(c.startswith("kvshm-inspect") for _, c in CMDS)

@@ -515,6 +515,7 @@ def test_real_clients_live_then_killed(procs, name, capsys):
             pass
 
 
+@pytest.mark.unit
 def test_torn_entry_reported_and_repaired_by_gc(name, capsys):
     seg = create(name)
     mgr = LocalManager(seg)
@@ -552,6 +553,7 @@ def test_unknown_and_invalid_names(capsys):
     assert_one_line_error(p.returncode, p.stdout, p.stderr, "no kvshm segment named")
 
 
+@pytest.mark.unit
 def test_foreign_object(name, capsys):
     shm = posix_ipc.SharedMemory(f"/kvshm-{name}", posix_ipc.O_CREX, size=8192)
     os.pwrite(shm.fd, b"not a kvshm header" * 100, 0)
@@ -566,6 +568,7 @@ def test_foreign_object(name, capsys):
     assert run(capsys, "rm", name)[:2] == (0, f"removed {name}\n")
 
 
+@pytest.mark.unit
 def test_rm_of_a_removed_segment_removes_what_a_killed_process_left(name, capsys):
     # A process killed between opening a doorbell and seeing its segment removed leaves it:
     # no segment has the name any more, and rm still finds it.
@@ -636,6 +639,7 @@ def test_rm_names_the_objects_of_another_user_it_may_not_remove(name):
     assert not os.path.exists(f"/dev/shm/kvshm-{name}") and os.path.exists(f"/dev/shm/{bell}")
 
 
+@pytest.mark.unit
 def test_usage_errors_and_help(capsys):
     assert run(capsys, "frobnicate")[0] == 2
     assert run(capsys)[0] == 2
@@ -676,6 +680,7 @@ def test_starts_fast():
     assert best < 0.8, f"kvshm-inspect --help took {best:.2f} CPU seconds"
 
 
+@pytest.mark.unit
 def test_docs_embed_the_generated_schema():
     doc = (ROOT / "docs" / "inspect.md").read_text()
     begin = doc.index("<!-- BEGIN schema tables")

@@ -18,7 +18,7 @@ import signal
 import time
 
 import pytest
-import torch
+from lazy import torch  # imported at its first use, not when the suite is collected
 
 import procs
 from kvshm.shm import layout as L

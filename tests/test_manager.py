@@ -608,6 +608,7 @@ def _child_read_table(name, keys):
         return {"error": traceback.format_exc()}
 
 
+@pytest.mark.procs
 def test_other_process_sees_the_block_table_and_data_the_manager_wrote(
         manager_and_segment, manager):
     seg = manager_and_segment[1]
@@ -799,6 +800,7 @@ def _child_rebuild(name, policy, alive):
         m.shutdown()
 
 
+@pytest.mark.procs
 def test_local_rebuild_settles_entries_a_dead_owner_left_mid_rewrite(local_seg):
     m = local(local_seg)
     out = store(m, [A, B])
@@ -817,6 +819,7 @@ def test_local_rebuild_settles_entries_a_dead_owner_left_mid_rewrite(local_seg):
     assert got["free"] == 1
 
 
+@pytest.mark.procs
 def test_local_rebuild_frees_a_torn_entry_without_key(local_seg):
     m = local(local_seg)
     out = store(m, [A, B])
@@ -827,6 +830,7 @@ def test_local_rebuild_frees_a_torn_entry_without_key(local_seg):
     assert got["free"] == 3
 
 
+@pytest.mark.procs
 def test_local_rebuild_cleans_a_torn_free_entry(local_seg):
     m = local(local_seg)
     store(m, [A])
@@ -1005,6 +1009,7 @@ def _child_own_and_die(name, policy, keys):
     return out.block_ids
 
 
+@pytest.mark.procs
 def test_local_owner_lock_is_released_when_the_owner_process_dies(local_seg):
     blocks = in_child(_child_own_and_die, local_seg.name, local_seg.test_policy, [A, B, C])
     # in_child returns after the child process exited: its kernel locks are gone

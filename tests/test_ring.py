@@ -206,6 +206,7 @@ def _produce(names: dict, count: int) -> None:
     bell.close()
 
 
+@pytest.mark.procs
 def test_cross_process_100k_frames_arrive_in_order_and_intact(shm) -> None:
     names, mm = shm
     count = 100_000
@@ -241,6 +242,7 @@ def _ring_after_go(names: dict) -> None:
     raise SystemExit(0 if bell.ring() else 3)  # 3: ring() saw no sleeper and did not post
 
 
+@pytest.mark.procs
 def test_doorbell_wakes_a_consumer_blocked_in_wait(shm) -> None:
     names, mm = shm
     ring_a, _, flag = regions(mm)

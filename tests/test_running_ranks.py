@@ -19,7 +19,7 @@ from kvshm.owner.manager import LocalManager
 from kvshm.index.access import RANKED, SEEN
 
 import procs
-from conftest import TEST_LAYOUT, make_manager, stop_owner
+from conftest import KIND_PARAMS, TEST_LAYOUT, make_manager, stop_owner
 from test_grants import BLOCKS, CLIENTS, _stocked
 from test_shared import _raw_call, wait_for
 
@@ -38,7 +38,7 @@ def _lru(kind: str, make_segment):
         stop_owner(pid)
 
 
-@pytest.fixture(params=["local", "shared"])
+@pytest.fixture(params=KIND_PARAMS)
 def lru(request, make_segment):
     """An 8-block LRU manager of each kind (shared: a real owner process, no grants)."""
     yield from _lru(request.param, make_segment)
@@ -111,6 +111,7 @@ def test_a_publish_that_takes_its_requests_rank_ranks_its_keys_as_one_by_one_ins
         m.shutdown()
 
 
+@pytest.mark.procs
 def test_frames_without_the_running_fields_still_work(shared_x):
     m = shared_x
     old_touch = P.request_encoder.encode(["Touch", 0, [X[0]], None])  # 3 fields
@@ -145,6 +146,7 @@ def test_the_in_process_manager_refuses_a_bad_running_request_and_changes_nothin
         m.shutdown()
 
 
+@pytest.mark.procs
 def test_the_owner_refuses_bad_running_fields_and_keeps_serving(shared_x):
     m, seg = shared_x, shared_x.segment
     errors = seg.counter("errors")
@@ -161,6 +163,7 @@ def test_the_owner_refuses_bad_running_fields_and_keeps_serving(shared_x):
     assert m.prepare_store([b"w0", b"w1"]).evicted_keys == X[:2]
 
 
+@pytest.mark.procs
 def test_the_owner_refuses_a_store_in_parts_with_a_part_of_bad_positions(shared_x):
     # In one frame a positions count unlike the keys' is refused; in parts it must be too,
     # not stored unranked (a part's miscount could even be made up by the next part's).
@@ -176,6 +179,7 @@ def test_the_owner_refuses_a_store_in_parts_with_a_part_of_bad_positions(shared_
     m.complete_store(Z)
 
 
+@pytest.mark.procs
 def test_a_publish_with_bad_running_fields_is_published_without_ranks(seg_name):
     m = connect(seg_name, TEST_LAYOUT, num_blocks=BLOCKS, max_clients=CLIENTS,
                 ring_capacity=8192)

@@ -105,6 +105,7 @@ def _child_attach_as_nobody(name):
 
 
 # --- create and attach ---------------------------------------------------------------------
+@pytest.mark.procs
 def test_other_process_attaches_and_sees_geometry_layout_and_bytes(make_segment):
     seg = make_segment(layout=LAYOUT, num_blocks=12)
     seg.plane(0)[3] = pattern(1, 4096)
@@ -119,6 +120,7 @@ def test_other_process_attaches_and_sees_geometry_layout_and_bytes(make_segment)
     assert got["bytes"][2] == bytes(4096)  # fresh segment is zero-filled
 
 
+@pytest.mark.procs
 def test_bytes_written_by_other_process_are_visible_to_creator(make_segment):
     seg = make_segment(layout=LAYOUT, num_blocks=12)
     run_child(_child_write, seg.name, LAYOUT, [((0, 5), 7), ((1, 11), 8)])
@@ -127,6 +129,7 @@ def test_bytes_written_by_other_process_are_visible_to_creator(make_segment):
     assert not seg.plane(0)[4].any() and not seg.plane(1)[10].any()
 
 
+@pytest.mark.procs
 def test_segment_outlives_its_creator_process(seg_name):
     pid = run_child(_child_create_write_exit, seg_name, LAYOUT, 42)
     assert pid != os.getpid()
@@ -381,6 +384,7 @@ def _can_switch_user() -> bool:
     return os.geteuid() == 0
 
 
+@pytest.mark.procs
 @pytest.mark.skipif(not _can_switch_user(), reason="needs root to become another user")
 def test_other_user_cannot_attach_a_0600_segment(make_segment):
     seg = make_segment(mode=0o600)
@@ -389,6 +393,7 @@ def test_other_user_cannot_attach_a_0600_segment(make_segment):
     assert seg.name in msg and "0o660" in msg
 
 
+@pytest.mark.procs
 @pytest.mark.skipif(not _can_switch_user(), reason="needs root to become another user")
 def test_other_user_can_attach_a_world_readable_segment(make_segment):
     seg = make_segment(mode=0o666)
@@ -573,6 +578,7 @@ def test_owner_record_is_named_and_stored_word_by_word(make_segment):
     assert int.from_bytes(seg.buf[off:off + 4], "little") == 3
 
 
+@pytest.mark.procs  # runs a child process
 # --- sizes as people write them ---------------------------------------------------------
 def test_connect_takes_nbytes_with_units(seg_name):
     """``nbytes="1M"`` sizes the cache like the tools' size options (it was a TypeError)."""

@@ -413,6 +413,7 @@ def test_a_client_of_a_removed_segment_starts_no_owner_for_its_successor(seg_nam
         mgr.shutdown()
 
 
+@pytest.mark.unit
 def test_liveness_through_a_closed_handle_is_refused(seg_name):
     # After close the descriptor's number may denote another file: asking through it would
     # answer for that file.
@@ -470,6 +471,7 @@ def test_prepare_store_of_a_generator_stores_every_key(manager):
     assert manager.lookup(iter(keys)) == 3
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("name", [".", "..", "...", "ok\n"])
 def test_dot_names_and_trailing_newline_are_refused(name):
     with pytest.raises(InvalidArgumentError):

@@ -17,6 +17,8 @@ import os
 import signal
 import struct
 
+import pytest
+
 from kvshm.shm import layout as L
 from kvshm.inspect.cli import main as inspect_main
 from kvshm.owner.manager import LocalManager
@@ -88,6 +90,7 @@ def _own_fill_then_evict(name: str, keys: list[bytes], extra: bytes) -> None:
     raise AssertionError("the crash point did not fire")
 
 
+@pytest.mark.procs
 def test_owner_killed_mid_rewrite_of_a_ready_entry_publishes_no_torn_key(make_segment):
     seg = make_segment(num_blocks=len(KEYS), policy="lru")
     # len(KEYS) writes of WRITING entries, then the victim's rewrite to FREE.
@@ -145,6 +148,7 @@ def _own_fill_then_evict_a_batch(name: str) -> None:
     raise AssertionError("the crash point did not fire")
 
 
+@pytest.mark.procs
 def test_owner_killed_mid_batch_rewrite_publishes_no_torn_key(make_segment):
     seg = make_segment(num_blocks=2 * N, policy="lru")
     # two stores, then the victims' rewrite
@@ -216,6 +220,7 @@ def _read_odd_entry(name: str) -> tuple[bool, int]:
     return e.torn, e.seq
 
 
+@pytest.mark.procs
 def test_read_of_an_entry_left_odd_returns_it_as_torn(make_segment):
     seg = make_segment(num_blocks=2)
     # In a child: a read that spins forever fails the test instead of hanging the suite.

@@ -228,6 +228,7 @@ def test_kvshm_inspect_shows_the_lower_tier(hosts):
     assert f'kvshm_tier_up{{segment="{a.segment.name}"}} 1' in text
 
 
+@pytest.mark.unit
 def test_a_want_ring_drops_what_its_producer_laps(make_segment):
     from kvshm.tier.area import RING_ENTRIES
     seg = make_segment()
@@ -246,6 +247,7 @@ def test_a_want_ring_drops_what_its_producer_laps(make_segment):
         area.close()
 
 
+@pytest.mark.unit
 def test_the_tier_area_gets_its_segments_mode_whatever_the_umask(make_segment):
     # Another user's engine that may open the segment must be able to open its area too.
     import stat
@@ -267,6 +269,7 @@ def _objects(name: str) -> list[str]:
                   if e.startswith((f"kvshm-{name}@", f"sem.kvshm-{name}@")))
 
 
+@pytest.mark.unit
 def test_an_engine_hinting_the_area_of_a_removed_segment_gets_no_error_and_leaves_nothing(
         make_segment):
     # An engine attached the area before its segment was removed and asks for keys after:
@@ -283,6 +286,7 @@ def test_an_engine_hinting_the_area_of_a_removed_segment_gets_no_error_and_leave
         engine.close()
 
 
+@pytest.mark.unit
 def test_the_area_of_a_removed_segment_still_answers_whether_its_mover_lives(make_segment):
     seg = make_segment()
     mover = TierArea.create(seg)
@@ -297,6 +301,7 @@ def test_the_area_of_a_removed_segment_still_answers_whether_its_mover_lives(mak
         engine.close()
 
 
+@pytest.mark.unit
 def test_a_mover_starting_on_a_removed_segment_makes_no_tier_area(make_segment):
     seg = make_segment()
     Segment.unlink(seg.name)
@@ -403,6 +408,7 @@ def test_a_checksummed_segment_sends_its_own_sums_and_gets_them_back(hosts):
     b.complete_load(KEYS)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("algo", ["crc32", "xxh3"])
 def test_a_value_header_catches_another_key_layout_length_or_byte(algo):
     import numpy as np

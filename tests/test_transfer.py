@@ -16,7 +16,7 @@ import threading
 
 import numpy as np
 import pytest
-import torch
+from lazy import torch  # imported at its first use, not when the suite is collected
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
@@ -24,7 +24,8 @@ from kvshm.errors import InvalidArgumentError, TransferError
 from kvshm.transfer.factory import make_handler
 from kvshm.transfer.spec import BlockPlan, TransferSpec, coalesce, expand_block_ids
 
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+# A string condition is evaluated when a test runs, so collecting this file imports no torch.
+CUDA = pytest.mark.skipif("not torch.cuda.is_available()", reason="needs a CUDA GPU")
 TARGETS = ["cpu"] + [pytest.param(f"cuda-{m}", marks=CUDA)
                      for m in ("auto", "copy", "batch", "kernel", "triton", "unpinned")]
 
@@ -42,7 +43,8 @@ class Rig:
         self.method = target.split("-", 1)[1] if "-" in target else None
         self.handlers, self.regions, self.seed = [], [], 0
 
-    def tensor(self, shape: tuple[int, ...], dtype: torch.dtype = torch.float16) -> torch.Tensor:
+    def tensor(self, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> torch.Tensor:
+        dtype = torch.float16 if dtype is None else dtype  # (a default would import torch)
         self.seed += 1
         n = int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size()
         return random_bytes(n, self.seed).view(dtype).reshape(shape).to(self.device)
@@ -437,21 +439,26 @@ def test_shutdown_drains_queued_jobs_and_is_idempotent(rig):
 
 
 # --- geometry ----------------------------------------------------------------------------
-@pytest.mark.parametrize("devs,planes,kw,match", [
-    ([torch.zeros(4, 64)], [], {}, "0 planes given for 1"),
-    ([torch.zeros(4, 64)], [torch.zeros(4, 100, dtype=torch.uint8)], {}, "expected 256"),
-    ([torch.zeros(4, 64)], [torch.zeros(4, 64)], {}, "uint8/int8"),
-    ([torch.zeros(3, 4, 64)], [torch.zeros(4, 256, dtype=torch.uint8)] * 2,
+def u8(*shape: int):
+    return torch.zeros(*shape, dtype=torch.uint8)
+
+
+# Each case's tensors are made when it runs (a lambda), not when this file is collected.
+@pytest.mark.parametrize("tensors,kw,match", [
+    (lambda: ([torch.zeros(4, 64)], []), {}, "0 planes given for 1"),
+    (lambda: ([torch.zeros(4, 64)], [u8(4, 100)]), {}, "expected 256"),
+    (lambda: ([torch.zeros(4, 64)], [torch.zeros(4, 64)]), {}, "uint8/int8"),
+    (lambda: ([torch.zeros(3, 4, 64)], [u8(4, 256)] * 2),
      {"kv_dim_before_num_blocks": [True]}, r"expected \(2, num_blocks"),
-    ([torch.zeros(4, 64)], [torch.zeros(4, 256, dtype=torch.uint8)],
+    (lambda: ([torch.zeros(4, 64)], [u8(4, 256)]),
      {"kv_dim_before_num_blocks": [True, False]}, "one flag per tensor"),
-    ([torch.zeros(4, 64)], [torch.zeros(4, 256, dtype=torch.uint8)],
-     {"block_size_factor": 0}, "block_size_factor"),
-    ([torch.zeros(4, 64), torch.zeros(5, 64)], [torch.zeros(4, 256, dtype=torch.uint8)] * 2,
-     {}, "same number of blocks"),
-    ([torch.zeros(64, 4).t()], [torch.zeros(4, 256, dtype=torch.uint8)], {}, "contiguous"),
+    (lambda: ([torch.zeros(4, 64)], [u8(4, 256)]), {"block_size_factor": 0}, "block_size_factor"),
+    (lambda: ([torch.zeros(4, 64), torch.zeros(5, 64)], [u8(4, 256)] * 2), {},
+     "same number of blocks"),
+    (lambda: ([torch.zeros(64, 4).t()], [u8(4, 256)]), {}, "contiguous"),
 ])
-def test_planes_that_do_not_fit_the_device_tensors_are_refused(devs, planes, kw, match):
+def test_planes_that_do_not_fit_the_device_tensors_are_refused(tensors, kw, match):
+    devs, planes = tensors()
     with pytest.raises(InvalidArgumentError, match=match):
         make_handler(devs, planes, **kw)
 
@@ -463,12 +470,14 @@ def test_make_handler_gives_the_cpu_handler_for_cpu_tensors():
     h.shutdown()
 
 
+@pytest.mark.procs
 def test_importing_kvshm_transfer_does_not_import_torch():
     code = ("import sys, kvshm.transfer.spec, kvshm.transfer.factory; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+@pytest.mark.procs  # runs a child process
 def test_the_interface_imports_no_handler_and_the_factory_none_eagerly():
     """spec is what the handlers import: importing a handler from it would be a cycle."""
     code = ("import sys, kvshm.transfer.spec, kvshm.transfer.factory; "

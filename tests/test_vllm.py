@@ -17,7 +17,7 @@ from pathlib import Path
 from types import SimpleNamespace as NS
 
 import pytest
-import torch
+from lazy import torch  # imported at its first use, not when the suite is collected
 
 from kvshm.shm import slots
 from kvshm.index.api import LookupResult
@@ -163,6 +163,7 @@ def test_worker_core_reports_a_multi_group_job_once():
 
 
 # --- the manager core over a real shared segment --------------------------------------------
+@pytest.mark.procs
 def test_manager_core_leases_pins_and_reset(seg_name):
     mgr = connect(seg_name, Layout((4096,), 16, "t"), num_blocks=8, ring_capacity=8192,
                   hold_capacity=64)
@@ -173,11 +174,13 @@ def test_manager_core_leases_pins_and_reset(seg_name):
         out = core.prepare_store(keys, "w")
         assert core.lookup(keys[0], "r0") is LookupResult.PENDING  # our own store: wait
         core.complete_store(set(out.keys_to_store), "w")
-        frames = mgr.segment.counter("frames")
-        for _ in range(50):  # per-key lookups never go to the owner
+        # Per-key lookups never go to the owner: they put no frame on our request ring. (The
+        # owner's "frames" counter would not do: it counts a pass once its replies are out.)
+        sent = mgr._link.requests.tail
+        for _ in range(50):
             assert core.lookup(keys[0], "r1") is LookupResult.HIT
         assert core.lookup(b"x" * 36, "r1") is LookupResult.MISS
-        assert mgr.segment.counter("frames") == frames
+        assert mgr._link.requests.tail == sent
         assert core.lookup(keys[0], "r2") is LookupResult.HIT
         assert core.lookup(keys[1], "r1") is LookupResult.HIT
         assert mgr.held_blocks() == 2  # one lease per key, shared by r1 and r2
@@ -208,6 +211,7 @@ def test_manager_core_leases_pins_and_reset(seg_name):
         other.shutdown()
 
 
+@pytest.mark.procs
 def test_manager_core_keeps_a_lease_while_any_request_that_hit_it_may_load(seg_name):
     # The client counts lookups per lease; the core keeps one per request, so a request
     # that ends (or asks again) never takes the lease another request of the step hit.
@@ -250,6 +254,7 @@ def test_stats_reader_never_counts_a_block_of_unknown_state_as_granted(seg_name)
         seg.close()
 
 
+@pytest.mark.procs
 def test_stats_reader_reports_this_engines_deltas_and_the_segments_state(seg_name):
     """What ``get_stats`` hands vLLM each step: counter deltas of this engine only (another
     engine's work is not in them), the segment's blocks and totals as snapshots."""
@@ -290,6 +295,7 @@ def test_stats_reader_reports_this_engines_deltas_and_the_segments_state(seg_nam
         other.shutdown()
 
 
+@pytest.mark.procs
 def test_reset_holds_outlive_steps_scheduled_ahead_of_the_flush(seg_name):
     """vLLM 0.32 delivers a reset's flush (``jobs_to_flush``) with the next step's metadata,
     and a worker waits for the flushed jobs when it starts executing that step. The scheduler
@@ -321,6 +327,7 @@ def test_reset_holds_outlive_steps_scheduled_ahead_of_the_flush(seg_name):
         core.shutdown()
 
 
+@pytest.mark.procs
 def test_a_late_completion_of_a_reset_store_never_touches_the_key_stored_again(seg_name):
     # After a reset, a store still in flight goes stale; its key may be stored again by a
     # new request. The old request's completion, arriving late, must neither publish the new
@@ -342,6 +349,7 @@ def test_a_late_completion_of_a_reset_store_never_touches_the_key_stored_again(s
         core.shutdown()
 
 
+@pytest.mark.procs
 def test_import_kvshm_never_imports_the_integration():
     code = ("import sys, kvshm, kvshm.integrations; kvshm.connect; kvshm.Layout; "
             "bad = [m for m in sys.modules if m.startswith(('vllm', 'torch', "
@@ -475,6 +483,7 @@ def out(res: dict, tag: str) -> dict:
     return res["steps"][tag]["outputs"][0]
 
 
+@pytest.mark.e2e
 @needs_vllm
 def test_a_prompt_evicted_from_the_device_comes_back_from_kvshm(engines):
     name, res, _ = engines
@@ -506,6 +515,7 @@ def test_a_prompt_evicted_from_the_device_comes_back_from_kvshm(engines):
     assert name in refusal and '"dtype":"bfloat16"' in refusal and '"dtype":"float32"' in refusal
 
 
+@pytest.mark.e2e
 @needs_vllm
 def test_b_two_engine_processes_share_one_segment(engines):
     """A prompt computed by engine 1 is an external hit on engine 2, with the output engine 2
@@ -521,6 +531,7 @@ def test_b_two_engine_processes_share_one_segment(engines):
     assert two["pid"] != one["pid"]
 
 
+@pytest.mark.e2e
 @needs_vllm
 def test_c_negative_control_corrupted_kvshm_bytes_change_the_output(engines):
     _, res, _ = engines
@@ -532,6 +543,7 @@ def test_c_negative_control_corrupted_kvshm_bytes_change_the_output(engines):
     assert res["metrics"][E.EXTERNAL_HITS] > res["steps"]["m3"][E.EXTERNAL_HITS]
 
 
+@pytest.mark.e2e
 @needs_vllm
 def test_an_engine_whose_layout_the_segment_refuses_fails_before_allocating_kv(tiny_model):
     """A segment made for another model: the engine fails when its spec is built (vLLM's
@@ -553,6 +565,7 @@ def test_an_engine_whose_layout_the_segment_refuses_fails_before_allocating_kv(t
         remove_segment(name)
 
 
+@pytest.mark.e2e
 @needs_vllm
 def test_bench_vllm_json_prints_one_json_object_on_stdout():
     """``tools/bench_vllm.py --json`` (one small kvshm engine): stdout is exactly the result;
@@ -584,6 +597,7 @@ def recency_diff(*wheel: str) -> dict:
     return res
 
 
+@pytest.mark.e2e
 @needs_vllm
 def test_eviction_order_matches_vllms_own_manager():
     """60 random connector-shaped sequences per policy (``vllm_support/recency_diff.py``):

@@ -19,7 +19,8 @@ import subprocess
 import sys
 import time
 
-import torch
+import pytest
+from lazy import torch  # imported at its first use, not when the suite is collected
 
 from kvshm.index.api import LookupResult
 from kvshm.client.connect import connect
@@ -52,6 +53,7 @@ sys.stdin.read()  # until the test kills the whole group
 """
 
 
+@pytest.mark.procs
 def test_the_owner_survives_a_sigkill_of_the_starting_engines_process_group():
     """vLLM's EngineCore (here a plain client in a process group of its own, with a second
     member) auto-starts the owner; ``killpg(SIGKILL)`` of that group leaves the owner
@@ -98,6 +100,7 @@ sys.stdin.read()  # until the test SIGKILLs it
 """
 
 
+@pytest.mark.procs
 def test_a_vllm_worker_copies_only_while_registered_under_its_live_scheduler(seg_name):
     """A vLLM worker process apart from its scheduler (TP > 1): a store job names the
     scheduler's (slot, generation), and the worker registers under it before copying, so

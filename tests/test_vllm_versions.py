@@ -15,7 +15,7 @@ import threading
 from pathlib import Path
 
 import pytest
-import torch
+from lazy import torch  # imported at its first use, not when the suite is collected
 
 from kvshm.errors import InvalidArgumentError
 from kvshm.transfer.factory import make_handler
@@ -74,6 +74,7 @@ def test_eviction_order_matches_vllm_033s_own_manager():
     recency_diff(WHEEL)
 
 
+@pytest.mark.unit
 def test_an_expedited_load_runs_ahead_of_queued_loads_and_stores():
     dev = [torch.randint(-128, 127, (8, 64), dtype=torch.int8)]
     plane = torch.zeros(8, 64, dtype=torch.uint8)
