@@ -37,13 +37,14 @@ import os
 import statistics
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from kvshm.units import parse_size  # noqa: E402
+from kvshm.units import parse_size
 
 CONFIGS = [(1024, 4096, 4), (2048, 8192, 8), (512, 2048, 4), (1024, 16384, 4), (2048, 4096, 4),
            (1024, 4096, 8), (4096, 16384, 8)]
@@ -144,7 +145,7 @@ def _rates(kind: Any, dev, host, geo, base, table, align: int, ids: tuple, reps:
     for name, fn in fns.items():
         try:
             res[name] = round(blocks * page / events_ms(fn, reps) / 1e6, 2)
-        except Exception as e:  # noqa: BLE001 — a variant that fails is reported, not fatal
+        except Exception as e:  # a variant that fails is reported, not fatal
             res[name] = f"failed: {e}"
     # the kernel's bytes must be right: poison, copy, compare a few blocks
     dst.fill_(0)
@@ -175,7 +176,7 @@ def host_costs(page: int, blocks: int) -> dict:
     def measure(name: str, fn: Callable[[], float]) -> None:
         try:
             out[name] = round(fn(), 1)
-        except Exception as e:  # noqa: BLE001 — one failed figure is reported, not fatal
+        except Exception as e:  # one failed figure is reported, not fatal
             out[name] = f"failed: {e}"
 
     measure("plan_transfer", lambda: host_us(lambda: plan_transfer(spec, geo)))
@@ -377,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with torch.cuda.stream(torch.cuda.Stream()):
             report["host_us_16K"] = host_costs(16 << 10, args.blocks)
-    except Exception as e:  # noqa: BLE001 — keep the device figures
+    except Exception as e:  # keep the device figures
         report["host_us_16K"] = f"failed: {e!r}"
     report["loadavg_end"] = os.getloadavg()
     if args.json:

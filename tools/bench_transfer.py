@@ -44,16 +44,16 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from kvshm.errors import TransferError  # noqa: E402
-from kvshm.transfer.factory import make_handler  # noqa: E402
-from kvshm.transfer.spec import TransferSpec  # noqa: E402
-from kvshm.units import parse_size  # noqa: E402
+from kvshm.errors import TransferError
+from kvshm.transfer.factory import make_handler
+from kvshm.transfer.spec import TransferSpec
+from kvshm.units import parse_size
 
 CUDA_METHODS = ("auto", "copy", "batch", "kernel", "triton")
 
@@ -151,13 +151,13 @@ def bench_cpu(page: int, blocks: int, reps: int, ids: str, threads: int | None,
         spec = TransferSpec(kind, d_ids, s_ids)
         src_np, dst_np = src.numpy().reshape(-1), dst.numpy().reshape(-1)
 
-        def kvshm(h=h) -> None:
+        def kvshm(h=h, spec=spec) -> None:
             j = next(job)
             h.transfer_async(j, spec)
             h.wait([j])
             assert all(r.success for r in h.get_finished())
 
-        fns = {"kvshm": kvshm, "contiguous": lambda: np.copyto(dst_np, src_np),
+        fns = {"kvshm": kvshm, "contiguous": lambda d=dst_np, s=src_np: np.copyto(d, s),
                "loop": naive_loop(pairs, src, dst, budget_s, page)}
         if seg is not None:
             fns["kvshm[sums]"] = lambda: kvshm(hs)
@@ -178,6 +178,7 @@ def bench_cpu(page: int, blocks: int, reps: int, ids: str, threads: int | None,
 def bench_cuda(page: int, blocks: int, reps: int, ids: str, methods: list[str],
                budget_s: float) -> dict:
     import torch
+
     from kvshm.transfer.pinning import pin_region
     dev = torch.empty(blocks, page, dtype=torch.uint8, device="cuda").fill_(1)
     plane = torch.empty(blocks, page, dtype=torch.uint8).fill_(2)
@@ -200,13 +201,13 @@ def bench_cuda(page: int, blocks: int, reps: int, ids: str, methods: list[str],
         pairs = list(zip(si.tolist(), di.tolist()))
         spec = TransferSpec(kind, d_ids, s_ids)
 
-        def kvshm(h=None) -> None:
+        def kvshm(h=None, spec=spec) -> None:
             j = next(job)
             h.transfer_async(j, spec)
             h.wait([j])
             assert all(r.success for r in h.get_finished())
 
-        def contiguous() -> None:
+        def contiguous(src=src, dst=dst) -> None:
             with torch.cuda.stream(stream):
                 dst.copy_(src, non_blocking=True)
             stream.synchronize()
@@ -214,7 +215,7 @@ def bench_cuda(page: int, blocks: int, reps: int, ids: str, methods: list[str],
         def synced() -> None:
             stream.synchronize()
 
-        def loop() -> int:
+        def loop(pairs=pairs, src=src, dst=dst) -> int:
             with torch.cuda.stream(stream):
                 return naive_loop(pairs, src, dst, budget_s, page, synced, non_blocking=True)()
 
@@ -236,11 +237,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="16K,64K,256K,2M",
-                    help="comma-separated block sizes in bytes, K/M suffixes (default: %(default)s)")
+                    help="comma-separated block sizes in bytes, K/M suffixes "
+                         "(default: %(default)s)")
     ap.add_argument("--blocks", type=int, default=1000,
                     help="blocks per job; memory used is 2 x blocks x size (default: %(default)s)")
     ap.add_argument("--reps", type=int, default=5,
-                    help="timed repetitions per column; the median is reported (default: %(default)s)")
+                    help="timed repetitions per column; the median is reported "
+                         "(default: %(default)s)")
     ap.add_argument("--ids", choices=("shuffled", "sequential"), default="shuffled",
                     help="shuffled = worst case, no run coalesces; sequential = one run per job")
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",

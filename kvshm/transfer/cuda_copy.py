@@ -31,8 +31,9 @@ import importlib.util
 import logging
 import threading
 from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -40,8 +41,16 @@ from kvshm.errors import InvalidArgumentError, TransferError
 from kvshm.transfer.cuda_dma import DriverBatch, copy_batch, copy_each
 from kvshm.transfer.cuda_gather import Gather
 from kvshm.transfer.index_pool import KERNEL_BELOW, METHODS, IndexBuffer, choose_method
-from kvshm.transfer.spec import (LANES, BlockPlan, TransferHandler, TransferResult,
-                                 TransferSpec, build_geometry, job_runs, plan_transfer)
+from kvshm.transfer.spec import (
+    LANES,
+    BlockPlan,
+    TransferHandler,
+    TransferResult,
+    TransferSpec,
+    build_geometry,
+    job_runs,
+    plan_transfer,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +74,7 @@ class _Job:
         if not self.failed:
             try:
                 secs = self.start.elapsed_time(self.end) / 1e3
-            except Exception:  # noqa: BLE001 — timing is informative only
+            except Exception:  # timing is informative only
                 pass
         return TransferResult(self.job_id, not self.failed, 0 if self.failed else self.nbytes,
                               secs, self.kind)
@@ -115,13 +124,16 @@ class CudaTransferHandler(TransferHandler):
         self._closed = False
         f = self._geo.factor
         self._flat = [(torch.as_strided(p.device, (p.device_span(),), (1,)),
-                       torch.as_strided(p.plane, (p.plane_span(f),), (1,))) for p in self._geo.pairs]
+                       torch.as_strided(p.plane, (p.plane_span(f),), (1,)))
+                      for p in self._geo.pairs]
         self._batch = DriverBatch.load() if method in ("auto", "batch") else None
         if self._batch is not None and not self._batch.works(self._dev):
             self._batch = None
         if method == "batch" and self._batch is None:
-            raise TransferError("method='batch' needs cuMemcpyBatchAsync (NVIDIA driver >= 12.8)")
-        self._triton = method in ("auto", "triton") and importlib.util.find_spec("triton") is not None
+            raise TransferError("method='batch' needs cuMemcpyBatchAsync "
+                                "(NVIDIA driver >= 12.8)")
+        self._triton = method in ("auto", "triton") \
+            and importlib.util.find_spec("triton") is not None
         if method == "triton" and not self._triton:
             raise TransferError("method='triton' needs Triton (it ships with PyTorch's CUDA "
                                 "builds); pip install triton, or use method='auto'")
@@ -166,7 +178,7 @@ class CudaTransferHandler(TransferHandler):
                 job.failed = True
             try:
                 job.end.record(stream)  # also after a failure: the result keeps its place
-            except Exception:  # noqa: BLE001
+            except Exception:
                 job.end = None
                 stream.synchronize()  # nothing may still read what the job keeps
             if isinstance(job.keep, IndexBuffer) and self._gather is not None:
@@ -252,7 +264,7 @@ class CudaTransferHandler(TransferHandler):
         if method == "triton" and self._gather is not None:
             try:
                 return self._gather.copy_triton(plan, stream)
-            except Exception as e:  # noqa: BLE001 — nothing was queued: DMA takes this job
+            except Exception as e:  # nothing was queued: DMA takes this job
                 self._triton = False  # and later ones go to the next method auto knows
                 self._memo.clear()
                 logger.warning("kvshm: the Triton copy kernel failed (%s); it is off", e)

@@ -13,8 +13,9 @@ inside the functions that receive tensors), move a byte, touch CUDA, or import a
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable, Literal, Sequence
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
@@ -98,7 +99,7 @@ class TransferHandler(ABC):
     def shutdown(self) -> None:
         """Drain queued jobs, stop threads/streams, release pins. Idempotent."""
 
-    def __enter__(self) -> "TransferHandler":
+    def __enter__(self) -> TransferHandler:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -133,7 +134,7 @@ class Geometry:
     factor: int
 
 
-def _byte_rows(t: "torch.Tensor", what: str) -> "torch.Tensor":
+def _byte_rows(t: torch.Tensor, what: str) -> torch.Tensor:
     """``(n, ...)`` tensor -> zero-copy ``(n, row_bytes)`` uint8 view (rows may be strided)."""
     import torch
     if t.dim() < 1 or t.shape[0] == 0:
@@ -150,7 +151,7 @@ def _byte_rows(t: "torch.Tensor", what: str) -> "torch.Tensor":
         raise InvalidArgumentError(f"{what} cannot be viewed as bytes: {e}") from None
 
 
-def build_geometry(device_tensors: Sequence["torch.Tensor"], planes: Sequence["torch.Tensor"],
+def build_geometry(device_tensors: Sequence[torch.Tensor], planes: Sequence[torch.Tensor],
                    block_size_factor: int = 1,
                    kv_dim_before_num_blocks: Sequence[bool] | None = None) -> Geometry:
     """Pair every canonical device tensor with its plane and check that they fit."""
