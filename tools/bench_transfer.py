@@ -3,7 +3,11 @@
 
 For every block size, one job of N blocks (default 1,000, shuffled ids on both sides: the worst
 case, nothing coalesces) is stored (device -> segment plane) and loaded back. In the same run,
-interleaved rep by rep so that machine noise hits every column alike, it times:
+interleaved rep by rep so that machine noise hits every column alike, it times the columns
+below. Each rep runs them in another order (``column_order``, rows of a balanced Latin square),
+so no column is always first or always runs right after the same column (the naive loop, say,
+whose thousands of small copies leave the host and the GPU in another state than one job
+does); every column, kvshm's included, gets the same treatment.
 
   kvshm       the transfer handler (transfer_async + wait)
   contiguous  ONE plain copy of the same number of bytes: the practical limit
@@ -67,9 +71,28 @@ def cpu_model() -> str:
         return platform.processor() or "unknown"
 
 
+def column_order(k: int, rep: int) -> list[int]:
+    """The order in which rep ``rep`` runs ``k`` columns: row ``rep`` of a balanced Latin
+    square (Williams): ``0, 1, k-1, 2, k-2, ...`` shifted by ``rep``, reversed in every other
+    block of ``k`` reps when ``k`` is odd. Over ``k`` reps each column runs once in each
+    position, and no column follows the same column more than twice (once when ``k`` is
+    even). A plain rotation would not do: it keeps every column's successor, so whichever
+    column follows the naive loop in one rep would follow it in nearly every rep."""
+    base, lo, hi = [0], 1, k - 1
+    while len(base) < k:
+        base.append(lo)
+        lo += 1
+        if len(base) < k:
+            base.append(hi)
+            hi -= 1
+    row = [(b + rep) % k for b in base]
+    return row[::-1] if k % 2 and (rep // k) % 2 else row
+
+
 def run_interleaved(fns: dict[str, Callable[[], int | None]], reps: int,
                     total: int) -> dict[str, float]:
-    """GB/s of every fn, median over ``reps`` runs taken in rotation after one warm-up each.
+    """GB/s of every fn, median over ``reps`` runs after one warm-up each; every rep runs each
+    fn once, in ``column_order``.
 
     A fn returns the bytes it moved, or None for all ``total`` bytes (the time-capped loop
     returns how far it got, so its figure is a rate over the blocks it did copy).
@@ -77,8 +100,10 @@ def run_interleaved(fns: dict[str, Callable[[], int | None]], reps: int,
     for fn in fns.values():
         fn()
     rates: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(reps):
-        for name, fn in fns.items():
+    names = list(fns)
+    for rep in range(reps):
+        for i in column_order(len(names), rep):
+            name, fn = names[i], fns[names[i]]
             t0 = time.perf_counter()
             moved = fn()
             rates[name].append((total if moved is None else moved) / (time.perf_counter() - t0))
@@ -273,7 +298,8 @@ def main(argv: list[str] | None = None) -> int:
                     "cpu": cpu_model(), "cores": os.cpu_count(), "torch": torch.__version__,
                     "blocks": args.blocks, "ids": args.ids, "reps": args.reps,
                     "threads": args.threads, "copier": args.copier,
-                    "checksums": args.checksums, "results": []}
+                    "checksums": args.checksums, "results": [],
+                    "column_order": "a balanced Latin square row per rep (column_order)"}
     if want_cuda:
         report["gpu"] = torch.cuda.get_device_name()
         report["cuda"] = torch.version.cuda
