@@ -65,9 +65,10 @@ class _Job:
     failed: bool = False
     keep: Any = None  # whatever the GPU may still read (index buffer, descriptors)
     reported: bool = False  # get_finished saw it done (its events may serve another job now)
+    synced: bool = False  # wait() saw its end event fire: no need to query it again
 
     def done(self) -> bool:
-        return self.reported or self.end is None or bool(self.end.query())
+        return self.reported or self.synced or self.end is None or bool(self.end.query())
 
     def result(self) -> TransferResult:
         secs = 0.0
@@ -161,18 +162,22 @@ class CudaTransferHandler(TransferHandler):
             if job_id in self._jobs:
                 raise InvalidArgumentError(f"job {job_id} is still in flight; job ids must be "
                                            f"unique among unfinished jobs")
+            lane = spec.lane
             job = _Job(job_id, spec.kind, plan.n * self._block_bytes)
-            stream = self._streams[spec.lane]
+            stream = self._streams[lane]
             try:
                 job.start, job.end = self._events.pop() if self._events else (
                     torch.cuda.Event(enable_timing=True),
                     torch.cuda.Event(enable_timing=True, blocking=self._blocking))
-                order = self._order[spec.lane]
+                order = self._order[lane]
                 order.record(self._caller_stream())
                 stream.wait_event(order)
                 job.start.record(stream)
-                with self._on_device():
+                if self._one_gpu:  # the usual process: no device switch to enter and leave
                     job.keep = self._copy(plan, method, runs, stream)
+                else:
+                    with self._on_device():
+                        job.keep = self._copy(plan, method, runs, stream)
             except Exception:  # reported as success=False, in FIFO order
                 logger.exception("kvshm: %s job %d failed", spec.kind, job_id)
                 job.failed = True
@@ -183,7 +188,7 @@ class CudaTransferHandler(TransferHandler):
                 stream.synchronize()  # nothing may still read what the job keeps
             if isinstance(job.keep, IndexBuffer) and self._gather is not None:
                 self._gather.hold(job.keep, job.done)
-            self._inflight[spec.lane].append(job)
+            self._inflight[lane].append(job)
             self._jobs[job_id] = job
         return True
 
@@ -208,6 +213,7 @@ class CudaTransferHandler(TransferHandler):
             # once reported, a job's events may already time a later job: never wait on them
             if not job.reported and job.end is not None:
                 job.end.synchronize()  # releases the GIL
+                job.synced = True  # get_finished need not ask the driver again
 
     def shutdown(self) -> None:
         with self._lock:
