@@ -4,6 +4,9 @@
   grows by allocating, and never by waiting (a fake allocator and fake ``done`` flags stand in
   for pinned memory and CUDA events).
 * ``choose_method``: which method a job gets, by page size, direction and what is usable.
+* The CUDA handler's host path (``CudaTransferHandler.transfer_async``/``wait``/
+  ``get_finished`` with every CUDA call a no-op, ``tools/bench_gather.py``'s stub): a job's
+  launch gets exactly its ids, and a job that fails validation launches nothing.
 * The Triton gather/scatter kernel itself, with the table and ids ``cuda_gather`` builds for
   it, run by Triton's interpreter on CPU tensors over random layouts (factor, K/V-first
   tensors, padded rows, odd page sizes) and checked against a per-block loop. It runs in a
@@ -117,6 +120,58 @@ def test_the_cached_launch_is_taken_only_while_no_launch_hook_listens():
             self.calls = calls
     assert _quiet(None) and _quiet(Chain([]))
     assert not _quiet(Chain([print])) and not _quiet(print)
+
+
+# --- the CUDA handler's host path, CUDA stubbed -------------------------------------------------
+def _bench_gather():
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools",
+                        "bench_gather.py")
+    spec = importlib.util.spec_from_file_location("bench_gather_for_tests", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(params=[1, 2], ids=["factor1", "factor2"])
+def stubbed(request):
+    h, launches, stack = _bench_gather().stub_handler(16, 64, factor=request.param)
+    yield h, launches, request.param
+    h.shutdown()
+    stack.close()
+
+
+@pytest.mark.parametrize("kind", ["store", "load"])
+def test_a_job_launches_once_with_exactly_its_ids(stubbed, kind):
+    from kvshm.transfer.spec import TransferSpec
+    h, launches, f = stubbed
+    rng = np.random.default_rng(1)
+    for j in range(3):  # buffers are reused between jobs: stale ids must not leak
+        seg = rng.permutation(16)[:5 - j]
+        dev = rng.permutation(16 * f)[:seg.size * f - (f - 1)]  # skips the first sub-block
+        assert h.transfer_async(j, TransferSpec(kind, dev, seg))
+        h.wait([j])
+        n, ids = launches[-1]
+        sub = (np.repeat(seg, f) * f + np.tile(np.arange(f), seg.size))[f - 1:]
+        want = [dev, sub // f] + ([sub % f] if f > 1 else [])
+        assert n == dev.size and np.array_equal(ids[:n * len(want)], np.concatenate(want))
+        assert [(r.job_id, r.success, r.kind) for r in h.get_finished()] == [(j, True, kind)]
+    assert len(launches) == 3
+
+
+@pytest.mark.parametrize("kind,dev,seg,match", [
+    ("store", [0, 1], [3, 99], "out of range"), ("load", [0, -1], [3, 4], "out of range"),
+    ("load", [0, 0], [1, 2], "more than once"), ("store", [0, 1], [2, 2], "more than once"),
+    ("store", [0, 1, 2], [1], "do not fit"), ("load", [0.5, 1], [1, 2], "sequence of ints")])
+def test_a_job_that_fails_validation_launches_nothing(stubbed, kind, dev, seg, match):
+    from kvshm.errors import InvalidArgumentError
+    from kvshm.transfer.spec import TransferSpec
+    h, launches, f = stubbed
+    dev = [d * f + k for d in dev for k in range(f)]  # each block's sub-blocks
+    with pytest.raises(InvalidArgumentError, match=match):
+        h.transfer_async(7, TransferSpec(kind, dev, seg))
+    assert not launches and h.get_finished() == []
+    h.transfer_async(7, TransferSpec(kind, [], []))  # the id was never taken
+    assert [r.job_id for r in h.get_finished()] == [7]
 
 
 # --- the kernel, interpreted ------------------------------------------------------------------

@@ -18,8 +18,16 @@ own path and through kvshm's cached launcher, an event create+record, and the wh
 synchronize and with ``blocking_wait`` (the rest of the host cost is the difference to the
 device time).
 
+``--host-stub`` needs no GPU: it runs the real ``CudaTransferHandler`` with every CUDA call
+(streams, events, the kernel launch, pinned allocations) replaced by a no-op, so what it times
+is the handler's own Python and numpy per job (``transfer_async`` + ``wait`` +
+``get_finished``) and its pieces: validation (``plan_transfer``), the method choice, writing
+the ids into the index buffer. Add the CUDA calls' cost from a GPU run to get a job's host
+time.
+
   python tools/bench_gather.py --json > gather.json
   python tools/bench_gather.py --sizes 16K,2M --reps 5
+  python tools/bench_gather.py --host-stub --json     # on any machine, CPU only
 """
 from __future__ import annotations
 
@@ -29,13 +37,14 @@ import os
 import statistics
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from kvshm.units import parse_size  # noqa: E402
+from kvshm.units import parse_size
 
 CONFIGS = [(1024, 4096, 4), (2048, 8192, 8), (512, 2048, 4), (1024, 16384, 4), (2048, 4096, 4),
            (1024, 4096, 8), (4096, 16384, 8)]
@@ -136,7 +145,7 @@ def _rates(kind: Any, dev, host, geo, base, table, align: int, ids: tuple, reps:
     for name, fn in fns.items():
         try:
             res[name] = round(blocks * page / events_ms(fn, reps) / 1e6, 2)
-        except Exception as e:  # noqa: BLE001 — a variant that fails is reported, not fatal
+        except Exception as e:  # a variant that fails is reported, not fatal
             res[name] = f"failed: {e}"
     # the kernel's bytes must be right: poison, copy, compare a few blocks
     dst.fill_(0)
@@ -167,7 +176,7 @@ def host_costs(page: int, blocks: int) -> dict:
     def measure(name: str, fn: Callable[[], float]) -> None:
         try:
             out[name] = round(fn(), 1)
-        except Exception as e:  # noqa: BLE001 — one failed figure is reported, not fatal
+        except Exception as e:  # one failed figure is reported, not fatal
             out[name] = f"failed: {e}"
 
     measure("plan_transfer", lambda: host_us(lambda: plan_transfer(spec, geo)))
@@ -218,6 +227,127 @@ def host_costs(page: int, blocks: int) -> dict:
     return out
 
 
+# --- host side without a GPU --------------------------------------------------------------
+def _noop(*a: Any, **k: Any) -> None:
+    return None
+
+
+class _Event:
+    """A CUDA event that is always complete; every call is a no-op."""
+    __init__ = record = synchronize = _noop
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, other: Any) -> float:
+        return 0.0
+
+
+class _Stream:
+    cuda_stream = 0
+    __init__ = wait_event = synchronize = _noop
+
+
+class _Pin:
+    pinned = True
+    unregister = _noop
+
+
+def stub_handler(blocks: int, page: int, method: str = "triton", factor: int = 1) -> tuple:
+    """A real ``CudaTransferHandler`` over CPU tensors with every CUDA call a no-op; returns
+    (handler, launches, stack): ``launches`` gets (n, ids) per kernel launch, the ids copied
+    from the index buffer; ``stack.close()`` undoes the patches (after ``shutdown``)."""
+    import contextlib
+    import importlib.util
+    from unittest import mock
+
+    import torch
+
+    from kvshm.transfer import cuda_copy, cuda_gather
+    from kvshm.transfer.index_pool import IndexBuffer
+
+    class CudaLike(torch.Tensor):  # a CPU tensor that says it is on cuda:0
+        @property
+        def device(self) -> Any:  # type: ignore[override]
+            return torch.device("cuda", 0)
+
+    launches: list[tuple[int, np.ndarray]] = []
+
+    class HostGather(cuda_gather.Gather):
+        def __init__(self, geo: Any, device: Any) -> None:
+            super().__init__(geo, torch.device("cpu"))
+            for key in ((s, h) for s in (False, True) for h in (False, True)):
+                self._fast[key] = self._record
+
+        def _record(self, n: int, idx: Any, stream: int) -> None:
+            idx.data_ptr()  # what the real launcher asks of it
+            if len(launches) < 64:
+                launches.append((n, idx.numpy()[:3 * n].copy()))
+
+        def ready(self) -> bool:
+            return True
+
+        def _alloc(self, words: int) -> IndexBuffer:
+            host = torch.zeros(words, dtype=torch.int64)
+            return IndexBuffer(host.numpy(), host, owner=host)
+
+    find = importlib.util.find_spec
+    stack = contextlib.ExitStack()
+    for target, value in (
+            ("torch.cuda.Stream", _Stream), ("torch.cuda.Event", _Event),
+            ("torch.cuda.device_count", lambda: 1), ("torch.cuda.current_device", lambda: 0),
+            ("torch.cuda.current_stream", lambda *a: _Stream()),
+            ("torch._C._cuda_getCurrentRawStream", lambda i: 0),
+            ("importlib.util.find_spec", lambda name, *a: True if name == "triton"
+             else find(name, *a))):
+        stack.enter_context(mock.patch(target, value, create=True))
+    stack.enter_context(mock.patch.object(cuda_copy, "Gather", HostGather))
+    stack.enter_context(mock.patch.object(cuda_copy.DriverBatch, "load", lambda: None))
+    dev = torch.zeros(blocks * factor, page, dtype=torch.uint8).as_subclass(CudaLike)
+    plane = torch.zeros(blocks, factor * page, dtype=torch.uint8)
+    try:
+        h = cuda_copy.CudaTransferHandler([dev], [plane], block_size_factor=factor,
+                                          method=method, pin=_Pin())
+    except BaseException:
+        stack.close()
+        raise
+    return h, launches, stack
+
+
+def host_stub(page: int, blocks: int, reps: int) -> dict:
+    """Host us per job of the handler's own code, GPU calls stubbed (median of ``reps``)."""
+    h, _, stack = stub_handler(blocks, page)
+    try:
+        return {kind: _host_stub_kind(h, kind, blocks, reps) for kind in ("load", "store")}
+    finally:
+        h.shutdown()
+        stack.close()
+
+
+def _host_stub_kind(h: Any, kind: str, blocks: int, reps: int) -> dict:
+    from kvshm.transfer.cuda_gather import write_ids
+    from kvshm.transfer.spec import TransferSpec, plan_transfer
+    rng = np.random.default_rng(0)
+    spec = TransferSpec(kind, rng.permutation(blocks), rng.permutation(blocks))  # type: ignore
+    geo = h._geo
+    plan = plan_transfer(spec, geo)
+    ids = np.zeros(3 * blocks, np.int64)
+    job = iter(range(1 << 30))
+
+    def whole() -> None:
+        j = next(job)
+        h.transfer_async(j, spec)
+        h.wait([j])
+        h.get_finished()
+    r = {"plan_transfer": host_us(lambda: plan_transfer(spec, geo), reps),
+         "choose": host_us(lambda: h._choose(plan), reps),
+         "write_ids": host_us(lambda: write_ids(ids, plan, False), reps),
+         "transfer_async": host_us(lambda: h.transfer_async(next(job), spec), reps,
+                                   after=h.get_finished),
+         "job": host_us(whole, reps)}
+    return {k: round(v, 2) for k, v in r.items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -225,7 +355,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--blocks", type=int, default=1000)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--host-stub", action="store_true",
+                    help="no GPU: time the handler's own host code per job, CUDA calls stubbed")
     args = ap.parse_args(argv)
+    if args.host_stub:
+        res = {s: host_stub(parse_size(s), args.blocks, max(args.reps, 2000))
+               for s in args.sizes.split(",")[:1]}
+        if args.json:
+            print(json.dumps(res, indent=1))
+        else:
+            for s, r in res.items():
+                for kind, v in r.items():
+                    print(f"{s:>5} {kind:5} host us/job: "
+                          + "  ".join(f"{k}={x}" for k, x in v.items()))
+        return 0
     import torch
     report: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                     "blocks": args.blocks, "loadavg_start": os.getloadavg(), "device": {}}
@@ -235,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with torch.cuda.stream(torch.cuda.Stream()):
             report["host_us_16K"] = host_costs(16 << 10, args.blocks)
-    except Exception as e:  # noqa: BLE001 — keep the device figures
+    except Exception as e:  # keep the device figures
         report["host_us_16K"] = f"failed: {e!r}"
     report["loadavg_end"] = os.getloadavg()
     if args.json:

@@ -3,7 +3,11 @@
 
 For every block size, one job of N blocks (default 1,000, shuffled ids on both sides: the worst
 case, nothing coalesces) is stored (device -> segment plane) and loaded back. In the same run,
-interleaved rep by rep so that machine noise hits every column alike, it times:
+interleaved rep by rep so that machine noise hits every column alike, it times the columns
+below. Each rep runs them in another order (``column_order``, rows of a balanced Latin square),
+so no column is always first or always runs right after the same column (the naive loop, say,
+whose thousands of small copies leave the host and the GPU in another state than one job
+does); every column, kvshm's included, gets the same treatment.
 
   kvshm       the transfer handler (transfer_async + wait)
   contiguous  ONE plain copy of the same number of bytes: the practical limit
@@ -44,16 +48,16 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from kvshm.errors import TransferError  # noqa: E402
-from kvshm.transfer.factory import make_handler  # noqa: E402
-from kvshm.transfer.spec import TransferSpec  # noqa: E402
-from kvshm.units import parse_size  # noqa: E402
+from kvshm.errors import TransferError
+from kvshm.transfer.factory import make_handler
+from kvshm.transfer.spec import TransferSpec
+from kvshm.units import parse_size
 
 CUDA_METHODS = ("auto", "copy", "batch", "kernel", "triton")
 
@@ -67,9 +71,28 @@ def cpu_model() -> str:
         return platform.processor() or "unknown"
 
 
+def column_order(k: int, rep: int) -> list[int]:
+    """The order in which rep ``rep`` runs ``k`` columns: row ``rep`` of a balanced Latin
+    square (Williams): ``0, 1, k-1, 2, k-2, ...`` shifted by ``rep``, reversed in every other
+    block of ``k`` reps when ``k`` is odd. Over ``k`` reps each column runs once in each
+    position, and no column follows the same column more than twice (once when ``k`` is
+    even). A plain rotation would not do: it keeps every column's successor, so whichever
+    column follows the naive loop in one rep would follow it in nearly every rep."""
+    base, lo, hi = [0], 1, k - 1
+    while len(base) < k:
+        base.append(lo)
+        lo += 1
+        if len(base) < k:
+            base.append(hi)
+            hi -= 1
+    row = [(b + rep) % k for b in base]
+    return row[::-1] if k % 2 and (rep // k) % 2 else row
+
+
 def run_interleaved(fns: dict[str, Callable[[], int | None]], reps: int,
                     total: int) -> dict[str, float]:
-    """GB/s of every fn, median over ``reps`` runs taken in rotation after one warm-up each.
+    """GB/s of every fn, median over ``reps`` runs after one warm-up each; every rep runs each
+    fn once, in ``column_order``.
 
     A fn returns the bytes it moved, or None for all ``total`` bytes (the time-capped loop
     returns how far it got, so its figure is a rate over the blocks it did copy).
@@ -77,8 +100,10 @@ def run_interleaved(fns: dict[str, Callable[[], int | None]], reps: int,
     for fn in fns.values():
         fn()
     rates: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(reps):
-        for name, fn in fns.items():
+    names = list(fns)
+    for rep in range(reps):
+        for i in column_order(len(names), rep):
+            name, fn = names[i], fns[names[i]]
             t0 = time.perf_counter()
             moved = fn()
             rates[name].append((total if moved is None else moved) / (time.perf_counter() - t0))
@@ -151,13 +176,13 @@ def bench_cpu(page: int, blocks: int, reps: int, ids: str, threads: int | None,
         spec = TransferSpec(kind, d_ids, s_ids)
         src_np, dst_np = src.numpy().reshape(-1), dst.numpy().reshape(-1)
 
-        def kvshm(h=h) -> None:
+        def kvshm(h=h, spec=spec) -> None:
             j = next(job)
             h.transfer_async(j, spec)
             h.wait([j])
             assert all(r.success for r in h.get_finished())
 
-        fns = {"kvshm": kvshm, "contiguous": lambda: np.copyto(dst_np, src_np),
+        fns = {"kvshm": kvshm, "contiguous": lambda d=dst_np, s=src_np: np.copyto(d, s),
                "loop": naive_loop(pairs, src, dst, budget_s, page)}
         if seg is not None:
             fns["kvshm[sums]"] = lambda: kvshm(hs)
@@ -178,6 +203,7 @@ def bench_cpu(page: int, blocks: int, reps: int, ids: str, threads: int | None,
 def bench_cuda(page: int, blocks: int, reps: int, ids: str, methods: list[str],
                budget_s: float) -> dict:
     import torch
+
     from kvshm.transfer.pinning import pin_region
     dev = torch.empty(blocks, page, dtype=torch.uint8, device="cuda").fill_(1)
     plane = torch.empty(blocks, page, dtype=torch.uint8).fill_(2)
@@ -200,13 +226,13 @@ def bench_cuda(page: int, blocks: int, reps: int, ids: str, methods: list[str],
         pairs = list(zip(si.tolist(), di.tolist()))
         spec = TransferSpec(kind, d_ids, s_ids)
 
-        def kvshm(h=None) -> None:
+        def kvshm(h=None, spec=spec) -> None:
             j = next(job)
             h.transfer_async(j, spec)
             h.wait([j])
             assert all(r.success for r in h.get_finished())
 
-        def contiguous() -> None:
+        def contiguous(src=src, dst=dst) -> None:
             with torch.cuda.stream(stream):
                 dst.copy_(src, non_blocking=True)
             stream.synchronize()
@@ -214,7 +240,7 @@ def bench_cuda(page: int, blocks: int, reps: int, ids: str, methods: list[str],
         def synced() -> None:
             stream.synchronize()
 
-        def loop() -> int:
+        def loop(pairs=pairs, src=src, dst=dst) -> int:
             with torch.cuda.stream(stream):
                 return naive_loop(pairs, src, dst, budget_s, page, synced, non_blocking=True)()
 
@@ -236,11 +262,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="16K,64K,256K,2M",
-                    help="comma-separated block sizes in bytes, K/M suffixes (default: %(default)s)")
+                    help="comma-separated block sizes in bytes, K/M suffixes "
+                         "(default: %(default)s)")
     ap.add_argument("--blocks", type=int, default=1000,
                     help="blocks per job; memory used is 2 x blocks x size (default: %(default)s)")
     ap.add_argument("--reps", type=int, default=5,
-                    help="timed repetitions per column; the median is reported (default: %(default)s)")
+                    help="timed repetitions per column; the median is reported "
+                         "(default: %(default)s)")
     ap.add_argument("--ids", choices=("shuffled", "sequential"), default="shuffled",
                     help="shuffled = worst case, no run coalesces; sequential = one run per job")
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
@@ -270,7 +298,8 @@ def main(argv: list[str] | None = None) -> int:
                     "cpu": cpu_model(), "cores": os.cpu_count(), "torch": torch.__version__,
                     "blocks": args.blocks, "ids": args.ids, "reps": args.reps,
                     "threads": args.threads, "copier": args.copier,
-                    "checksums": args.checksums, "results": []}
+                    "checksums": args.checksums, "results": [],
+                    "column_order": "a balanced Latin square row per rep (column_order)"}
     if want_cuda:
         report["gpu"] = torch.cuda.get_device_name()
         report["cuda"] = torch.version.cuda

@@ -31,21 +31,32 @@ from __future__ import annotations
 import collections
 import ctypes
 import errno
+import itertools
 import logging
 import os
 import queue
 import threading
 import time
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvshm import crashpoints
 from kvshm.errors import InvalidArgumentError, TransferError
-from kvshm.transfer.spec import (LANES, BlockPlan, Geometry, TransferHandler, TransferResult,
-                       TransferSpec, build_geometry, job_runs, plan_transfer)
+from kvshm.transfer.spec import (
+    LANES,
+    BlockPlan,
+    Geometry,
+    TransferHandler,
+    TransferResult,
+    TransferSpec,
+    build_geometry,
+    job_runs,
+    plan_transfer,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -84,12 +95,12 @@ class CpuTransferHandler(TransferHandler):
     ``copier``: ``memmove`` (default) or ``vm`` (process_vm_readv, memmove where refused).
     """
 
-    def __init__(self, device_tensors: Sequence["torch.Tensor"], planes: Sequence["torch.Tensor"],
+    def __init__(self, device_tensors: Sequence[torch.Tensor], planes: Sequence[torch.Tensor],
                  *, block_size_factor: int = 1,
                  kv_dim_before_num_blocks: Sequence[bool] | None = None,
                  threads: int | None = None, split_min_bytes: int = 8 << 20,
                  split_min_run: int = 64 << 10, copier: str = "memmove",
-                 checksums: "BlockSums | None" = None) -> None:
+                 checksums: BlockSums | None = None) -> None:
         self._geo: Geometry = build_geometry(device_tensors, planes, block_size_factor,
                                              kv_dim_before_num_blocks)
         if any(p.device.device.type != "cpu" for p in self._geo.pairs):
@@ -176,13 +187,15 @@ class CpuTransferHandler(TransferHandler):
 
     def _check_sums(self, job: _Job) -> None:
         """After the copy: a store records its pages' sums, a load verifies them."""
+        sums = self._sums
+        assert sums is not None  # called only when the handler was given checksums
         blocks = np.unique(job.plan.segment_rows)
         if job.plan.kind == "store":
-            self._sums.store(blocks, self._sum_planes)
+            sums.store(blocks, self._sum_planes)
             return
-        bad = self._sums.bad(blocks, self._sum_planes)
+        bad = sums.bad(blocks, self._sum_planes)
         if bad:
-            self._sums.count_failure(len({b for b, _ in bad}))
+            sums.count_failure(len({b for b, _ in bad}))
             raise TransferError(
                 f"load job {job.job_id}: block(s) {sorted({b for b, _ in bad})} are corrupt "
                 f"(plane page checksum mismatch at (block, plane) {bad[:8]}); recompute them")
@@ -213,8 +226,10 @@ class CpuTransferHandler(TransferHandler):
         # byte-balanced cut points, so each thread copies about total / parts
         cuts = np.searchsorted(np.cumsum(nb), total * np.arange(1, parts) / parts)
         bounds = [0, *np.unique(np.clip(cuts, 1, nb.size - 1)).tolist(), nb.size]
-        pieces = [slice(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
-        futures = [self._helpers.submit(self._copy_runs, dst[s], src[s], nb[s])
+        pieces = [slice(a, b) for a, b in itertools.pairwise(bounds) if b > a]
+        helpers = self._helpers
+        assert helpers is not None  # parts > 1 only with helper threads
+        futures = [helpers.submit(self._copy_runs, dst[s], src[s], nb[s])
                    for s in pieces[1:]]
         try:
             self._copy_runs(dst[pieces[0]], src[pieces[0]], nb[pieces[0]])
@@ -248,7 +263,8 @@ def _vm_runs(dst: np.ndarray, src: np.ndarray, nbytes: np.ndarray,
     cum = np.concatenate(([0], np.cumsum(nbytes)))
     pid, i, n = os.getpid(), 0, nbytes.size
     while i < n:
-        j = min(n, i + IOV_MAX, max(i + 1, int(np.searchsorted(cum, cum[i] + max_bytes, "right")) - 1))
+        fit = int(np.searchsorted(cum, cum[i] + max_bytes, "right")) - 1
+        j = min(n, i + IOV_MAX, max(i + 1, fit))
         got = _vm_readv(pid, local[i:j].ctypes.data, j - i, remote[i:j].ctypes.data, j - i, 0)
         if got != cum[j] - cum[i]:
             err = ctypes.get_errno() if got < 0 else errno.EIO

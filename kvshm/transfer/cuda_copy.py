@@ -31,8 +31,9 @@ import importlib.util
 import logging
 import threading
 from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -40,8 +41,16 @@ from kvshm.errors import InvalidArgumentError, TransferError
 from kvshm.transfer.cuda_dma import DriverBatch, copy_batch, copy_each
 from kvshm.transfer.cuda_gather import Gather
 from kvshm.transfer.index_pool import KERNEL_BELOW, METHODS, IndexBuffer, choose_method
-from kvshm.transfer.spec import (LANES, BlockPlan, TransferHandler, TransferResult,
-                                 TransferSpec, build_geometry, job_runs, plan_transfer)
+from kvshm.transfer.spec import (
+    LANES,
+    BlockPlan,
+    TransferHandler,
+    TransferResult,
+    TransferSpec,
+    build_geometry,
+    job_runs,
+    plan_transfer,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -56,16 +65,17 @@ class _Job:
     failed: bool = False
     keep: Any = None  # whatever the GPU may still read (index buffer, descriptors)
     reported: bool = False  # get_finished saw it done (its events may serve another job now)
+    synced: bool = False  # wait() saw its end event fire: no need to query it again
 
     def done(self) -> bool:
-        return self.reported or self.end is None or bool(self.end.query())
+        return self.reported or self.synced or self.end is None or bool(self.end.query())
 
     def result(self) -> TransferResult:
         secs = 0.0
         if not self.failed:
             try:
                 secs = self.start.elapsed_time(self.end) / 1e3
-            except Exception:  # noqa: BLE001 — timing is informative only
+            except Exception:  # timing is informative only
                 pass
         return TransferResult(self.job_id, not self.failed, 0 if self.failed else self.nbytes,
                               secs, self.kind)
@@ -115,13 +125,16 @@ class CudaTransferHandler(TransferHandler):
         self._closed = False
         f = self._geo.factor
         self._flat = [(torch.as_strided(p.device, (p.device_span(),), (1,)),
-                       torch.as_strided(p.plane, (p.plane_span(f),), (1,))) for p in self._geo.pairs]
+                       torch.as_strided(p.plane, (p.plane_span(f),), (1,)))
+                      for p in self._geo.pairs]
         self._batch = DriverBatch.load() if method in ("auto", "batch") else None
         if self._batch is not None and not self._batch.works(self._dev):
             self._batch = None
         if method == "batch" and self._batch is None:
-            raise TransferError("method='batch' needs cuMemcpyBatchAsync (NVIDIA driver >= 12.8)")
-        self._triton = method in ("auto", "triton") and importlib.util.find_spec("triton") is not None
+            raise TransferError("method='batch' needs cuMemcpyBatchAsync "
+                                "(NVIDIA driver >= 12.8)")
+        self._triton = method in ("auto", "triton") \
+            and importlib.util.find_spec("triton") is not None
         if method == "triton" and not self._triton:
             raise TransferError("method='triton' needs Triton (it ships with PyTorch's CUDA "
                                 "builds); pip install triton, or use method='auto'")
@@ -149,29 +162,33 @@ class CudaTransferHandler(TransferHandler):
             if job_id in self._jobs:
                 raise InvalidArgumentError(f"job {job_id} is still in flight; job ids must be "
                                            f"unique among unfinished jobs")
+            lane = spec.lane
             job = _Job(job_id, spec.kind, plan.n * self._block_bytes)
-            stream = self._streams[spec.lane]
+            stream = self._streams[lane]
             try:
                 job.start, job.end = self._events.pop() if self._events else (
                     torch.cuda.Event(enable_timing=True),
                     torch.cuda.Event(enable_timing=True, blocking=self._blocking))
-                order = self._order[spec.lane]
+                order = self._order[lane]
                 order.record(self._caller_stream())
                 stream.wait_event(order)
                 job.start.record(stream)
-                with self._on_device():
+                if self._one_gpu:  # the usual process: no device switch to enter and leave
                     job.keep = self._copy(plan, method, runs, stream)
+                else:
+                    with self._on_device():
+                        job.keep = self._copy(plan, method, runs, stream)
             except Exception:  # reported as success=False, in FIFO order
                 logger.exception("kvshm: %s job %d failed", spec.kind, job_id)
                 job.failed = True
             try:
                 job.end.record(stream)  # also after a failure: the result keeps its place
-            except Exception:  # noqa: BLE001
+            except Exception:
                 job.end = None
                 stream.synchronize()  # nothing may still read what the job keeps
             if isinstance(job.keep, IndexBuffer) and self._gather is not None:
                 self._gather.hold(job.keep, job.done)
-            self._inflight[spec.lane].append(job)
+            self._inflight[lane].append(job)
             self._jobs[job_id] = job
         return True
 
@@ -196,6 +213,7 @@ class CudaTransferHandler(TransferHandler):
             # once reported, a job's events may already time a later job: never wait on them
             if not job.reported and job.end is not None:
                 job.end.synchronize()  # releases the GIL
+                job.synced = True  # get_finished need not ask the driver again
 
     def shutdown(self) -> None:
         with self._lock:
@@ -252,7 +270,7 @@ class CudaTransferHandler(TransferHandler):
         if method == "triton" and self._gather is not None:
             try:
                 return self._gather.copy_triton(plan, stream)
-            except Exception as e:  # noqa: BLE001 — nothing was queued: DMA takes this job
+            except Exception as e:  # nothing was queued: DMA takes this job
                 self._triton = False  # and later ones go to the next method auto knows
                 self._memo.clear()
                 logger.warning("kvshm: the Triton copy kernel failed (%s); it is off", e)

@@ -51,7 +51,7 @@ class DriverBatch:
         self._fn = fn
 
     @classmethod
-    def load(cls) -> "DriverBatch | None":
+    def load(cls) -> DriverBatch | None:
         try:
             get = ctypes.CDLL("libcuda.so.1").cuGetProcAddress_v2
         except (OSError, AttributeError):
@@ -87,7 +87,7 @@ class DriverBatch:
             s.synchronize()
             return bool(torch.equal(h[24576:28672], g[:4096].cpu())
                         and torch.equal(h[:8192], g[8192:16384].cpu()))
-        except Exception as e:  # noqa: BLE001 — any failure means "do not use it"
+        except Exception as e:  # any failure means "do not use it"
             logger.warning("kvshm: cuMemcpyBatchAsync self-test failed (%s); using copy_", e)
             return False
 

@@ -79,8 +79,10 @@ def pair_table(geo: Geometry, base_ptr: int, elem: int) -> np.ndarray:
     bytes from ``base_ptr``; ``word_layout`` guarantees every entry divides exactly."""
     pairs = geo.pairs
     return np.array([
-        [(p.device_ptr - base_ptr) // elem for p in pairs], [p.device_stride // elem for p in pairs],
-        [(p.plane_ptr - base_ptr) // elem for p in pairs], [p.plane_stride // elem for p in pairs],
+        [(p.device_ptr - base_ptr) // elem for p in pairs],
+        [p.device_stride // elem for p in pairs],
+        [(p.plane_ptr - base_ptr) // elem for p in pairs],
+        [p.plane_stride // elem for p in pairs],
         [p.page_bytes // elem for p in pairs]], np.int64).ravel()
 
 

@@ -7,7 +7,8 @@ It must never copy, validate geometry or hold state: the handlers do that.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from kvshm.errors import InvalidArgumentError
 
@@ -17,10 +18,10 @@ if TYPE_CHECKING:
     from kvshm.transfer.spec import TransferHandler
 
 
-def make_handler(device_tensors: Sequence["torch.Tensor"], planes: Sequence["torch.Tensor"], *,
+def make_handler(device_tensors: Sequence[torch.Tensor], planes: Sequence[torch.Tensor], *,
                  block_size_factor: int = 1,
                  kv_dim_before_num_blocks: Sequence[bool] | None = None,
-                 **options: Any) -> "TransferHandler":
+                 **options: Any) -> TransferHandler:
     """CUDA handler if the device tensors are on CUDA, CPU-thread handler otherwise.
 
     ``options`` go to the handler: CPU ``threads``, ``split_min_bytes``, ``checksums`` (a

@@ -17,12 +17,15 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import itertools
 import logging
 import mmap
 import threading
 import time
 import warnings
-from typing import Any, Callable, ContextManager, Protocol
+from collections.abc import Callable
+from contextlib import AbstractContextManager as ContextManager
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -127,11 +130,13 @@ def prefault(addr: int, nbytes: int) -> str:
         return "skipped"
     # Kernel < 5.14: read one byte per page. Reads only: a read-modify-write could undo a
     # concurrent store by another process.
-    np.frombuffer((ctypes.c_uint8 * length).from_address(start), np.uint8)[::PAGE].max()
+    np.frombuffer(memoryview((ctypes.c_uint8 * length).from_address(start)),
+                  np.uint8)[::PAGE].max()
     return "touched"
 
 
-def plan_chunks(addr: int, nbytes: int, chunk_bytes: int, align: int = PAGE) -> list[tuple[int, int]]:
+def plan_chunks(addr: int, nbytes: int, chunk_bytes: int,
+                align: int = PAGE) -> list[tuple[int, int]]:
     """(address, length) of each registration call: cuts every ``chunk_bytes`` rounded down to
     ``align`` (a row stride keeps every block inside one registration), counted from the page
     holding ``addr``, so cuts are page-aligned and two calls never share a page."""
@@ -139,7 +144,7 @@ def plan_chunks(addr: int, nbytes: int, chunk_bytes: int, align: int = PAGE) -> 
     origin, end = addr - addr % PAGE, addr + nbytes
     cuts = list(range(origin + step, end, step))
     bounds = [addr, *[c for c in cuts if c > addr], end]
-    return [(a, b - a) for a, b in zip(bounds, bounds[1:])]
+    return [(a, b - a) for a, b in itertools.pairwise(bounds)]
 
 
 class PinnedRegion:
@@ -292,7 +297,7 @@ class BackgroundPin:
                     region.unregister()  # cancelled while the last chunk went in
                 else:
                     self._region = region
-        except BaseException as e:  # noqa: BLE001 — a thread must not die silently
+        except BaseException as e:  # a thread must not die silently
             self.error = e
             logger.exception("kvshm: background pinning failed")
         finally:

@@ -13,8 +13,9 @@ inside the functions that receive tensors), move a byte, touch CUDA, or import a
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable, Literal, Sequence
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
@@ -98,7 +99,7 @@ class TransferHandler(ABC):
     def shutdown(self) -> None:
         """Drain queued jobs, stop threads/streams, release pins. Idempotent."""
 
-    def __enter__(self) -> "TransferHandler":
+    def __enter__(self) -> TransferHandler:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -133,7 +134,7 @@ class Geometry:
     factor: int
 
 
-def _byte_rows(t: "torch.Tensor", what: str) -> "torch.Tensor":
+def _byte_rows(t: torch.Tensor, what: str) -> torch.Tensor:
     """``(n, ...)`` tensor -> zero-copy ``(n, row_bytes)`` uint8 view (rows may be strided)."""
     import torch
     if t.dim() < 1 or t.shape[0] == 0:
@@ -150,7 +151,7 @@ def _byte_rows(t: "torch.Tensor", what: str) -> "torch.Tensor":
         raise InvalidArgumentError(f"{what} cannot be viewed as bytes: {e}") from None
 
 
-def build_geometry(device_tensors: Sequence["torch.Tensor"], planes: Sequence["torch.Tensor"],
+def build_geometry(device_tensors: Sequence[torch.Tensor], planes: Sequence[torch.Tensor],
                    block_size_factor: int = 1,
                    kv_dim_before_num_blocks: Sequence[bool] | None = None) -> Geometry:
     """Pair every canonical device tensor with its plane and check that they fit."""
@@ -242,9 +243,23 @@ def _ids(values: Sequence[int], what: str) -> np.ndarray:
     return arr.astype(np.int64, copy=False)
 
 
+_max = np.maximum.reduce  # ndarray.max() adds a Python layer: ~0.5 us per call at 1,000 ids
+_ZEROS = np.zeros(0, np.int64)
+
+
+def _zeros(n: int) -> np.ndarray:
+    """``n`` int64 zeros, read-only, from one buffer shared by every job (no allocation)."""
+    global _ZEROS
+    if _ZEROS.size < n:
+        z = np.zeros(max(n, 4096), np.int64)
+        z.flags.writeable = False
+        _ZEROS = z
+    return _ZEROS[:n]
+
+
 def _check_range(ids: np.ndarray, limit: int, what: str) -> None:
     # One pass: a negative id is a huge unsigned one. The detailed search runs on failure only.
-    if not ids.size or int(ids.view(np.uint64).max()) < limit:
+    if not ids.size or _max(ids.view(np.uint64)) < limit:
         return
     bad = np.flatnonzero((ids < 0) | (ids >= limit))
     i = int(bad[0])
@@ -262,9 +277,12 @@ def _check_unique(ids: np.ndarray, limit: int, what: str) -> None:
         seen[ids] = True
         if np.count_nonzero(seen) == ids.size:
             return
-    else:  # sort the narrowest type: uint16 takes numpy's radix sort, 3x faster than int64
-        narrow = ids.astype(np.uint16 if limit <= 1 << 16 else np.int64)
-        srt = np.sort(narrow, kind="stable")
+    else:  # sort the narrowest type: uint16 takes numpy's radix sort (~3 us for 1,000 ids),
+        # int32 its SIMD quicksort (~6 us); int64 took ~11 us
+        if limit <= 1 << 16:
+            srt = np.sort(ids.astype(np.uint16), kind="stable")
+        else:
+            srt = np.sort(ids.astype(np.int32 if limit <= 1 << 31 else np.int64))
         if not np.any(srt[1:] == srt[:-1]):
             return
     srt = np.sort(ids)
@@ -295,7 +313,7 @@ def plan_transfer(spec: TransferSpec, geo: Geometry) -> BlockPlan:
     else:
         _check_unique(dev, geo.num_device_blocks, "device_block_ids")
     if f == 1:  # the common case: no expansion, no division
-        return BlockPlan(spec.kind, dev, seg, np.zeros(seg.size, np.int64))
+        return BlockPlan(spec.kind, dev, seg, _zeros(seg.size))
     sub = expand_block_ids(seg, f, skip)[:dev.size]
     return BlockPlan(spec.kind, dev, sub // f, sub % f)
 

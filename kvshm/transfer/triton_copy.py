@@ -15,7 +15,8 @@ a GPU.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import triton
 import triton.language as tl
@@ -91,7 +92,7 @@ def launch(base: Any, idx: Any, table: Any, n: int, n_pairs: int, max_page_words
         run, function, meta = kernel.run, kernel.function, kernel.packed_metadata
         # Addresses as ints: the launcher then skips data_ptr() and a driver query per pointer
         base_p, table_p = base.data_ptr(), table.data_ptr()
-    except Exception:  # noqa: BLE001 — another Triton (or the interpreter): its own path
+    except Exception:  # another Triton (or the interpreter): its own path
         return lambda n, idx, stream: slow(n, idx, stream)
 
     def fast(n: int, idx: Any, stream: int) -> None:
