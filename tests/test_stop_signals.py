@@ -98,6 +98,9 @@ def test_kvshm_mover_stops_on_a_signal_with_exit_0_and_one_line(sig, seg_name, t
         env=env, stderr=subprocess.PIPE, text=True)
     try:
         read_until(proc, f"mover of segment {seg_name!r}")
+        # its lower tier's connection is logged from another thread: wait for it too, so
+        # that every line after the signal is the mover's answer to it
+        read_until(proc, "connected to")
         rc, after = stop_with(proc, sig)
     finally:
         if proc.poll() is None:
