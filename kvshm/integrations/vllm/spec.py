@@ -15,9 +15,9 @@ kv_connector_extra_config={"spec_name": "KvshmOffloadingSpec", "spec_module_path
 * ``KvshmOffloadingWorker`` — vLLM's worker over kvshm's transfer handlers (CUDA when the KV
   cache is on a GPU, the CPU copy path otherwise), on this rank's plane of the segment.
 
-Version-specific vLLM names come from ``compat``; the logic lives in ``core``, ``jobs`` and
-``stats`` (testable without vLLM). The manager reports kvshm's statistics through vLLM's
-``get_stats`` (``vllm:kvshm_*``, declared in ``build_metric_definitions``); a store's spec
+Version-specific vLLM names come from ``compat``; the logic lives in ``config``, ``core``,
+``jobs`` and ``stats`` (testable without vLLM). The manager reports kvshm's statistics through
+vLLM's ``get_stats`` (``vllm:kvshm_*``, declared in ``build_metric_definitions``); a store's spec
 carries the scheduler's kvshm client (slot, generation), under which the worker registers
 before copying. Importing this module imports vLLM and torch; ``import kvshm``
 never imports it. It must never return False from a submit or report a failed job (vLLM 0.32
@@ -36,8 +36,9 @@ from kvshm.shm import writers
 from kvshm.shm.pins import PinProgress
 from kvshm.shm.segment import Segment
 from kvshm.integrations.vllm import compat as V
-from kvshm.integrations.vllm.core import (KvshmOptions, ManagerCore, check_layout, explain_mismatch,
-                                          layout_for, num_blocks_for, open_segment)
+from kvshm.integrations.vllm.config import (KvshmOptions, check_layout, explain_mismatch,
+                                            layout_for, num_blocks_for, open_segment)
+from kvshm.integrations.vllm.core import ManagerCore
 from kvshm.integrations.vllm.jobs import WorkerCore
 from kvshm.integrations.vllm.stats import KINDS, METRICS, StatsReader
 
