@@ -2,7 +2,6 @@
 
 This module owns only argument parsing for ``kvshm serve``; serving lives in ``kvshm.owner.server``.
 ``kvshm mover`` (the host's lower-tier mover) is parsed and run by ``kvshm.tier.mover``.
-It never imports torch.
 """
 from __future__ import annotations
 

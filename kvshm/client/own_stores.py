@@ -5,8 +5,7 @@ This module owns the client side of ``grants.py``: it is the consumer of the slo
 ring (``take``), it remembers the keys in flight (blocks taken, store not completed) and the
 keys it published (``complete``: one-way ``Publish`` frames) until the owner has taken their
 frame, so that the client reads its own completed stores back (``confirm``). It never writes
-the block table or the key index, never waits longer than ``CONFIRM_WAIT_S`` and never
-imports torch.
+the block table or the key index and never waits longer than ``CONFIRM_WAIT_S``.
 """
 from __future__ import annotations
 

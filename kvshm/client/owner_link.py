@@ -2,8 +2,8 @@
 
 This module owns how a client talks to the owner of its segment: it starts an owner when none
 serves, puts request frames on the client slot's request ring, waits for the replies on the
-reply ring, and rides out owner deaths. It never reads or writes the block table, never
-holds blocks (``holds.py``) and never imports torch.
+reply ring, and rides out owner deaths. It never reads or writes the block table and never
+holds blocks (``holds.py``).
 
 The protocol: every request is executed at most once
 --------------------------------------------------------

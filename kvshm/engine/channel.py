@@ -13,8 +13,7 @@ Every job frame names the scheduler's manager slot and generation: the worker re
 of a generation that is dead, even one still queued here (see ``kvshm.shm.writers``).
 When the scheduler dies, the owner reclaims the slot (clears it to FREE).
 
-It owns the frames (msgspec, tagged, array_like) and nothing about what jobs mean; it never
-imports torch.
+It owns the frames (msgspec, tagged, array_like) and nothing about what jobs mean.
 """
 from __future__ import annotations
 

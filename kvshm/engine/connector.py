@@ -20,7 +20,7 @@ kvshm manager, with vLLM's ``OffloadingConnectorScheduler`` semantics (0.14 flow
   them until ``jobs_finished`` lists the request as freeable).
 
 Offloaded blocks are ``block_size_factor`` device blocks; the key of one is the offload key of
-the hash of its LAST device block. It never copies data (workers do) and never imports torch.
+the hash of its LAST device block. It never copies data (workers do).
 """
 from __future__ import annotations
 

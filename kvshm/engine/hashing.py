@@ -11,7 +11,7 @@ Only full blocks are hashed. ``extra`` carries what else makes KV differ for equ
 (LoRA adapter, multimodal inputs, cache salt); two engines that pass different extras never
 share. The layout fingerprint of the segment already separates models and block sizes.
 
-It never touches shared memory and never imports torch.
+It never touches shared memory.
 """
 from __future__ import annotations
 

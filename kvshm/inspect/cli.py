@@ -4,8 +4,8 @@ This module owns the command line (stdlib argparse), its human and ``--json`` ou
 through the Structs of ``kvshm.inspect.schema``), and the only two commands that write to a
 segment: ``gc`` (reclaims what dead clients and a dead owner left, only while no owner runs)
 and ``rm`` (unlinks), whose work is ``kvshm.inspect.cleanup``'s. Everything else reads through
-``kvshm.inspect.snapshot``. It must never import torch, never write to a segment outside
-``gc``/``rm``, and never show a traceback: bad input gets one line on stderr.
+``kvshm.inspect.snapshot``. It must never write to a segment outside ``gc``/``rm`` and never
+show a traceback: bad input gets one line on stderr.
 Exit status: 0 ok, 1 ``verify`` found violations or ``rm`` refused, 2 error.
 """
 from __future__ import annotations

@@ -4,7 +4,7 @@ This module owns the stable JSON schema of every ``--json`` output (``kvshm.<com
 ``encode()`` turns a command's plain dict into JSON through its Struct (so a key or type that
 drifts from the schema is an error, never silent output), and ``render_docs()`` writes the
 schema tables that ``docs/inspect.md`` embeds (a test compares them; run
-``python -m kvshm.inspect.schema`` to print them). It must never import torch or touch a segment.
+``python -m kvshm.inspect.schema`` to print them). It must never touch a segment.
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ This module owns turning a mapped segment into plain dicts and lists (ready for 
 show (listed in ``docs/inspect.md``), and the Prometheus rendering; ``docs/inspect.md`` documents the output's
 stable schema. It works on a private copy of the metadata, so it must never write to the
 segment, never take a lock (it only asks the kernel who holds one), never spin on an entry a
-dead owner left half-written, and never import torch or ``kvshm.owner.manager``.
+dead owner left half-written, and never import ``kvshm.owner.manager``.
 """
 from __future__ import annotations
 

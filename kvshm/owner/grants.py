@@ -27,7 +27,8 @@ Invariants (the table says it all, so a successor rebuilds it):
 A granted block counts as used, so grants are kept small: a client is kept at
 ``grant_target`` (its share of a quarter of the cache) or at twice its largest store, the
 growth beyond the share only while all grants together stay within ``grant_budget`` (that
-quarter again), so grants never hold more than half the cache. It never copies block data, never blocks and never imports torch.
+quarter again), so grants never hold more than half the cache. It never copies block data
+and never blocks.
 """
 from __future__ import annotations
 

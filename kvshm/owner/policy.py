@@ -2,7 +2,7 @@
 
 This module owns one thing: the order in which cached keys become eviction victims, plus
 ARC's ghost lists and adaptive target. Keys are opaque ``bytes``. It must never know about
-block ids, block state, shared memory, rings or torch: the manager owns state (ready,
+block ids, block state, shared memory or rings: the manager owns state (ready,
 writing, pinned) and tells the policy through ``touch(key, ready)``, ``access(key, how)`` (a
 request's accesses, classified by the engine integration) and the ``can_evict`` callback.
 Semantics follow vLLM's v1 KV-offload ``LRUCachePolicy`` and ``ARCCachePolicy`` (0.20+:

@@ -24,8 +24,7 @@ Who writes what, and when:
 zlib.crc32 sums about 2-2.5 GB/s on one core here, serially after the copy in the copying
 thread, which caps a checksummed CPU transfer near that rate: 14-40% of the plain handler's
 throughput as measured by ``tools/bench_transfer.py --checksums`` (docs/benchmarks.md); the
-option is off by default for that reason. This module never maps memory of its own and never
-imports torch.
+option is off by default for that reason. This module never maps memory of its own.
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ full) from a key to the block whose table entry holds it. Only the owner writes 
 process may read it without a lock, while it changes: a reader verifies every candidate
 against the block's entry (``BlockTable``), so a concurrent change can cause a spurious miss,
 never a wrong hit. Deletion shifts entries back (no tombstones to rot). It never decides
-which keys are cached (see ``owner/manager.py``) and never imports torch.
+which keys are cached (see ``owner/manager.py``).
 """
 from __future__ import annotations
 

@@ -6,8 +6,7 @@ wakes a sleeping consumer (its named semaphore gets the segment's permission bit
 so group sharing works, and a process that opens it after the segment was removed does not
 leave it behind). It must never decode frames (payloads are opaque bytes; msgspec
 lives with the protocol), never allocate or name shared memory itself (callers hand it a
-writable buffer carved from the segment), never take locks shared between processes, and
-never import torch.
+writable buffer carved from the segment), and never take locks shared between processes.
 
 Region layout (native byte order, i.e. little-endian on x86 and ARM; it never leaves the host)::
 

@@ -7,7 +7,7 @@ claimed, so nobody reformats rings that an owner may still be reading. A client 
 to FREE only through the owner (after a goodbye, or when it sees the holder dead, adopted or
 not), or through ``kvshm-inspect gc`` while it holds the owner lock: the one process that may
 be reading a slot's rings is the one that clears it.
-It never talks to the owner and never imports torch.
+It never talks to the owner.
 """
 from __future__ import annotations
 

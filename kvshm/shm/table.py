@@ -15,7 +15,7 @@ first, so a death mid-write would leave a key with a zeroed tail under a READY s
 entry body is packed aside and copied in with one slice assignment, and single words go
 through aligned memoryview casts. Every key is written together with its checksum
 (``layout.key_checksum``), so a successor can tell a torn key from an intact one.
-It never decides policy (see ``owner/manager.py``) and never imports torch.
+It never decides policy (see ``owner/manager.py``).
 """
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ its record, fences, then checks that the generation still lives, and the owner s
 before it reads the records. So either the owner sees the record, or the registrant sees the
 death and copies nothing.
 
-It never decides what to free (the manager does) and never copies data; no torch.
+It never decides what to free (the manager does) and never copies data.
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ for one incarnation of the segment like its doorbells, ``Segment.object_name``; 
 the segment, ``Segment.unlink``): the mover's liveness lock
 and state, the lower-tier counters (which ``kvshm-inspect`` shows), and one *want ring* per
 client slot through which engines ask the mover to fetch keys their lookups missed. It never
-talks to a lower tier, never touches the segment's index and never imports torch.
+talks to a lower tier and never touches the segment's index.
 
 Why a separate object and not a frame to the owner: a want is a hint on the engine's lookup
 path, which reads shared memory and never waits for the owner. Writing a want is two stores

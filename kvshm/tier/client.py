@@ -5,7 +5,7 @@ one thing: a lookup that misses the segment asks the host's mover (through the t
 ring of this client's slot) to fetch the missing keys from the lower tier, and answers "not
 yet" — vLLM's "retry this lookup later" — instead of a miss, so no scheduler step waits on the
 network. Every other call goes straight to the SharedManager. It never talks to the lower
-tier, never blocks, never raises for anything the lower tier does, and never imports torch.
+tier, never blocks and never raises for anything the lower tier does.
 
 Two ways to ask: ``lookup(keys)`` (a prefix; "not yet" is None, and the missing run is asked
 for at once) and ``key_status(key)`` (vLLM's per-key lookup; "not yet" is RETRY, and the keys

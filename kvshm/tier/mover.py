@@ -17,7 +17,7 @@ This module owns the mover's loop. The mover is an ordinary kvshm client of the 
 Faults never reach an engine: while the lower tier is down (``link.py``: an RPC failure, then
 a backoff) wants are answered at once (misses) and store events are dropped (counted). Every
 outcome is a counter in the tier area (``kvshm-inspect show``). The mover never waits for an
-engine, never holds a pin across rounds, and never imports torch.
+engine and never holds a pin across rounds.
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ and the keys each request accessed, for vLLM's request-finished recency rules) o
 half ``jobs.py``.
 
 Inputs from vLLM are duck-typed (attributes only), so tests pass plain objects. It must never
-import vLLM or torch, and never let a per-key lookup go to the owner (a ring round trip).
+let a per-key lookup go to the owner (a ring round trip).
 """
 from __future__ import annotations
 
