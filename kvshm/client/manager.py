@@ -68,13 +68,13 @@ class SharedManager(OffloadingManager):
                                    self._after_failover, self._abandoned)
             self._own = OwnStores(segment, self.slot, self._link)
             self._newcomer = segment.buf[L.OFF_NEWCOMER:L.OFF_NEWCOMER + 8].cast("Q")
-            self._newcomer[0] = 1  # after ACTIVE is visible: the owner clears, fences, scans
+            self._newcomer[0] = 1  # after CLIENT is visible: the owner clears, fences, scans
             crash_point("client.connect.after_activate")
             self._link.ensure_owner()
             self._link.ring_owner()
             self._link.call([self._hello()])
         except BaseException:
-            # Leave the slot ACTIVE and unlocked: the owner (or gc) reclaims it, and it is
+            # Leave the slot CLIENT and unlocked: the owner (or gc) reclaims it, and it is
             # the only one that may, since it may have adopted it already.
             slots.unlock(segment, self.slot)
             raise

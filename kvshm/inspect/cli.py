@@ -280,13 +280,14 @@ _COMMANDS: dict[str, tuple[Callable[[Args], int], str, str]] = {
            "Per segment: size, blocks used/total, live clients, owner, format version, age;\n"
            "a foreign or damaged object shows its error instead.\n\nexample: kvshm-inspect ls"),
     "show": (cmd_show, "geometry, blocks by state, clients, owner, pin progress, counters",
-             "Layout fingerprint and geometry; blocks free/writing/ready/evicting/pinned; each\n"
-             "client (pid, process name, alive, holds, pins, pending stores, ring depths in\n"
-             "bytes); the owner; CUDA pin progress per process; counters.\n\n"
+             "Layout fingerprint and geometry; blocks free/writing/ready/evicting/granted/\n"
+             "pinned; each client (pid, process name, alive, holds, pins, pending stores,\n"
+             "ring depths in bytes); the owner; CUDA pin progress per process; counters.\n\n"
              "example: kvshm-inspect show llama8b --json"),
     "blocks": (cmd_blocks, "one row per block: state, key, pins, holders, last use, writer",
-               "--state (repeatable): free, writing, ready, evicting, pinned (a load pin),\n"
-               "leased (a live client's lookup lease), used (not free, the default), all.\n"
+               "--state (repeatable): free, writing, ready, evicting, granted (in a client's\n"
+               "grant ring), pinned (a load pin), leased (a live client's lookup lease), used\n"
+               "(not free, the default), all.\n"
                "--limit caps the rows (0 = all)."
                "\n\nexample: kvshm-inspect blocks llama8b --state writing --limit 20"),
     "verify": (cmd_verify, "check the invariants the segment can show; exit 1 if violated",

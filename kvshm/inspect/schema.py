@@ -117,7 +117,7 @@ class Client(_Doc):
     slot: _d(int, "slot index")
     pid: _d(int, "process id")
     name: _d(str, "process name")
-    state: _d(int, "0 free, 1 client, 2 job channel")
+    state: _d(int, "0 free, 1 client, 2 job channel, 3 leaving")
     alive: _d(bool, "its process holds the slot lock")
     generation: _d(int, "bumps each time the slot is claimed")
     attached_ns: _d(int, "when it attached")

@@ -58,7 +58,7 @@ def alive(seg: Segment, slot: int, gen: int) -> bool:
 
 def generation_alive(seg: Segment, slot: int, gen: int) -> bool:
     """Whether the client of ``slot`` generation ``gen`` still lives (its lock is held and the
-    slot is ACTIVE under that generation: a reclaimed or re-claimed slot is not)."""
+    slot is CLIENT under that generation: a reclaimed or re-claimed slot is not)."""
     if not 0 <= slot < seg.geometry.max_clients:
         return False
     rec = slots.record(seg, slot)

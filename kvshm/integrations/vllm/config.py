@@ -21,7 +21,7 @@ from kvshm.shm.segment import Segment
 POLICIES = ("lru", "arc")
 
 
-_NAME = r"^(?!\.+$)[A-Za-z0-9_.-]{1,128}$"  # a segment name (kvshm.shm.segment.shm_name)
+_NAME = r"^(?!\.+$)[A-Za-z0-9_.-]{1,128}$"  # a segment name (kvshm.shm.names.shm_name)
 
 
 class KvshmOptions(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
