@@ -7,16 +7,16 @@ it opened when that fails, and copies no block data.
 """
 from __future__ import annotations
 
+from kvshm.client.manager import SharedManager
 from kvshm.shm import layout as L
 from kvshm.shm.layout import Layout
 from kvshm.shm.segment import Segment
-from kvshm.client.manager import SharedManager
 
 
 def connect(name: str, layout: Layout | None = None, *, num_blocks: int | None = None,
             nbytes: int | None = None, policy: str = "lru", mode: int = 0o600,
             events: bool = False, grants: bool = True, timeout: float = 30.0,
-            **create_kw: int) -> "SharedManager":
+            **create_kw: int) -> SharedManager:
     """Attach this process to shared cache ``name`` and return its manager.
 
     Give ``num_blocks`` or ``nbytes`` (with ``layout``) to create the segment if it does not

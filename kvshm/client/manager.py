@@ -14,27 +14,31 @@ copies block data.
 from __future__ import annotations
 
 import os
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from kvshm.client.holds import HoldTable, key_array
+from kvshm.client.own_stores import OwnStores
+from kvshm.client.owner_link import OwnerLink, start_owner
+from kvshm.crashpoints import crash_point
+from kvshm.errors import BlockStateError, HoldsExhaustedError, InvalidArgumentError, UnknownKeyError
+from kvshm.index import protocol as P
+from kvshm.index.api import (
+    LookupResult,
+    OffloadingEvent,
+    OffloadingManager,
+    PrepareStoreOutput,
+    Running,
+)
 from kvshm.shm import keys as K
 from kvshm.shm import layout as L
 from kvshm.shm import slots
-from kvshm.index import protocol as P
-from kvshm.index.api import (LookupResult, OffloadingEvent, OffloadingManager,
-                             PrepareStoreOutput, Running)
-from kvshm.crashpoints import crash_point
 from kvshm.shm.fence import full_fence
-from kvshm.errors import BlockStateError, HoldsExhaustedError, InvalidArgumentError, UnknownKeyError
-from kvshm.client.holds import HoldTable, key_array
-from kvshm.client.owner_link import OwnerLink, start_owner
-from kvshm.client.own_stores import OwnStores
+from kvshm.shm.keyindex import KeyIndex
 from kvshm.shm.ring import Ring
 from kvshm.shm.segment import Segment
-from kvshm.shm.keyindex import KeyIndex
 from kvshm.shm.table import BlockTable
-
 
 _HIT = LookupResult.HIT
 _EVICTING_SPINS = 10_000  # an owner decides an eviction in microseconds; past this it died
@@ -57,7 +61,8 @@ class SharedManager(OffloadingManager):
         self.index = KeyIndex(segment.buf, g, self.table)
         self._events = events
         # A prepare_store reply part carries keys and block ids; requests are cut to match.
-        self._chunk_keys = max(1, (Ring.max_payload(g.ring_capacity) - 64) // (L.MAX_KEY_BYTES + 16))
+        self._chunk_keys = max(1, (Ring.max_payload(g.ring_capacity) - 64)
+                               // (L.MAX_KEY_BYTES + 16))
         self.slot, self.gen = slots.claim(segment, lambda: start_owner(segment))
         try:
             self._ctr = slots.counter_words(segment, self.slot)
@@ -388,7 +393,7 @@ class SharedManager(OffloadingManager):
         seg.close()
         self.segment = None  # type: ignore[assignment]
 
-    def __enter__(self) -> "SharedManager":
+    def __enter__(self) -> SharedManager:
         return self
 
     def __exit__(self, *exc: object) -> None:

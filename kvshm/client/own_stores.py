@@ -9,12 +9,12 @@ the block table or the key index and never waits longer than ``CONFIRM_WAIT_S``.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
+from kvshm.client.owner_link import OwnerLink
 from kvshm.crashpoints import crash_point
 from kvshm.index import protocol as P
 from kvshm.index.api import Running
-from kvshm.client.owner_link import OwnerLink
 from kvshm.shm import layout as L
 from kvshm.shm import slots
 from kvshm.shm.fence import publish_fence

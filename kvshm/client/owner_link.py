@@ -63,14 +63,13 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
-from kvshm.shm import layout as L
+from kvshm.errors import OwnerUnavailableError, ProtocolError, ReplyTimeoutError, RingFullError
 from kvshm.index import protocol as P
 from kvshm.index.launch import OWNER_IDLE_EXIT_S, OWNER_MODULE, owner_log_path
+from kvshm.shm import layout as L
 from kvshm.shm import slots
-from kvshm.errors import (OwnerUnavailableError, ProtocolError, ReplyTimeoutError,
-                          RingFullError)
 from kvshm.shm.ring import Doorbell, Ring
 from kvshm.shm.segment import Segment
 

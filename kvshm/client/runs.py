@@ -13,8 +13,9 @@ segment's table and never talks to the owner.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from itertools import repeat
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 

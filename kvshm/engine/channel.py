@@ -18,14 +18,13 @@ It owns the frames (msgspec, tagged, array_like) and nothing about what jobs mea
 from __future__ import annotations
 
 import time
-from typing import Callable, Iterable, Sequence, Union
+from collections.abc import Callable, Iterable, Sequence
 
 import msgspec
 
-from kvshm.shm import layout as L
-from kvshm.shm import locks
-from kvshm.shm import slots
 from kvshm.errors import ClientSlotsExhaustedError, InvalidArgumentError, TransferError
+from kvshm.shm import layout as L
+from kvshm.shm import locks, slots
 from kvshm.shm.ring import Doorbell, Ring
 from kvshm.shm.segment import Segment
 from kvshm.transfer.spec import TransferResult, TransferSpec
@@ -71,7 +70,7 @@ class Done(_Frame):
 
 
 _encoder = msgspec.msgpack.Encoder()
-_to_worker = msgspec.msgpack.Decoder(Union[JobFrame, Flush, Stop])
+_to_worker = msgspec.msgpack.Decoder(JobFrame | Flush | Stop)
 _to_scheduler = msgspec.msgpack.Decoder(Done)
 
 
@@ -260,7 +259,7 @@ class SchedulerChannel:
         self.seg.close()
         self.seg = None  # type: ignore[assignment]
 
-    def __enter__(self) -> "SchedulerChannel":
+    def __enter__(self) -> SchedulerChannel:
         return self
 
     def __exit__(self, *exc: object) -> None:

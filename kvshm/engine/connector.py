@@ -25,13 +25,19 @@ the hash of its LAST device block. It never copies data (workers do).
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
-from kvshm.index.api import OffloadingEvent, OffloadingManager
-from kvshm.errors import BlockStateError, CacheFullError, InvalidArgumentError, KvshmError
-from kvshm.errors import UnknownKeyError
 from kvshm.engine.hashing import offload_key
+from kvshm.errors import (
+    BlockStateError,
+    CacheFullError,
+    InvalidArgumentError,
+    KvshmError,
+    UnknownKeyError,
+)
+from kvshm.index.api import OffloadingEvent, OffloadingManager
 from kvshm.transfer.spec import TransferSpec
 
 log = logging.getLogger(__name__)

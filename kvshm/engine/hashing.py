@@ -16,7 +16,7 @@ It never touches shared memory.
 from __future__ import annotations
 
 import hashlib
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

@@ -7,10 +7,11 @@ a microsecond to encode and decode. It never touches shared memory or manager st
 Every request carries ``req``, the client's request number (u64, increasing per slot
 generation); every reply echoes it and carries the epoch of the owner that wrote it.
 ``req == 0`` marks a one-way request (no reply): ``Touch`` and ``Publish`` only. A
-``PrepareStore`` too large for one frame travels as several frames with the same ``req`` (``part`` 0, 1, ...; all but the last with ``more``): the
-owner executes it once, whole, when the last part arrives, and answers in parts the same way.
-Other requests that are too large are split by the client into independent requests. Why a request
-is executed at most once whatever dies is told in ``client/owner_link.py``.
+``PrepareStore`` too large for one frame travels as several frames with the same ``req``
+(``part`` 0, 1, ...; all but the last with ``more``): the owner executes it once, whole, when
+the last part arrives, and answers in parts the same way. Other requests that are too large
+are split by the client into independent requests. Why a request is executed at most once
+whatever dies is told in ``client/owner_link.py``.
 
 ``Touch``, ``PrepareStore`` and ``Publish`` may name the running request their keys belong to
 (``api.Running``, vLLM 0.33's provisional LRU rank): ``request`` (the client's number for it,
@@ -19,8 +20,6 @@ request without positions says that it finished. Both fields are trailing and op
 frame without them decodes as before, and an owner without them ignores them.
 """
 from __future__ import annotations
-
-from typing import Union
 
 import msgspec
 
@@ -82,7 +81,7 @@ class Bye(_Msg):
     req: int
 
 
-Request = Union[Hello, PrepareStore, CompleteStore, Touch, Publish, TakeEvents, Bye]
+Request = Hello | PrepareStore | CompleteStore | Touch | Publish | TakeEvents | Bye
 
 
 # --- owner -> client ---------------------------------------------------------------------
@@ -129,7 +128,7 @@ class Error(_Msg):
     message: str
 
 
-Reply = Union[Ok, Prepared, NoRoom, Events, Retry, Error]
+Reply = Ok | Prepared | NoRoom | Events | Retry | Error
 
 def running_fields(running: Running | None, keys: list[bytes]) -> dict:
     """The ``request``/``positions`` fields that carry ``running`` for ``keys``."""

@@ -16,16 +16,17 @@ import os
 import signal
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
-from kvshm.shm import layout as L
-from kvshm.index.launch import OWNER_IDLE_EXIT_S
 from kvshm.errors import SegmentNotFoundError
-from kvshm.shm.names import PREFIX, SHM_DIR, list_segments, remove, remove_objects
-from kvshm.shm.segment import Segment
+from kvshm.index.launch import OWNER_IDLE_EXIT_S
 from kvshm.inspect.cleanup import reclaim, users
 from kvshm.inspect.schema import encode
 from kvshm.inspect.snapshot import block_rows, metric_samples, prometheus, snapshot, verify
+from kvshm.shm import layout as L
+from kvshm.shm.names import PREFIX, SHM_DIR, list_segments, remove, remove_objects
+from kvshm.shm.segment import Segment
 
 PROG = "kvshm-inspect"
 Args = argparse.Namespace
@@ -75,9 +76,9 @@ def render_show(s: dict[str, Any]) -> str:
            f"{b['evicting']}  granted {b['granted']}  pinned {b['pinned']}  leased "
            f"{b['leased']}  ({b['usage']:.1%} used)"
            + (f"  INVALID {b['invalid']}" if b["invalid"] else ""),
-           f"owner     {owner}", f"owner log {o['log']}  (an auto-started owner's; "
-                                 "'kvshm serve' logs to its stderr)", f"clients   {s['clients_alive']} alive, "
-                                 f"{s['clients_dead']} dead"]
+           f"owner     {owner}",
+           f"owner log {o['log']}  (an auto-started owner's; 'kvshm serve' logs to its stderr)",
+           f"clients   {s['clients_alive']} alive, {s['clients_dead']} dead"]
     if s["clients"]:
         out += _table(["SLOT", "PID", "NAME", "ALIVE", "GEN", "PINS", "LEASES", "PENDING",
                        *(r.upper() for r in L.RING_NAMES), "AGE"], [

@@ -1,11 +1,11 @@
 """Read-only views of a kvshm segment: ``snapshot()``, ``verify()``, ``block_rows()``, metrics.
 
 This module owns turning a mapped segment into plain dicts and lists (ready for JSON) for
-``kvshm-inspect``, the soak harness and tests, the checks of the invariants that the segment can
-show (listed in ``docs/inspect.md``), and the Prometheus rendering; ``docs/inspect.md`` documents the output's
-stable schema. It works on a private copy of the metadata, so it must never write to the
-segment, never take a lock (it only asks the kernel who holds one), never spin on an entry a
-dead owner left half-written, and never import ``kvshm.owner.manager``.
+``kvshm-inspect``, the soak harness and tests, the checks of the invariants that the segment
+can show (listed in ``docs/inspect.md``), and the Prometheus rendering; ``docs/inspect.md``
+documents the output's stable schema. It works on a private copy of the metadata, so it must
+never write to the segment, never take a lock (it only asks the kernel who holds one), never
+spin on an entry a dead owner left half-written, and never import ``kvshm.owner.manager``.
 """
 from __future__ import annotations
 
@@ -17,14 +17,15 @@ from typing import Any
 
 import numpy as np
 
+from kvshm.index.launch import owner_log_path
 from kvshm.shm import layout as L
 from kvshm.shm.checksums import BlockSums
+from kvshm.shm.keyindex import KeyIndex
 from kvshm.shm.ring import Ring
 from kvshm.shm.segment import Segment
-from kvshm.shm.keyindex import KeyIndex
 from kvshm.shm.table import BlockTable, state_counts
-from kvshm.index.launch import owner_log_path
-from kvshm.tier.area import COUNTERS as TIER_COUNTERS, TierArea
+from kvshm.tier.area import COUNTERS as TIER_COUNTERS
+from kvshm.tier.area import TierArea
 
 _ENTRY_DT = L.ENTRY_DTYPE
 _KEY_OFF = L.ENTRY_KEY_OFFSET
@@ -64,7 +65,7 @@ class _Meta:
         self.find = KeyIndex(memoryview(buf), g, BlockTable(memoryview(buf), g)).find
         live = [self.holds(i) for i in range(g.max_clients) if self.alive(i)]
         codes = np.concatenate(live) if live else np.empty(0, np.int32)
-        ok = lambda b: {int(x) for x in b if 0 <= x < g.num_blocks}  # noqa: E731
+        ok = lambda b: {int(x) for x in b if 0 <= x < g.num_blocks}
         self.live_pinned = ok(codes[codes >= 0])
         self.live_leased = ok(L.held_block(codes[codes < -1]))
 
@@ -207,8 +208,9 @@ def block_rows(seg: Segment, states: set[str], limit: int) -> tuple[int, list[di
 
 
 def verify(seg: Segment, attempts: int = 3, data: bool = False) -> list[str]:
-    """Violations of the invariants (``docs/inspect.md``) visible in ``seg`` (empty when clean). While an
-    owner or client lives the segment moves, so only what all ``attempts`` passes see counts.
+    """Violations of the invariants (``docs/inspect.md``) visible in ``seg`` (empty when
+    clean). While an owner or client lives the segment moves, so only what all ``attempts``
+    passes see counts.
     ``data``: also check every READY block's planes against their block checksums (a segment
     created with ``Layout(checksums=True)``; InvalidArgumentError otherwise)."""
     sums = BlockSums(seg) if data else None

@@ -20,15 +20,11 @@ from collections.abc import Callable, Iterator, Sequence
 from itertools import repeat
 
 from kvshm.errors import InvalidArgumentError
-from kvshm.index.access import (  # noqa: F401  (the policy's vocabulary)
-    ACCESS_KINDS, INSERTED, MISSED, RANKED, REUSED, SEEN)
+from kvshm.index.access import INSERTED, MISSED, RANKED, REUSED  # how a request used a key
+from kvshm.shm.layout import POLICY_NAMES  # recorded in the segment header, so defined there
 
 CanEvict = Callable[[bytes], bool]
 Rank = tuple[int, int]  # LRU: (n, sub), lowest first (see LRUPolicy)
-
-# How a request used a key (``kvshm.index.access``), as ``CachePolicy.access`` applies it.
-
-from kvshm.shm.layout import POLICY_NAMES  # recorded in the segment header, so defined there
 
 
 def _no_victims(n: int) -> list[bytes]:

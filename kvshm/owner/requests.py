@@ -8,16 +8,17 @@ record (the table and what the client still has pending).
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from kvshm.errors import KvshmError, ProtocolError
 from kvshm.index import protocol as P
+from kvshm.owner.clients import Client
+from kvshm.owner.manager import LocalManager
 from kvshm.shm import keys as K
 from kvshm.shm import layout as L
 from kvshm.shm.ring import Ring
 from kvshm.shm.segment import Segment
-from kvshm.owner.clients import Client
-from kvshm.owner.manager import LocalManager
 
 Handler = Callable[[Client, Any, bool], "list[P._Msg]"]
 
@@ -115,13 +116,12 @@ class Handlers:
     def _take_events(self, c: Client, m: P.TakeEvents, replay: bool) -> list[P._Msg]:
         # As many events as fit one reply frame; the rest wait for the next call. (A replay
         # finds an empty log: the events died with the owner that recorded them.)
-        room, n = c.max_reply // 2, 0
-        for n, (_, keys) in enumerate(c.events_log):
+        room, n = c.max_reply // 2, len(c.events_log)
+        for i, (_, keys) in enumerate(c.events_log):
             room -= sum(len(k) + 3 for k in keys) + 8
             if room < 0:
+                n = i
                 break
-        else:
-            n = len(c.events_log)
         log_, c.events_log = c.events_log[:n], c.events_log[n:]
         return [P.Events(m.req, self.epoch, [rm for rm, _ in log_], [k for _, k in log_])]
 

@@ -22,16 +22,16 @@ import msgspec
 from kvshm.crashpoints import crash_point
 from kvshm.errors import KvshmError, OwnerUnavailableError
 from kvshm.index import protocol as P
-from kvshm.shm import layout as L
-from kvshm.shm import slots
-from kvshm.shm.ring import Doorbell
-from kvshm.shm.segment import Segment
 from kvshm.owner.clients import Client
 from kvshm.owner.grants import grant_budget, grant_target, stock
 from kvshm.owner.manager import LocalManager
 from kvshm.owner.requests import Handlers
 from kvshm.owner.roster import Roster
 from kvshm.owner.spin import SpinPolicy
+from kvshm.shm import layout as L
+from kvshm.shm import slots
+from kvshm.shm.ring import Doorbell
+from kvshm.shm.segment import Segment
 
 log = logging.getLogger("kvshm.owner")
 # The one default for 'kvshm serve' and 'python -m kvshm.owner' (an auto-started
@@ -156,7 +156,7 @@ class Owner:
         and only then release it from the request ring (see ``owner_link.py``)."""
         try:
             msg = P.request_decoder.decode(frame)
-        except Exception as e:  # noqa: BLE001 - decoding is pure: whatever it raises
+        except Exception as e:
             # (DecodeError, ValidationError, a UnicodeDecodeError for a name that is not
             # UTF-8, ...) is the frame's fault, and must never take the owner down.
             self.seg.counter_add("errors")

@@ -48,7 +48,7 @@ def page_sum(page: np.ndarray) -> int:
 class BlockSums:
     """The checksum region of an attached segment with ``Layout(checksums=True)``."""
 
-    def __init__(self, seg: "Segment") -> None:  # noqa: F821  (segment imports us lazily)
+    def __init__(self, seg: Segment) -> None:  # noqa: F821  (segment imports us lazily)
         g = seg.geometry
         if not g.checksums:
             raise InvalidArgumentError(

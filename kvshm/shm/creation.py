@@ -38,8 +38,14 @@ from typing import NamedTuple
 import posix_ipc
 
 from kvshm.crashpoints import crash_point
-from kvshm.errors import (CreationStalledError, InsufficientSpaceError, NotAKvshmSegmentError,
-                          SegmentExistsError, SegmentNotFoundError, SegmentPermissionError)
+from kvshm.errors import (
+    CreationStalledError,
+    InsufficientSpaceError,
+    NotAKvshmSegmentError,
+    SegmentExistsError,
+    SegmentNotFoundError,
+    SegmentPermissionError,
+)
 from kvshm.shm import header, locks
 from kvshm.shm import layout as L
 from kvshm.shm.layout import Geometry, Layout

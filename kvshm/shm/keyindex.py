@@ -10,7 +10,7 @@ which keys are cached (see ``owner/manager.py``).
 from __future__ import annotations
 
 import zlib
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

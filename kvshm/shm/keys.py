@@ -8,7 +8,8 @@ memory.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from kvshm.errors import InvalidArgumentError
 from kvshm.shm.layout import MAX_KEY_BYTES

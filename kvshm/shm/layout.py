@@ -21,19 +21,48 @@ import hashlib
 import json
 import struct
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
 from kvshm.errors import InvalidArgumentError
 from kvshm.shm.records import (  # noqa: F401  (re-exported: one definition, two names)
-    COUNTER_NAMES, COUNTERS_DTYPE, ENTRY_BODY, ENTRY_DTYPE, GRANT_HEAD_DTYPE, HEADER,
-    HEADER_DTYPE, INDEX_SLOT, INDEX_SLOT_DTYPE, OWNER, OWNER_BYTES, OWNER_DTYPE, PIN_DONE,
-    PIN_FAILED, PIN_IDLE, PIN_RUNNING, PIN_WAITING, PINNER, PINNER_DTYPE, SERVED_DTYPE, SLOT,
-    SLOT_COUNTERS_DTYPE, SLOT_DTYPE, SLOT_STATE_NAMES, WRITER_DTYPE, HeaderRecord, OwnerRecord, PinnerRecord,
-    SlotRecord, SlotState, field_offset, header_record)
+    COUNTER_NAMES,
+    COUNTERS_DTYPE,
+    ENTRY_BODY,
+    ENTRY_DTYPE,
+    GRANT_HEAD_DTYPE,
+    HEADER,
+    HEADER_DTYPE,
+    INDEX_SLOT,
+    INDEX_SLOT_DTYPE,
+    OWNER,
+    OWNER_BYTES,
+    OWNER_DTYPE,
+    PIN_DONE,
+    PIN_FAILED,
+    PIN_IDLE,
+    PIN_RUNNING,
+    PIN_WAITING,
+    PINNER,
+    PINNER_DTYPE,
+    SERVED_DTYPE,
+    SLOT,
+    SLOT_COUNTERS_DTYPE,
+    SLOT_DTYPE,
+    SLOT_STATE_NAMES,
+    WRITER_DTYPE,
+    HeaderRecord,
+    OwnerRecord,
+    PinnerRecord,
+    SlotRecord,
+    SlotState,
+    field_offset,
+    header_record,
+)
 
 MAGIC = b"KVSHM\x00\x00\x01"
 FORMAT_VERSION = 5  # 2: 64-bit writer_req, keysum in every table entry; 3: block grants;
@@ -220,7 +249,7 @@ class Layout:
         return hashlib.sha256(self.describe().encode()).digest()
 
     @classmethod
-    def from_description(cls, text: str) -> "Layout":
+    def from_description(cls, text: str) -> Layout:
         d = json.loads(text)
         return cls(tuple(d["page_bytes"]), d["tokens_per_block"], d.get("model", ""),
                    d.get("extra", {}), d.get("checksums", False))

@@ -37,17 +37,17 @@ from __future__ import annotations
 import ctypes
 import os
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import posix_ipc
 
 from kvshm.crashpoints import crash_point
+from kvshm.errors import FrameTooLargeError, InvalidArgumentError, ProtocolError, RingFullError
 from kvshm.shm.fence import WEAK_ORDER as _WEAK_ORDER  # module-level: tests patch it
 from kvshm.shm.fence import full_fence
-from kvshm.errors import FrameTooLargeError, InvalidArgumentError, ProtocolError, RingFullError
 from kvshm.shm.objects import open_object
 
-__all__ = ["Ring", "Doorbell", "memory_fence"]
+__all__ = ["Doorbell", "Ring", "memory_fence"]
 
 _MAGIC = int.from_bytes(b"KVRING01", "little")
 _CAP, _TAIL, _HEAD, _DATA = 1, 8, 16, 192  # word indexes into the 'Q' header view; data offset

@@ -11,15 +11,15 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
-from typing import TYPE_CHECKING, Iterator
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import numpy as np
 import posix_ipc
 
-from kvshm.shm import layout as L
-from kvshm.shm import locks
 from kvshm.errors import InvalidArgumentError
-from kvshm.shm import creation, words
+from kvshm.shm import creation, locks, words
+from kvshm.shm import layout as L
 from kvshm.shm.layout import Geometry, Layout
 from kvshm.shm.names import object_name, remove
 
@@ -56,7 +56,7 @@ class Segment:
     def create(cls, name: str, layout: Layout, num_blocks: int, *, mode: int = 0o600,
                max_clients: int = 32, ring_capacity: int = 128 << 10,
                hold_capacity: int = 4096, policy: str = "lru",
-               exist_ok: bool = False) -> "Segment":
+               exist_ok: bool = False) -> Segment:
         """Create segment ``name`` holding ``num_blocks`` blocks of ``layout``.
 
         With ``exist_ok`` an existing segment is attached instead (and validated against
@@ -74,7 +74,7 @@ class Segment:
                                           exist_ok=exist_ok))
 
     @classmethod
-    def attach(cls, name: str, layout: Layout | None = None) -> "Segment":
+    def attach(cls, name: str, layout: Layout | None = None) -> Segment:
         """Attach existing segment ``name``; if ``layout`` is given it must match.
 
         Waits for a creator that is still creating it (see ``creation.py``).
@@ -98,7 +98,7 @@ class Segment:
             self._qfd = None
         self._mm = None
 
-    def __enter__(self) -> "Segment":
+    def __enter__(self) -> Segment:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -136,7 +136,7 @@ class Segment:
     def planes(self) -> list[np.ndarray]:
         return [self.plane(i) for i in range(len(self.geometry.page_bytes))]
 
-    def torch_planes(self) -> list["torch.Tensor"]:
+    def torch_planes(self) -> list[torch.Tensor]:
         """The planes as uint8 torch tensors sharing the segment's memory."""
         import torch
         return [torch.from_numpy(p) for p in self.planes()]

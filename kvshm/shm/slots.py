@@ -14,19 +14,18 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
+from kvshm.errors import ClientSlotsExhaustedError
 from kvshm.shm import layout as L
 from kvshm.shm import locks, words
-from kvshm.shm.words import WordView
-from kvshm.errors import ClientSlotsExhaustedError
 from kvshm.shm.fence import full_fence
 from kvshm.shm.layout import SlotRecord, SlotState
 from kvshm.shm.ring import Ring
 from kvshm.shm.segment import Segment
-
+from kvshm.shm.words import WordView
 
 
 def record(seg: Segment, slot: int) -> SlotRecord:

@@ -20,15 +20,29 @@ It never decides policy (see ``owner/manager.py``).
 from __future__ import annotations
 
 import os
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
 from kvshm import crashpoints
 from kvshm.shm import layout as L
-from kvshm.shm.entry import (BODY, BODY_DTYPE, BODY_OFF, EMPTY_KEYSUM, KEY_OFF, KEYLEN_OFF,
-                             LAST_USE_WORD, PINS_WORD, STATE_OFF, STORED_NS_WORD, WORDS32,
-                             WORDS64, WRITER_OFF, Entry, decode)
+from kvshm.shm.entry import (
+    BODY,
+    BODY_DTYPE,
+    BODY_OFF,
+    EMPTY_KEYSUM,
+    KEY_OFF,
+    KEYLEN_OFF,
+    LAST_USE_WORD,
+    PINS_WORD,
+    STATE_OFF,
+    STORED_NS_WORD,
+    WORDS32,
+    WORDS64,
+    WRITER_OFF,
+    Entry,
+    decode,
+)
 from kvshm.shm.fence import publish_fence
 
 # Below this many entries the batch writers loop over the scalar ones: numpy's per-call cost

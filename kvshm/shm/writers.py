@@ -27,8 +27,7 @@ import time
 import numpy as np
 
 from kvshm.shm import layout as L
-from kvshm.shm import locks
-from kvshm.shm import slots, words
+from kvshm.shm import locks, slots, words
 from kvshm.shm.fence import full_fence
 from kvshm.shm.segment import Segment
 

@@ -19,7 +19,7 @@ import functools
 import struct
 import zlib
 from abc import ABC, abstractmethod
-from typing import Sequence
+from collections.abc import Sequence
 
 from kvshm.shm.checksums import page_sum
 
@@ -36,7 +36,7 @@ class Code(enum.IntEnum):
     OTHER = -1
 
     @classmethod
-    def of(cls, rc: int) -> "Code":
+    def of(cls, rc: int) -> Code:
         try:
             return cls(rc)
         except ValueError:

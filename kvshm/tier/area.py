@@ -45,8 +45,8 @@ from kvshm.errors import InvalidArgumentError, SegmentNotFoundError
 from kvshm.shm import locks
 from kvshm.shm.fence import full_fence
 from kvshm.shm.layout import MAX_KEY_BYTES
-from kvshm.shm.ring import Doorbell
 from kvshm.shm.objects import open_object
+from kvshm.shm.ring import Doorbell
 from kvshm.shm.segment import Segment
 from kvshm.shm.words import WordView
 
@@ -136,7 +136,7 @@ class TierArea:
 
     # --- lifecycle ----------------------------------------------------------------------
     @classmethod
-    def create(cls, seg: Segment) -> "TierArea":
+    def create(cls, seg: Segment) -> TierArea:
         """Open or create segment ``seg``'s area (the mover, holding no lock yet). An area
         of another version or geometry is re-initialised: nothing in it outlives a mover
         except counters, and those only when the geometry matches. Raises
@@ -163,7 +163,7 @@ class TierArea:
         return area
 
     @classmethod
-    def attach(cls, seg: Segment) -> "TierArea | None":
+    def attach(cls, seg: Segment) -> TierArea | None:
         """The area of segment ``seg``, or None when no mover ever made one (or it is not
         initialised yet): then there is no lower tier to ask."""
         posix = seg.object_name("tier")

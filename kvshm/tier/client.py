@@ -33,11 +33,16 @@ them again; another request's lookup of them keeps its lease).
 from __future__ import annotations
 
 import time
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
-from kvshm.index.api import (LookupResult, OffloadingEvent, OffloadingManager,
-                             PrepareStoreOutput, Running)
 from kvshm.client.manager import SharedManager
+from kvshm.index.api import (
+    LookupResult,
+    OffloadingEvent,
+    OffloadingManager,
+    PrepareStoreOutput,
+    Running,
+)
 from kvshm.shm import layout as L
 from kvshm.tier.area import TierArea
 
@@ -218,7 +223,7 @@ class TieredManager(OffloadingManager):
             self._area = None
         self.manager.shutdown()
 
-    def __enter__(self) -> "TieredManager":
+    def __enter__(self) -> TieredManager:
         return self
 
     def __exit__(self, *exc: object) -> None:

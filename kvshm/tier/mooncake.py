@@ -28,8 +28,8 @@ import shutil
 import socket
 import subprocess
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from kvshm.errors import LowerTierUnavailableError
 from kvshm.tier.api import Code, LowerTier
@@ -174,7 +174,8 @@ def start_master(host: str = "127.0.0.1", log_path: str | None = None,
     out = open(log_path, "ab") if log_path else subprocess.DEVNULL
     try:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, env={**os.environ, "GLOG_logtostderr": "1"})
+                                stdin=subprocess.DEVNULL,
+                                env={**os.environ, "GLOG_logtostderr": "1"})
     finally:
         if log_path:
             out.close()

@@ -30,16 +30,16 @@ import signal
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from itertools import islice
-from typing import Sequence
 
 import numpy as np
 import posix_ipc
 
+from kvshm.client.manager import SharedManager
 from kvshm.crashpoints import crash_point
 from kvshm.errors import KvshmError, SegmentNotFoundError
-from kvshm.client.manager import SharedManager
 from kvshm.index.api import LookupResult
 from kvshm.shm.checksums import BlockSums
 from kvshm.shm.segment import Segment

@@ -10,7 +10,8 @@ Inputs from vLLM are duck-typed (attributes only), so tests pass plain objects.
 from __future__ import annotations
 
 import hashlib
-from typing import Annotated, Any, Mapping
+from collections.abc import Mapping
+from typing import Annotated, Any
 
 import msgspec
 
@@ -53,7 +54,7 @@ class KvshmOptions(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
     ))] = msgspec.field(default=False, name="kvshm_tier")
 
     @classmethod
-    def from_extra(cls, extra: Mapping[str, Any]) -> "KvshmOptions":
+    def from_extra(cls, extra: Mapping[str, Any]) -> KvshmOptions:
         ours = {k: v for k, v in extra.items() if k in _OPTION_KEYS or k.startswith("kvshm_")}
         if isinstance(ours.get("eviction_policy"), str):
             ours["eviction_policy"] = ours["eviction_policy"].lower()

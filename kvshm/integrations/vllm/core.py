@@ -11,11 +11,12 @@ let a per-key lookup go to the owner (a ring round trip).
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
-from kvshm.index.api import LookupResult, PrepareStoreOutput, Running
-from kvshm.index.access import INSERTED, MISSED, RANKED, REUSED, SEEN
 from kvshm.errors import KvshmError
+from kvshm.index.access import INSERTED, MISSED, RANKED, REUSED, SEEN
+from kvshm.index.api import LookupResult, PrepareStoreOutput, Running
 from kvshm.shm import layout as L
 
 logger = logging.getLogger(__name__)
@@ -232,14 +233,14 @@ class ManagerCore:
     def shutdown(self) -> None:
         self.mgr.shutdown()  # the owner frees our unfinished stores; our pins go with our slot
 
-    def _first_seen(self, acc: "_Access", keys: list[bytes], position: Position | None) -> None:
+    def _first_seen(self, acc: _Access, keys: list[bytes], position: Position | None) -> None:
         """vLLM 0.33's LRU: keys a running request records for the first time rise to its
         provisional rank (which the owner takes now if the request has none yet)."""
         if self._ranked and keys:
             self._quietly(self._touch, keys, bytes([RANKED]) * len(keys),
                           self._running(acc, keys, position))
 
-    def _running(self, acc: "_Access", keys: list[bytes], position: Position | None) -> Running:
+    def _running(self, acc: _Access, keys: list[bytes], position: Position | None) -> Running:
         if not acc.request:  # a number the owner has never seen from this client
             self._requests += 1
             acc.request = self._requests
@@ -253,7 +254,7 @@ class ManagerCore:
     def _touch(self, keys: list[bytes], how: bytes, running: Running | None) -> None:
         self.mgr.touch(keys, how, running=running)
 
-    def _access_of(self, req_id: str) -> "_Access":
+    def _access_of(self, req_id: str) -> _Access:
         acc = self._access.get(req_id)
         if acc is None:
             acc = self._access[req_id] = _Access()

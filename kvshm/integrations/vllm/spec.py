@@ -26,21 +26,28 @@ and 0.33 assert on both), and never let a lookup cost a round trip to the owner.
 from __future__ import annotations
 
 import logging
-from typing import Any, Collection, Iterable
+from collections.abc import Collection, Iterable
+from typing import Any
 
 from kvshm.client.connect import connect
 from kvshm.client.manager import SharedManager
-from kvshm.tier.client import TieredManager
 from kvshm.errors import LayoutMismatchError
-from kvshm.shm import writers
-from kvshm.shm.pins import PinProgress
-from kvshm.shm.segment import Segment
 from kvshm.integrations.vllm import compat as V
-from kvshm.integrations.vllm.config import (KvshmOptions, check_layout, explain_mismatch,
-                                            layout_for, num_blocks_for, open_segment)
+from kvshm.integrations.vllm.config import (
+    KvshmOptions,
+    check_layout,
+    explain_mismatch,
+    layout_for,
+    num_blocks_for,
+    open_segment,
+)
 from kvshm.integrations.vllm.core import ManagerCore
 from kvshm.integrations.vllm.jobs import WorkerCore
 from kvshm.integrations.vllm.stats import KINDS, METRICS, StatsReader
+from kvshm.shm import writers
+from kvshm.shm.pins import PinProgress
+from kvshm.shm.segment import Segment
+from kvshm.tier.client import TieredManager
 
 logger = logging.getLogger(__name__)
 
