@@ -36,7 +36,6 @@ from kvshm.shm import layout as L
 from kvshm.shm import slots
 from kvshm.shm.fence import full_fence
 from kvshm.shm.keyindex import KeyIndex
-from kvshm.shm.ring import Ring
 from kvshm.shm.segment import Segment
 from kvshm.shm.table import BlockTable
 
@@ -60,9 +59,7 @@ class SharedManager(OffloadingManager):
         self.table = BlockTable(segment.buf, g)
         self.index = KeyIndex(segment.buf, g, self.table)
         self._events = events
-        # A prepare_store reply part carries keys and block ids; requests are cut to match.
-        self._chunk_keys = max(1, (Ring.max_payload(g.ring_capacity) - 64)
-                               // (L.MAX_KEY_BYTES + 16))
+        self._chunk_keys = P.keys_per_part(g.ring_capacity)  # requests cut like the replies
         self.slot, self.gen = slots.claim(segment, lambda: start_owner(segment))
         try:
             self._ctr = slots.counter_words(segment, self.slot)

@@ -25,6 +25,8 @@ import msgspec
 
 from kvshm import errors
 from kvshm.index.api import Running
+from kvshm.shm import layout as L
+from kvshm.shm.ring import Ring
 
 
 class _Msg(msgspec.Struct, tag=True, array_like=True, frozen=True):
@@ -129,6 +131,13 @@ class Error(_Msg):
 
 
 Reply = Ok | Prepared | NoRoom | Events | Retry | Error
+
+
+def keys_per_part(ring_capacity: int) -> int:
+    """Keys one ``PrepareStore`` part or ``Prepared`` reply part carries (a reply part
+    carries a block id per key too): its frame fits a ring of ``ring_capacity`` bytes."""
+    return max(1, (Ring.max_payload(ring_capacity) - 64) // (L.MAX_KEY_BYTES + 16))
+
 
 def running_fields(running: Running | None, keys: list[bytes]) -> dict:
     """The ``request``/``positions`` fields that carry ``running`` for ``keys``."""

@@ -16,8 +16,6 @@ from kvshm.index import protocol as P
 from kvshm.owner.clients import Client
 from kvshm.owner.manager import LocalManager
 from kvshm.shm import keys as K
-from kvshm.shm import layout as L
-from kvshm.shm.ring import Ring
 from kvshm.shm.segment import Segment
 
 Handler = Callable[[Client, Any, bool], "list[P._Msg]"]
@@ -69,8 +67,7 @@ class Handlers:
     def _prepared(self, req: int, keys: list[bytes], blocks: list[int], evicted: list[bytes],
                   replayed: bool) -> list[P._Msg]:
         """A Prepared reply, in as many frames as it needs."""
-        n = max(1, (Ring.max_payload(self.seg.geometry.ring_capacity) - 64)
-                // (L.MAX_KEY_BYTES + 16))
+        n = P.keys_per_part(self.seg.geometry.ring_capacity)
         parts, i, j = [], 0, 0
         while True:
             k, e = keys[i:i + n], evicted[j:j + max(0, n - len(keys[i:i + n]))]
