@@ -66,7 +66,7 @@ class HoldTable:
 
     def __init__(self, holds: np.ndarray, table: BlockTable):
         self.holds = holds
-        self._hv = memoryview(holds)  # scalar stores: several times cheaper than numpy's
+        self._hv = holds.data  # scalar stores: several times cheaper than numpy's
         self.table = table
         self.free = list(range(len(holds) - 1, -1, -1))  # a stack: see ``Plan``
         self.leases: dict[bytes, int] = {}

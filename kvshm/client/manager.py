@@ -91,7 +91,7 @@ class SharedManager(OffloadingManager):
     def _hello(self) -> P.Hello:
         return P.Hello(self._link.next_req(), self.slot, self.gen, os.getpid(), self._events)
 
-    def _abandoned(self, reply: P._Msg) -> None:
+    def _abandoned(self, reply: P.Reply) -> None:
         """A reply to a request we gave up on: forget leases its evictions took away."""
         if isinstance(reply, P.Prepared):
             self._h.forget(reply.evicted)
@@ -343,6 +343,7 @@ class SharedManager(OffloadingManager):
             return None
         out = PrepareStoreOutput([], [], [])
         for r in replies:
+            assert isinstance(r, P.Prepared)  # call() raised an Error; NoRoom returned above
             out.keys_to_store += r.keys
             out.block_ids += r.blocks
             out.evicted_keys += r.evicted
@@ -365,6 +366,7 @@ class SharedManager(OffloadingManager):
 
     def take_events(self) -> list[OffloadingEvent]:
         r = self._link.call([P.TakeEvents(self._link.next_req())])[0]
+        assert isinstance(r, P.Events)  # the one reply to TakeEvents (call() raised an Error)
         return [OffloadingEvent(k, removed=rm) for rm, k in zip(r.removed, r.keys)]
 
     def shutdown(self) -> None:

@@ -28,7 +28,7 @@ class OwnStores:
 
     def __init__(self, segment: Segment, slot: int, link: OwnerLink) -> None:
         self._gw, ids = slots.grants(segment, slot)  # counts, and ids the owner hands us
-        self._gi = memoryview(ids)
+        self._gi = ids.data
         self._link = link
         self.taken = 0  # blocks taken from the grant ring (we alone store the word)
         self.inflight: dict[bytes, int] = {}  # key -> granted block, store not completed

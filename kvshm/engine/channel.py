@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Literal, cast
 
 import msgspec
 
@@ -29,15 +30,19 @@ from kvshm.shm.ring import Doorbell, Ring
 from kvshm.shm.segment import Segment
 from kvshm.transfer.spec import TransferResult, TransferSpec
 
+if TYPE_CHECKING:  # (the connector imports this module)
+    from kvshm.engine.connector import Job
+
 WORKER_LOCK_BASE = L.LOCK_CLIENT_BASE + 1024  # + slot: held by the channel's worker
 MAX_IDS_PER_FRAME = 2048  # bigger jobs travel in several frames (a frame must fit the ring)
 
 
+# Frozen, and every subclass says so again: type checkers do not inherit the option.
 class _Frame(msgspec.Struct, tag=True, array_like=True, frozen=True):
     pass
 
 
-class JobFrame(_Frame, tag="Job"):
+class JobFrame(_Frame, tag="Job", frozen=True):
     job_id: int
     kind: str
     device: list[int]
@@ -47,22 +52,23 @@ class JobFrame(_Frame, tag="Job"):
     writer_slot: int = -1  # Job.writer: the scheduler's manager slot (-1: none) ...
     writer_gen: int = 0  # ... and its generation; the worker refuses a dead generation's job
 
-    def to_job(self):
+    def to_job(self) -> Job:
         from kvshm.engine.connector import Job
         writer = (self.writer_slot, self.writer_gen) if self.writer_slot >= 0 else None
-        return Job(self.job_id, "", TransferSpec(self.kind, self.device, self.segment,
-                                                 self.skip), writer)
+        kind = cast(Literal["store", "load"], self.kind)  # TransferSpec refuses any other
+        return Job(self.job_id, "", TransferSpec(kind, self.device, self.segment, self.skip),
+                   writer)
 
 
-class Flush(_Frame):
+class Flush(_Frame, frozen=True):
     job_ids: list[int]
 
 
-class Stop(_Frame):
+class Stop(_Frame, frozen=True):
     pass
 
 
-class Done(_Frame):
+class Done(_Frame, frozen=True):
     job_id: int
     success: bool
     nbytes: int = 0

@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from kvshm.engine.hashing import offload_key
 from kvshm.errors import (
@@ -275,8 +275,8 @@ class SchedulerConnector:
                                              out.block_ids))
         return jobs
 
-    def _new_job(self, kind: str, req_id: str, keys: list[bytes], device_ids: Sequence[int],
-                 segment_ids: Sequence[int]) -> Job:
+    def _new_job(self, kind: Literal["store", "load"], req_id: str, keys: list[bytes],
+                 device_ids: Sequence[int], segment_ids: Sequence[int]) -> Job:
         job_id, self._next_job = self._next_job, self._next_job + 1
         dev = tuple(int(b) for b in device_ids)
         self._jobs[job_id] = _JobState(kind, req_id, keys, dev, self.num_workers)

@@ -29,12 +29,13 @@ from kvshm.shm import layout as L
 from kvshm.shm.ring import Ring
 
 
+# Frozen, and every subclass says so again: type checkers do not inherit the option.
 class _Msg(msgspec.Struct, tag=True, array_like=True, frozen=True):
     pass
 
 
 # --- client -> owner ---------------------------------------------------------------------
-class Hello(_Msg):
+class Hello(_Msg, frozen=True):
     req: int
     slot: int
     gen: int
@@ -42,7 +43,7 @@ class Hello(_Msg):
     events: bool = False
 
 
-class PrepareStore(_Msg):  # one atomic operation, however many frames it takes
+class PrepareStore(_Msg, frozen=True):  # one atomic operation, however many frames it takes
     req: int
     keys: list[bytes]
     more: bool = False  # more parts of this request follow
@@ -51,14 +52,14 @@ class PrepareStore(_Msg):  # one atomic operation, however many frames it takes
     positions: list[int] | None = None  # of this part's keys
 
 
-class CompleteStore(_Msg):
+class CompleteStore(_Msg, frozen=True):
     req: int
     keys: list[bytes]
     success: bool = True
     of_req: int = 0  # only the keys granted by this earlier request (an undo), if non-zero
 
 
-class Touch(_Msg):
+class Touch(_Msg, frozen=True):
     req: int
     keys: list[bytes]
     how: bytes | None = None  # one kvshm.owner.policy access kind per key; None: plain touch
@@ -66,7 +67,7 @@ class Touch(_Msg):
     positions: list[int] | None = None
 
 
-class Publish(_Msg):  # one-way (req 0): the stores of blocks taken from the grant ring
+class Publish(_Msg, frozen=True):  # one-way (req 0): the stores of blocks taken from the grant ring
     req: int
     keys: list[bytes]
     blocks: list[int]  # the granted block each key was written to, same order
@@ -75,11 +76,11 @@ class Publish(_Msg):  # one-way (req 0): the stores of blocks taken from the gra
     positions: list[int] | None = None
 
 
-class TakeEvents(_Msg):
+class TakeEvents(_Msg, frozen=True):
     req: int
 
 
-class Bye(_Msg):
+class Bye(_Msg, frozen=True):
     req: int
 
 
@@ -87,13 +88,13 @@ Request = Hello | PrepareStore | CompleteStore | Touch | Publish | TakeEvents | 
 
 
 # --- owner -> client ---------------------------------------------------------------------
-class Ok(_Msg):
+class Ok(_Msg, frozen=True):
     req: int
     epoch: int
     value: int = 0
 
 
-class Prepared(_Msg):
+class Prepared(_Msg, frozen=True):
     req: int
     epoch: int
     keys: list[bytes]
@@ -104,26 +105,26 @@ class Prepared(_Msg):
     replayed: bool = False  # answered from the record by a successor: evictions are unknown
 
 
-class NoRoom(_Msg):
+class NoRoom(_Msg, frozen=True):
     req: int
     epoch: int
 
 
-class Events(_Msg):
+class Events(_Msg, frozen=True):
     req: int
     epoch: int
     removed: list[bool]  # per event, in the order they happened
     keys: list[list[bytes]]
 
 
-class Retry(_Msg):
+class Retry(_Msg, frozen=True):
     """The request was provably not executed (its parts were lost with a dead owner):
     send it again under a new request id."""
     req: int
     epoch: int
 
 
-class Error(_Msg):
+class Error(_Msg, frozen=True):
     req: int
     epoch: int
     kind: str  # name of a class in kvshm.errors

@@ -95,7 +95,8 @@ def _age(now: int, then: int) -> float:
 
 
 def _ring_depths(seg: Segment, i: int) -> dict[str, int | None]:
-    g, out = seg.geometry, {}
+    g = seg.geometry
+    out: dict[str, int | None] = {}
     for k, name in enumerate(L.RING_NAMES):
         o = g.slot_offset(i) + g.rings_offset + k * g.ring_region
         with seg.buf[o:o + g.ring_region] as view:
@@ -208,11 +209,10 @@ def block_rows(seg: Segment, states: set[str], limit: int) -> tuple[int, list[di
 
 
 def verify(seg: Segment, attempts: int = 3, data: bool = False) -> list[str]:
-    """Violations of the invariants (``docs/inspect.md``) visible in ``seg`` (empty when
-    clean). While an owner or client lives the segment moves, so only what all ``attempts``
-    passes see counts.
-    ``data``: also check every READY block's planes against their block checksums (a segment
-    created with ``Layout(checksums=True)``; InvalidArgumentError otherwise)."""
+    """Violations of the invariants (``docs/inspect.md``) visible in ``seg``, none when clean.
+    While an owner or client lives the segment moves, so only what all ``attempts`` passes
+    see counts. ``data``: also check every READY block's planes against their block checksums
+    (a segment created with ``Layout(checksums=True)``; InvalidArgumentError otherwise)."""
     sums = BlockSums(seg) if data else None
     found = _verify_once(seg, sums)
     for _ in range(attempts - 1):
@@ -248,9 +248,9 @@ def _verify_once(seg: Segment, sums: BlockSums | None = None) -> list[str]:
     if created > time.time_ns() + 60 * 10**9:
         out.append(f"header: created_ns {created} lies in the future")
     out += [f"block {b}: entry left mid-rewrite (odd sequence number)" for b in m.torn]
-    st, pins, seen = m.e["state"], m.e["pins"], {}
-    occupied = np.nonzero(m.index["block"] != -1)[0]
-    states = st.tolist()
+    st, pins = m.e["state"], m.e["pins"]
+    seen: dict[int, int] = {}  # block -> the first index slot that points to it
+    occupied, states = np.nonzero(m.index["block"] != -1)[0], st.tolist()
     for j, tag, b in zip(occupied.tolist(), *(m.index[k][occupied].tolist() for k in (
             "tag", "block"))):
         if not 0 <= b < g.num_blocks:

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from kvshm.errors import (
     BlockStateError,
     InvalidArgumentError,
+    KvshmError,
     OwnerUnavailableError,
     UnknownKeyError,
 )
@@ -239,7 +240,8 @@ class LocalManager(OffloadingManager):
         if type(keys) is not list and type(keys) is not tuple:
             keys = K.key_seq(keys)
         me = writer[:2]
-        todo, problem = [], None
+        todo: list[bytes] = []
+        problem: KvshmError | None = None
         K.check_keys(keys)
         if running is not None:
             running.for_store()  # (its ranks were applied by prepare_store)

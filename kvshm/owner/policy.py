@@ -191,9 +191,10 @@ class LRUPolicy(CachePolicy):
         f = next(fresh, None)
         top = self._current()
         while len(victims) < n and (f is not None or top is not None):
-            if top is None or (f is not None and (ranks[f], f) < top):
+            if f is not None and (top is None or (ranks[f], f) < top):
                 key, f = f, next(fresh, None)
             else:
+                assert top is not None  # the loop runs while either has a key
                 key = top[1]
                 popped.append(heapq.heappop(heap))
                 top = self._current()
@@ -355,7 +356,7 @@ class ARCPolicy(CachePolicy):
         return len(self._t1) + len(self._t2)
 
 
-_POLICIES: dict[str, type[CachePolicy]] = {"lru": LRUPolicy, "arc": ARCPolicy}
+_POLICIES: dict[str, Callable[[int], CachePolicy]] = {"lru": LRUPolicy, "arc": ARCPolicy}
 
 
 def make_policy(name: str, capacity: int) -> CachePolicy:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import threading
 import zlib
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -37,18 +38,21 @@ from kvshm.errors import InvalidArgumentError
 from kvshm.shm import layout as L
 from kvshm.shm import locks
 
+if TYPE_CHECKING:  # (segment imports this module lazily)
+    from kvshm.shm.segment import Segment
+
 _failures_lock = threading.Lock()
 
 
 def page_sum(page: np.ndarray) -> int:
     """crc32 of one block's page of one plane (a C-contiguous uint8 row)."""
-    return zlib.crc32(page)
+    return zlib.crc32(page.data)
 
 
 class BlockSums:
     """The checksum region of an attached segment with ``Layout(checksums=True)``."""
 
-    def __init__(self, seg: Segment) -> None:  # noqa: F821  (segment imports us lazily)
+    def __init__(self, seg: Segment) -> None:
         g = seg.geometry
         if not g.checksums:
             raise InvalidArgumentError(

@@ -11,7 +11,14 @@ import struct
 from typing import NamedTuple
 
 from kvshm.shm import layout as L
-from kvshm.shm.records import ENTRY_BODY, ENTRY_DTYPE, field_offset, struct_format, sub_dtype
+from kvshm.shm.records import (
+    ENTRY_BODY,
+    ENTRY_DTYPE,
+    field_names,
+    field_offset,
+    struct_format,
+    sub_dtype,
+)
 
 # The entry body (records.ENTRY_BODY: every field from state to the key, zero padded to
 # MAX_KEY_BYTES). It is packed into a private bytes object and copied into the segment with
@@ -65,7 +72,7 @@ class Entry(NamedTuple):
 # reordering of records.ENTRY_DTYPE must fail here, at import, not scramble fields silently.
 assert ENTRY_BODY == ("state", "keylen", "writer", "writer_gen", "keysum", "writer_req",
                       "last_use", "stored_ns", "pins", "key")
-assert ENTRY_DTYPE.names[:len(ENTRY_BODY) + 1] == ("seq", *ENTRY_BODY)
+assert field_names(ENTRY_DTYPE)[:len(ENTRY_BODY) + 1] == ("seq", *ENTRY_BODY)
 
 
 def decode(seq: int, f: tuple, torn: bool) -> Entry:

@@ -60,6 +60,8 @@ from kvshm.shm.records import (  # noqa: F401  (re-exported: one definition, two
     PinnerRecord,
     SlotRecord,
     SlotState,
+    field_dtype,
+    field_names,
     field_offset,
     header_record,
 )
@@ -127,9 +129,9 @@ assert OFF_PINNERS % 8 == 0 and OFF_PINNERS + PINNER.size * MAX_PINNERS <= HEADE
 # --- client slot -------------------------------------------------------------------------
 # The slot record is records.SLOT_DTYPE; its offsets, for word stores:
 SLOT_OFF_STATE, SLOT_OFF_PID, SLOT_OFF_GEN, SLOT_OFF_ATTACHED, SLOT_OFF_NAME = (
-    SLOT_DTYPE.fields[n][1] for n in ("state", "pid", "gen", "attached_ns", "name"))
-SLOT_NAME_BYTES = SLOT_DTYPE.fields["name"][0].itemsize
-SLOT_COUNTERS = SLOT_COUNTERS_DTYPE.names  # u64 each, client-written
+    field_offset(SLOT_DTYPE, n) for n in ("state", "pid", "gen", "attached_ns", "name"))
+SLOT_NAME_BYTES = field_dtype(SLOT_DTYPE, "name").itemsize
+SLOT_COUNTERS = field_names(SLOT_COUNTERS_DTYPE)  # u64 each, client-written
 SLOT_OFF_COUNTERS = 64
 assert SLOT_DTYPE.itemsize <= SLOT_OFF_COUNTERS
 # The served record (SERVED_DTYPE): owner-written words that make requests exactly-once.
@@ -164,8 +166,8 @@ def held_block(code: Any) -> Any:
 # One ENTRY_DTYPE record per block (records.py says who writes each field and why).
 ENTRY_BYTES = ENTRY_DTYPE.itemsize
 ENTRY_KEY_OFFSET = field_offset(ENTRY_DTYPE, "key")
-assert ENTRY_DTYPE.fields["key"][0].itemsize == MAX_KEY_BYTES and ENTRY_BYTES % 8 == 0
-assert ENTRY_DTYPE.names[0] == "seq"  # the seqlock word is word 0 of the entry
+assert field_dtype(ENTRY_DTYPE, "key").itemsize == MAX_KEY_BYTES and ENTRY_BYTES % 8 == 0
+assert field_names(ENTRY_DTYPE)[0] == "seq"  # the seqlock word is word 0 of the entry
 
 
 def key_checksum(key: bytes) -> int:

@@ -110,7 +110,7 @@ class Ring:
         full = _view(buf, 8, "Ring", whole=True)
         w = full[:_DATA].cast("Q") if len(full) >= _DATA else None
         magic, cap = (w[0], w[_CAP]) if w is not None else (0, 0)
-        if magic != _MAGIC or cap < 64 or cap % 8 or len(full) < _DATA + cap:
+        if w is None or magic != _MAGIC or cap < 64 or cap % 8 or len(full) < _DATA + cap:
             raise ProtocolError(f"buffer does not hold a kvshm ring (magic {magic:#x}, capacity "
                                 f"{cap}, {len(full)} bytes): format it with Ring.format() first "
                                 "or check the region offset the segment layout gives")

@@ -44,7 +44,7 @@ class Segment:
         self.tag = format(os.fstat(self.fd).st_ino, "x")  # names this incarnation's objects
         self.buf = memoryview(mm)
         self._shm = shm
-        self._mm = mm
+        self._mm: mmap.mmap | None = mm  # None once closed
         self._qfd: int | None = None
         # Counters are read by other processes: store words through a cast (one copy each),
         # never with struct.pack_into, which zero-fills before writing.
@@ -130,7 +130,7 @@ class Segment:
         g = self.geometry
         off = g.plane_offsets()[index]
         page = g.page_bytes[index]
-        return np.frombuffer(self._mm, np.uint8, g.num_blocks * page, off).reshape(
+        return np.frombuffer(self._mapping(), np.uint8, g.num_blocks * page, off).reshape(
             g.num_blocks, page)
 
     def planes(self) -> list[np.ndarray]:
@@ -143,7 +143,7 @@ class Segment:
 
     def data_address(self) -> tuple[int, int]:
         """(virtual address, length) of the data region in this process, for pinning."""
-        arr = np.frombuffer(self._mm, np.uint8, self.geometry.data_bytes,
+        arr = np.frombuffer(self._mapping(), np.uint8, self.geometry.data_bytes,
                             self.geometry.data_offset)
         return arr.ctypes.data, self.geometry.data_bytes
 
@@ -180,6 +180,11 @@ class Segment:
         if self._qfd is None:
             self._qfd = locks.query_fd(self._open_fd())
         return self._qfd
+
+    def _mapping(self) -> mmap.mmap:
+        if self._mm is None:
+            raise InvalidArgumentError(f"this handle of segment {self.name!r} is closed")
+        return self._mm
 
     def _open_fd(self) -> int:
         # After ``close`` the number may denote another file by now: never ask through it.

@@ -34,7 +34,7 @@ def record(seg: Segment, slot: int) -> SlotRecord:
     return SlotRecord._make(L.SLOT.unpack_from(seg.buf, seg.geometry.slot_offset(slot)))
 
 
-def claim(seg: Segment, wait_for_reclaim: Callable[[], None] | None = None,
+def claim(seg: Segment, wait_for_reclaim: Callable[[], object] | None = None,
           timeout: float = 5.0) -> tuple[int, int]:
     """Lock a FREE slot and return (slot, next generation).
 

@@ -287,8 +287,8 @@ class BlockTable:
             bodies = [BODY.pack(state, len(k), writer, writer_gen, L.key_checksum(k), reqs[i],
                                  last_use, stored_ns, 0, k)
                       for i, k in enumerate(keys or [b""] * n)]
-            for b, body in zip(blocks, bodies):
-                self._put(b, body)
+            for blk, packed in zip(blocks, bodies):
+                self._put(blk, packed)
             return
         body = np.zeros(n, BODY_DTYPE)
         body["state"], body["writer"], body["writer_gen"] = state, writer, writer_gen

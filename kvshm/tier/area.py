@@ -46,6 +46,7 @@ from kvshm.shm import locks
 from kvshm.shm.fence import full_fence
 from kvshm.shm.layout import MAX_KEY_BYTES
 from kvshm.shm.objects import open_object
+from kvshm.shm.records import field_offset
 from kvshm.shm.ring import Doorbell
 from kvshm.shm.segment import Segment
 from kvshm.shm.words import WordView
@@ -108,8 +109,8 @@ WANT_DTYPE = np.dtype([
 ])
 _RING_HDR = WANT_RING_DTYPE.itemsize
 _ENTRY = WANT_DTYPE.itemsize
-_E_SEQ, _E_LEN = WANT_DTYPE.fields["seq"][1] // 8, WANT_DTYPE.fields["length"][1] // 8
-_E_KEY = WANT_DTYPE.fields["key"][1]
+_E_SEQ, _E_LEN = field_offset(WANT_DTYPE, "seq") // 8, field_offset(WANT_DTYPE, "length") // 8
+_E_KEY = field_offset(WANT_DTYPE, "key")
 _ENTRY_WORDS = _ENTRY // 8
 _SLOT_BYTES = _RING_HDR + RING_ENTRIES * _ENTRY
 
@@ -148,7 +149,6 @@ class TierArea:
         if os.fstat(fd).st_size != size:
             os.ftruncate(fd, size)
         mm = mmap.mmap(fd, size)
-        area = cls.__new__(cls)
         head = WordView(memoryview(mm), 0, AREA_HEAD_DTYPE)
         if head["magic"] != MAGIC or head["version"] != VERSION or \
                 head["max_clients"] != n or head["ring_entries"] != RING_ENTRIES:
@@ -159,8 +159,7 @@ class TierArea:
             full_fence()
             head["magic"] = MAGIC  # last: an attacher sees a whole header or none
         head.release()
-        area.__init__(seg.name, posix, fd, mm)
-        return area
+        return cls(seg.name, posix, fd, mm)
 
     @classmethod
     def attach(cls, seg: Segment) -> TierArea | None:
@@ -234,7 +233,7 @@ class TierArea:
 
     def bell(self) -> Doorbell:
         if self._bell is None:
-            at = AREA_HEAD_DTYPE.fields["sleeping"][1]
+            at = field_offset(AREA_HEAD_DTYPE, "sleeping")
             self._bell = Doorbell(self.buf[at:at + 8],
                                   self.posix + "-bell", like_fd=self.fd)
         return self._bell

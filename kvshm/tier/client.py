@@ -101,17 +101,22 @@ class TieredManager(OffloadingManager):
             if seen is None:
                 seen = self._asked[key] = (0, now)
             if state == L.READY or now - seen[1] < self.max_wait:
-                return self._not_yet(keys, n)
+                self._not_yet(keys, n)
+                return None
             return n
         if (waiting := self._want_waits(area, seen, now)) is not None:
-            return self._not_yet(keys, n) if waiting else n
+            if not waiting:
+                return n
+            self._not_yet(keys, n)
+            return None
         ask = [k for k in keys[n:n + self.want_ahead]
                if (s := self._asked.get(k)) is None or now - s[1] >= self.retry_after
                or not s[0]]
         if not ask:
             return n
         self._record(ask, area.want(self.slot, ask), now)
-        return self._not_yet(keys, n)
+        self._not_yet(keys, n)
+        return None
 
     def _want_waits(self, area: TierArea, seen: tuple[int, float] | None,
                     now: float) -> bool | None:
@@ -135,7 +140,6 @@ class TieredManager(OffloadingManager):
             self.manager.release(list(keys[:n]))
         self.not_yet += 1
         self._waiting_on = (len(keys), keys[0], n, keys[n])  # lookup calls us with n < len
-        return None
 
     def _still_waiting(self, keys: Sequence[bytes]) -> bool:
         """Fast path for a scheduler re-asking the same prefix: while the key the last "not

@@ -30,6 +30,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from kvshm.errors import LowerTierUnavailableError
 from kvshm.tier.api import Code, LowerTier
@@ -67,7 +68,7 @@ class MooncakeTier(LowerTier):
                                             "host:port")
         self.cfg = cfg
         self.description = f"mooncake master {cfg.master} ({cfg.protocol})"
-        self._store = None
+        self._store: Any = None  # the Mooncake client once connected (an untyped module)
 
     def connect(self) -> bool:
         try:
@@ -177,6 +178,6 @@ def start_master(host: str = "127.0.0.1", log_path: str | None = None,
                                 stdin=subprocess.DEVNULL,
                                 env={**os.environ, "GLOG_logtostderr": "1"})
     finally:
-        if log_path:
+        if not isinstance(out, int):  # a log file we opened (DEVNULL is an int)
             out.close()
     return Master(proc, host, rpc, meta, metrics)

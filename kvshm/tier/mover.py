@@ -76,22 +76,25 @@ class Mover:
             self.area.close()
             self.seg.close()
             raise MoverRunningError(f"another mover serves segment {name!r}")
-        self.mgr: SharedManager | None = None
+        # The mover lock goes with the area: on failure the next mover may start.
+        try:
+            # No grants: a fill must show as WRITING in the index while it runs, so that
+            # engines asking meanwhile hear "not yet" (a store from grants is invisible until
+            # published). One mapping: the manager closes it.
+            self.mgr = SharedManager(self.seg, events=True, grants=False)
+        except BaseException:
+            self.seg.close()
+            self.area.close()
+            raise
         try:
             self._start(tier, spill, batch, poll_s)
-        except BaseException:  # the mover lock goes with the area: the next mover may start
-            if self.mgr is not None:
-                self.mgr.shutdown()  # and the segment's mapping with it
-            else:
-                self.seg.close()
+        except BaseException:
+            self.mgr.shutdown()  # and the segment's mapping with it
             self.area.close()
             raise
 
     def _start(self, tier: LowerTier, spill: bool, batch: int, poll_s: float) -> None:
         self.tier, self.spill, self.batch, self.poll_s = tier, spill, batch, poll_s
-        # No grants: a fill must show as WRITING in the index while it runs, so that engines
-        # asking meanwhile hear "not yet" (a store from grants is invisible until published).
-        self.mgr = SharedManager(self.seg, events=True, grants=False)  # one mapping; it closes it
         g = self.seg.geometry
         self.fp = self.seg.layout.fingerprint()
         self.planes = self.seg.planes()

@@ -98,8 +98,8 @@ class ManagerCore:
                 "if a step looks up more keys than half of it)") from e
         self._loads.setdefault(req_id, []).append(keys)
         for k in keys:  # the load took one lookup of each lease: ours, else another's
-            reqs = self._lease_reqs.get(k, ())
-            if req_id in reqs:
+            reqs = self._lease_reqs.get(k)
+            if reqs and req_id in reqs:
                 reqs.discard(req_id)  # (an empty set stays until the step's end)
             elif reqs:
                 self.mgr.key_status(k)  # count the other requests' lookup again
@@ -244,11 +244,12 @@ class ManagerCore:
         if not acc.request:  # a number the owner has never seen from this client
             self._requests += 1
             acc.request = self._requests
-        pos = {}
-        for k in keys if position is not None else ():
-            p = position(k)
-            if p is not None:
-                pos[k] = int(p)
+        pos: dict[bytes, int] = {}
+        if position is not None:
+            for k in keys:
+                p = position(k)
+                if p is not None:
+                    pos[k] = int(p)
         return Running(acc.request, pos)
 
     def _touch(self, keys: list[bytes], how: bytes, running: Running | None) -> None:

@@ -219,11 +219,10 @@ class KvshmOffloadingSpec(V.OffloadingSpec):
         if self._manager is None:
             o, events = self.options, bool(self.kv_events_config.enable_kv_cache_events)
             try:
-                create = {} if o.nbytes is None else {
-                    "num_blocks": num_blocks_for(self.layout, o.nbytes),
-                    "hold_capacity": o.hold_capacity}
-                shared = connect(o.segment, self.layout, policy=o.policy, mode=o.mode,
-                                 events=events, **create)
+                # Without cpu_bytes_to_use it only attaches (and hold_capacity goes unused).
+                blocks = None if o.nbytes is None else num_blocks_for(self.layout, o.nbytes)
+                shared = connect(o.segment, self.layout, num_blocks=blocks, policy=o.policy,
+                                 mode=o.mode, events=events, hold_capacity=o.hold_capacity)
             except LayoutMismatchError as e:
                 raise explain_mismatch(e, o.segment) from None
             g = shared.segment.geometry
