@@ -4,7 +4,8 @@ The layers, top to bottom: ``integrations`` > ``inspect`` | ``engine`` > ``tier`
 ``owner`` > ``index`` | ``transfer`` > ``shm``; ``errors``, ``crashpoints`` and ``units`` import
 nothing of kvshm. The engine side (``client``) and the owner share only ``index`` (the API, the
 protocol) and the segment. A module that reaches upwards or sideways fails here with the
-offending import chain.
+offending import chain. The other house rules a tool can check run here too: the module
+length cap, ruff and mypy (their settings are pyproject.toml's).
 """
 from __future__ import annotations
 
@@ -45,6 +46,26 @@ def test_no_module_is_longer_than_the_house_limit():
                     long.append(f"{os.path.relpath(os.path.join(d, f), ROOT)}: {n}")
     assert not long, f"modules over {LIMIT} lines (split them by concept): {long}"
 
+
+def _tool(name: str) -> str:
+    exe = shutil.which(name)
+    if exe is None:
+        pytest.skip(f"{name} is not installed; pip install -e '.[test]' installs it")
+    return exe
+
+
+def test_ruff_finds_nothing_in_the_library():
+    """The lint rules pyproject.toml selects hold for every module of kvshm/."""
+    out = subprocess.run([_tool("ruff"), "check", "kvshm"], cwd=ROOT, capture_output=True,
+                         text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_mypy_finds_nothing_in_the_library():
+    """kvshm/ type-checks under the mypy settings in pyproject.toml."""
+    out = subprocess.run([_tool("mypy")], cwd=ROOT, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": ROOT})
+    assert out.returncode == 0, out.stdout + out.stderr
 
 
 def test_clients_start_the_owner_by_the_entry_point_the_owner_package_provides():
