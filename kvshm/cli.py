@@ -2,7 +2,6 @@
 
 This module owns only argument parsing for ``kvshm serve``; serving lives in ``kvshm.owner.server``.
 ``kvshm mover`` (the host's lower-tier mover) is parsed and run by ``kvshm.tier.mover``.
-It never imports torch.
 """
 from __future__ import annotations
 
@@ -23,7 +22,8 @@ def main(argv: list[str] | None = None) -> int:
                     "requests and reclaim what dead clients held. Exits 0 at once if another "
                     "owner already serves it. Example: kvshm serve mycache --log-level INFO")
     serve.add_argument("name", help="segment name (the one engines pass to kvshm.connect)")
-    from kvshm.owner.server import DEFAULT_LOG_LEVEL, LOG_LEVELS, main as owner_main
+    from kvshm.owner.server import DEFAULT_LOG_LEVEL, LOG_LEVELS
+    from kvshm.owner.server import main as owner_main
     serve.add_argument("--log-level", default=DEFAULT_LOG_LEVEL, type=str.upper,
                        choices=LOG_LEVELS, help=f"logging level, case-insensitive "
                        f"(default {DEFAULT_LOG_LEVEL}); the log goes to stderr")

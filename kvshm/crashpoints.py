@@ -42,7 +42,7 @@ POINTS = (
     "owner.reclaim.mid",  # a dead client's stores freed, its slot not yet cleared
     "owner.goodbye.mid",  # a leaving client's slot LEAVING, its stores freed, no reply yet
     # client
-    "client.connect.after_activate",  # slot ACTIVE, owner has not adopted it yet
+    "client.connect.after_activate",  # slot CLIENT, owner has not adopted it yet
     "client.store.after_prepare",  # blocks granted, nothing copied
     "client.store.after_take",  # blocks taken from the grant ring, the count not yet stored
     "client.store.after_copy",  # blocks copied, complete_store not sent

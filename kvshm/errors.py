@@ -1,8 +1,8 @@
 """Every error kvshm raises, as one typed hierarchy.
 
 This module owns the exception classes and nothing else. Each message must say what happened
-and what the user should do; ``docs/errors.md`` catalogues them. It must never import torch
-or any other kvshm module.
+and what the user should do; ``docs/errors.md`` catalogues them. It must never import any
+other kvshm module.
 """
 from __future__ import annotations
 

@@ -319,7 +319,7 @@ def test_gc_keeps_the_stores_a_live_copier_may_still_write(seg_name):
     """The owner and the scheduler die, the scheduler's copier lives on, an operator runs
     gc: the blocks it may still write into are kept, so its late copy lands in no key that
     the next owner handed out."""
-    from kvshm.inspect.cli import _gc
+    from kvshm.inspect.cleanup import reclaim
     from conftest import TEST_LAYOUT, stop_owner
     from test_shared import wait_for
     Segment.create(seg_name, TEST_LAYOUT, 32, max_clients=4, ring_capacity=8192).close()
@@ -334,7 +334,7 @@ def test_gc_keeps_the_stores_a_live_copier_may_still_write(seg_name):
         wait_for(lambda: not seg.owner_alive(), "the owner to die")
         sched.kill()
         sched.wait()
-        assert _gc(seg)["acted"]
+        assert reclaim(seg)["acted"]
         m = connect(seg_name)  # a new engine and owner fill the cache
         stored = procs.store(m, [b"innocent-%d" % i for i in range(24)])
         copier.stdin.write("go\n")

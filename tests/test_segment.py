@@ -14,6 +14,7 @@ import numpy as np
 import posix_ipc
 import pytest
 
+import kvshm.shm.creation as creation_mod
 import kvshm.shm.segment as segment_mod
 from kvshm.shm import layout as L
 from kvshm.errors import (FormatVersionError, InsufficientSpaceError, InvalidArgumentError,
@@ -328,7 +329,7 @@ def test_create_exist_ok_attaches_the_existing_segment(make_segment):
 # --- space ---------------------------------------------------------------------------------
 def test_insufficient_space_names_needed_and_free_bytes_and_leaves_nothing(
         seg_name, monkeypatch):
-    monkeypatch.setattr(segment_mod, "_free_bytes", lambda: 12345)
+    monkeypatch.setattr(creation_mod, "free_bytes", lambda: 12345)
     with pytest.raises(InsufficientSpaceError) as e:
         Segment.create(seg_name, LAYOUT, 8, **SMALL)
     need = L.Geometry(8, LAYOUT.page_bytes, 32, 8192, 64).total_bytes

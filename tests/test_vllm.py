@@ -23,7 +23,8 @@ from kvshm.shm import slots
 from kvshm.index.api import LookupResult
 from kvshm.client.connect import connect
 from kvshm.errors import InvalidArgumentError, KvshmError, LayoutMismatchError
-from kvshm.integrations.vllm.core import KvshmOptions, ManagerCore, layout_for, open_segment
+from kvshm.integrations.vllm.config import KvshmOptions, layout_for, open_segment
+from kvshm.integrations.vllm.core import ManagerCore
 from kvshm.integrations.vllm.jobs import WorkerCore, split_job
 from kvshm.shm.layout import Layout
 from kvshm.shm.segment import Segment

@@ -7,29 +7,30 @@ it opened when that fails, and copies no block data.
 """
 from __future__ import annotations
 
-from kvshm.shm import layout as L
+from kvshm.client.manager import SharedManager
+from kvshm.shm.creation import blocks_for_bytes
 from kvshm.shm.layout import Layout
 from kvshm.shm.segment import Segment
-from kvshm.client.manager import SharedManager
 
 
 def connect(name: str, layout: Layout | None = None, *, num_blocks: int | None = None,
             nbytes: int | str | None = None, policy: str = "lru", mode: int = 0o600,
             events: bool = False, grants: bool = True, timeout: float = 30.0,
-            **create_kw: int) -> "SharedManager":
+            **create_kw: int) -> SharedManager:
     """Attach this process to shared cache ``name`` and return its manager.
 
     Give ``num_blocks`` or ``nbytes`` (with ``layout``; bytes, or a size such as "64M") to
     create the segment if it does not exist yet; without them the segment must exist.
-    ``layout``, when given, must match the segment's. An owner process is started if none is serving. ``events=True`` makes
-    ``take_events`` report every store and eviction in the shared cache. ``grants=False``
+    ``layout``, when given, must match the segment's. An owner process is started if none
+    is serving. ``events=True`` makes ``take_events`` report every store and eviction in the
+    shared cache. ``grants=False``
     stores by round trip only, so that other clients see a store in flight as such (PENDING)
     rather than as a miss: for a client others wait for, like the lower tier's mover.
     """
     if num_blocks is None and nbytes is not None:
         if layout is None:
             raise TypeError("connect(nbytes=...) needs the layout to size blocks")
-        num_blocks = L.blocks_for_bytes(layout, nbytes)
+        num_blocks = blocks_for_bytes(layout, nbytes)
     if num_blocks is not None:
         if layout is None:
             raise TypeError("connect(num_blocks=...) needs the layout of the blocks")

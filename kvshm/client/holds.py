@@ -34,16 +34,16 @@ the block table.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
+from kvshm.client.runs import Runs
 from kvshm.shm import layout as L
 from kvshm.shm.fence import full_fence
 from kvshm.shm.keyindex import KeyIndex
 from kvshm.shm.keys import check_key
 from kvshm.shm.table import BlockTable
-from kvshm.client.runs import Runs
 
 # A held block is READY, or EVICTING for the instant an eviction honours our hold.
 LOADABLE = (L.READY, L.EVICTING)
@@ -66,7 +66,7 @@ class HoldTable:
 
     def __init__(self, holds: np.ndarray, table: BlockTable):
         self.holds = holds
-        self._hv = memoryview(holds)  # scalar stores: several times cheaper than numpy's
+        self._hv = holds.data  # scalar stores: several times cheaper than numpy's
         self.table = table
         self.free = list(range(len(holds) - 1, -1, -1))  # a stack: see ``Plan``
         self.leases: dict[bytes, int] = {}

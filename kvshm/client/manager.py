@@ -14,27 +14,30 @@ copies block data.
 from __future__ import annotations
 
 import os
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from kvshm.client.holds import HoldTable, key_array
+from kvshm.client.own_stores import OwnStores
+from kvshm.client.owner_link import OwnerLink, start_owner
+from kvshm.crashpoints import crash_point
+from kvshm.errors import BlockStateError, HoldsExhaustedError, InvalidArgumentError, UnknownKeyError
+from kvshm.index import protocol as P
+from kvshm.index.api import (
+    LookupResult,
+    OffloadingEvent,
+    OffloadingManager,
+    PrepareStoreOutput,
+    Running,
+)
 from kvshm.shm import keys as K
 from kvshm.shm import layout as L
 from kvshm.shm import slots
-from kvshm.index import protocol as P
-from kvshm.index.api import (LookupResult, OffloadingEvent, OffloadingManager,
-                             PrepareStoreOutput, Running)
-from kvshm.crashpoints import crash_point
 from kvshm.shm.fence import full_fence
-from kvshm.errors import BlockStateError, HoldsExhaustedError, InvalidArgumentError, UnknownKeyError
-from kvshm.client.holds import HoldTable, key_array
-from kvshm.client.owner_link import OwnerLink, start_owner
-from kvshm.client.own_stores import OwnStores
-from kvshm.shm.ring import Ring
-from kvshm.shm.segment import Segment
 from kvshm.shm.keyindex import KeyIndex
+from kvshm.shm.segment import Segment
 from kvshm.shm.table import BlockTable
-
 
 _HIT = LookupResult.HIT
 _EVICTING_SPINS = 10_000  # an owner decides an eviction in microseconds; past this it died
@@ -56,8 +59,7 @@ class SharedManager(OffloadingManager):
         self.table = BlockTable(segment.buf, g)
         self.index = KeyIndex(segment.buf, g, self.table)
         self._events = events
-        # A prepare_store reply part carries keys and block ids; requests are cut to match.
-        self._chunk_keys = max(1, (Ring.max_payload(g.ring_capacity) - 64) // (L.MAX_KEY_BYTES + 16))
+        self._chunk_keys = P.keys_per_part(g.ring_capacity)  # requests cut like the replies
         self.slot, self.gen = slots.claim(segment, lambda: start_owner(segment))
         try:
             self._ctr = slots.counter_words(segment, self.slot)
@@ -68,13 +70,13 @@ class SharedManager(OffloadingManager):
                                    self._after_failover, self._abandoned)
             self._own = OwnStores(segment, self.slot, self._link)
             self._newcomer = segment.buf[L.OFF_NEWCOMER:L.OFF_NEWCOMER + 8].cast("Q")
-            self._newcomer[0] = 1  # after ACTIVE is visible: the owner clears, fences, scans
+            self._newcomer[0] = 1  # after CLIENT is visible: the owner clears, fences, scans
             crash_point("client.connect.after_activate")
             self._link.ensure_owner()
             self._link.ring_owner()
             self._link.call([self._hello()])
         except BaseException:
-            # Leave the slot ACTIVE and unlocked: the owner (or gc) reclaims it, and it is
+            # Leave the slot CLIENT and unlocked: the owner (or gc) reclaims it, and it is
             # the only one that may, since it may have adopted it already.
             slots.unlock(segment, self.slot)
             raise
@@ -89,7 +91,7 @@ class SharedManager(OffloadingManager):
     def _hello(self) -> P.Hello:
         return P.Hello(self._link.next_req(), self.slot, self.gen, os.getpid(), self._events)
 
-    def _abandoned(self, reply: P._Msg) -> None:
+    def _abandoned(self, reply: P.Reply) -> None:
         """A reply to a request we gave up on: forget leases its evictions took away."""
         if isinstance(reply, P.Prepared):
             self._h.forget(reply.evicted)
@@ -342,6 +344,7 @@ class SharedManager(OffloadingManager):
             return None
         out = PrepareStoreOutput([], [], [])
         for r in replies:
+            assert isinstance(r, P.Prepared)  # call() raised an Error; NoRoom returned above
             out.keys_to_store += r.keys
             out.block_ids += r.blocks
             out.evicted_keys += r.evicted
@@ -364,6 +367,7 @@ class SharedManager(OffloadingManager):
 
     def take_events(self) -> list[OffloadingEvent]:
         r = self._link.call([P.TakeEvents(self._link.next_req())])[0]
+        assert isinstance(r, P.Events)  # the one reply to TakeEvents (call() raised an Error)
         return [OffloadingEvent(k, removed=rm) for rm, k in zip(r.removed, r.keys)]
 
     def shutdown(self) -> None:
@@ -389,7 +393,7 @@ class SharedManager(OffloadingManager):
         seg.close()
         self.segment = None  # type: ignore[assignment]
 
-    def __enter__(self) -> "SharedManager":
+    def __enter__(self) -> SharedManager:
         return self
 
     def __exit__(self, *exc: object) -> None:

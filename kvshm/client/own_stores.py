@@ -5,17 +5,16 @@ This module owns the client side of ``grants.py``: it is the consumer of the slo
 ring (``take``), it remembers the keys in flight (blocks taken, store not completed) and the
 keys it published (``complete``: one-way ``Publish`` frames) until the owner has taken their
 frame, so that the client reads its own completed stores back (``confirm``). It never writes
-the block table or the key index, never waits longer than ``CONFIRM_WAIT_S`` and never
-imports torch.
+the block table or the key index and never waits longer than ``CONFIRM_WAIT_S``.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
+from kvshm.client.owner_link import OwnerLink
 from kvshm.crashpoints import crash_point
 from kvshm.index import protocol as P
 from kvshm.index.api import Running
-from kvshm.client.owner_link import OwnerLink
 from kvshm.shm import layout as L
 from kvshm.shm import slots
 from kvshm.shm.fence import publish_fence
@@ -29,7 +28,7 @@ class OwnStores:
 
     def __init__(self, segment: Segment, slot: int, link: OwnerLink) -> None:
         self._gw, ids = slots.grants(segment, slot)  # counts, and ids the owner hands us
-        self._gi = memoryview(ids)
+        self._gi = ids.data
         self._link = link
         self.taken = 0  # blocks taken from the grant ring (we alone store the word)
         self.inflight: dict[bytes, int] = {}  # key -> granted block, store not completed

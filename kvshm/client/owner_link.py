@@ -2,8 +2,8 @@
 
 This module owns how a client talks to the owner of its segment: it starts an owner when none
 serves, puts request frames on the client slot's request ring, waits for the replies on the
-reply ring, and rides out owner deaths. It never reads or writes the block table, never
-holds blocks (``holds.py``) and never imports torch.
+reply ring, and rides out owner deaths. It never reads or writes the block table and never
+holds blocks (``holds.py``).
 
 The protocol: every request is executed at most once
 --------------------------------------------------------
@@ -63,15 +63,15 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
-from kvshm.shm import layout as L
+from kvshm.errors import OwnerUnavailableError, ProtocolError, ReplyTimeoutError, RingFullError
 from kvshm.index import protocol as P
 from kvshm.index.launch import OWNER_IDLE_EXIT_S, OWNER_MODULE
+from kvshm.logs import bound as bound_log
+from kvshm.logs import owner_log_path
+from kvshm.shm import layout as L
 from kvshm.shm import slots
-from kvshm.errors import (OwnerUnavailableError, ProtocolError, ReplyTimeoutError,
-                          RingFullError)
-from kvshm.logs import bound as bound_log, owner_log_path
 from kvshm.shm.ring import Doorbell, Ring
 from kvshm.shm.segment import Segment
 
@@ -144,7 +144,7 @@ class OwnerLink:
 
     def __init__(self, segment: Segment, slot: int, gen: int, timeout: float,
                  on_failover: Callable[[], None],
-                 on_abandoned: Callable[[P._Msg], None] = lambda reply: None):
+                 on_abandoned: Callable[[P.Reply], None] = lambda reply: None):
         self.segment, self.slot, self.gen, self.timeout = segment, slot, gen, timeout
         self.epoch = 0  # of the owner that sent the last reply (0: none yet)
         self._on_failover = on_failover
@@ -193,7 +193,7 @@ class OwnerLink:
         self.owner_bell.ring()
 
     # --- calls --------------------------------------------------------------------------
-    def call(self, parts: list[P._Msg]) -> list[P._Msg]:
+    def call(self, parts: list[P.Request]) -> list[P.Reply]:
         """Send one request (one frame, or several parts with the same id) and return its
         reply parts. Raises the owner's typed error, or ``ReplyTimeoutError``."""
         with self._lock:
@@ -208,7 +208,7 @@ class OwnerLink:
                 P.raise_error(replies[-1])
             return replies
 
-    def send(self, msg: P._Msg) -> None:
+    def send(self, msg: P.Request) -> None:
         """One-way request (``req == 0``): no reply. Dropped if the ring is full — only
         recency hints travel this way, and an engine must never block on them."""
         with self._lock:
@@ -217,7 +217,7 @@ class OwnerLink:
             elif not self.segment.owner_alive():
                 self.ensure_owner()
 
-    def push(self, msg: P._Msg) -> int:
+    def push(self, msg: P.Request) -> int:
         """A one-way request that must not be dropped (a ``Publish``): waits for room like a
         call's frame would. Returns the ring position past it, for ``wait_consumed``."""
         with self._lock:
@@ -241,11 +241,11 @@ class OwnerLink:
                     self.ensure_owner()
                 self.owner_bell.ring()
                 while self.replies.pending():  # it may wait for room on our reply ring
-                    self._stray(P.reply_decoder.decode(self.replies.try_get()))
+                    self._stray(self._take_reply())
                 self.reply_bell.wait(0.01, lambda: self.requests.consumed(pos), REPLY_SPIN_S)
         return True
 
-    def post(self, msg: P._Msg) -> None:
+    def post(self, msg: P.Request) -> None:
         """A request whose reply nobody waits for (an undo, a re-subscription); its reply is
         dropped as stray. Never blocks: while the ring is full it waits in a backlog that
         every call sends first. Call with the lock held (inside a call or a hook)."""
@@ -257,16 +257,16 @@ class OwnerLink:
             self._backlog.pop(0)
             self.owner_bell.ring()
 
-    def _exchange(self, parts: list[P._Msg], deadline: float) -> list[P._Msg]:
+    def _exchange(self, parts: list[P.Request], deadline: float) -> list[P.Reply]:
         req = parts[0].req
         for p in parts:
             self._put(P.request_encoder.encode(p), deadline)
             self.owner_bell.ring()
-        got: list[P._Msg] = []
+        got: list[P.Reply] = []
         next_check = time.monotonic() + _CHECK_OWNER_S
         while True:
             if self.reply_bell.wait(_CHECK_OWNER_S, self.replies.pending, REPLY_SPIN_S):
-                reply = P.reply_decoder.decode(self.replies.try_get())
+                reply = self._take_reply()
                 if reply.req != req:
                     self._stray(reply)
                     continue
@@ -293,7 +293,7 @@ class OwnerLink:
                     self.ensure_owner()  # the successor finds our request in the ring
                 self.owner_bell.ring()
 
-    def _stray(self, reply: P._Msg) -> None:
+    def _stray(self, reply: P.Reply) -> None:
         """A reply we are not waiting for: to a post, a duplicate, or an abandoned request."""
         self._saw_epoch(reply.epoch)
         if reply.req not in self._abandoned:
@@ -305,6 +305,12 @@ class OwnerLink:
             # limits the undo to blocks granted by that request, whatever arrives twice.
             self.post(P.CompleteStore(self.next_req(), reply.keys, False, reply.req))
         self._on_abandoned(reply)
+
+    def _take_reply(self) -> P.Reply:
+        """The next reply, once ``replies.pending()`` said there is one."""
+        frame = self.replies.try_get()
+        assert frame is not None  # a pending frame stays: this link is the ring's one consumer
+        return P.reply_decoder.decode(frame)
 
     def _saw_epoch(self, epoch: int) -> None:
         if epoch != self.epoch:
@@ -319,7 +325,7 @@ class OwnerLink:
         self._send_backlog()
         while self._backlog or not self.requests.try_put(frame):
             while self.replies.pending():
-                self._stray(P.reply_decoder.decode(self.replies.try_get()))
+                self._stray(self._take_reply())
             self._send_backlog()
             self._check_served()
             if time.monotonic() > deadline:

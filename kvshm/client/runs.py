@@ -13,8 +13,9 @@ segment's table and never talks to the owner.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from itertools import repeat
-from typing import Protocol, Sequence
+from typing import Protocol
 
 import numpy as np
 
@@ -33,6 +34,7 @@ class HoldTable(Protocol):
     def drop_ahead(self) -> None: ...
     def write_holds(self, ia: np.ndarray, codes: np.ndarray) -> None: ...
     def give_back(self, ia: np.ndarray) -> None: ...
+
 
 # How many keys of a prefix one relet leases at first (``Run.reach`` adapts it), and the
 # shortest prefix worth remembering (below it numpy's set-up costs more than it saves).

@@ -13,33 +13,36 @@ Every job frame names the scheduler's manager slot and generation: the worker re
 of a generation that is dead, even one still queued here (see ``kvshm.shm.writers``).
 When the scheduler dies, the owner reclaims the slot (clears it to FREE).
 
-It owns the frames (msgspec, tagged, array_like) and nothing about what jobs mean; it never
-imports torch.
+It owns the frames (msgspec, tagged, array_like) and nothing about what jobs mean.
 """
 from __future__ import annotations
 
 import time
-from typing import Callable, Iterable, Sequence, Union
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Literal, cast
 
 import msgspec
 
-from kvshm.shm import layout as L
-from kvshm.shm import locks
-from kvshm.shm import slots
 from kvshm.errors import ClientSlotsExhaustedError, InvalidArgumentError, TransferError
+from kvshm.shm import layout as L
+from kvshm.shm import locks, slots
 from kvshm.shm.ring import Doorbell, Ring
 from kvshm.shm.segment import Segment
 from kvshm.transfer.spec import TransferResult, TransferSpec
+
+if TYPE_CHECKING:  # (the connector imports this module)
+    from kvshm.engine.connector import Job
 
 WORKER_LOCK_BASE = L.LOCK_CLIENT_BASE + 1024  # + slot: held by the channel's worker
 MAX_IDS_PER_FRAME = 2048  # bigger jobs travel in several frames (a frame must fit the ring)
 
 
+# Frozen, and every subclass says so again: type checkers do not inherit the option.
 class _Frame(msgspec.Struct, tag=True, array_like=True, frozen=True):
     pass
 
 
-class JobFrame(_Frame, tag="Job"):
+class JobFrame(_Frame, tag="Job", frozen=True):
     job_id: int
     kind: str
     device: list[int]
@@ -49,22 +52,23 @@ class JobFrame(_Frame, tag="Job"):
     writer_slot: int = -1  # Job.writer: the scheduler's manager slot (-1: none) ...
     writer_gen: int = 0  # ... and its generation; the worker refuses a dead generation's job
 
-    def to_job(self):
+    def to_job(self) -> Job:
         from kvshm.engine.connector import Job
         writer = (self.writer_slot, self.writer_gen) if self.writer_slot >= 0 else None
-        return Job(self.job_id, "", TransferSpec(self.kind, self.device, self.segment,
-                                                 self.skip), writer)
+        kind = cast(Literal["store", "load"], self.kind)  # TransferSpec refuses any other
+        return Job(self.job_id, "", TransferSpec(kind, self.device, self.segment, self.skip),
+                   writer)
 
 
-class Flush(_Frame):
+class Flush(_Frame, frozen=True):
     job_ids: list[int]
 
 
-class Stop(_Frame):
+class Stop(_Frame, frozen=True):
     pass
 
 
-class Done(_Frame):
+class Done(_Frame, frozen=True):
     job_id: int
     success: bool
     nbytes: int = 0
@@ -72,7 +76,7 @@ class Done(_Frame):
 
 
 _encoder = msgspec.msgpack.Encoder()
-_to_worker = msgspec.msgpack.Decoder(Union[JobFrame, Flush, Stop])
+_to_worker = msgspec.msgpack.Decoder(JobFrame | Flush | Stop)
 _to_scheduler = msgspec.msgpack.Decoder(Done)
 
 
@@ -261,7 +265,7 @@ class SchedulerChannel:
         self.seg.close()
         self.seg = None  # type: ignore[assignment]
 
-    def __enter__(self) -> "SchedulerChannel":
+    def __enter__(self) -> SchedulerChannel:
         return self
 
     def __exit__(self, *exc: object) -> None:

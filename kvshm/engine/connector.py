@@ -20,18 +20,24 @@ kvshm manager, with vLLM's ``OffloadingConnectorScheduler`` semantics (0.14 flow
   them until ``jobs_finished`` lists the request as freeable).
 
 Offloaded blocks are ``block_size_factor`` device blocks; the key of one is the offload key of
-the hash of its LAST device block. It never copies data (workers do) and never imports torch.
+the hash of its LAST device block. It never copies data (workers do).
 """
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Literal
 
-from kvshm.index.api import OffloadingEvent, OffloadingManager
-from kvshm.errors import BlockStateError, CacheFullError, InvalidArgumentError, KvshmError
-from kvshm.errors import UnknownKeyError
 from kvshm.engine.hashing import offload_key
+from kvshm.errors import (
+    BlockStateError,
+    CacheFullError,
+    InvalidArgumentError,
+    KvshmError,
+    UnknownKeyError,
+)
+from kvshm.index.api import OffloadingEvent, OffloadingManager
 from kvshm.transfer.spec import TransferSpec
 
 log = logging.getLogger(__name__)
@@ -269,8 +275,8 @@ class SchedulerConnector:
                                              out.block_ids))
         return jobs
 
-    def _new_job(self, kind: str, req_id: str, keys: list[bytes], device_ids: Sequence[int],
-                 segment_ids: Sequence[int]) -> Job:
+    def _new_job(self, kind: Literal["store", "load"], req_id: str, keys: list[bytes],
+                 device_ids: Sequence[int], segment_ids: Sequence[int]) -> Job:
         job_id, self._next_job = self._next_job, self._next_job + 1
         dev = tuple(int(b) for b in device_ids)
         self._jobs[job_id] = _JobState(kind, req_id, keys, dev, self.num_workers)

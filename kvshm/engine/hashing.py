@@ -11,12 +11,12 @@ Only full blocks are hashed. ``extra`` carries what else makes KV differ for equ
 (LoRA adapter, multimodal inputs, cache salt); two engines that pass different extras never
 share. The layout fingerprint of the segment already separates models and block sizes.
 
-It never touches shared memory and never imports torch.
+It never touches shared memory.
 """
 from __future__ import annotations
 
 import hashlib
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

@@ -24,16 +24,17 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from typing import TYPE_CHECKING, Iterable
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
-from kvshm.shm import writers
 from kvshm.errors import KvshmError
+from kvshm.shm import writers
 from kvshm.transfer.spec import TransferHandler, TransferResult
 
 if TYPE_CHECKING:
     from kvshm.engine.channel import WorkerChannel
-    from kvshm.shm.segment import Segment
     from kvshm.engine.connector import Job
+    from kvshm.shm.segment import Segment
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +42,8 @@ log = logging.getLogger(__name__)
 class WorkerConnector:
     """One worker's job runner over one transfer handler."""
 
-    def __init__(self, handler: TransferHandler, channel: "WorkerChannel | None" = None, *,
-                 segment: "Segment | None" = None) -> None:
+    def __init__(self, handler: TransferHandler, channel: WorkerChannel | None = None, *,
+                 segment: Segment | None = None) -> None:
         self.handler = handler
         self.channel = channel
         self._lock = threading.Lock()
@@ -55,7 +56,7 @@ class WorkerConnector:
         # kind -> [jobs, failed jobs, bytes, seconds], for the engine's statistics
         self.stats: dict[str, list[float]] = {"load": [0, 0, 0, 0.0], "store": [0, 0, 0, 0.0]}
 
-    def submit(self, jobs: Iterable["Job"]) -> None:
+    def submit(self, jobs: Iterable[Job]) -> None:
         """Queue jobs on the handler; one it rejects is reported failed by the next poll."""
         for job in jobs:
             writer = getattr(job, "writer", None)
@@ -127,7 +128,7 @@ class WorkerConnector:
         return [(r.job_id, r.success) for r in self.results()]
 
     # --- worker process ----------------------------------------------------------------
-    def serve(self, channel: "WorkerChannel | None" = None) -> None:
+    def serve(self, channel: WorkerChannel | None = None) -> None:
         """Run jobs from ``channel`` until the scheduler sends Stop or goes away.
 
         The calling thread receives and submits; a reporter thread waits for jobs in
@@ -165,7 +166,7 @@ class WorkerConnector:
             reporter.join()
             self.close()  # the reporter may have stopped early: wait for the copies here
 
-    def _report(self, channel: "WorkerChannel", todo: queue.SimpleQueue) -> None:
+    def _report(self, channel: WorkerChannel, todo: queue.SimpleQueue) -> None:
         while True:
             job_id = todo.get()
             if job_id is not None:

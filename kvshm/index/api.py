@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Sequence
 
 from kvshm.errors import InvalidArgumentError
 
@@ -53,7 +53,7 @@ class Running:
     positions: Mapping[bytes, int] = field(default_factory=dict)
     done: bool = False
 
-    def for_store(self) -> "Running":
+    def for_store(self) -> Running:
         """This request, as a store may name it: ``InvalidArgumentError`` if it is done (a
         store's frame cannot carry both its keys' positions and an end)."""
         if self.done:
@@ -119,7 +119,8 @@ class OffloadingManager(ABC):
         blocks): it ranks there as ``prepare_store`` would have ranked it.
         """
 
-    def release(self, keys: Sequence[bytes] | None = None) -> None:
+    # Not abstract: an optional hook, a no-op unless a manager has leases to drop.
+    def release(self, keys: Sequence[bytes] | None = None) -> None:  # noqa: B027
         """Give back one lookup of each of ``keys`` (all leases if None); pins are unaffected.
 
         Only a manager whose ``lookup`` leases its hits has anything to drop; the default
@@ -129,7 +130,8 @@ class OffloadingManager(ABC):
         each keep it until they are done with it).
         """
 
-    def add_bytes(self, loaded: int = 0, stored: int = 0) -> None:
+    # Not abstract: an optional hook, a no-op unless a manager keeps byte counters.
+    def add_bytes(self, loaded: int = 0, stored: int = 0) -> None:  # noqa: B027
         """Count bytes this process's transfers moved (``loaded`` out of the cache into a
         device, ``stored`` into it). A manager with per-client counters (kvshm-inspect's
         ``bytes_in``/``bytes_out``) records them; the default does nothing."""

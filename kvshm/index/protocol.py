@@ -7,10 +7,11 @@ a microsecond to encode and decode. It never touches shared memory or manager st
 Every request carries ``req``, the client's request number (u64, increasing per slot
 generation); every reply echoes it and carries the epoch of the owner that wrote it.
 ``req == 0`` marks a one-way request (no reply): ``Touch`` and ``Publish`` only. A
-``PrepareStore`` too large for one frame travels as several frames with the same ``req`` (``part`` 0, 1, ...; all but the last with ``more``): the
-owner executes it once, whole, when the last part arrives, and answers in parts the same way.
-Other requests that are too large are split by the client into independent requests. Why a request
-is executed at most once whatever dies is told in ``client/owner_link.py``.
+``PrepareStore`` too large for one frame travels as several frames with the same ``req``
+(``part`` 0, 1, ...; all but the last with ``more``): the owner executes it once, whole, when
+the last part arrives, and answers in parts the same way. Other requests that are too large
+are split by the client into independent requests. Why a request is executed at most once
+whatever dies is told in ``client/owner_link.py``.
 
 ``Touch``, ``PrepareStore`` and ``Publish`` may name the running request their keys belong to
 (``api.Running``, vLLM 0.33's provisional LRU rank): ``request`` (the client's number for it,
@@ -20,20 +21,21 @@ frame without them decodes as before, and an owner without them ignores them.
 """
 from __future__ import annotations
 
-from typing import Union
-
 import msgspec
 
 from kvshm import errors
 from kvshm.index.api import Running
+from kvshm.shm import layout as L
+from kvshm.shm.ring import Ring
 
 
+# Frozen, and every subclass says so again: type checkers do not inherit the option.
 class _Msg(msgspec.Struct, tag=True, array_like=True, frozen=True):
     pass
 
 
 # --- client -> owner ---------------------------------------------------------------------
-class Hello(_Msg):
+class Hello(_Msg, frozen=True):
     req: int
     slot: int
     gen: int
@@ -41,7 +43,7 @@ class Hello(_Msg):
     events: bool = False
 
 
-class PrepareStore(_Msg):  # one atomic operation, however many frames it takes
+class PrepareStore(_Msg, frozen=True):  # one atomic operation, however many frames it takes
     req: int
     keys: list[bytes]
     more: bool = False  # more parts of this request follow
@@ -50,14 +52,14 @@ class PrepareStore(_Msg):  # one atomic operation, however many frames it takes
     positions: list[int] | None = None  # of this part's keys
 
 
-class CompleteStore(_Msg):
+class CompleteStore(_Msg, frozen=True):
     req: int
     keys: list[bytes]
     success: bool = True
     of_req: int = 0  # only the keys granted by this earlier request (an undo), if non-zero
 
 
-class Touch(_Msg):
+class Touch(_Msg, frozen=True):
     req: int
     keys: list[bytes]
     how: bytes | None = None  # one kvshm.owner.policy access kind per key; None: plain touch
@@ -65,7 +67,7 @@ class Touch(_Msg):
     positions: list[int] | None = None
 
 
-class Publish(_Msg):  # one-way (req 0): the stores of blocks taken from the grant ring
+class Publish(_Msg, frozen=True):  # one-way (req 0): the stores of blocks taken from the grant ring
     req: int
     keys: list[bytes]
     blocks: list[int]  # the granted block each key was written to, same order
@@ -74,25 +76,25 @@ class Publish(_Msg):  # one-way (req 0): the stores of blocks taken from the gra
     positions: list[int] | None = None
 
 
-class TakeEvents(_Msg):
+class TakeEvents(_Msg, frozen=True):
     req: int
 
 
-class Bye(_Msg):
+class Bye(_Msg, frozen=True):
     req: int
 
 
-Request = Union[Hello, PrepareStore, CompleteStore, Touch, Publish, TakeEvents, Bye]
+Request = Hello | PrepareStore | CompleteStore | Touch | Publish | TakeEvents | Bye
 
 
 # --- owner -> client ---------------------------------------------------------------------
-class Ok(_Msg):
+class Ok(_Msg, frozen=True):
     req: int
     epoch: int
     value: int = 0
 
 
-class Prepared(_Msg):
+class Prepared(_Msg, frozen=True):
     req: int
     epoch: int
     keys: list[bytes]
@@ -103,33 +105,40 @@ class Prepared(_Msg):
     replayed: bool = False  # answered from the record by a successor: evictions are unknown
 
 
-class NoRoom(_Msg):
+class NoRoom(_Msg, frozen=True):
     req: int
     epoch: int
 
 
-class Events(_Msg):
+class Events(_Msg, frozen=True):
     req: int
     epoch: int
     removed: list[bool]  # per event, in the order they happened
     keys: list[list[bytes]]
 
 
-class Retry(_Msg):
+class Retry(_Msg, frozen=True):
     """The request was provably not executed (its parts were lost with a dead owner):
     send it again under a new request id."""
     req: int
     epoch: int
 
 
-class Error(_Msg):
+class Error(_Msg, frozen=True):
     req: int
     epoch: int
     kind: str  # name of a class in kvshm.errors
     message: str
 
 
-Reply = Union[Ok, Prepared, NoRoom, Events, Retry, Error]
+Reply = Ok | Prepared | NoRoom | Events | Retry | Error
+
+
+def keys_per_part(ring_capacity: int) -> int:
+    """Keys one ``PrepareStore`` part or ``Prepared`` reply part carries (a reply part
+    carries a block id per key too): its frame fits a ring of ``ring_capacity`` bytes."""
+    return max(1, (Ring.max_payload(ring_capacity) - 64) // (L.MAX_KEY_BYTES + 16))
+
 
 def running_fields(running: Running | None, keys: list[bytes]) -> dict:
     """The ``request``/``positions`` fields that carry ``running`` for ``keys``."""

@@ -1,10 +1,11 @@
 """``kvshm-inspect``: look into the kvshm segments of this host, check them, clean up crashes.
 
 This module owns the command line (stdlib argparse), its human and ``--json`` output (encoded
-through the Structs of ``kvshm.inspect.schema``), and the only two commands that write to a segment: ``gc`` (reclaims
-what dead clients and a dead owner left, only while no owner runs) and ``rm`` (unlinks).
-Everything else reads through ``kvshm.inspect.snapshot``. It must never import torch, never write to
-a segment outside ``gc``/``rm``, and never show a traceback: bad input gets one line on stderr.
+through the Structs of ``kvshm.inspect.schema``), and the only two commands that write to a
+segment: ``gc`` (reclaims what dead clients and a dead owner left, only while no owner runs)
+and ``rm`` (unlinks), whose work is ``kvshm.inspect.cleanup``'s. Everything else reads through
+``kvshm.inspect.snapshot``. It must never write to a segment outside ``gc``/``rm`` and never
+show a traceback: bad input gets one line on stderr.
 Exit status: 0 ok, 1 ``verify`` found violations or ``rm`` refused, 2 error.
 """
 from __future__ import annotations
@@ -15,18 +16,18 @@ import os
 import signal
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
-from kvshm.shm import layout as L
-from kvshm.shm import locks
-from kvshm.shm import slots
-from kvshm.index.launch import OWNER_IDLE_EXIT_S
 from kvshm import logs
-from kvshm.errors import OwnerUnavailableError, SegmentNotFoundError, SegmentPermissionError
-from kvshm.shm.names import PREFIX, SHM_DIR, list_segments, remove, remove_objects, shm_name
-from kvshm.shm.segment import Segment
+from kvshm.errors import SegmentNotFoundError
+from kvshm.index.launch import OWNER_IDLE_EXIT_S
+from kvshm.inspect.cleanup import reclaim, users
 from kvshm.inspect.schema import encode
 from kvshm.inspect.snapshot import block_rows, metric_samples, prometheus, snapshot, verify
+from kvshm.shm import layout as L
+from kvshm.shm.names import PREFIX, SHM_DIR, list_segments, remove, remove_objects
+from kvshm.shm.segment import Segment
 
 PROG = "kvshm-inspect"
 Args = argparse.Namespace
@@ -76,9 +77,9 @@ def render_show(s: dict[str, Any]) -> str:
            f"{b['evicting']}  granted {b['granted']}  pinned {b['pinned']}  leased "
            f"{b['leased']}  ({b['usage']:.1%} used)"
            + (f"  INVALID {b['invalid']}" if b["invalid"] else ""),
-           f"owner     {owner}", f"owner log {o['log']}  (an auto-started owner's; "
-                                 "'kvshm serve' logs to its stderr)", f"clients   {s['clients_alive']} alive, "
-                                 f"{s['clients_dead']} dead"]
+           f"owner     {owner}",
+           f"owner log {o['log']}  (an auto-started owner's; 'kvshm serve' logs to its stderr)",
+           f"clients   {s['clients_alive']} alive, {s['clients_dead']} dead"]
     if s["clients"]:
         out += _table(["SLOT", "PID", "NAME", "ALIVE", "GEN", "PINS", "LEASES", "PENDING",
                        *(r.upper() for r in L.RING_NAMES), "AGE"], [
@@ -209,46 +210,9 @@ def cmd_watch(args: Args) -> int:
     return 0
 
 
-def _gc(seg: Segment) -> dict[str, Any]:
-    out: dict[str, Any] = {"schema": "kvshm.gc/1", "name": seg.name, "acted": False,
-                           "reason": "", "freed_blocks": 0, "kept_ready": 0,
-                           "kept_pending": 0, "reclaimed_clients": []}
-    if not locks.try_lock(seg.fd, L.LOCK_OWNER):  # OFD lock: LocalManager re-takes it below
-        out["reason"] = (f"owner pid {seg.owner_record()[0]} is alive and reclaims dead "
-                         "clients itself; nothing done")
-        return out
-    from kvshm.owner.manager import LocalManager  # only gc needs the manager
-    g, live = seg.geometry, seg.clients_alive()
-    dead_owner = seg.owner_record()  # pid 0 unless the last owner died holding the segment
-    try:  # the rebuild frees stores whose writer died (and settles torn entries)
-        mgr = LocalManager(seg, writer_alive=lambda i, gen: i in live and
-                           slots.record(seg, i)[2] == gen)
-    except OwnerUnavailableError:  # cannot happen while we hold the lock; be safe anyway
-        locks.unlock(seg.fd, L.LOCK_OWNER)
-        return {**out, "reason": "an owner started meanwhile; nothing done"}
-    try:
-        for i in range(g.max_clients):
-            state, pid, gen, _, name = slots.record(seg, i)
-            holds = int((slots.holds(seg, i) != -1).sum())
-            if state != L.SlotState.FREE and i not in live and slots.clear_if_dead(seg, i, gen):
-                out["reclaimed_clients"].append({"slot": i, "pid": pid, "holds": holds, "name":
-                                                 name.rstrip(b"\0").decode("utf-8", "replace")})
-        seg.counter_add("reclaimed_clients", len(out["reclaimed_clients"]))
-        seg.counter_add("reclaimed_blocks", mgr.recovered["freed"])
-    finally:
-        if dead_owner[0]:  # gc is no failover: the next real owner counts that death
-            seg.counter_add("failovers", -1)
-        mgr.shutdown()
-        if dead_owner[0]:
-            seg.write_owner_record(dead_owner[0], mgr.epoch, *seg.owner_record()[2:])
-    return {**out, "acted": True, "freed_blocks": mgr.recovered["freed"],
-            "kept_ready": mgr.recovered["ready"], "kept_pending": mgr.recovered["pending"],
-            "reason": "no owner alive: reclaimed as a temporary owner"}
-
-
 def cmd_gc(args: Args) -> int:
     with Segment.attach(args.name) as seg:
-        r = _gc(seg)
+        r = reclaim(seg)
     _emit(args, r, lambda: "\n    ".join(
         [f"{args.name}: {r['reason']}"] + [
             f"freed {r['freed_blocks']} unfinished blocks, kept {r['kept_ready']} ready and "
@@ -259,28 +223,9 @@ def cmd_gc(args: Args) -> int:
     return 0
 
 
-def _users(name: str) -> tuple[list[dict[str, int]], bool]:
-    """Live client slots and whether an owner lives; for a damaged segment, from its locks."""
-    shm_name(name)  # a bad name is an error, not a damaged segment
-    try:
-        with Segment.attach(name) as seg:
-            return [{"slot": i, "pid": L.SLOT.unpack_from(seg.buf, seg.geometry.slot_offset(i))[1]}
-                    for i in sorted(seg.clients_alive())], seg.owner_alive()
-    except (SegmentNotFoundError, SegmentPermissionError):
-        raise
-    except Exception:  # not (or no longer) a readable kvshm segment: ask the kernel
-        import posix_ipc
-        shm = posix_ipc.SharedMemory(shm_name(name))
-        try:
-            return ([{"slot": i, "pid": 0} for i in sorted(locks.held_among(
-                shm.fd, L.LOCK_CLIENT_BASE, 1024))], locks.is_held(shm.fd, L.LOCK_OWNER))
-        finally:
-            shm.close_fd()
-
-
 def _wait_idle_owner(args: Args) -> tuple[list[dict[str, int]], bool]:
     """No client left but an owner: wait (up to --wait s) for its idle exit, saying so."""
-    clients, owner = _users(args.name)
+    clients, owner = users(args.name)
     deadline, said = time.monotonic() + args.wait, -1
     while owner and not clients and not args.force and time.monotonic() < deadline:
         left = int(deadline - time.monotonic() + 0.999)
@@ -289,7 +234,7 @@ def _wait_idle_owner(args: Args) -> tuple[list[dict[str, int]], bool]:
                   "--force removes now)", file=sys.stderr, flush=True)
             said = left
         time.sleep(0.1)  # polling the owner lock, bounded by --wait
-        clients, owner = _users(args.name)
+        clients, owner = users(args.name)
     return clients, owner
 
 
@@ -342,13 +287,14 @@ _COMMANDS: dict[str, tuple[Callable[[Args], int], str, str]] = {
            "Per segment: size, blocks used/total, live clients, owner, format version, age;\n"
            "a foreign or damaged object shows its error instead.\n\nexample: kvshm-inspect ls"),
     "show": (cmd_show, "geometry, blocks by state, clients, owner, pin progress, counters",
-             "Layout fingerprint and geometry; blocks free/writing/ready/evicting/pinned; each\n"
-             "client (pid, process name, alive, holds, pins, pending stores, ring depths in\n"
-             "bytes); the owner; CUDA pin progress per process; counters.\n\n"
+             "Layout fingerprint and geometry; blocks free/writing/ready/evicting/granted/\n"
+             "pinned; each client (pid, process name, alive, holds, pins, pending stores,\n"
+             "ring depths in bytes); the owner; CUDA pin progress per process; counters.\n\n"
              "example: kvshm-inspect show llama8b --json"),
     "blocks": (cmd_blocks, "one row per block: state, key, pins, holders, last use, writer",
-               "--state (repeatable): free, writing, ready, evicting, pinned (a load pin),\n"
-               "leased (a live client's lookup lease), used (not free, the default), all.\n"
+               "--state (repeatable): free, writing, ready, evicting, granted (in a client's\n"
+               "grant ring), pinned (a load pin), leased (a live client's lookup lease), used\n"
+               "(not free, the default), all.\n"
                "--limit caps the rows (0 = all)."
                "\n\nexample: kvshm-inspect blocks llama8b --state writing --limit 20"),
     "verify": (cmd_verify, "check the invariants the segment can show; exit 1 if violated",

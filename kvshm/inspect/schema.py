@@ -4,22 +4,20 @@ This module owns the stable JSON schema of every ``--json`` output (``kvshm.<com
 ``encode()`` turns a command's plain dict into JSON through its Struct (so a key or type that
 drifts from the schema is an error, never silent output), and ``render_docs()`` writes the
 schema tables that ``docs/inspect.md`` embeds (a test compares them; run
-``python -m kvshm.inspect.schema`` to print them). It must never import torch or touch a segment.
+``python -m kvshm.inspect.schema`` to print them). It must never touch a segment.
 """
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
 
 
-def _d(tp: Any, text: str) -> Any:
-    """``tp`` with its documented meaning (the third column of the docs' tables)."""
-    return Annotated[tp, Meta(description=text)]
-
-
-_Opt = Union  # readability: _Opt[int, None]
+def _d(text: str) -> Meta:
+    """A field's documented meaning (the third column of the docs' tables), for
+    ``Annotated[type, _d("...")]``."""
+    return Meta(description=text)
 
 
 class _Doc(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -29,243 +27,252 @@ class _Doc(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 # --- ls -----------------------------------------------------------------------------------
 class LsSegment(_Doc):
     """Each of `segments`."""
-    name: _d(str, "segment name (the object is `/dev/shm/kvshm-<name>`)")
-    size_bytes: _d(_Opt[int, None], "size of the shm object")
-    format_version: _d(_Opt[int, None], "format version in its header (null: no kvshm header)")
-    blocks_used: _d(_Opt[int, None], "blocks not free")
-    blocks_total: _d(_Opt[int, None], "blocks in the segment")
-    clients_alive: _d(_Opt[int, None], "live clients")
-    owner_alive: _d(_Opt[bool, None], "whether an owner process is alive")
-    age_s: _d(_Opt[float, None], "seconds since creation")
-    error: _d(_Opt[str, None], "why the object could not be read (then the kvshm fields are null)")
+    name: Annotated[str, _d("segment name (the object is `/dev/shm/kvshm-<name>`)")]
+    size_bytes: Annotated[int | None, _d("size of the shm object")]
+    format_version: Annotated[int | None, _d(
+        "format version in its header (null: no kvshm header)")]
+    blocks_used: Annotated[int | None, _d("blocks not free")]
+    blocks_total: Annotated[int | None, _d("blocks in the segment")]
+    clients_alive: Annotated[int | None, _d("live clients")]
+    owner_alive: Annotated[bool | None, _d("whether an owner process is alive")]
+    age_s: Annotated[float | None, _d("seconds since creation")]
+    error: Annotated[str | None, _d(
+        "why the object could not be read (then the kvshm fields are null)")]
 
 
 class Ls(_Doc):
     """`kvshm-inspect ls`: every kvshm segment on the host."""
-    schema: _d(Literal["kvshm.ls/1"], "its kind and version")
-    segments: _d(list[LsSegment], "one per `kvshm-*` object")
+    schema: Annotated[Literal["kvshm.ls/1"], _d("its kind and version")]
+    segments: Annotated[list[LsSegment], _d("one per `kvshm-*` object")]
 
 
 # --- show / watch -------------------------------------------------------------------------
 class LayoutDoc(_Doc):
     """`header.layout`: what the segment's blocks mean."""
-    model: _d(str, "model name (or the engine's model id)")
-    page_bytes: _d(list[int], "bytes of a block in each plane")
-    tokens_per_block: _d(int, "tokens a block holds")
-    extra: _d(dict[str, Any], "engine-specific layout details")
+    model: Annotated[str, _d("model name (or the engine's model id)")]
+    page_bytes: Annotated[list[int], _d("bytes of a block in each plane")]
+    tokens_per_block: Annotated[int, _d("tokens a block holds")]
+    extra: Annotated[dict[str, Any], _d("engine-specific layout details")]
 
 
 class Header(_Doc):
     """`header`: the segment's header."""
-    format_version: _d(int, "segment format version")
-    header_bytes: _d(int, "size of the header")
-    total_bytes: _d(int, "size of the segment")
-    created_ns: _d(int, "when it was created")
-    age_s: _d(float, "seconds since then")
-    fingerprint: _d(str, "hex SHA-256 of the layout")
-    policy: _d(str, "eviction policy")
-    layout: _d(LayoutDoc, "the layout")
+    format_version: Annotated[int, _d("segment format version")]
+    header_bytes: Annotated[int, _d("size of the header")]
+    total_bytes: Annotated[int, _d("size of the segment")]
+    created_ns: Annotated[int, _d("when it was created")]
+    age_s: Annotated[float, _d("seconds since then")]
+    fingerprint: Annotated[str, _d("hex SHA-256 of the layout")]
+    policy: Annotated[str, _d("eviction policy")]
+    layout: Annotated[LayoutDoc, _d("the layout")]
 
 
 class Geometry(_Doc):
     """`geometry`: sizes and offsets (ints), and the page sizes."""
-    num_blocks: _d(int, "blocks")
-    max_clients: _d(int, "client slots")
-    ring_capacity: _d(int, "bytes of each ring")
-    hold_capacity: _d(int, "hold entries (leases + pins) per client")
-    index_slots: _d(int, "key index slots")
-    slot_bytes: _d(int, "bytes of a client slot")
-    table_offset: _d(int, "offset of the block table")
-    index_offset: _d(int, "offset of the key index")
-    data_offset: _d(int, "offset of the data region")
-    data_bytes: _d(int, "bytes of the data region")
-    total_bytes: _d(int, "size of the segment")
-    num_planes: _d(int, "planes (one per worker rank)")
-    page_bytes: _d(list[int], "bytes of a block in each plane")
-    block_bytes: _d(int, "bytes of a block, all planes")
-    tokens_per_block: _d(int, "tokens a block holds")
+    num_blocks: Annotated[int, _d("blocks")]
+    max_clients: Annotated[int, _d("client slots")]
+    ring_capacity: Annotated[int, _d("bytes of each ring")]
+    hold_capacity: Annotated[int, _d("hold entries (leases + pins) per client")]
+    index_slots: Annotated[int, _d("key index slots")]
+    slot_bytes: Annotated[int, _d("bytes of a client slot")]
+    table_offset: Annotated[int, _d("offset of the block table")]
+    index_offset: Annotated[int, _d("offset of the key index")]
+    data_offset: Annotated[int, _d("offset of the data region")]
+    data_bytes: Annotated[int, _d("bytes of the data region")]
+    total_bytes: Annotated[int, _d("size of the segment")]
+    num_planes: Annotated[int, _d("planes (one per worker rank)")]
+    page_bytes: Annotated[list[int], _d("bytes of a block in each plane")]
+    block_bytes: Annotated[int, _d("bytes of a block, all planes")]
+    tokens_per_block: Annotated[int, _d("tokens a block holds")]
 
 
 class Blocks(_Doc):
     """`blocks`: blocks by state."""
-    total: _d(int, "blocks in the segment")
-    free: _d(int, "free")
-    writing: _d(int, "being stored")
-    ready: _d(int, "stored, loadable")
-    evicting: _d(int, "being evicted")
-    granted: _d(int, "free blocks granted to a client for its next stores")
-    invalid: _d(int, "with an unknown state byte")
-    pinned: _d(int, "with owner pins or a live client's load pin")
-    leased: _d(int, "leased by a live client, not pinned")
-    used: _d(int, "not free")
-    usage: _d(float, "used / total")
+    total: Annotated[int, _d("blocks in the segment")]
+    free: Annotated[int, _d("free")]
+    writing: Annotated[int, _d("being stored")]
+    ready: Annotated[int, _d("stored, loadable")]
+    evicting: Annotated[int, _d("being evicted")]
+    granted: Annotated[int, _d("free blocks granted to a client for its next stores")]
+    invalid: Annotated[int, _d("with an unknown state byte")]
+    pinned: Annotated[int, _d("with owner pins or a live client's load pin")]
+    leased: Annotated[int, _d("leased by a live client, not pinned")]
+    used: Annotated[int, _d("not free")]
+    usage: Annotated[float, _d("used / total")]
 
 
 class Owner(_Doc):
     """`owner`: the owner process."""
-    pid: _d(int, "last owner's pid; 0 after a clean shutdown")
-    alive: _d(bool, "whether an owner holds the owner lock")
-    epoch: _d(int, "owners so far")
-    since_ns: _d(int, "when the owner took over")
-    age_s: _d(_Opt[float, None], "seconds since then (null: none has run)")
-    tick: _d(int, "last-use clock")
-    log: _d(str, "where an auto-started owner of this segment logs (see below)")
+    pid: Annotated[int, _d("last owner's pid; 0 after a clean shutdown")]
+    alive: Annotated[bool, _d("whether an owner holds the owner lock")]
+    epoch: Annotated[int, _d("owners so far")]
+    since_ns: Annotated[int, _d("when the owner took over")]
+    age_s: Annotated[float | None, _d("seconds since then (null: none has run)")]
+    tick: Annotated[int, _d("last-use clock")]
+    log: Annotated[str, _d("where an auto-started owner of this segment logs (see below)")]
 
 
 class Client(_Doc):
     """Each of `clients`: every taken or locked slot."""
-    slot: _d(int, "slot index")
-    pid: _d(int, "process id")
-    name: _d(str, "process name")
-    state: _d(int, "0 free, 1 client, 2 job channel")
-    alive: _d(bool, "its process holds the slot lock")
-    generation: _d(int, "bumps each time the slot is claimed")
-    attached_ns: _d(int, "when it attached")
-    age_s: _d(float, "seconds since then")
-    holds: _d(int, "occupied hold entries (`pins` + `leases`)")
-    pins: _d(int, "load pins")
-    leases: _d(int, "lookup leases")
-    stores_pending: _d(int, "the client's unfinished stores (WRITING blocks it owns)")
-    granted: _d(int, "blocks granted to it for its next stores (taken or not)")
-    counters: _d(dict[str, int], "the client's own counters: `lookups`, `hits`, `loads`, "
-                 "`load_blocks`, `bytes_in` (bytes it loaded), `bytes_out` (bytes it stored)")
-    rings: _d(dict[str, _Opt[int, None]], "bytes queued in each ring: `request`, `reply`, "
-              "`peer_in`, `peer_out` (null: never formatted)")
+    slot: Annotated[int, _d("slot index")]
+    pid: Annotated[int, _d("process id")]
+    name: Annotated[str, _d("process name")]
+    state: Annotated[int, _d("0 free, 1 client, 2 job channel, 3 leaving")]
+    alive: Annotated[bool, _d("its process holds the slot lock")]
+    generation: Annotated[int, _d("bumps each time the slot is claimed")]
+    attached_ns: Annotated[int, _d("when it attached")]
+    age_s: Annotated[float, _d("seconds since then")]
+    holds: Annotated[int, _d("occupied hold entries (`pins` + `leases`)")]
+    pins: Annotated[int, _d("load pins")]
+    leases: Annotated[int, _d("lookup leases")]
+    stores_pending: Annotated[int, _d("the client's unfinished stores (WRITING blocks it owns)")]
+    granted: Annotated[int, _d("blocks granted to it for its next stores (taken or not)")]
+    counters: Annotated[dict[str, int], _d(
+        "the client's own counters: `lookups`, `hits`, `loads`, `load_blocks`, `bytes_in` "
+        "(bytes it loaded), `bytes_out` (bytes it stored)")]
+    rings: Annotated[dict[str, int | None], _d(
+        "bytes queued in each ring: `request`, `reply`, `peer_in`, `peer_out` (null: never "
+        "formatted)")]
 
 
 class Pinner(_Doc):
     """Each of `pinners`: CUDA pin progress of one process."""
-    pid: _d(int, "process id")
-    alive: _d(bool, "whether it lives")
-    done_bytes: _d(int, "bytes pinned so far")
-    total_bytes: _d(int, "bytes to pin")
-    state: _d(str, "idle, waiting, running, done or failed")
-    updated_ns: _d(int, "last progress")
+    pid: Annotated[int, _d("process id")]
+    alive: Annotated[bool, _d("whether it lives")]
+    done_bytes: Annotated[int, _d("bytes pinned so far")]
+    total_bytes: Annotated[int, _d("bytes to pin")]
+    state: Annotated[str, _d("idle, waiting, running, done or failed")]
+    updated_ns: Annotated[int, _d("last progress")]
 
 
 class Tier(_Doc):
     """`tier`: the host's lower-tier mover and what it moved (its tier area)."""
-    mover_pid: _d(int, "pid of the last mover (0: none yet)")
-    mover_alive: _d(bool, "whether a mover process holds the mover lock")
-    state: _d(Literal["stopped", "connecting", "connected", "down"],
-              "`connected`: the lower tier answers; `down`: it failed and the mover backs off "
-              "(every want is a miss meanwhile); `stopped`: no mover alive")
-    backend: _d(str, "what the mover talks to (e.g. `mooncake master HOST:PORT (tcp)`)")
-    since_ns: _d(int, "when the last mover started")
-    last_error: _d(int, "the last failure code the lower tier answered (Mooncake's; 0: none)")
-    last_error_ns: _d(int, "when (0: never)")
-    wants_queued: _d(int, "keys engines asked for that the mover has not read yet")
-    counters: _d(dict[str, int], "the mover's counters (`kvshm.tier.area.COUNTERS`): wants, "
-                 "gets/get_bytes/get_misses/get_failed/get_rejected/get_no_room, puts/put_bytes/"
-                 "put_failed/put_refused_space/put_dropped/put_skipped, rpc_failures, reconnects")
+    mover_pid: Annotated[int, _d("pid of the last mover (0: none yet)")]
+    mover_alive: Annotated[bool, _d("whether a mover process holds the mover lock")]
+    state: Annotated[Literal["stopped", "connecting", "connected", "down"], _d(
+        "`connected`: the lower tier answers; `down`: it failed and the mover backs off (every "
+        "want is a miss meanwhile); `stopped`: no mover alive")]
+    backend: Annotated[str, _d("what the mover talks to (e.g. `mooncake master HOST:PORT (tcp)`)")]
+    since_ns: Annotated[int, _d("when the last mover started")]
+    last_error: Annotated[int, _d(
+        "the last failure code the lower tier answered (Mooncake's; 0: none)")]
+    last_error_ns: Annotated[int, _d("when (0: never)")]
+    wants_queued: Annotated[int, _d("keys engines asked for that the mover has not read yet")]
+    counters: Annotated[dict[str, int], _d(
+        "the mover's counters (`kvshm.tier.area.COUNTERS`): wants, "
+        "gets/get_bytes/get_misses/get_failed/get_rejected/get_no_room, "
+        "puts/put_bytes/put_failed/put_refused_space/put_dropped/put_skipped, rpc_failures, "
+        "reconnects")]
 
 
 class Show(_Doc):
     """`kvshm-inspect show` (and each line of `watch --json`)."""
-    schema: _d(Literal["kvshm.show/1"], "its kind and version")
-    name: _d(str, "segment name")
-    taken_ns: _d(int, "when the snapshot was taken")
-    header: _d(Header, "the header")
-    geometry: _d(Geometry, "sizes and offsets")
-    blocks: _d(Blocks, "blocks by state")
-    owner: _d(Owner, "the owner")
-    clients: _d(list[Client], "every taken or locked slot")
-    clients_alive: _d(int, "live clients")
-    clients_dead: _d(int, "taken slots whose process died (not reclaimed yet)")
-    pinners: _d(list[Pinner], "CUDA pin progress per process")
-    counters: _d(dict[str, int], "counters, see below")
-    tier: _d(_Opt[Tier, None], "the lower tier (null: no mover ever ran for this segment)")
+    schema: Annotated[Literal["kvshm.show/1"], _d("its kind and version")]
+    name: Annotated[str, _d("segment name")]
+    taken_ns: Annotated[int, _d("when the snapshot was taken")]
+    header: Annotated[Header, _d("the header")]
+    geometry: Annotated[Geometry, _d("sizes and offsets")]
+    blocks: Annotated[Blocks, _d("blocks by state")]
+    owner: Annotated[Owner, _d("the owner")]
+    clients: Annotated[list[Client], _d("every taken or locked slot")]
+    clients_alive: Annotated[int, _d("live clients")]
+    clients_dead: Annotated[int, _d("taken slots whose process died (not reclaimed yet)")]
+    pinners: Annotated[list[Pinner], _d("CUDA pin progress per process")]
+    counters: Annotated[dict[str, int], _d("counters, see below")]
+    tier: Annotated[Tier | None, _d("the lower tier (null: no mover ever ran for this segment)")]
 
 
 # --- blocks, verify, metrics, gc, rm ------------------------------------------------------
 class BlockRow(_Doc):
     """Each of `rows`."""
-    block: _d(int, "block id")
-    state: _d(str, "free, writing, ready, evicting, granted or invalid")
-    key: _d(str, "the key, full hex")
-    pinned_by: _d(list[int], "client slots with a load pin on it")
-    leased_by: _d(list[int], "client slots with a lookup lease on it")
-    writer: _d(int, "client slot writing it (-1: the owner)")
-    writer_gen: _d(int, "that slot's generation")
-    writer_req: _d(int, "the writer's request id")
-    last_use: _d(int, "owner tick of last use")
-    stored_ns: _d(int, "when its store completed")
-    pins: _d(int, "the owner's in-process pins")
+    block: Annotated[int, _d("block id")]
+    state: Annotated[str, _d("free, writing, ready, evicting, granted or invalid")]
+    key: Annotated[str, _d("the key, full hex")]
+    pinned_by: Annotated[list[int], _d("client slots with a load pin on it")]
+    leased_by: Annotated[list[int], _d("client slots with a lookup lease on it")]
+    writer: Annotated[int, _d("client slot writing it (-1: the owner)")]
+    writer_gen: Annotated[int, _d("that slot's generation")]
+    writer_req: Annotated[int, _d("the writer's request id")]
+    last_use: Annotated[int, _d("owner tick of last use")]
+    stored_ns: Annotated[int, _d("when its store completed")]
+    pins: Annotated[int, _d("the owner's in-process pins")]
 
 
 class BlocksDoc(_Doc):
     """`kvshm-inspect blocks`."""
-    schema: _d(Literal["kvshm.blocks/1"], "its kind and version")
-    name: _d(str, "segment name")
-    states: _d(list[str], "the filter")
-    matching: _d(int, "blocks that match, before `--limit`")
-    rows: _d(list[BlockRow], "one per block shown")
+    schema: Annotated[Literal["kvshm.blocks/1"], _d("its kind and version")]
+    name: Annotated[str, _d("segment name")]
+    states: Annotated[list[str], _d("the filter")]
+    matching: Annotated[int, _d("blocks that match, before `--limit`")]
+    rows: Annotated[list[BlockRow], _d("one per block shown")]
 
 
 class Verify(_Doc):
     """`kvshm-inspect verify`."""
-    schema: _d(Literal["kvshm.verify/1"], "its kind and version")
-    name: _d(str, "segment name")
-    ok: _d(bool, "no violations")
-    violations: _d(list[str], "one sentence each")
+    schema: Annotated[Literal["kvshm.verify/1"], _d("its kind and version")]
+    name: Annotated[str, _d("segment name")]
+    ok: Annotated[bool, _d("no violations")]
+    violations: Annotated[list[str], _d("one sentence each")]
 
 
 class Sample(_Doc):
     """Each of `samples`: one Prometheus sample (see Metrics)."""
-    metric: _d(str, "the metric name")
-    type: _d(Literal["gauge", "counter"], "gauge or counter")
-    help: _d(str, "its help text")
-    labels: _d(dict[str, str], "its labels, `segment` included")
-    value: _d(Union[int, float], "the value")
+    metric: Annotated[str, _d("the metric name")]
+    type: Annotated[Literal["gauge", "counter"], _d("gauge or counter")]
+    help: Annotated[str, _d("its help text")]
+    labels: Annotated[dict[str, str], _d("its labels, `segment` included")]
+    value: Annotated[int | float, _d("the value")]
 
 
 class Metrics(_Doc):
     """`kvshm-inspect metrics --json`."""
-    schema: _d(Literal["kvshm.metrics/1"], "its kind and version")
-    name: _d(str, "segment name")
-    samples: _d(list[Sample], "one per Prometheus sample")
+    schema: Annotated[Literal["kvshm.metrics/1"], _d("its kind and version")]
+    name: Annotated[str, _d("segment name")]
+    samples: Annotated[list[Sample], _d("one per Prometheus sample")]
 
 
 class Reclaimed(_Doc):
     """Each of `reclaimed_clients`: a dead slot cleared."""
-    slot: _d(int, "slot index")
-    pid: _d(int, "its process id")
-    holds: _d(int, "holds released")
-    name: _d(str, "process name")
+    slot: Annotated[int, _d("slot index")]
+    pid: Annotated[int, _d("its process id")]
+    holds: Annotated[int, _d("holds released")]
+    name: Annotated[str, _d("process name")]
 
 
 class Gc(_Doc):
     """`kvshm-inspect gc`."""
-    schema: _d(Literal["kvshm.gc/1"], "its kind and version")
-    name: _d(str, "segment name")
-    acted: _d(bool, "false when an owner was alive (it reclaims by itself)")
-    reason: _d(str, "what gc did or why not")
-    freed_blocks: _d(int, "unfinished blocks freed (their writer died)")
-    kept_ready: _d(int, "ready blocks kept")
-    kept_pending: _d(int, "blocks still being written by live clients, kept")
-    reclaimed_clients: _d(list[Reclaimed], "dead slots cleared")
+    schema: Annotated[Literal["kvshm.gc/1"], _d("its kind and version")]
+    name: Annotated[str, _d("segment name")]
+    acted: Annotated[bool, _d("false when an owner was alive (it reclaims by itself)")]
+    reason: Annotated[str, _d("what gc did or why not")]
+    freed_blocks: Annotated[int, _d("unfinished blocks freed (their writer died)")]
+    kept_ready: Annotated[int, _d("ready blocks kept")]
+    kept_pending: Annotated[int, _d("blocks still being written by live clients, kept")]
+    reclaimed_clients: Annotated[list[Reclaimed], _d("dead slots cleared")]
 
 
 class LiveClient(_Doc):
     """Each of `live_clients`."""
-    slot: _d(int, "slot index")
-    pid: _d(int, "process id (0 for a damaged segment)")
+    slot: Annotated[int, _d("slot index")]
+    pid: Annotated[int, _d("process id (0 for a damaged segment)")]
 
 
 class Rm(_Doc):
     """`kvshm-inspect rm`."""
-    schema: _d(Literal["kvshm.rm/1"], "its kind and version")
-    name: _d(str, "segment name")
-    removed: _d(bool, "whether it was removed now")
-    forced: _d(bool, "`--force` was given")
-    owner_alive: _d(bool, "whether an owner was alive")
-    live_clients: _d(list[LiveClient], "live client slots")
-    leftovers: _d(list[str], "when no segment had the name: the objects a removed one left "
-                  "(a process killed as it attached it), removed now")
-    refused: _d(list[str], "objects of another user it may not remove (the sticky /dev/shm): "
-                "run rm as that user or root; the exit status is then 1")
-    log_removed: _d(_Opt[str, None], "path of the owner log removed now (null: there was "
-                    "none, or `--keep-log`)")
+    schema: Annotated[Literal["kvshm.rm/1"], _d("its kind and version")]
+    name: Annotated[str, _d("segment name")]
+    removed: Annotated[bool, _d("whether it was removed now")]
+    forced: Annotated[bool, _d("`--force` was given")]
+    owner_alive: Annotated[bool, _d("whether an owner was alive")]
+    live_clients: Annotated[list[LiveClient], _d("live client slots")]
+    leftovers: Annotated[list[str], _d(
+        "when no segment had the name: the objects a removed one left (a process killed as it "
+        "attached it), removed now")]
+    refused: Annotated[list[str], _d(
+        "objects of another user it may not remove (the sticky /dev/shm): run rm as that user "
+        "or root; the exit status is then 1")]
+    log_removed: Annotated[str | None, _d(
+        "path of the owner log removed now (null: there was none, or `--keep-log`)")]
 
 
 DOCUMENTS: dict[str, type[_Doc]] = {  # command -> its --json document (watch: show's)

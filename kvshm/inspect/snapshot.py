@@ -1,11 +1,11 @@
 """Read-only views of a kvshm segment: ``snapshot()``, ``verify()``, ``block_rows()``, metrics.
 
 This module owns turning a mapped segment into plain dicts and lists (ready for JSON) for
-``kvshm-inspect``, the soak harness and tests, the checks of the invariants that the segment can
-show (listed in ``docs/inspect.md``), and the Prometheus rendering; ``docs/inspect.md`` documents the output's
-stable schema. It works on a private copy of the metadata, so it must never write to the
-segment, never take a lock (it only asks the kernel who holds one), never spin on an entry a
-dead owner left half-written, and never import torch or ``kvshm.owner.manager``.
+``kvshm-inspect``, the soak harness and tests, the checks of the invariants that the segment
+can show (listed in ``docs/inspect.md``), and the Prometheus rendering; ``docs/inspect.md``
+documents the output's stable schema. It works on a private copy of the metadata, so it must
+never write to the segment, never take a lock (it only asks the kernel who holds one), never
+spin on an entry a dead owner left half-written, and never import ``kvshm.owner.manager``.
 """
 from __future__ import annotations
 
@@ -17,14 +17,15 @@ from typing import Any
 
 import numpy as np
 
+from kvshm.logs import owner_log_path
 from kvshm.shm import layout as L
 from kvshm.shm.checksums import BlockSums
+from kvshm.shm.keyindex import KeyIndex
 from kvshm.shm.ring import Ring
 from kvshm.shm.segment import Segment
-from kvshm.shm.keyindex import KeyIndex
 from kvshm.shm.table import BlockTable, state_counts
-from kvshm.logs import owner_log_path
-from kvshm.tier.area import COUNTERS as TIER_COUNTERS, TierArea
+from kvshm.tier.area import COUNTERS as TIER_COUNTERS
+from kvshm.tier.area import TierArea
 
 _ENTRY_DT = L.ENTRY_DTYPE
 _KEY_OFF = L.ENTRY_KEY_OFFSET
@@ -64,7 +65,7 @@ class _Meta:
         self.find = KeyIndex(memoryview(buf), g, BlockTable(memoryview(buf), g)).find
         live = [self.holds(i) for i in range(g.max_clients) if self.alive(i)]
         codes = np.concatenate(live) if live else np.empty(0, np.int32)
-        ok = lambda b: {int(x) for x in b if 0 <= x < g.num_blocks}  # noqa: E731
+        ok = lambda b: {int(x) for x in b if 0 <= x < g.num_blocks}
         self.live_pinned = ok(codes[codes >= 0])
         self.live_leased = ok(L.held_block(codes[codes < -1]))
 
@@ -94,7 +95,8 @@ def _age(now: int, then: int) -> float:
 
 
 def _ring_depths(seg: Segment, i: int) -> dict[str, int | None]:
-    g, out = seg.geometry, {}
+    g = seg.geometry
+    out: dict[str, int | None] = {}
     for k, name in enumerate(L.RING_NAMES):
         o = g.slot_offset(i) + g.rings_offset + k * g.ring_region
         with seg.buf[o:o + g.ring_region] as view:
@@ -207,10 +209,10 @@ def block_rows(seg: Segment, states: set[str], limit: int) -> tuple[int, list[di
 
 
 def verify(seg: Segment, attempts: int = 3, data: bool = False) -> list[str]:
-    """Violations of the invariants (``docs/inspect.md``) visible in ``seg`` (empty when clean). While an
-    owner or client lives the segment moves, so only what all ``attempts`` passes see counts.
-    ``data``: also check every READY block's planes against their block checksums (a segment
-    created with ``Layout(checksums=True)``; InvalidArgumentError otherwise)."""
+    """Violations of the invariants (``docs/inspect.md``) visible in ``seg``, none when clean.
+    While an owner or client lives the segment moves, so only what all ``attempts`` passes
+    see counts. ``data``: also check every READY block's planes against their block checksums
+    (a segment created with ``Layout(checksums=True)``; InvalidArgumentError otherwise)."""
     sums = BlockSums(seg) if data else None
     found = _verify_once(seg, sums)
     for _ in range(attempts - 1):
@@ -246,9 +248,9 @@ def _verify_once(seg: Segment, sums: BlockSums | None = None) -> list[str]:
     if created > time.time_ns() + 60 * 10**9:
         out.append(f"header: created_ns {created} lies in the future")
     out += [f"block {b}: entry left mid-rewrite (odd sequence number)" for b in m.torn]
-    st, pins, seen = m.e["state"], m.e["pins"], {}
-    occupied = np.nonzero(m.index["block"] != -1)[0]
-    states = st.tolist()
+    st, pins = m.e["state"], m.e["pins"]
+    seen: dict[int, int] = {}  # block -> the first index slot that points to it
+    occupied, states = np.nonzero(m.index["block"] != -1)[0], st.tolist()
     for j, tag, b in zip(occupied.tolist(), *(m.index[k][occupied].tolist() for k in (
             "tag", "block"))):
         if not 0 <= b < g.num_blocks:

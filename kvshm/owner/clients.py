@@ -11,7 +11,6 @@ from __future__ import annotations
 from kvshm.errors import KvshmError, SegmentPermissionError
 from kvshm.index import protocol as P
 from kvshm.index.api import OffloadingEvent
-from kvshm.shm import layout as L
 from kvshm.shm import slots
 from kvshm.shm.ring import Doorbell, Ring
 from kvshm.shm.segment import Segment

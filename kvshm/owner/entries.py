@@ -10,14 +10,14 @@ semantics (``manager.py`` does), chooses no victim (``eviction.py``) and copies 
 from __future__ import annotations
 
 from collections import deque
-from typing import Iterable
+from collections.abc import Iterable
 
 from kvshm.errors import BlockStateError, UnknownKeyError
+from kvshm.owner.policy import CachePolicy
+from kvshm.owner.running import RankOf
 from kvshm.shm import layout as L
 from kvshm.shm.keyindex import KeyIndex
 from kvshm.shm.table import BlockTable
-from kvshm.owner.policy import CachePolicy
-from kvshm.owner.running import RankOf
 
 Client = tuple[int, int]  # (client slot, client generation): who writes a block
 

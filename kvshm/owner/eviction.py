@@ -7,13 +7,13 @@ never copies block data and never decides which keys to store.
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from kvshm.crashpoints import crash_point
-from kvshm.shm import layout as L
-from kvshm.shm.fence import full_fence
 from kvshm.owner.entries import Entries
 from kvshm.owner.outcomes import Outcomes
+from kvshm.shm import layout as L
+from kvshm.shm.fence import full_fence
 
 # held(requester_slot) -> blocks other clients hold against that requester's stores
 Held = Callable[[int], "set[int]"]

@@ -27,7 +27,8 @@ Invariants (the table says it all, so a successor rebuilds it):
 A granted block counts as used, so grants are kept small: a client is kept at
 ``grant_target`` (its share of a quarter of the cache) or at twice its largest store, the
 growth beyond the share only while all grants together stay within ``grant_budget`` (that
-quarter again), so grants never hold more than half the cache. It never copies block data, never blocks and never imports torch.
+quarter again), so grants never hold more than half the cache. It never copies block data
+and never blocks.
 """
 from __future__ import annotations
 
@@ -39,15 +40,15 @@ import numpy as np
 from kvshm.crashpoints import crash_point
 from kvshm.errors import InvalidArgumentError
 from kvshm.index.api import Running
+from kvshm.owner.entries import Client, Entries
+from kvshm.owner.eviction import Evictor
+from kvshm.owner.outcomes import Outcomes
+from kvshm.owner.running import RunningRanks
 from kvshm.shm import layout as L
 from kvshm.shm.fence import publish_fence
 from kvshm.shm.layout import Geometry
 from kvshm.shm.segment import Segment
 from kvshm.shm.words import WordView
-from kvshm.owner.entries import Client, Entries
-from kvshm.owner.eviction import Evictor
-from kvshm.owner.outcomes import Outcomes
-from kvshm.owner.running import RunningRanks
 
 # Evicting for a grant must respect every client's leases, the grantee's own too: unlike a
 # store's reply, a grant cannot tell its client which of its leases it took away.

@@ -13,19 +13,23 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
-from kvshm.errors import (BlockStateError, InvalidArgumentError, OwnerUnavailableError,
-                          UnknownKeyError)
+from kvshm.errors import (
+    BlockStateError,
+    InvalidArgumentError,
+    KvshmError,
+    OwnerUnavailableError,
+    UnknownKeyError,
+)
 from kvshm.index.access import ACCESS_KINDS, MISSED, RANKED
-from kvshm.index.api import (LookupResult, OffloadingEvent, OffloadingManager,
-                             PrepareStoreOutput, Running)
-from kvshm.shm import keys as K
-from kvshm.shm import layout as L
-from kvshm.shm import locks, writers
-from kvshm.shm.keyindex import KeyIndex
-from kvshm.shm.segment import Segment
-from kvshm.shm.table import BlockTable
+from kvshm.index.api import (
+    LookupResult,
+    OffloadingEvent,
+    OffloadingManager,
+    PrepareStoreOutput,
+    Running,
+)
 from kvshm.owner.entries import Client, Entries
 from kvshm.owner.eviction import Evictor, Held
 from kvshm.owner.grants import Grants
@@ -33,6 +37,12 @@ from kvshm.owner.outcomes import Outcomes
 from kvshm.owner.policy import make_policy
 from kvshm.owner.rebuild import rebuild
 from kvshm.owner.running import RunningRanks
+from kvshm.shm import keys as K
+from kvshm.shm import layout as L
+from kvshm.shm import locks, writers
+from kvshm.shm.keyindex import KeyIndex
+from kvshm.shm.segment import Segment
+from kvshm.shm.table import BlockTable
 
 Writer = tuple[int, int, int]  # (client slot, client generation, request id)
 LOCAL_WRITER: Writer = (-1, 0, 0)
@@ -230,7 +240,8 @@ class LocalManager(OffloadingManager):
         if type(keys) is not list and type(keys) is not tuple:
             keys = K.key_seq(keys)
         me = writer[:2]
-        todo, problem = [], None
+        todo: list[bytes] = []
+        problem: KvshmError | None = None
         K.check_keys(keys)
         if running is not None:
             running.for_store()  # (its ranks were applied by prepare_store)

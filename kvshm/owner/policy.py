@@ -2,7 +2,7 @@
 
 This module owns one thing: the order in which cached keys become eviction victims, plus
 ARC's ghost lists and adaptive target. Keys are opaque ``bytes``. It must never know about
-block ids, block state, shared memory, rings or torch: the manager owns state (ready,
+block ids, block state, shared memory or rings: the manager owns state (ready,
 writing, pinned) and tells the policy through ``touch(key, ready)``, ``access(key, how)`` (a
 request's accesses, classified by the engine integration) and the ``can_evict`` callback.
 Semantics follow vLLM's v1 KV-offload ``LRUCachePolicy`` and ``ARCCachePolicy`` (0.20+:
@@ -20,15 +20,11 @@ from collections.abc import Callable, Iterator, Sequence
 from itertools import repeat
 
 from kvshm.errors import InvalidArgumentError
-from kvshm.index.access import (  # noqa: F401  (the policy's vocabulary)
-    ACCESS_KINDS, INSERTED, MISSED, RANKED, REUSED, SEEN)
+from kvshm.index.access import INSERTED, MISSED, RANKED, REUSED  # how a request used a key
+from kvshm.shm.layout import POLICY_NAMES  # recorded in the segment header, so defined there
 
 CanEvict = Callable[[bytes], bool]
 Rank = tuple[int, int]  # LRU: (n, sub), lowest first (see LRUPolicy)
-
-# How a request used a key (``kvshm.index.access``), as ``CachePolicy.access`` applies it.
-
-from kvshm.shm.layout import POLICY_NAMES  # recorded in the segment header, so defined there
 
 
 def _no_victims(n: int) -> list[bytes]:
@@ -195,9 +191,10 @@ class LRUPolicy(CachePolicy):
         f = next(fresh, None)
         top = self._current()
         while len(victims) < n and (f is not None or top is not None):
-            if top is None or (f is not None and (ranks[f], f) < top):
+            if f is not None and (top is None or (ranks[f], f) < top):
                 key, f = f, next(fresh, None)
             else:
+                assert top is not None  # the loop runs while either has a key
                 key = top[1]
                 popped.append(heapq.heappop(heap))
                 top = self._current()
@@ -359,7 +356,7 @@ class ARCPolicy(CachePolicy):
         return len(self._t1) + len(self._t2)
 
 
-_POLICIES: dict[str, type[CachePolicy]] = {"lru": LRUPolicy, "arc": ARCPolicy}
+_POLICIES: dict[str, Callable[[int], CachePolicy]] = {"lru": LRUPolicy, "arc": ARCPolicy}
 
 
 def make_policy(name: str, capacity: int) -> CachePolicy:

@@ -10,12 +10,12 @@ it never rewrites a key it keeps and never copies block data.
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable
+from collections.abc import Callable
 
 from kvshm.crashpoints import crash_point
-from kvshm.shm import layout as L
 from kvshm.owner.entries import Entries
 from kvshm.owner.grants import Grants
+from kvshm.shm import layout as L
 
 
 def rebuild(entries: Entries, grants: Grants, writer_alive: Callable[[int, int], bool]

@@ -8,18 +8,17 @@ record (the table and what the client still has pending).
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from kvshm.errors import KvshmError, ProtocolError
 from kvshm.index import protocol as P
-from kvshm.shm import keys as K
-from kvshm.shm import layout as L
-from kvshm.shm.ring import Ring
-from kvshm.shm.segment import Segment
 from kvshm.owner.clients import Client
 from kvshm.owner.manager import LocalManager
+from kvshm.shm import keys as K
+from kvshm.shm.segment import Segment
 
-Handler = Callable[[Client, Any, bool], "list[P._Msg]"]
+Handler = Callable[[Client, Any, bool], "list[P.Reply]"]
 
 
 class Handlers:
@@ -35,14 +34,14 @@ class Handlers:
             P.Publish: self._publish, P.TakeEvents: self._take_events,
         }
 
-    def handle(self, c: Client, msg: P._Msg, replay: bool) -> list[P._Msg]:
+    def handle(self, c: Client, msg: P.Request, replay: bool) -> list[P.Reply]:
         """Execute ``msg`` of client ``c`` (or answer it from the record, under ``replay``).
         Raises what the handler raises; the caller turns it into an ``Error`` reply."""
         return self._by_type[type(msg)](c, msg, replay)
 
     # ``replay``: a dead owner began this request. Answer from the record (the table and
     # the keys it still has pending for this client), never execute it a second time.
-    def _hello(self, c: Client, m: P.Hello, replay: bool) -> list[P._Msg]:
+    def _hello(self, c: Client, m: P.Hello, replay: bool) -> list[P.Reply]:
         if (m.slot, m.gen) != (c.slot, c.gen):
             return [P.Error(m.req, self.epoch, "ProtocolError",
                             f"hello names slot {m.slot} gen {m.gen} but came on slot {c.slot} "
@@ -50,7 +49,7 @@ class Handlers:
         c.events = m.events
         return [P.Ok(m.req, self.epoch, self.epoch)]
 
-    def _prepare_store(self, c: Client, m: P.PrepareStore, replay: bool) -> list[P._Msg]:
+    def _prepare_store(self, c: Client, m: P.PrepareStore, replay: bool) -> list[P.Reply]:
         writer = (c.slot, c.gen, m.req)
         c.stores = c.grants
         if replay:  # what the dead owner granted, and nothing more: evictions are unknown
@@ -66,11 +65,11 @@ class Handlers:
         return self._prepared(m.req, out.keys_to_store, out.block_ids, out.evicted_keys, False)
 
     def _prepared(self, req: int, keys: list[bytes], blocks: list[int], evicted: list[bytes],
-                  replayed: bool) -> list[P._Msg]:
+                  replayed: bool) -> list[P.Reply]:
         """A Prepared reply, in as many frames as it needs."""
-        n = max(1, (Ring.max_payload(self.seg.geometry.ring_capacity) - 64)
-                // (L.MAX_KEY_BYTES + 16))
-        parts, i, j = [], 0, 0
+        n = P.keys_per_part(self.seg.geometry.ring_capacity)
+        parts: list[P.Reply] = []
+        i = j = 0
         while True:
             k, e = keys[i:i + n], evicted[j:j + max(0, n - len(keys[i:i + n]))]
             i, j = i + len(k), j + len(e)
@@ -80,7 +79,7 @@ class Handlers:
             if not more:
                 return parts
 
-    def _complete_store(self, c: Client, m: P.CompleteStore, replay: bool) -> list[P._Msg]:
+    def _complete_store(self, c: Client, m: P.CompleteStore, replay: bool) -> list[P.Reply]:
         writer = (c.slot, c.gen, m.req)
         if replay or m.of_req:  # apply only to what is still ours (of that request)
             mine = {k for k, _ in self.manager.pending_of(writer, m.of_req or None)}
@@ -90,7 +89,7 @@ class Handlers:
         self.fan_out()
         return [P.Ok(m.req, self.epoch)]
 
-    def _publish(self, c: Client, m: P.Publish, replay: bool) -> list[P._Msg]:
+    def _publish(self, c: Client, m: P.Publish, replay: bool) -> list[P.Reply]:
         """One-way: applied in ring order, harmlessly again after a failover (blocks no
         longer granted to the client are ignored)."""
         if len(m.keys) != len(m.blocks):
@@ -107,21 +106,20 @@ class Handlers:
         self.fan_out()
         return []
 
-    def _touch(self, c: Client, m: P.Touch, replay: bool) -> list[P._Msg]:
+    def _touch(self, c: Client, m: P.Touch, replay: bool) -> list[P.Reply]:
         self.manager.touch(m.keys, m.how, running=P.running_of(m), client=(c.slot, c.gen))
         self.seg.counter_add("touches")
         return [P.Ok(m.req, self.epoch)]
 
-    def _take_events(self, c: Client, m: P.TakeEvents, replay: bool) -> list[P._Msg]:
+    def _take_events(self, c: Client, m: P.TakeEvents, replay: bool) -> list[P.Reply]:
         # As many events as fit one reply frame; the rest wait for the next call. (A replay
         # finds an empty log: the events died with the owner that recorded them.)
-        room, n = c.max_reply // 2, 0
-        for n, (_, keys) in enumerate(c.events_log):
+        room, n = c.max_reply // 2, len(c.events_log)
+        for i, (_, keys) in enumerate(c.events_log):
             room -= sum(len(k) + 3 for k in keys) + 8
             if room < 0:
+                n = i
                 break
-        else:
-            n = len(c.events_log)
         log_, c.events_log = c.events_log[:n], c.events_log[n:]
         return [P.Events(m.req, self.epoch, [rm for rm, _ in log_], [k for _, k in log_])]
 

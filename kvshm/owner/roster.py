@@ -17,12 +17,12 @@ import numpy as np
 
 from kvshm.crashpoints import crash_point
 from kvshm.errors import SegmentNotFoundError
+from kvshm.owner.clients import Client
+from kvshm.owner.manager import LocalManager
 from kvshm.shm import layout as L
 from kvshm.shm import locks, slots
 from kvshm.shm.fence import full_fence
 from kvshm.shm.segment import Segment
-from kvshm.owner.clients import Client
-from kvshm.owner.manager import LocalManager
 
 log = logging.getLogger("kvshm.owner")
 

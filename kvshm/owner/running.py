@@ -11,7 +11,7 @@ orders keys) and never blocks.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Callable
+from collections.abc import Callable
 
 from kvshm.errors import InvalidArgumentError
 from kvshm.index.api import Running

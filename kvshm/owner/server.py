@@ -22,16 +22,16 @@ from kvshm import logs, signals
 from kvshm.crashpoints import crash_point
 from kvshm.errors import KvshmError, OwnerUnavailableError
 from kvshm.index import protocol as P
-from kvshm.shm import layout as L
-from kvshm.shm import slots
-from kvshm.shm.ring import Doorbell
-from kvshm.shm.segment import Segment
 from kvshm.owner.clients import Client
 from kvshm.owner.grants import grant_budget, grant_target, stock
 from kvshm.owner.manager import LocalManager
 from kvshm.owner.requests import Handlers
 from kvshm.owner.roster import Roster
 from kvshm.owner.spin import SpinPolicy
+from kvshm.shm import layout as L
+from kvshm.shm import slots
+from kvshm.shm.ring import Doorbell
+from kvshm.shm.segment import Segment
 
 log = logging.getLogger("kvshm.owner")
 # The one default for 'kvshm serve' and 'python -m kvshm.owner' (an auto-started
@@ -91,7 +91,8 @@ class Owner:
         if self._newcomer[0]:
             return True
         for c in self.roster.clients.values():
-            if not (c.quarantined or c.unsent) and c.requests.pending():
+            if not (c.quarantined or c.unsent) and c.requests is not None and \
+                    c.requests.pending():
                 return True
         return False
 
@@ -105,9 +106,11 @@ class Owner:
         for c in list(clients.values()):
             if c.quarantined or (c.unsent and not self._flush(c)):
                 continue
+            requests = c.requests
+            assert requests is not None  # a client whose rings did not open is quarantined
             for _ in range(FRAMES_PER_PASS):
                 try:
-                    view = c.requests.peek()
+                    view = requests.peek()
                     if view is None:
                         break
                     frame = view.tobytes()
@@ -154,24 +157,26 @@ class Owner:
     def _serve_frame(self, c: Client, frame: bytes) -> None:
         """One frame, exactly once: record it consumed, execute, reply, record it answered,
         and only then release it from the request ring (see ``owner_link.py``)."""
+        requests = c.requests
+        assert requests is not None  # a client whose rings did not open is quarantined
         try:
             msg = P.request_decoder.decode(frame)
-        except Exception as e:  # noqa: BLE001 - decoding is pure: whatever it raises
+        except Exception as e:
             # (DecodeError, ValidationError, a UnicodeDecodeError for a name that is not
             # UTF-8, ...) is the frame's fault, and must never take the owner down.
             self.seg.counter_add("errors")
-            c.requests.advance()
+            requests.advance()
             self._reply(c, 0, [P.Error(0, self.epoch, "ProtocolError",
                                        f"undecodable request frame: {e}")])
             return
         req = msg.req
         served = c.served
         if req and req <= served["answered"]:  # answered (by a dead owner): drop the copy
-            c.requests.advance()
+            requests.advance()
             return
         if not req and not isinstance(msg, (P.Touch, P.Publish)):  # one-way kinds only
             self.seg.counter_add("errors")
-            c.requests.advance()
+            requests.advance()
             self._reply(c, 0, [P.Error(0, self.epoch, "ProtocolError",
                                        f"{type(msg).__name__} needs a request id")])
             return
@@ -179,7 +184,7 @@ class Owner:
         if isinstance(msg, P.PrepareStore) and (msg.more or msg.part):
             keys, positions = c.gather(msg, self._max_keys)
             if keys is None:
-                c.requests.advance()
+                requests.advance()
                 return  # more parts to come; nothing executed yet
             if c.parts_refused:
                 self.seg.counter_add("errors")
@@ -214,26 +219,28 @@ class Owner:
         if req:
             self._answer(c, req, replies)
         else:
-            c.requests.advance()
+            requests.advance()
 
     def _begin_one_way(self, c: Client) -> bool:
         """Record that an owner begins the one-way frame at the head of ``c``'s request ring
         (known by its position: it has no id), or drop it (False) if it killed the last
         ``MAX_ATTEMPTS`` owners that began it: no reply can fail it, so without this count
         every successor would begin it again and die."""
-        served, pos = c.served, c.requests.head() + 1
+        requests = c.requests
+        assert requests is not None  # a client whose rings did not open is quarantined
+        served, pos = c.served, requests.head() + 1
         attempts = int(served["attempts"]) + 1 if served["one_way"] == pos else 1
         if attempts > MAX_ATTEMPTS:
             self.seg.counter_add("errors")
             log.error("client slot %d: a one-way frame was in progress when %d owners died; "
                       "it was dropped", c.slot, MAX_ATTEMPTS)
-            c.requests.advance()
+            requests.advance()
             return False
         served["epoch"], served["attempts"], served["one_way"] = self.epoch, attempts, pos
         crash_point("owner.one_way.after_begin")
         return True
 
-    def _execute(self, c: Client, msg: P._Msg, replay: bool) -> list[P._Msg]:
+    def _execute(self, c: Client, msg: P.Request, replay: bool) -> list[P.Reply]:
         req = msg.req
         try:
             return self.handlers.handle(c, msg, replay)
@@ -246,11 +253,11 @@ class Owner:
             return [P.Error(req, self.epoch, "ProtocolError",
                             f"owner could not apply request: {e!r}")]
 
-    def _answer(self, c: Client, req: int, replies: list[P._Msg]) -> None:
+    def _answer(self, c: Client, req: int, replies: list[P.Reply]) -> None:
         c.unsent_req = req
         self._reply(c, req, replies)
 
-    def _reply(self, c: Client, req: int, replies: list[P._Msg]) -> None:
+    def _reply(self, c: Client, req: int, replies: list[P.Reply]) -> None:
         frames = []
         for r in replies:
             frame = P.reply_encoder.encode(r)
@@ -266,20 +273,23 @@ class Owner:
     def _flush(self, c: Client) -> bool:
         """Put what waits for ``c``'s reply ring; never blocks. True once all is out, the
         request is recorded answered and released from the request ring."""
+        requests, replies, bell = c.requests, c.replies, c.bell
+        # A client whose rings did not open is quarantined: nothing is ever sent to it.
+        assert requests is not None and replies is not None and bell is not None
         try:
             while c.unsent:
-                if not c.replies.try_put(c.unsent[0]):
-                    c.bell.ring()
+                if not replies.try_put(c.unsent[0]):
+                    bell.ring()
                     return False  # it does not drain its replies: try again next pass
                 c.unsent.pop(0)
         except KvshmError as e:
             self.roster.quarantine(c, f"reply ring unusable ({e})")
             return False
-        c.bell.ring()
+        bell.ring()
         if c.unsent_req:
             crash_point("owner.request.after_reply")
             c.served["answered"] = c.unsent_req
-            c.requests.advance()
+            requests.advance()
             c.unsent_req = 0
         return True
 

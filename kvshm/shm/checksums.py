@@ -24,13 +24,13 @@ Who writes what, and when:
 zlib.crc32 sums about 2-2.5 GB/s on one core here, serially after the copy in the copying
 thread, which caps a checksummed CPU transfer near that rate: 14-40% of the plain handler's
 throughput as measured by ``tools/bench_transfer.py --checksums`` (docs/benchmarks.md); the
-option is off by default for that reason. This module never maps memory of its own and never
-imports torch.
+option is off by default for that reason. This module never maps memory of its own.
 """
 from __future__ import annotations
 
 import threading
 import zlib
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -38,18 +38,21 @@ from kvshm.errors import InvalidArgumentError
 from kvshm.shm import layout as L
 from kvshm.shm import locks
 
+if TYPE_CHECKING:  # (segment imports this module lazily)
+    from kvshm.shm.segment import Segment
+
 _failures_lock = threading.Lock()
 
 
 def page_sum(page: np.ndarray) -> int:
     """crc32 of one block's page of one plane (a C-contiguous uint8 row)."""
-    return zlib.crc32(page)
+    return zlib.crc32(page.data)
 
 
 class BlockSums:
     """The checksum region of an attached segment with ``Layout(checksums=True)``."""
 
-    def __init__(self, seg: "Segment") -> None:  # noqa: F821  (segment imports us lazily)
+    def __init__(self, seg: Segment) -> None:
         g = seg.geometry
         if not g.checksums:
             raise InvalidArgumentError(

@@ -14,8 +14,12 @@ import os
 
 import numpy as np
 
-from kvshm.errors import (FormatVersionError, InvalidArgumentError, LayoutMismatchError,
-                          NotAKvshmSegmentError)
+from kvshm.errors import (
+    FormatVersionError,
+    InvalidArgumentError,
+    LayoutMismatchError,
+    NotAKvshmSegmentError,
+)
 from kvshm.shm import layout as L
 from kvshm.shm.layout import Geometry, Layout
 

@@ -5,12 +5,12 @@ full) from a key to the block whose table entry holds it. Only the owner writes 
 process may read it without a lock, while it changes: a reader verifies every candidate
 against the block's entry (``BlockTable``), so a concurrent change can cause a spurious miss,
 never a wrong hit. Deletion shifts entries back (no tombstones to rot). It never decides
-which keys are cached (see ``owner/manager.py``) and never imports torch.
+which keys are cached (see ``owner/manager.py``).
 """
 from __future__ import annotations
 
 import zlib
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -31,7 +31,7 @@ class KeyIndex:
         # The owner's writers go through flat word views (slot i: tag at 2i, block at 2i+1):
         # an item store is one aligned 32-bit word, cheaper than packing a struct.
         flat = self._slots.reshape(-1)
-        self._words, self._uwords = memoryview(flat), memoryview(flat.view(np.uint32))
+        self._words, self._uwords = flat.data, flat.view(np.uint32).data
 
     def find_prefix(self, keys: Sequence[bytes], karr: np.ndarray
                     ) -> tuple[np.ndarray, np.ndarray]:
@@ -50,7 +50,7 @@ class KeyIndex:
         states = np.full(len(keys), -1, np.int16)
         if home.any():
             states[home] = self.table.states_if_keys(blocks[home], karr[home])
-        for i in np.flatnonzero(states < 0):
+        for i in np.flatnonzero(states < 0).tolist():
             blocks[i], states[i] = self.find(keys[i])
             if states[i] < 0:
                 break

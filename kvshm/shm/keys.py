@@ -4,11 +4,12 @@ makes of the keys it is given.
 This module owns key validation for every manager (the owner's ``LocalManager``, a client's
 ``SharedManager``): a wrong key is refused with an ``InvalidArgumentError`` that says what to
 pass instead, never stored under a form its caller will not look up. It never touches shared
-memory and never imports torch.
+memory.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from kvshm.errors import InvalidArgumentError
 from kvshm.shm.layout import MAX_KEY_BYTES

@@ -21,20 +21,50 @@ import hashlib
 import json
 import struct
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
 from kvshm.errors import InvalidArgumentError
-from kvshm.units import parse_size
 from kvshm.shm.records import (  # noqa: F401  (re-exported: one definition, two names)
-    COUNTER_NAMES, COUNTERS_DTYPE, ENTRY_BODY, ENTRY_DTYPE, GRANT_HEAD_DTYPE, HEADER,
-    HEADER_DTYPE, INDEX_SLOT, INDEX_SLOT_DTYPE, OWNER, OWNER_BYTES, OWNER_DTYPE, PIN_DONE,
-    PIN_FAILED, PIN_IDLE, PIN_RUNNING, PIN_WAITING, PINNER, PINNER_DTYPE, SERVED_DTYPE, SLOT,
-    SLOT_COUNTERS_DTYPE, SLOT_DTYPE, SLOT_STATE_NAMES, WRITER_DTYPE, HeaderRecord, OwnerRecord, PinnerRecord,
-    SlotRecord, SlotState, field_offset, header_record)
+    COUNTER_NAMES,
+    COUNTERS_DTYPE,
+    ENTRY_BODY,
+    ENTRY_DTYPE,
+    GRANT_HEAD_DTYPE,
+    HEADER,
+    HEADER_DTYPE,
+    INDEX_SLOT,
+    INDEX_SLOT_DTYPE,
+    OWNER,
+    OWNER_BYTES,
+    OWNER_DTYPE,
+    PIN_DONE,
+    PIN_FAILED,
+    PIN_IDLE,
+    PIN_RUNNING,
+    PIN_WAITING,
+    PINNER,
+    PINNER_DTYPE,
+    SERVED_DTYPE,
+    SLOT,
+    SLOT_COUNTERS_DTYPE,
+    SLOT_DTYPE,
+    SLOT_STATE_NAMES,
+    WRITER_DTYPE,
+    HeaderRecord,
+    OwnerRecord,
+    PinnerRecord,
+    SlotRecord,
+    SlotState,
+    field_dtype,
+    field_names,
+    field_offset,
+    header_record,
+)
 
 MAGIC = b"KVSHM\x00\x00\x01"
 FORMAT_VERSION = 5  # 2: 64-bit writer_req, keysum in every table entry; 3: block grants;
@@ -100,9 +130,9 @@ assert OFF_PINNERS % 8 == 0 and OFF_PINNERS + PINNER.size * MAX_PINNERS <= HEADE
 # --- client slot -------------------------------------------------------------------------
 # The slot record is records.SLOT_DTYPE; its offsets, for word stores:
 SLOT_OFF_STATE, SLOT_OFF_PID, SLOT_OFF_GEN, SLOT_OFF_ATTACHED, SLOT_OFF_NAME = (
-    SLOT_DTYPE.fields[n][1] for n in ("state", "pid", "gen", "attached_ns", "name"))
-SLOT_NAME_BYTES = SLOT_DTYPE.fields["name"][0].itemsize
-SLOT_COUNTERS = SLOT_COUNTERS_DTYPE.names  # u64 each, client-written
+    field_offset(SLOT_DTYPE, n) for n in ("state", "pid", "gen", "attached_ns", "name"))
+SLOT_NAME_BYTES = field_dtype(SLOT_DTYPE, "name").itemsize
+SLOT_COUNTERS = field_names(SLOT_COUNTERS_DTYPE)  # u64 each, client-written
 SLOT_OFF_COUNTERS = 64
 assert SLOT_DTYPE.itemsize <= SLOT_OFF_COUNTERS
 # The served record (SERVED_DTYPE): owner-written words that make requests exactly-once.
@@ -137,8 +167,8 @@ def held_block(code: Any) -> Any:
 # One ENTRY_DTYPE record per block (records.py says who writes each field and why).
 ENTRY_BYTES = ENTRY_DTYPE.itemsize
 ENTRY_KEY_OFFSET = field_offset(ENTRY_DTYPE, "key")
-assert ENTRY_DTYPE.fields["key"][0].itemsize == MAX_KEY_BYTES and ENTRY_BYTES % 8 == 0
-assert ENTRY_DTYPE.names[0] == "seq"  # the seqlock word is word 0 of the entry
+assert field_dtype(ENTRY_DTYPE, "key").itemsize == MAX_KEY_BYTES and ENTRY_BYTES % 8 == 0
+assert field_names(ENTRY_DTYPE)[0] == "seq"  # the seqlock word is word 0 of the entry
 
 
 def key_checksum(key: bytes) -> int:
@@ -222,7 +252,7 @@ class Layout:
         return hashlib.sha256(self.describe().encode()).digest()
 
     @classmethod
-    def from_description(cls, text: str) -> "Layout":
+    def from_description(cls, text: str) -> Layout:
         d = json.loads(text)
         return cls(tuple(d["page_bytes"]), d["tokens_per_block"], d.get("model", ""),
                    d.get("extra", {}), d.get("checksums", False))
@@ -344,34 +374,6 @@ class Geometry:
 
     def entry_offset(self, block: int) -> int:
         return self.table_offset + block * ENTRY_BYTES
-
-
-def blocks_for_bytes(layout: Layout, nbytes: int | str) -> int:
-    """How many blocks of ``layout`` fit in ``nbytes`` (like vLLM's ``cpu_bytes_to_use``): an
-    int, or a size with a unit as the command lines take it ("64M", "8G"). Every refusal is
-    an ``InvalidArgumentError`` about ``nbytes``, the parameter the caller gave."""
-    if isinstance(nbytes, str):
-        try:
-            n = parse_size(nbytes)
-        except ValueError as e:
-            raise InvalidArgumentError(f"nbytes={nbytes!r}: {e}") from None
-    elif isinstance(nbytes, int) and not isinstance(nbytes, bool):
-        n = nbytes
-    else:
-        raise InvalidArgumentError(
-            f"nbytes must be a number of bytes: an int, or a string with a unit such as "
-            f"'64M' or '8G'; got {nbytes!r}")
-    bb = layout.block_bytes
-    if n < bb:
-        raise InvalidArgumentError(
-            f"nbytes={nbytes!r} ({n} bytes) cannot hold one block of {bb} bytes; give the "
-            "cache more memory")
-    if n // bb > MAX_BLOCKS:
-        raise InvalidArgumentError(
-            f"nbytes={nbytes!r} would make {n // bb} blocks of {bb} bytes; a segment holds "
-            f"at most {MAX_BLOCKS} blocks: give nbytes at most {MAX_BLOCKS * bb} "
-            f"({MAX_BLOCKS * bb / 2**40:.0f} TiB), or use larger blocks")
-    return n // bb
 
 
 def plane_pages(values: Sequence[int]) -> bytes:

@@ -17,7 +17,7 @@ import errno
 import fcntl
 import os
 import struct
-from typing import Iterator
+from collections.abc import Iterator
 
 from kvshm.shm.wait import poll_until
 

@@ -17,7 +17,7 @@ import contextlib
 import itertools
 import os
 import stat
-from typing import Union
+from typing import TypeAlias
 
 import posix_ipc
 
@@ -25,7 +25,7 @@ from kvshm.crashpoints import crash_point
 from kvshm.errors import SegmentNotFoundError, SegmentPermissionError
 from kvshm.shm.names import SHM_DIR
 
-Shared = Union[posix_ipc.Semaphore, posix_ipc.SharedMemory]
+Shared: TypeAlias = "posix_ipc.Semaphore | posix_ipc.SharedMemory"
 _seq = itertools.count()
 
 

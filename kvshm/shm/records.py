@@ -21,35 +21,52 @@ import numpy as np
 _STRUCT_CODES = {"u1": "B", "i2": "h", "u2": "H", "i4": "i", "u4": "I", "i8": "q", "u8": "Q"}
 
 
-def struct_format(dtype: np.dtype, names: tuple[str, ...] | None = None) -> str:
-    """The ``struct`` format of the consecutive fields ``names`` (all by default) of a record
-    dtype; fails if they leave a gap between them."""
-    names = names or dtype.names
-    codes = "".join(f"{dt.itemsize}s" if dt.kind in "SV" else _STRUCT_CODES[dt.str[1:]]
-                    for dt, *_ in (dtype.fields[n] for n in names))
-    fmt = "<" + codes
-    first, (last_dt, last_off) = dtype.fields[names[0]][1], dtype.fields[names[-1]]
-    assert struct.calcsize(fmt) == last_off + last_dt.itemsize - first, f"gap in {names}"
-    return fmt
+def field_names(dtype: np.dtype) -> tuple[str, ...]:
+    """The field names of record ``dtype``, in order."""
+    assert dtype.names is not None, f"{dtype} is not a record dtype"
+    return dtype.names
+
+
+def field_dtype(dtype: np.dtype, name: str) -> np.dtype:
+    """The type of field ``name`` of record ``dtype``."""
+    assert dtype.fields is not None, f"{dtype} is not a record dtype"
+    return dtype.fields[name][0]
 
 
 def field_offset(dtype: np.dtype, name: str) -> int:
     """Byte offset of field ``name`` inside a record of ``dtype``."""
+    assert dtype.fields is not None, f"{dtype} is not a record dtype"
     return int(dtype.fields[name][1])
+
+
+def _end(dtype: np.dtype, name: str) -> int:
+    """Byte offset just past field ``name`` of record ``dtype``."""
+    return field_offset(dtype, name) + field_dtype(dtype, name).itemsize
+
+
+def struct_format(dtype: np.dtype, names: tuple[str, ...] | None = None) -> str:
+    """The ``struct`` format of the consecutive fields ``names`` (all by default) of a record
+    dtype; fails if they leave a gap between them."""
+    names = names or field_names(dtype)
+    codes = "".join(f"{dt.itemsize}s" if dt.kind in "SV" else _STRUCT_CODES[dt.str[1:]]
+                    for dt in (field_dtype(dtype, n) for n in names))
+    fmt = "<" + codes
+    first = field_offset(dtype, names[0])
+    assert struct.calcsize(fmt) == _end(dtype, names[-1]) - first, f"gap in {names}"
+    return fmt
 
 
 def sub_dtype(dtype: np.dtype, names: tuple[str, ...]) -> np.dtype:
     """The fields ``names`` of ``dtype`` as a record of their own, starting at the first."""
     base = field_offset(dtype, names[0])
-    last_dt, last_off = dtype.fields[names[-1]]
-    return np.dtype({"names": list(names), "formats": [dtype.fields[n][0] for n in names],
+    return np.dtype({"names": list(names), "formats": [field_dtype(dtype, n) for n in names],
                      "offsets": [field_offset(dtype, n) - base for n in names],
-                     "itemsize": last_off + last_dt.itemsize - base})
+                     "itemsize": _end(dtype, names[-1]) - base})
 
 
 def _offsets(dtype: np.dtype, **expected: int) -> None:
     for name, off in expected.items():
-        assert dtype.fields[name][1] == off, (name, dtype.fields[name][1], off)
+        assert field_offset(dtype, name) == off, (name, field_offset(dtype, name), off)
 
 
 # --- header (offset 0): written once by the creator, under LOCK_INIT ---------------------
@@ -300,7 +317,8 @@ ENTRY_DTYPE = np.dtype([
 assert ENTRY_DTYPE.itemsize == 128
 # Every field sits at a multiple of its own size: the 64-bit words can be stored through
 # aligned memoryview casts, the seq word likewise (and the batch writers view rows as words).
-assert all(off % dt.itemsize == 0 for dt, off in ENTRY_DTYPE.fields.values() if dt.kind in "iu")
+assert all(field_offset(ENTRY_DTYPE, n) % field_dtype(ENTRY_DTYPE, n).itemsize == 0
+           for n in field_names(ENTRY_DTYPE) if field_dtype(ENTRY_DTYPE, n).kind in "iu")
 # The body (every field from state to the key) is copied in with one slice assignment.
 ENTRY_BODY = ("state", "keylen", "writer", "writer_gen", "keysum", "writer_req", "last_use",
               "stored_ns", "pins", "key")

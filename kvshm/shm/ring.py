@@ -6,8 +6,7 @@ wakes a sleeping consumer (its named semaphore gets the segment's permission bit
 so group sharing works, and a process that opens it after the segment was removed does not
 leave it behind). It must never decode frames (payloads are opaque bytes; msgspec
 lives with the protocol), never allocate or name shared memory itself (callers hand it a
-writable buffer carved from the segment), never take locks shared between processes, and
-never import torch.
+writable buffer carved from the segment), and never take locks shared between processes.
 
 Region layout (native byte order, i.e. little-endian on x86 and ARM; it never leaves the host)::
 
@@ -38,17 +37,17 @@ from __future__ import annotations
 import ctypes
 import os
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import posix_ipc
 
 from kvshm.crashpoints import crash_point
+from kvshm.errors import FrameTooLargeError, InvalidArgumentError, ProtocolError, RingFullError
 from kvshm.shm.fence import WEAK_ORDER as _WEAK_ORDER  # module-level: tests patch it
 from kvshm.shm.fence import full_fence
-from kvshm.errors import FrameTooLargeError, InvalidArgumentError, ProtocolError, RingFullError
 from kvshm.shm.objects import open_object
 
-__all__ = ["Ring", "Doorbell", "memory_fence"]
+__all__ = ["Doorbell", "Ring", "memory_fence"]
 
 _MAGIC = int.from_bytes(b"KVRING01", "little")
 _CAP, _TAIL, _HEAD, _DATA = 1, 8, 16, 192  # word indexes into the 'Q' header view; data offset
@@ -111,7 +110,7 @@ class Ring:
         full = _view(buf, 8, "Ring", whole=True)
         w = full[:_DATA].cast("Q") if len(full) >= _DATA else None
         magic, cap = (w[0], w[_CAP]) if w is not None else (0, 0)
-        if magic != _MAGIC or cap < 64 or cap % 8 or len(full) < _DATA + cap:
+        if w is None or magic != _MAGIC or cap < 64 or cap % 8 or len(full) < _DATA + cap:
             raise ProtocolError(f"buffer does not hold a kvshm ring (magic {magic:#x}, capacity "
                                 f"{cap}, {len(full)} bytes): format it with Ring.format() first "
                                 "or check the region offset the segment layout gives")

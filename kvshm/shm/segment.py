@@ -1,63 +1,30 @@
-"""The shared-memory segment: create, attach, validate, map, unlink.
+"""The shared-memory segment: one mapped POSIX object, its views and its header records.
 
-This module owns the POSIX shared-memory object (``posix_ipc``) and its mapping: it reserves
-the space up front (so a full ``/dev/shm`` is an error now, never a SIGBUS later), writes and
-validates the header, and hands out zero-copy views of the data planes. It never interprets
-block states (see ``table.py``) and imports torch only inside ``torch_planes``.
+This module owns ``Segment``, a process's handle of a segment: made by ``create`` or
+``attach`` (the creation protocol, space reservation and header validation are
+``creation.py``'s), it hands out zero-copy views of the data planes, the header's counters
+and owner record, liveness questions through kernel locks, and ``unlink``. It never
+interprets block states (see ``table.py``) and imports torch only inside ``torch_planes``.
 """
 from __future__ import annotations
 
 import contextlib
 import mmap
 import os
-import time
-from typing import TYPE_CHECKING, Iterator
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import numpy as np
 import posix_ipc
 
+from kvshm.errors import InvalidArgumentError
+from kvshm.shm import creation, locks, words
 from kvshm.shm import layout as L
-from kvshm.shm import locks
-from kvshm.crashpoints import crash_point
-from kvshm.errors import (CreationStalledError, InsufficientSpaceError, InvalidArgumentError,
-                          NotAKvshmSegmentError, SegmentExistsError, SegmentNotFoundError,
-                          SegmentPermissionError)
-from kvshm.shm import header, words
 from kvshm.shm.layout import Geometry, Layout
-from kvshm.shm.names import SHM_DIR, object_name, remove, shm_name
+from kvshm.shm.names import object_name, remove
 
 if TYPE_CHECKING:
     import torch
-
-
-# An attacher gives up on a creator that holds the creation lock but has not grown the
-# object for this long (fallocate keeps growing it; only a stopped or hung creator stalls).
-_STALL_S = 60.0
-_RETRIES = 100  # create/attach rounds lost to racing removals before giving up
-
-
-class _Gone(Exception):
-    """Internal: the object under the name is absent, or was removed while we looked."""
-
-    def __init__(self, why: str, absent: bool = False):
-        super().__init__(why)
-        self.absent = absent
-
-
-def _free_bytes() -> int:
-    st = os.statvfs(SHM_DIR)
-    free = st.f_bavail * st.f_frsize
-    # tmpfs pages are charged to our cgroup too: a cgroup limit below /dev/shm's free space
-    # would end in the OOM killer instead of a clean error.
-    try:
-        with open("/sys/fs/cgroup/memory.max") as f:
-            limit = f.read().strip()
-        if limit != "max":
-            with open("/sys/fs/cgroup/memory.current") as f:
-                free = min(free, int(limit) - int(f.read()))
-    except (OSError, ValueError):
-        pass
-    return free
 
 
 class Segment:
@@ -77,50 +44,26 @@ class Segment:
         self.tag = format(os.fstat(self.fd).st_ino, "x")  # names this incarnation's objects
         self.buf = memoryview(mm)
         self._shm = shm
-        self._mm = mm
+        self._mm: mmap.mmap | None = mm  # None once closed
         self._qfd: int | None = None
         # Counters are read by other processes: store words through a cast (one copy each),
         # never with struct.pack_into, which zero-fills before writing.
         self._counters = self.buf[
             L.OFF_COUNTERS:L.OFF_COUNTERS + L.COUNTERS_DTYPE.itemsize].cast("Q")
 
-    # --- lifecycle ----------------------------------------------------------------------
-    # Creation protocol (why a dead creator can never block anyone):
-    #
-    # * A creator opens the name with O_CREAT|O_EXCL, takes the kernel-released LOCK_INIT on
-    #   it, checks that its object is still linked, and holds the lock until the magic is
-    #   written (or, on failure, until it has unlinked its object). The magic goes last.
-    # * Only a LOCK_INIT holder ever removes an object without magic (``kvshm-inspect rm`` is
-    #   the one manual exception). An attacher that finds no magic waits while LOCK_INIT is
-    #   held; once it is free it takes the lock itself and re-reads: magic -> attach; an
-    #   all-zero magic -> the leftover of a creator that died half-way, which it unlinks
-    #   (still the same inode: nobody else may unlink while it holds the lock); anything else
-    #   is a foreign object, left alone.
-    # * POSIX shm has no link/rename, so a creator cannot appear fully formed: there is a
-    #   window between its exclusive open and its lock. An attacher in that window judges
-    #   the object a leftover and unlinks it. That is safe by construction, not by a grace
-    #   period: the creator blocks on the lock the attacher holds, then finds its object
-    #   unlinked (st_nlink == 0) and starts over (and with ``exist_ok`` attaches whatever
-    #   was created meanwhile).
-    # * A creator that fails unlinks its object before its lock falls, so racers find the
-    #   object unlinked: to them the segment does not exist (an attacher re-opens the name,
-    #   a create-racer creates afresh) -- never "remove it".
-    # * An attacher waits for a live creator as long as the object keeps growing (fallocate
-    #   of a large segment takes seconds to tens of seconds). A creator that holds the lock
-    #   and makes no progress for _STALL_S (stopped with SIGSTOP, hung) gets
-    #   ``CreationStalledError``.
+    # --- lifecycle (the creation protocol is ``creation.py``'s) ---------------------------
     @classmethod
     def create(cls, name: str, layout: Layout, num_blocks: int, *, mode: int = 0o600,
                max_clients: int = 32, ring_capacity: int = 128 << 10,
                hold_capacity: int = 4096, policy: str = "lru",
-               exist_ok: bool = False) -> "Segment":
+               exist_ok: bool = False) -> Segment:
         """Create segment ``name`` holding ``num_blocks`` blocks of ``layout``.
 
         With ``exist_ok`` an existing segment is attached instead (and validated against
         ``layout``); a half-created one whose creator died is removed and created afresh.
         ``policy`` ("lru" or "arc") is the eviction policy every owner of this segment will
         use. Space is reserved now: too little room raises :class:`InsufficientSpaceError`
-        and leaves nothing behind. See the creation protocol above.
+        and leaves nothing behind.
         """
         if isinstance(num_blocks, (str, bytes, bool)):
             raise InvalidArgumentError(  # "64M" here meant bytes: say where bytes go
@@ -132,158 +75,16 @@ class Segment:
         if not isinstance(policy, str) or policy.lower() not in L.POLICY_NAMES:
             raise InvalidArgumentError(  # checked before touching /dev/shm
                 f"unknown cache policy {policy!r}; choose one of: {', '.join(L.POLICY_NAMES)}")
-        policy = policy.lower()
-        posix = shm_name(name)
-        why = ""
-        for _ in range(_RETRIES):
-            try:
-                shm = posix_ipc.SharedMemory(posix, posix_ipc.O_CREX, mode=mode, size=0)
-            except posix_ipc.ExistentialError:
-                if not exist_ok:
-                    raise SegmentExistsError(
-                        f"segment {name!r} already exists; attach to it, or remove it with "
-                        f"'kvshm-inspect rm {name}'") from None
-                try:
-                    return cls._attach_once(name, layout)
-                except _Gone as gone:  # removed under us: create it ourselves
-                    why = str(gone)
-                    continue
-            except posix_ipc.PermissionsError as e:
-                raise SegmentPermissionError(
-                    f"cannot create segment {name!r} in {SHM_DIR}: {e}; run as a user who "
-                    f"may write {SHM_DIR}") from None
-            crash_point("segment.create.after_open")
-            # An attacher that found us before we locked may hold the lock (for an instant)
-            # and unlink us; then we start over. Bounded only against a stopped attacher.
-            if not locks.lock(shm.fd, L.LOCK_INIT, timeout=_STALL_S) or \
-                    os.fstat(shm.fd).st_nlink == 0:
-                shm.close_fd()
-                why = "an attacher removed it before it was locked"
-                continue
-            crash_point("segment.create.after_lock")
-            try:
-                os.fchmod(shm.fd, mode)  # shm_open applies the umask; the caller asked for `mode`
-                need, free = geo.total_bytes, _free_bytes()
-                if need > free:
-                    raise InsufficientSpaceError(
-                        f"segment {name!r} needs {need} bytes ({need / 2**30:.2f} GiB) but "
-                        f"{SHM_DIR} has {free} bytes free; give it fewer blocks, or enlarge "
-                        f"{SHM_DIR} (docker: --shm-size or --ipc=host)")
-                try:
-                    os.posix_fallocate(shm.fd, 0, need)
-                except OSError as e:
-                    raise InsufficientSpaceError(
-                        f"reserving {need} bytes for segment {name!r} in {SHM_DIR} failed "
-                        f"({e}); free space or enlarge {SHM_DIR}") from None
-                crash_point("segment.create.after_reserve")
-                mm = mmap.mmap(shm.fd, need)
-                seg = cls(name, shm, mm, layout, geo, time.time_ns())
-                seg._write_header(policy)
-                locks.unlock(shm.fd, L.LOCK_INIT)
-                return seg
-            except BaseException:
-                # Unlink before the lock falls (it falls with the descriptor): racers must
-                # find the object gone, never a headerless one to be told to remove.
-                with contextlib.suppress(Exception):
-                    posix_ipc.unlink_shared_memory(posix)
-                with contextlib.suppress(Exception):
-                    shm.close_fd()
-                raise
-        raise SegmentExistsError(
-            f"segment {name!r} could not be created or attached after {_RETRIES} attempts "
-            f"(last: {why}); other processes keep creating and removing it")
+        return cls(name, *creation.create(name, layout, geo, mode=mode, policy=policy.lower(),
+                                          exist_ok=exist_ok))
 
     @classmethod
-    def attach(cls, name: str, layout: Layout | None = None) -> "Segment":
+    def attach(cls, name: str, layout: Layout | None = None) -> Segment:
         """Attach existing segment ``name``; if ``layout`` is given it must match.
 
-        Waits for a creator that is still creating it (see the creation protocol above).
+        Waits for a creator that is still creating it (see ``creation.py``).
         """
-        why = ""
-        for _ in range(_RETRIES):
-            try:
-                return cls._attach_once(name, layout)
-            except _Gone as gone:
-                if gone.absent:
-                    break
-                why = str(gone)
-        raise SegmentNotFoundError(
-            f"no kvshm segment named {name!r} (no {SHM_DIR}{shm_name(name)}"
-            f"{'; ' + why if why else ''}); create it first, or list segments with "
-            "'kvshm-inspect ls'")
-
-    @classmethod
-    def _attach_once(cls, name: str, layout: Layout | None) -> "Segment":
-        """Open and validate; ``_Gone`` if there is no object or it was removed meanwhile."""
-        posix = shm_name(name)
-        try:
-            shm = posix_ipc.SharedMemory(posix)
-        except posix_ipc.ExistentialError:
-            raise _Gone("absent", absent=True) from None
-        except posix_ipc.PermissionsError:
-            raise SegmentPermissionError(
-                f"permission denied opening segment {name!r} ({SHM_DIR}{posix}); run as its "
-                "owner or create it with a group mode such as 0o660") from None
-        try:
-            return cls._validate(name, shm, layout)
-        except BaseException:
-            shm.close_fd()
-            raise
-
-    @staticmethod
-    def _wait_for_header(name: str, shm: posix_ipc.SharedMemory) -> tuple[bytes, int]:
-        """The header bytes and file size once a creator has finished (see the protocol)."""
-        fd = shm.fd
-        progress, since, delay = None, time.monotonic(), 1e-4
-        while True:
-            if locks.is_held(fd, L.LOCK_INIT):  # a live creator: wait while it progresses
-                st = os.fstat(fd)
-                now = time.monotonic()
-                if (st.st_size, st.st_blocks) != progress:
-                    progress, since = (st.st_size, st.st_blocks), now
-                elif now - since > _STALL_S:
-                    raise CreationStalledError(
-                        f"segment {name!r} is still being created, but its creator (alive: it "
-                        f"holds the creation lock) has made no progress for {_STALL_S:.0f} s; "
-                        f"find it with 'fuser {SHM_DIR}{shm.name}' and resume or stop it")
-                time.sleep(delay)  # polling the creator's progress
-                delay = min(delay * 2, 0.01)
-                continue
-            # Decide with the lock in hand: no creator can start or finish underneath.
-            if not locks.try_lock(fd, L.LOCK_INIT):
-                continue
-            try:
-                st = os.fstat(fd)
-                if st.st_nlink == 0:
-                    raise _Gone("its creator failed and removed it")
-                head = os.pread(fd, L.HEADER.size, 0)
-                if head[:8] == L.MAGIC and st.st_size >= L.HEADER_BYTES:
-                    return head, st.st_size
-                if any(head[:8]):
-                    raise NotAKvshmSegmentError(
-                        f"{SHM_DIR}{shm.name} is not a kvshm segment (size {st.st_size}, no "
-                        f"kvshm header); if it is a leftover, remove it with "
-                        f"'kvshm-inspect rm {name}'")
-                # No magic and nobody creating: a creator died half-way (or is between its
-                # exclusive open and its lock, and will start over when it finds itself
-                # unlinked). Remove it only if the name still denotes this very object.
-                with contextlib.suppress(FileNotFoundError, posix_ipc.ExistentialError):
-                    if os.stat(SHM_DIR + shm.name).st_ino == st.st_ino:
-                        posix_ipc.unlink_shared_memory(shm.name)
-                raise _Gone("a creator died half-way; its leftover was removed")
-            finally:
-                locks.unlock(fd, L.LOCK_INIT)
-
-    @classmethod
-    def _validate(cls, name: str, shm: posix_ipc.SharedMemory,
-                  expected: Layout | None) -> "Segment":
-        head, size = cls._wait_for_header(name, shm)
-        found, geo, created = header.check(name, shm.fd, head, size, expected)
-        mm = mmap.mmap(shm.fd, geo.total_bytes)
-        return cls(name, shm, mm, found, geo, created)
-
-    def _write_header(self, policy: str) -> None:
-        header.write(self.buf, self.geometry, self.layout, self.created_ns, policy)
+        return cls(name, *creation.attach(name, layout))
 
     def close(self) -> None:
         """Unmap and close this process's handle (the segment itself stays)."""
@@ -302,7 +103,7 @@ class Segment:
             self._qfd = None
         self._mm = None
 
-    def __enter__(self) -> "Segment":
+    def __enter__(self) -> Segment:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -335,20 +136,20 @@ class Segment:
         g = self.geometry
         off = g.plane_offsets()[index]
         page = g.page_bytes[index]
-        return np.frombuffer(self._mm, np.uint8, g.num_blocks * page, off).reshape(
+        return np.frombuffer(self._mapping(), np.uint8, g.num_blocks * page, off).reshape(
             g.num_blocks, page)
 
     def planes(self) -> list[np.ndarray]:
         return [self.plane(i) for i in range(len(self.geometry.page_bytes))]
 
-    def torch_planes(self) -> list["torch.Tensor"]:
+    def torch_planes(self) -> list[torch.Tensor]:
         """The planes as uint8 torch tensors sharing the segment's memory."""
         import torch
         return [torch.from_numpy(p) for p in self.planes()]
 
     def data_address(self) -> tuple[int, int]:
         """(virtual address, length) of the data region in this process, for pinning."""
-        arr = np.frombuffer(self._mm, np.uint8, self.geometry.data_bytes,
+        arr = np.frombuffer(self._mapping(), np.uint8, self.geometry.data_bytes,
                             self.geometry.data_offset)
         return arr.ctypes.data, self.geometry.data_bytes
 
@@ -385,6 +186,11 @@ class Segment:
         if self._qfd is None:
             self._qfd = locks.query_fd(self._open_fd())
         return self._qfd
+
+    def _mapping(self) -> mmap.mmap:
+        if self._mm is None:
+            raise InvalidArgumentError(f"this handle of segment {self.name!r} is closed")
+        return self._mm
 
     def _open_fd(self) -> int:
         # After ``close`` the number may denote another file by now: never ask through it.

@@ -7,26 +7,25 @@ claimed, so nobody reformats rings that an owner may still be reading. A client 
 to FREE only through the owner (after a goodbye, or when it sees the holder dead, adopted or
 not), or through ``kvshm-inspect gc`` while it holds the owner lock: the one process that may
 be reading a slot's rings is the one that clears it.
-It never talks to the owner and never imports torch.
+It never talks to the owner.
 """
 from __future__ import annotations
 
 import os
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
+from kvshm.errors import ClientSlotsExhaustedError
 from kvshm.shm import layout as L
 from kvshm.shm import locks, words
-from kvshm.shm.words import WordView
-from kvshm.errors import ClientSlotsExhaustedError
 from kvshm.shm.fence import full_fence
 from kvshm.shm.layout import SlotRecord, SlotState
 from kvshm.shm.ring import Ring
 from kvshm.shm.segment import Segment
-
+from kvshm.shm.words import WordView
 
 
 def record(seg: Segment, slot: int) -> SlotRecord:
@@ -35,7 +34,7 @@ def record(seg: Segment, slot: int) -> SlotRecord:
     return SlotRecord._make(L.SLOT.unpack_from(seg.buf, seg.geometry.slot_offset(slot)))
 
 
-def claim(seg: Segment, wait_for_reclaim: Callable[[], None] | None = None,
+def claim(seg: Segment, wait_for_reclaim: Callable[[], object] | None = None,
           timeout: float = 5.0) -> tuple[int, int]:
     """Lock a FREE slot and return (slot, next generation).
 

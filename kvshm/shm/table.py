@@ -1,10 +1,11 @@
 """The block table, as it lies in the segment: one record per block.
 
 This module owns the per-block records (state, key and its checksum, writer, last use, pins;
-the key index that finds them is ``keyindex.py``). Only the owner writes them; every process
-may read them without a lock. Writers bump a per-entry sequence number around each rewrite
-(odd while writing, a seqlock), so a reader either sees a consistent entry or retries, for a
-bounded number of spins: an entry a dead owner left odd is reported as torn, never waited on.
+where each lies is ``entry.py``, the key index that finds them ``keyindex.py``). Only the
+owner writes them; every process may read them without a lock. Writers bump a per-entry
+sequence number around each rewrite (odd while writing, a seqlock), so a reader either sees a
+consistent entry or retries, for a bounded number of spins: an entry a dead owner left odd is
+reported as torn, never waited on.
 The owner's batch writers (``write_many`` and friends) run the rounds of many entries side by
 side: every sequence odd, every body, every sequence even, each step one numpy operation, so
 a batch costs a few array operations instead of a Python loop per block.
@@ -14,41 +15,36 @@ first, so a death mid-write would leave a key with a zeroed tail under a READY s
 entry body is packed aside and copied in with one slice assignment, and single words go
 through aligned memoryview casts. Every key is written together with its checksum
 (``layout.key_checksum``), so a successor can tell a torn key from an intact one.
-It never decides policy (see ``owner/manager.py``) and never imports torch.
+It never decides policy (see ``owner/manager.py``).
 """
 from __future__ import annotations
 
 import os
-import struct
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
 from kvshm import crashpoints
 from kvshm.shm import layout as L
+from kvshm.shm.entry import (
+    BODY,
+    BODY_DTYPE,
+    BODY_OFF,
+    EMPTY_KEYSUM,
+    KEY_OFF,
+    KEYLEN_OFF,
+    LAST_USE_WORD,
+    PINS_WORD,
+    STATE_OFF,
+    STORED_NS_WORD,
+    WORDS32,
+    WORDS64,
+    WRITER_OFF,
+    Entry,
+    decode,
+)
 from kvshm.shm.fence import publish_fence
-from kvshm.shm.records import ENTRY_BODY, ENTRY_DTYPE, field_offset, struct_format, sub_dtype
 
-# The entry body (records.ENTRY_BODY: every field from state to the key, zero padded to
-# MAX_KEY_BYTES). It is packed into a private bytes object and copied into the segment with
-# one slice assignment (a memcpy: no zero-fill, no transient value a reader or a successor
-# could mistake).
-_BODY = struct.Struct(struct_format(ENTRY_DTYPE, ENTRY_BODY))
-_BODY_OFF = field_offset(ENTRY_DTYPE, "state")
-_KEY_OFF = L.ENTRY_KEY_OFFSET
-_STATE_OFF = field_offset(ENTRY_DTYPE, "state")
-_KEYLEN_OFF = field_offset(ENTRY_DTYPE, "keylen")
-_WRITER_OFF = field_offset(ENTRY_DTYPE, "writer")
-_LAST_USE_WORD = field_offset(ENTRY_DTYPE, "last_use") // 8
-_STORED_NS_WORD = field_offset(ENTRY_DTYPE, "stored_ns") // 8
-_PINS_WORD = field_offset(ENTRY_DTYPE, "pins") // 8
-_WORDS32 = L.ENTRY_BYTES // 4
-_WORDS64 = L.ENTRY_BYTES // 8
-assert _BODY_OFF == 4 and _BODY_OFF + _BODY.size == _KEY_OFF + L.MAX_KEY_BYTES
-assert _STORED_NS_WORD == _LAST_USE_WORD + 1  # publish stores them as adjacent words
-# The same body as a numpy record, for the batch writers: one row per entry.
-_BODY_DTYPE = sub_dtype(ENTRY_DTYPE, ENTRY_BODY)
-_EMPTY_KEYSUM = L.key_checksum(b"")
 # Below this many entries the batch writers loop over the scalar ones: numpy's per-call cost
 # (one to a few microseconds an operation on a small host) outweighs that many struct packs
 # (measured: the batch writes break even at about 16 entries and win 2-8x from 64).
@@ -64,45 +60,6 @@ def state_counts(states: np.ndarray) -> list[int]:
     """Blocks per state from an array of state bytes: index = state, and ``L.INVALID`` for
     any byte that is no state (counted apart, never as a real state)."""
     return np.bincount(np.minimum(states, L.INVALID), minlength=L.INVALID + 1).tolist()
-
-
-class Entry(NamedTuple):
-    """A consistent copy of one block's entry (``records.ENTRY_DTYPE`` says what each field
-    means), as ``BlockTable.read`` returns it."""
-    seq: int
-    state: int
-    key: bytes
-    writer: int  # client slot writing the block (or granted it), -1 for none
-    writer_gen: int
-    writer_req: int  # WRITING: the writer's request id; GRANTED: see ``grant_pos``
-    last_use: int
-    stored_ns: int
-    pins: int
-    keysum: int = 0  # the checksum stored with the key (layout.key_checksum)
-    torn: bool = False  # read() gave up: the seq stayed odd (or kept moving); do not trust
-
-    @property
-    def grant_pos(self) -> int:
-        """A GRANTED block's position in its client's grant ring (stored in writer_req)."""
-        return self.writer_req
-
-    @property
-    def key_ok(self) -> bool:
-        """The key and its length are the ones written together with ``keysum``."""
-        return L.key_checksum(self.key) == self.keysum
-
-
-# write() packs and _entry() unpacks the body positionally, in this order: a reordering of
-# records.ENTRY_DTYPE must fail here, at import, not scramble fields silently.
-assert ENTRY_BODY == ("state", "keylen", "writer", "writer_gen", "keysum", "writer_req",
-                      "last_use", "stored_ns", "pins", "key")
-assert ENTRY_DTYPE.names[:len(ENTRY_BODY) + 1] == ("seq", *ENTRY_BODY)
-
-
-def _entry(seq: int, f: tuple, torn: bool) -> Entry:
-    state, keylen, writer, gen, keysum, req, last_use, stored_ns, pins, key = f
-    return Entry(seq, state, key[:keylen], writer, gen, req, last_use, stored_ns, pins,
-                 keysum, torn)
 
 
 class BlockTable:
@@ -133,10 +90,10 @@ class BlockTable:
         rows = self._rows[blocks]
         publish_fence()
         klen = keys.shape[1]
-        same = (rows[:, _KEYLEN_OFF] == klen) & \
-            (rows[:, _KEY_OFF:_KEY_OFF + klen] == keys).all(axis=1)
+        same = (rows[:, KEYLEN_OFF] == klen) & \
+            (rows[:, KEY_OFF:KEY_OFF + klen] == keys).all(axis=1)
         stable = ((seq & 1) == 0) & (self._seqs[blocks] == seq)
-        return np.where(same & stable, rows[:, _STATE_OFF].astype(np.int16), -1)
+        return np.where(same & stable, rows[:, STATE_OFF].astype(np.int16), -1)
 
     def ready_seqs(self, blocks: np.ndarray) -> np.ndarray:
         """Each block's sequence number where its entry is READY and stable (int64; -1 where
@@ -144,7 +101,7 @@ class BlockTable:
         later proves the entry still holds that key READY."""
         seq = self._seqs[blocks]
         publish_fence()
-        state = self._rows[blocks, _STATE_OFF]
+        state = self._rows[blocks, STATE_OFF]
         publish_fence()
         ok = ((seq & 1) == 0) & (state == L.READY) & (self._seqs[blocks] == seq)
         return np.where(ok, seq.astype(np.int64), -1)
@@ -160,18 +117,18 @@ class BlockTable:
         only the next owner settles it) or never holds still, the last attempt is returned
         with ``torn=True``; callers must not trust its fields (the key above all).
         """
-        off = self.base + block * L.ENTRY_BYTES + _BODY_OFF
-        w, i, unpack, buf = self._w32, block * _WORDS32, _BODY.unpack_from, self.buf
+        off = self.base + block * L.ENTRY_BYTES + BODY_OFF
+        w, i, unpack, buf = self._w32, block * WORDS32, BODY.unpack_from, self.buf
         for n in range(_READ_TRIES):
             seq = w[i]
             publish_fence()
             f = unpack(buf, off)
             publish_fence()
             if not seq & 1 and w[i] == seq:
-                return _entry(seq, f, False)
+                return decode(seq, f, False)
             if n >= _READ_YIELD_AFTER:
                 os.sched_yield()
-        return _entry(seq, f, True)
+        return decode(seq, f, True)
 
     def state_if_key(self, block: int, key: bytes) -> int:
         """``block``'s state if it currently holds ``key``, else -1. Lock-free reader."""
@@ -180,14 +137,14 @@ class BlockTable:
     def checked_state(self, block: int, key: bytes) -> tuple[int, int]:
         """``state_if_key`` and the (even) sequence number it was read under: while the seq
         stays that, the entry still holds ``key`` in that state (every rewrite bumps it)."""
-        buf, off, w, i = self.buf, self.base + block * L.ENTRY_BYTES, self._w32, block * _WORDS32
+        buf, off, w, i = self.buf, self.base + block * L.ENTRY_BYTES, self._w32, block * WORDS32
         for _ in range(_READ_SPINS):
             seq = w[i]
             if seq & 1:
                 continue
             publish_fence()
-            state, keylen = buf[off + _STATE_OFF], buf[off + _KEYLEN_OFF]
-            same = keylen == len(key) and buf[off + _KEY_OFF:off + _KEY_OFF + keylen] == key
+            state, keylen = buf[off + STATE_OFF], buf[off + KEYLEN_OFF]
+            same = keylen == len(key) and buf[off + KEY_OFF:off + KEY_OFF + keylen] == key
             publish_fence()
             if w[i] == seq:
                 return seq, (state if same else -1)
@@ -195,12 +152,12 @@ class BlockTable:
 
     def seq(self, block: int) -> int:
         """``block``'s sequence number now (odd: being rewritten)."""
-        return self._w32[block * _WORDS32]
+        return self._w32[block * WORDS32]
 
     # --- owner-only writers: every rewrite is one seqlock round, _odd() ... _even() ---------
     def _odd(self, block: int) -> int:
         """Open a rewrite of ``block``: readers now retry. Returns the odd sequence number."""
-        w, i = self._w32, block * _WORDS32
+        w, i = self._w32, block * WORDS32
         seq = w[i] | 1  # a writer that died mid-rewrite left it odd: move on from there
         w[i] = seq
         publish_fence()
@@ -209,7 +166,7 @@ class BlockTable:
     def _even(self, block: int, seq: int) -> None:
         """Close the rewrite ``_odd`` opened: what was stored in between is published."""
         publish_fence()
-        self._w32[block * _WORDS32] = (seq + 1) & 0xFFFFFFFF
+        self._w32[block * WORDS32] = (seq + 1) & 0xFFFFFFFF
 
     def write(self, block: int, state: int, key: bytes, writer: int = -1, writer_gen: int = 0,
               writer_req: int = 0, last_use: int = 0, stored_ns: int = 0, pins: int = 0) -> None:
@@ -217,17 +174,17 @@ class BlockTable:
 
         The body is packed first, so a value out of range raises before the entry is touched.
         """
-        self._put(block, _BODY.pack(state, len(key), writer, writer_gen, L.key_checksum(key),
+        self._put(block, BODY.pack(state, len(key), writer, writer_gen, L.key_checksum(key),
                                     writer_req, last_use, stored_ns, pins, key))
 
     def _put(self, block: int, body: bytes) -> None:
         """One seqlock round that copies a packed ``body`` into ``block``'s entry."""
-        off = self.base + block * L.ENTRY_BYTES + _BODY_OFF
+        off = self.base + block * L.ENTRY_BYTES + BODY_OFF
         seq = self._odd(block)
         if crashpoints.ARMED:
             self._copy_armed(off, body)
         else:
-            self.buf[off:off + _BODY.size] = body  # one memcpy
+            self.buf[off:off + BODY.size] = body  # one memcpy
         self._even(block, seq)
 
     def _copy_armed(self, off: int, body: bytes) -> None:
@@ -239,30 +196,30 @@ class BlockTable:
         neither the old nor the new one). Copying the rest afterwards gives the same result
         as the single copy when the point does not fire.
         """
-        k, half = _KEY_OFF - _BODY_OFF, _KEY_OFF - _BODY_OFF + L.MAX_KEY_BYTES // 2
+        k, half = KEY_OFF - BODY_OFF, KEY_OFF - BODY_OFF + L.MAX_KEY_BYTES // 2
         self.buf[off + k:off + half] = body[k:half]
         crashpoints.crash_point("table.write.odd")
         self.buf[off:off + k] = body[:k]
-        self.buf[off + half:off + _BODY.size] = body[half:]
+        self.buf[off + half:off + BODY.size] = body[half:]
 
     def _ready(self, block: int) -> None:
         """Inside a round: state READY, writer -1 (nobody writes a ready block)."""
         off = self.base + block * L.ENTRY_BYTES
-        self.buf[off + _STATE_OFF] = L.READY
-        self.buf[off + _WRITER_OFF:off + _WRITER_OFF + 2] = b"\xff\xff"
+        self.buf[off + STATE_OFF] = L.READY
+        self.buf[off + WRITER_OFF:off + WRITER_OFF + 2] = b"\xff\xff"
 
     def publish(self, block: int, tick: int, stored_ns: int) -> None:
         """WRITING -> READY: state, writer, last use and store time in one seqlock round
         (the key, already in place, stays)."""
         seq = self._odd(block)
         self._ready(block)
-        self._w64[block * _WORDS64 + _LAST_USE_WORD] = tick
-        self._w64[block * _WORDS64 + _STORED_NS_WORD] = stored_ns
+        self._w64[block * WORDS64 + LAST_USE_WORD] = tick
+        self._w64[block * WORDS64 + STORED_NS_WORD] = stored_ns
         self._even(block, seq)
 
     def set_state(self, block: int, state: int) -> None:
         seq = self._odd(block)
-        self.buf[self.base + block * L.ENTRY_BYTES + _STATE_OFF] = state
+        self.buf[self.base + block * L.ENTRY_BYTES + STATE_OFF] = state
         self._even(block, seq)
 
     def reset_ready(self, block: int) -> None:
@@ -274,7 +231,7 @@ class BlockTable:
         """
         seq = self._odd(block)
         self._ready(block)
-        self._w64[block * _WORDS64 + _PINS_WORD] = 0
+        self._w64[block * WORDS64 + PINS_WORD] = 0
         self._even(block, seq)
 
     def settle(self, block: int) -> bool:
@@ -284,7 +241,7 @@ class BlockTable:
         would spin forever. Returns True if the entry was torn; the caller decides what its
         contents are worth.
         """
-        w, i = self._w32, block * _WORDS32
+        w, i = self._w32, block * WORDS32
         seq = w[i]
         if not seq & 1:
             return False
@@ -294,10 +251,10 @@ class BlockTable:
 
     def set_last_use(self, block: int, tick: int) -> None:
         # A lone aligned word store: readers may see old or new, both are fine.
-        self._w64[block * _WORDS64 + _LAST_USE_WORD] = tick
+        self._w64[block * WORDS64 + LAST_USE_WORD] = tick
 
     def set_pins(self, block: int, pins: int) -> None:
-        self._w64[block * _WORDS64 + _PINS_WORD] = pins
+        self._w64[block * WORDS64 + PINS_WORD] = pins
 
     # --- owner-only batch writers: the rounds of many entries side by side --------------
     def _odd_many(self, blocks: np.ndarray) -> np.ndarray:
@@ -327,16 +284,16 @@ class BlockTable:
             raise ValueError(f"write_many of {n} blocks with {len(keys)} keys")
         if n < VECTOR_MIN:
             reqs = [writer_req] * n if isinstance(writer_req, int) else writer_req
-            bodies = [_BODY.pack(state, len(k), writer, writer_gen, L.key_checksum(k), reqs[i],
+            bodies = [BODY.pack(state, len(k), writer, writer_gen, L.key_checksum(k), reqs[i],
                                  last_use, stored_ns, 0, k)
                       for i, k in enumerate(keys or [b""] * n)]
-            for b, body in zip(blocks, bodies):
-                self._put(b, body)
+            for blk, packed in zip(blocks, bodies):
+                self._put(blk, packed)
             return
-        body = np.zeros(n, _BODY_DTYPE)
+        body = np.zeros(n, BODY_DTYPE)
         body["state"], body["writer"], body["writer_gen"] = state, writer, writer_gen
         body["writer_req"], body["last_use"], body["stored_ns"] = writer_req, last_use, stored_ns
-        rows = body.view(np.uint8).reshape(n, _BODY.size)
+        rows = body.view(np.uint8).reshape(n, BODY.size)
         if keys:
             lens = set(map(len, keys))
             if max(lens) > L.MAX_KEY_BYTES:
@@ -344,32 +301,32 @@ class BlockTable:
             if len(lens) == 1:  # one length (vLLM's keys are all 36 bytes): one byte copy
                 klen = lens.pop()
                 body["keylen"] = klen
-                rows[:, _KEY_OFF - _BODY_OFF:_KEY_OFF - _BODY_OFF + klen] = \
+                rows[:, KEY_OFF - BODY_OFF:KEY_OFF - BODY_OFF + klen] = \
                     np.frombuffer(b"".join(keys), np.uint8).reshape(n, klen)
             else:
                 body["keylen"], body["key"] = [len(k) for k in keys], keys
             body["keysum"] = list(map(L.key_checksum, keys))
         else:
-            body["keysum"] = _EMPTY_KEYSUM
+            body["keysum"] = EMPTY_KEYSUM
         b = np.asarray(blocks, np.intp)
         seqs = self._odd_many(b)
         if crashpoints.ARMED:
             self._rows_armed(b, rows)
         else:
-            self._rows[b, _BODY_OFF:_BODY_OFF + _BODY.size] = rows
+            self._rows[b, BODY_OFF:BODY_OFF + BODY.size] = rows
         self._even_many(b, seqs)
 
     def _rows_armed(self, b: np.ndarray, rows: np.ndarray) -> None:
         """The batch copy with crash point ``table.write_many.odd`` inside it (tests only): the
         worst a killed copy can leave, every entry odd, the first half of the rows copied and
         the next row's key half changed under its old state, length and checksum."""
-        half, k = len(b) // 2, _KEY_OFF - _BODY_OFF
-        self._rows[b[:half], _BODY_OFF:_BODY_OFF + _BODY.size] = rows[:half]
+        half, k = len(b) // 2, KEY_OFF - BODY_OFF
+        self._rows[b[:half], BODY_OFF:BODY_OFF + BODY.size] = rows[:half]
         mid = int(b[half]) * L.ENTRY_BYTES
-        self._rows.reshape(-1)[mid + _KEY_OFF:mid + _KEY_OFF + L.MAX_KEY_BYTES // 2] = \
+        self._rows.reshape(-1)[mid + KEY_OFF:mid + KEY_OFF + L.MAX_KEY_BYTES // 2] = \
             rows[half, k:k + L.MAX_KEY_BYTES // 2]
         crashpoints.crash_point("table.write_many.odd")
-        self._rows[b[half:], _BODY_OFF:_BODY_OFF + _BODY.size] = rows[half:]
+        self._rows[b[half:], BODY_OFF:BODY_OFF + BODY.size] = rows[half:]
 
     def set_states(self, blocks: Sequence[int], state: int) -> None:
         """``set_state`` of every block (distinct ids)."""
@@ -379,7 +336,7 @@ class BlockTable:
             return
         b = np.asarray(blocks, np.intp)
         seqs = self._odd_many(b)
-        self._rows[b, _STATE_OFF] = state
+        self._rows[b, STATE_OFF] = state
         self._even_many(b, seqs)
 
     def publish_many(self, blocks: Sequence[int], tick: int, stored_ns: int) -> None:
@@ -390,10 +347,10 @@ class BlockTable:
             return
         b = np.asarray(blocks, np.intp)
         seqs = self._odd_many(b)
-        self._rows[b, _STATE_OFF] = L.READY
-        self._rows[b, _WRITER_OFF:_WRITER_OFF + 2] = 0xFF
-        self._words[b, _LAST_USE_WORD] = tick
-        self._words[b, _STORED_NS_WORD] = stored_ns
+        self._rows[b, STATE_OFF] = L.READY
+        self._rows[b, WRITER_OFF:WRITER_OFF + 2] = 0xFF
+        self._words[b, LAST_USE_WORD] = tick
+        self._words[b, STORED_NS_WORD] = stored_ns
         self._even_many(b, seqs)
 
     def set_last_uses(self, blocks: Sequence[int], tick: int) -> None:
@@ -402,4 +359,4 @@ class BlockTable:
             for blk in blocks:
                 self.set_last_use(blk, tick)
         else:
-            self._words[np.asarray(blocks, np.intp), _LAST_USE_WORD] = tick
+            self._words[np.asarray(blocks, np.intp), LAST_USE_WORD] = tick

@@ -8,7 +8,7 @@ never touches shared memory and never locks.
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from kvshm.errors import KvshmError
 

@@ -9,11 +9,13 @@ on a shared field: it zero-fills the field before writing it. It orders nothing 
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
-_CODES = {1: "B", 2: "H", 4: "I", 8: "Q"}
+from kvshm.shm.records import field_dtype, field_names, field_offset
+
+_CODES: dict[int, Literal["B", "H", "I", "Q"]] = {1: "B", 2: "H", 4: "I", 8: "Q"}
 
 
 def store(buf: memoryview, off: int, value: int, size: int = 8) -> None:
@@ -26,9 +28,9 @@ def store(buf: memoryview, off: int, value: int, size: int = 8) -> None:
 def store_fields(buf: memoryview, off: int, dtype: np.dtype, **values: Any) -> None:
     """Store the named integer fields of record ``dtype`` at ``buf[off]``, one word each,
     in the dtype's field order (bytes fields are copied as they are)."""
-    for name in dtype.names:
+    for name in field_names(dtype):
         if name in values:
-            dt, at = dtype.fields[name][:2]
+            dt, at = field_dtype(dtype, name), field_offset(dtype, name)
             if dt.kind == "S":
                 buf[off + at:off + at + dt.itemsize] = values[name].ljust(dt.itemsize, b"\0")
             else:  # a signed field's value as the unsigned word of the same bits
@@ -46,10 +48,11 @@ class WordView:
     __slots__ = ("_w", "_at")
 
     def __init__(self, buf: memoryview, off: int, dtype: np.dtype) -> None:
-        assert off % 8 == 0 and all(dt == np.dtype("<u8") and at % 8 == 0
-                                    for dt, at in (dtype.fields[n][:2] for n in dtype.names))
+        names = field_names(dtype)
+        assert off % 8 == 0 and all(field_dtype(dtype, n) == np.dtype("<u8") and
+                                    field_offset(dtype, n) % 8 == 0 for n in names)
         self._w = buf[off:off + dtype.itemsize].cast("Q")
-        self._at = {n: dtype.fields[n][1] // 8 for n in dtype.names}
+        self._at = {n: field_offset(dtype, n) // 8 for n in names}
 
     def __getitem__(self, name: str) -> int:
         return self._w[self._at[name]]

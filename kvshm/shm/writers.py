@@ -15,7 +15,7 @@ its record, fences, then checks that the generation still lives, and the owner s
 before it reads the records. So either the owner sees the record, or the registrant sees the
 death and copies nothing.
 
-It never decides what to free (the manager does) and never copies data; no torch.
+It never decides what to free (the manager does) and never copies data.
 """
 from __future__ import annotations
 
@@ -27,8 +27,7 @@ import time
 import numpy as np
 
 from kvshm.shm import layout as L
-from kvshm.shm import locks
-from kvshm.shm import slots, words
+from kvshm.shm import locks, slots, words
 from kvshm.shm.fence import full_fence
 from kvshm.shm.segment import Segment
 
@@ -58,7 +57,7 @@ def alive(seg: Segment, slot: int, gen: int) -> bool:
 
 def generation_alive(seg: Segment, slot: int, gen: int) -> bool:
     """Whether the client of ``slot`` generation ``gen`` still lives (its lock is held and the
-    slot is ACTIVE under that generation: a reclaimed or re-claimed slot is not)."""
+    slot is CLIENT under that generation: a reclaimed or re-claimed slot is not)."""
     if not 0 <= slot < seg.geometry.max_clients:
         return False
     rec = slots.record(seg, slot)

@@ -3,7 +3,7 @@
 This module owns ``LowerTier`` (the abstract backend), its typed per-key results, and the
 value format of a block in the lower tier (a header with the layout fingerprint, the key's
 checksum and one length + checksum (xxh3-64 or crc32) per plane, followed by the planes'
-pages). It never talks to a network, never touches a segment and never imports torch or a
+pages). It never talks to a network, never touches a segment and never imports a
 backend's package (``xxhash`` is loaded lazily, where present).
 
 A backend moves bytes between registered memory (the segment's data region, the mover's
@@ -19,7 +19,7 @@ import functools
 import struct
 import zlib
 from abc import ABC, abstractmethod
-from typing import Sequence
+from collections.abc import Sequence
 
 from kvshm.shm.checksums import page_sum
 
@@ -36,7 +36,7 @@ class Code(enum.IntEnum):
     OTHER = -1
 
     @classmethod
-    def of(cls, rc: int) -> "Code":
+    def of(cls, rc: int) -> Code:
         try:
             return cls(rc)
         except ValueError:

@@ -5,7 +5,7 @@ for one incarnation of the segment like its doorbells, ``Segment.object_name``; 
 the segment, ``Segment.unlink``): the mover's liveness lock
 and state, the lower-tier counters (which ``kvshm-inspect`` shows), and one *want ring* per
 client slot through which engines ask the mover to fetch keys their lookups missed. It never
-talks to a lower tier, never touches the segment's index and never imports torch.
+talks to a lower tier and never touches the segment's index.
 
 Why a separate object and not a frame to the owner: a want is a hint on the engine's lookup
 path, which reads shared memory and never waits for the owner. Writing a want is two stores
@@ -45,8 +45,9 @@ from kvshm.errors import InvalidArgumentError, SegmentNotFoundError
 from kvshm.shm import locks
 from kvshm.shm.fence import full_fence
 from kvshm.shm.layout import MAX_KEY_BYTES
-from kvshm.shm.ring import Doorbell
 from kvshm.shm.objects import open_object
+from kvshm.shm.records import field_offset
+from kvshm.shm.ring import Doorbell
 from kvshm.shm.segment import Segment
 from kvshm.shm.words import WordView
 
@@ -108,8 +109,8 @@ WANT_DTYPE = np.dtype([
 ])
 _RING_HDR = WANT_RING_DTYPE.itemsize
 _ENTRY = WANT_DTYPE.itemsize
-_E_SEQ, _E_LEN = WANT_DTYPE.fields["seq"][1] // 8, WANT_DTYPE.fields["length"][1] // 8
-_E_KEY = WANT_DTYPE.fields["key"][1]
+_E_SEQ, _E_LEN = field_offset(WANT_DTYPE, "seq") // 8, field_offset(WANT_DTYPE, "length") // 8
+_E_KEY = field_offset(WANT_DTYPE, "key")
 _ENTRY_WORDS = _ENTRY // 8
 _SLOT_BYTES = _RING_HDR + RING_ENTRIES * _ENTRY
 
@@ -136,7 +137,7 @@ class TierArea:
 
     # --- lifecycle ----------------------------------------------------------------------
     @classmethod
-    def create(cls, seg: Segment) -> "TierArea":
+    def create(cls, seg: Segment) -> TierArea:
         """Open or create segment ``seg``'s area (the mover, holding no lock yet). An area
         of another version or geometry is re-initialised: nothing in it outlives a mover
         except counters, and those only when the geometry matches. Raises
@@ -148,7 +149,6 @@ class TierArea:
         if os.fstat(fd).st_size != size:
             os.ftruncate(fd, size)
         mm = mmap.mmap(fd, size)
-        area = cls.__new__(cls)
         head = WordView(memoryview(mm), 0, AREA_HEAD_DTYPE)
         if head["magic"] != MAGIC or head["version"] != VERSION or \
                 head["max_clients"] != n or head["ring_entries"] != RING_ENTRIES:
@@ -159,11 +159,10 @@ class TierArea:
             full_fence()
             head["magic"] = MAGIC  # last: an attacher sees a whole header or none
         head.release()
-        area.__init__(seg.name, posix, fd, mm)
-        return area
+        return cls(seg.name, posix, fd, mm)
 
     @classmethod
-    def attach(cls, seg: Segment) -> "TierArea | None":
+    def attach(cls, seg: Segment) -> TierArea | None:
         """The area of segment ``seg``, or None when no mover ever made one (or it is not
         initialised yet): then there is no lower tier to ask."""
         posix = seg.object_name("tier")
@@ -234,7 +233,7 @@ class TierArea:
 
     def bell(self) -> Doorbell:
         if self._bell is None:
-            at = AREA_HEAD_DTYPE.fields["sleeping"][1]
+            at = field_offset(AREA_HEAD_DTYPE, "sleeping")
             self._bell = Doorbell(self.buf[at:at + 8],
                                   self.posix + "-bell", like_fd=self.fd)
         return self._bell

@@ -5,7 +5,7 @@ one thing: a lookup that misses the segment asks the host's mover (through the t
 ring of this client's slot) to fetch the missing keys from the lower tier, and answers "not
 yet" — vLLM's "retry this lookup later" — instead of a miss, so no scheduler step waits on the
 network. Every other call goes straight to the SharedManager. It never talks to the lower
-tier, never blocks, never raises for anything the lower tier does, and never imports torch.
+tier, never blocks and never raises for anything the lower tier does.
 
 Two ways to ask: ``lookup(keys)`` (a prefix; "not yet" is None, and the missing run is asked
 for at once) and ``key_status(key)`` (vLLM's per-key lookup; "not yet" is RETRY, and the keys
@@ -33,11 +33,16 @@ them again; another request's lookup of them keeps its lease).
 from __future__ import annotations
 
 import time
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
-from kvshm.index.api import (LookupResult, OffloadingEvent, OffloadingManager,
-                             PrepareStoreOutput, Running)
 from kvshm.client.manager import SharedManager
+from kvshm.index.api import (
+    LookupResult,
+    OffloadingEvent,
+    OffloadingManager,
+    PrepareStoreOutput,
+    Running,
+)
 from kvshm.shm import layout as L
 from kvshm.tier.area import TierArea
 
@@ -96,17 +101,22 @@ class TieredManager(OffloadingManager):
             if seen is None:
                 seen = self._asked[key] = (0, now)
             if state == L.READY or now - seen[1] < self.max_wait:
-                return self._not_yet(keys, n)
+                self._not_yet(keys, n)
+                return None
             return n
         if (waiting := self._want_waits(area, seen, now)) is not None:
-            return self._not_yet(keys, n) if waiting else n
+            if not waiting:
+                return n
+            self._not_yet(keys, n)
+            return None
         ask = [k for k in keys[n:n + self.want_ahead]
                if (s := self._asked.get(k)) is None or now - s[1] >= self.retry_after
                or not s[0]]
         if not ask:
             return n
         self._record(ask, area.want(self.slot, ask), now)
-        return self._not_yet(keys, n)
+        self._not_yet(keys, n)
+        return None
 
     def _want_waits(self, area: TierArea, seen: tuple[int, float] | None,
                     now: float) -> bool | None:
@@ -130,7 +140,6 @@ class TieredManager(OffloadingManager):
             self.manager.release(list(keys[:n]))
         self.not_yet += 1
         self._waiting_on = (len(keys), keys[0], n, keys[n])  # lookup calls us with n < len
-        return None
 
     def _still_waiting(self, keys: Sequence[bytes]) -> bool:
         """Fast path for a scheduler re-asking the same prefix: while the key the last "not
@@ -218,7 +227,7 @@ class TieredManager(OffloadingManager):
             self._area = None
         self.manager.shutdown()
 
-    def __enter__(self) -> "TieredManager":
+    def __enter__(self) -> TieredManager:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -28,8 +28,9 @@ import shutil
 import socket
 import subprocess
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any
 
 from kvshm.errors import LowerTierUnavailableError
 from kvshm.tier.api import Code, LowerTier
@@ -67,7 +68,7 @@ class MooncakeTier(LowerTier):
                                             "host:port")
         self.cfg = cfg
         self.description = f"mooncake master {cfg.master} ({cfg.protocol})"
-        self._store = None
+        self._store: Any = None  # the Mooncake client once connected (an untyped module)
 
     def connect(self) -> bool:
         try:
@@ -174,8 +175,9 @@ def start_master(host: str = "127.0.0.1", log_path: str | None = None,
     out = open(log_path, "ab") if log_path else subprocess.DEVNULL
     try:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, env={**os.environ, "GLOG_logtostderr": "1"})
+                                stdin=subprocess.DEVNULL,
+                                env={**os.environ, "GLOG_logtostderr": "1"})
     finally:
-        if log_path:
+        if not isinstance(out, int):  # a log file we opened (DEVNULL is an int)
             out.close()
     return Master(proc, host, rpc, meta, metrics)

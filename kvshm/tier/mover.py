@@ -14,11 +14,10 @@ This module owns the mover's loop. The mover is an ordinary kvshm client of the 
   (``key_status`` + ``prepare_load``), writes their headers, puts header + pages straight from
   the segment, and unpins. Keys the mover fetched itself are not put back.
 
-Faults never reach an engine: a call answered with an RPC failure marks the tier *down* for a
-backoff (1 s doubling to 8 s) during which wants are answered at once (misses) and store
-events are dropped (counted); then the next real call probes it. Every outcome is a counter in
-the tier area (``kvshm-inspect show``), and a state change is one log line. The mover never
-waits for an engine, never holds a pin across rounds, and never imports torch.
+Faults never reach an engine: while the lower tier is down (``link.py``: an RPC failure, then
+a backoff) wants are answered at once (misses) and store events are dropped (counted). Every
+outcome is a counter in the tier area (``kvshm-inspect show``). The mover never waits for an
+engine and never holds a pin across rounds.
 """
 from __future__ import annotations
 
@@ -30,29 +29,29 @@ import os
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from itertools import islice
-from typing import Sequence
 
 import numpy as np
 
 from kvshm import signals
+from kvshm.client.manager import SharedManager
 from kvshm.crashpoints import crash_point
 from kvshm.errors import KvshmError, SegmentNotFoundError
-from kvshm.client.manager import SharedManager
 from kvshm.index.api import LookupResult
 from kvshm.shm.checksums import BlockSums
 from kvshm.shm.segment import Segment
 from kvshm.tier import api
 from kvshm.tier.api import Code, LowerTier
 from kvshm.tier.area import TierArea
+from kvshm.tier.link import TierLink
 from kvshm.units import parse_size
 
 log = logging.getLogger("kvshm.mover")
 
 _REMEMBER = 1 << 16          # keys fetched/put recently, not spilled (again)
 _QUEUE_MAX = 1 << 16         # store events waiting for their put; beyond: dropped
-_BACKOFF_S, _BACKOFF_MAX_S = 1.0, 8.0
 _IDLE_EVENTS_S = 0.05        # take_events period while no store happens
 _WANTS_PER_ROUND = 1024      # wanted keys one fill round handles (gets go in batches)
 
@@ -76,22 +75,25 @@ class Mover:
             self.area.close()
             self.seg.close()
             raise MoverRunningError(f"another mover serves segment {name!r}")
-        self.mgr: SharedManager | None = None
+        # The mover lock goes with the area: on failure the next mover may start.
+        try:
+            # No grants: a fill must show as WRITING in the index while it runs, so that
+            # engines asking meanwhile hear "not yet" (a store from grants is invisible until
+            # published). One mapping: the manager closes it.
+            self.mgr = SharedManager(self.seg, events=True, grants=False)
+        except BaseException:
+            self.seg.close()
+            self.area.close()
+            raise
         try:
             self._start(tier, spill, batch, poll_s)
-        except BaseException:  # the mover lock goes with the area: the next mover may start
-            if self.mgr is not None:
-                self.mgr.shutdown()  # and the segment's mapping with it
-            else:
-                self.seg.close()
+        except BaseException:
+            self.mgr.shutdown()  # and the segment's mapping with it
             self.area.close()
             raise
 
     def _start(self, tier: LowerTier, spill: bool, batch: int, poll_s: float) -> None:
         self.tier, self.spill, self.batch, self.poll_s = tier, spill, batch, poll_s
-        # No grants: a fill must show as WRITING in the index while it runs, so that engines
-        # asking meanwhile hear "not yet" (a store from grants is invisible until published).
-        self.mgr = SharedManager(self.seg, events=True, grants=False)  # one mapping; it closes it
         g = self.seg.geometry
         self.fp = self.seg.layout.fingerprint()
         self.planes = self.seg.planes()
@@ -108,66 +110,11 @@ class Mover:
         self._hview = memoryview(self._hbuf)
         self._queue: dict[bytes, None] = {}  # store events waiting for their put, in order
         self._skip: OrderedDict[bytes, None] = OrderedDict()  # fetched or put: not again
-        self.connected = False
-        self._down_until = 0.0
-        self._is_down = False
-        self._backoff = _BACKOFF_S
+        self.link = TierLink(tier, self.area,
+                             [self.seg.data_address(), (self._haddr, len(self._hbuf))])
         self._next_events = 0.0
         self.area.set_mover(os.getpid(), tier.description)
         self.area.set_state("connecting")
-
-    # --- connection ---------------------------------------------------------------------
-    def _usable(self) -> bool:
-        now = time.monotonic()
-        if now < self._down_until:
-            return False
-        if not self.connected:
-            if not self.tier.connect():
-                self._down(None, "cannot connect")
-                return False
-            addr, n = self.seg.data_address()
-            if not (self.tier.register(addr, n) and
-                    self.tier.register(self._haddr, len(self._hbuf))):
-                self.tier.close()
-                self._down(None, "cannot register the segment's memory")
-                return False
-            self.connected, self._is_down, self._backoff = True, False, _BACKOFF_S
-            self.area.add("reconnects")
-            self.area.set_state("connected")
-            log.info("connected to %s", self.tier.description)
-        return True
-
-    def _down(self, code: int | None, why: str) -> None:
-        if code is not None:
-            self.area.set_error(int(code))
-        if not self._is_down:
-            log.warning("lower tier unusable (%s%s); misses until it answers again",
-                        why, f", code {int(code)}" if code is not None else "")
-        self._is_down = True
-        self._down_until = time.monotonic() + self._backoff
-        self._backoff = min(self._backoff * 2, _BACKOFF_MAX_S)
-        self.area.set_state("down")
-
-    def _up(self) -> None:
-        if self._is_down:
-            log.info("lower tier answers again")
-            self._is_down = False
-            self.area.set_state("connected")
-        self._backoff = _BACKOFF_S
-
-    def _probe(self) -> None:
-        """After a backoff, one cheap call tells whether the tier is back, so recovery (and
-        the state kvshm-inspect shows) does not wait for the next block to move."""
-        if self._is_down and self.connected and time.monotonic() >= self._down_until:
-            self._codes(self.tier.exists(["kvshm1-probe"]))
-
-    def _codes(self, codes: Sequence[int]) -> None:
-        rpc = sum(1 for c in codes if c == Code.RPC_FAILED)
-        if rpc:
-            self.area.add("rpc_failures", rpc)
-            self._down(Code.RPC_FAILED, "RPC failed")
-        elif any(c >= 0 or c == Code.NOT_FOUND for c in codes):
-            self._up()
 
     # --- one round ------------------------------------------------------------------------
     def step(self) -> int:
@@ -207,11 +154,11 @@ class Mover:
             return 0
         find = self.mgr.index.find
         keys = list(dict.fromkeys(k for k in keys if find(k)[1] < 0))
-        if not keys or not self._usable():
+        if not keys or not self.link.usable():
             self.area.publish(done)
             return len(keys)
         codes = self.tier.exists([api.tier_key(self.fp, k) for k in keys])
-        self._codes(codes)
+        self.link.codes(codes)
         there = [k for k, c in zip(keys, codes) if c == Code.OK]
         self.area.add("get_misses", sum(1 for c in codes if c == Code.NOT_FOUND))
         self.area.add("get_failed", sum(1 for c in codes if c not in (Code.OK, Code.NOT_FOUND)))
@@ -231,7 +178,7 @@ class Mover:
         # transfer both release the GIL), in alternate halves of the header buffer.
         for c, (ck, cb) in enumerate(chunks):
             got = self.tier.get([api.tier_key(self.fp, k) for k in ck], self._buffers(cb, c % 2))
-            self._codes([g if g < 0 else 0 for g in got])
+            self.link.codes([g if g < 0 else 0 for g in got])
             if verifying is not None:
                 verifying.result()
             verifying = self._pool.submit(self._check_chunk, c % 2, ck, cb, got, good, bad)
@@ -287,7 +234,7 @@ class Mover:
         self._events()
         if not self._queue:
             return 0
-        if not self._usable():
+        if not self.link.usable():
             self.area.add("put_dropped", len(self._queue))
             self._queue.clear()
             return 0
@@ -319,7 +266,7 @@ class Mover:
                     nxt.result()
         finally:
             self.mgr.complete_load(hit)
-        self._codes(codes)
+        self.link.codes(codes)
         ok = sum(1 for c in codes if c == Code.OK)
         self.area.add("puts", ok)
         self.area.add("put_bytes", ok * self.block_bytes)
@@ -347,9 +294,9 @@ class Mover:
             log.info("segment %r was removed; the mover exits", name)
             return
         while not stop.is_set():
-            if not self.connected:
-                self._usable()  # join at once (and retry after backoffs), not on first use
-            self._probe()
+            if not self.link.connected:
+                self.link.usable()  # join at once (and retry after backoffs), not on first use
+            self.link.probe()
             if self.step():
                 continue
             if self.seg.removed():  # (a segment created since under its name has its own)

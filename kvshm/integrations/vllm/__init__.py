@@ -1,7 +1,7 @@
 """kvshm as vLLM's CPU offloading tier (``spec_module_path="kvshm.integrations.vllm"``).
 
 ``KvshmOffloadingSpec`` is imported on first use (vLLM's ``getattr(module, spec_name)``), so
-the vLLM-free halves (``core``, ``jobs``) import without vLLM.
+the vLLM-free halves (``config``, ``core``, ``jobs``) import without vLLM.
 """
 from typing import Any
 

@@ -2,9 +2,11 @@
 
 This module owns the version check (kvshm supports vLLM 0.32.x and 0.33.x: 0.33 keeps 0.32's
 offloading API and adds ``submit_load(..., expedited=False)``, ``on_reset_flushed()``,
-optional members with defaults, LRU provisional ranks and metadata-only removal events) and every import from vLLM's private offloading modules. The spec module (``kvshm.integrations.vllm``) imports vLLM names only from here, so
-supporting another vLLM version means changing this file (and, if the API changed shape,
-adding a branch here), not hunting through the integration.
+optional members with defaults, LRU provisional ranks and metadata-only removal events) and
+every import from vLLM's private offloading modules. The spec module
+(``kvshm.integrations.vllm``) imports vLLM names only from here, so supporting another vLLM
+version means changing this file (and, if the API changed shape, adding a branch here), not
+hunting through the integration.
 
 It must never be imported by ``import kvshm`` (it imports vLLM and torch), and an import of
 it must fail with a message that names the supported version rather than a bare ImportError
@@ -60,13 +62,18 @@ def check_version() -> None:
 
 try:
     # vLLM 0.32.x and 0.33.x: v1/kv_offload/{base,config}.py and cpu/common.py.
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+        OffloadingConnectorStats,
+    )
     from vllm.v1.kv_offload.base import (  # noqa: F401  (re-exported)
         CanonicalKVCaches,
         GPULoadStoreSpec,
         LoadStoreSpec,
         LookupResult,
         Medium,
+        OffloadingCounterMetadata,
         OffloadingEvent,
+        OffloadingGaugeMetadata,
         OffloadingManager,
         OffloadingSpec,
         OffloadingWorker,
@@ -75,19 +82,12 @@ try:
         RequestOffloadingContext,
         ScheduleEndContext,
         TransferResult,
-    )
-    from vllm.v1.kv_offload.base import get_offload_group_idx
-    from vllm.v1.kv_offload.base import (  # noqa: F401
-        OffloadingCounterMetadata,
-        OffloadingGaugeMetadata,
-    )
-    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (  # noqa: F401
-        OffloadingConnectorStats,
+        get_offload_group_idx,
     )
     from vllm.v1.kv_offload.config import OffloadingConfig  # noqa: F401
     from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec  # noqa: F401
     from vllm.v1.kv_offload.cpu.policies.lru import LRUCachePolicy
-    from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: F401
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
 except ImportError as e:  # a vLLM without this API (or no vLLM at all)
     raise ImportError(f"{unsupported_message(installed_version())} [{e}]") from e
 

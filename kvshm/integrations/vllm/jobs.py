@@ -19,8 +19,9 @@ Inputs from vLLM are duck-typed. It must never import vLLM or import torch at mo
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
 
 from kvshm.errors import InvalidArgumentError
 from kvshm.shm import writers as W

@@ -15,9 +15,9 @@ kv_connector_extra_config={"spec_name": "KvshmOffloadingSpec", "spec_module_path
 * ``KvshmOffloadingWorker`` — vLLM's worker over kvshm's transfer handlers (CUDA when the KV
   cache is on a GPU, the CPU copy path otherwise), on this rank's plane of the segment.
 
-Version-specific vLLM names come from ``compat``; the logic lives in ``core``, ``jobs`` and
-``stats`` (testable without vLLM). The manager reports kvshm's statistics through vLLM's
-``get_stats`` (``vllm:kvshm_*``, declared in ``build_metric_definitions``); a store's spec
+Version-specific vLLM names come from ``compat``; the logic lives in ``config``, ``core``,
+``jobs`` and ``stats`` (testable without vLLM). The manager reports kvshm's statistics through
+vLLM's ``get_stats`` (``vllm:kvshm_*``, declared in ``build_metric_definitions``); a store's spec
 carries the scheduler's kvshm client (slot, generation), under which the worker registers
 before copying. Importing this module imports vLLM and torch; ``import kvshm``
 never imports it. It must never return False from a submit or report a failed job (vLLM 0.32
@@ -26,20 +26,28 @@ and 0.33 assert on both), and never let a lookup cost a round trip to the owner.
 from __future__ import annotations
 
 import logging
-from typing import Any, Collection, Iterable
+from collections.abc import Collection, Iterable
+from typing import Any
 
 from kvshm.client.connect import connect
 from kvshm.client.manager import SharedManager
-from kvshm.tier.client import TieredManager
 from kvshm.errors import LayoutMismatchError
+from kvshm.integrations.vllm import compat as V
+from kvshm.integrations.vllm.config import (
+    KvshmOptions,
+    check_layout,
+    explain_mismatch,
+    layout_for,
+    num_blocks_for,
+    open_segment,
+)
+from kvshm.integrations.vllm.core import ManagerCore
+from kvshm.integrations.vllm.jobs import WorkerCore
+from kvshm.integrations.vllm.stats import KINDS, METRICS, StatsReader
 from kvshm.shm import writers
 from kvshm.shm.pins import PinProgress
 from kvshm.shm.segment import Segment
-from kvshm.integrations.vllm import compat as V
-from kvshm.integrations.vllm.core import (KvshmOptions, ManagerCore, check_layout, explain_mismatch,
-                                          layout_for, num_blocks_for, open_segment)
-from kvshm.integrations.vllm.jobs import WorkerCore
-from kvshm.integrations.vllm.stats import KINDS, METRICS, StatsReader
+from kvshm.tier.client import TieredManager
 
 logger = logging.getLogger(__name__)
 
@@ -211,11 +219,10 @@ class KvshmOffloadingSpec(V.OffloadingSpec):
         if self._manager is None:
             o, events = self.options, bool(self.kv_events_config.enable_kv_cache_events)
             try:
-                create = {} if o.nbytes is None else {
-                    "num_blocks": num_blocks_for(self.layout, o.nbytes),
-                    "hold_capacity": o.hold_capacity}
-                shared = connect(o.segment, self.layout, policy=o.policy, mode=o.mode,
-                                 events=events, **create)
+                # Without cpu_bytes_to_use it only attaches (and hold_capacity goes unused).
+                blocks = None if o.nbytes is None else num_blocks_for(self.layout, o.nbytes)
+                shared = connect(o.segment, self.layout, num_blocks=blocks, policy=o.policy,
+                                 mode=o.mode, events=events, hold_capacity=o.hold_capacity)
             except LayoutMismatchError as e:
                 raise explain_mismatch(e, o.segment) from None
             g = shared.segment.geometry

@@ -16,7 +16,7 @@ the same in every engine of the segment; the owner's CPU time and the block coun
 table at most once per ``interval`` seconds). A step costs some 20 microseconds.
 
 It reads the segment only (never a round trip to the owner: ``get_stats`` runs every scheduler
-step) and must never import vLLM or torch; the spec turns the samples into vLLM's types.
+step); the spec turns the samples into vLLM's types.
 """
 from __future__ import annotations
 
