@@ -97,10 +97,12 @@ def test_kvshm_mover_stops_on_a_signal_with_exit_0_and_one_line(sig, seg_name, t
         [sys.executable, "-c", MOVER.format(tests=str(ROOT / "tests")), seg_name],
         env=env, stderr=subprocess.PIPE, text=True)
     try:
-        read_until(proc, f"mover of segment {seg_name!r}")
-        # its lower tier's connection is logged from another thread: wait for it too, so
-        # that every line after the signal is the mover's answer to it
-        read_until(proc, "connected to")
+        # its lower tier's connection is logged from another thread, before or after the
+        # mover says it serves: wait for both, so that every line after the signal is the
+        # mover's answer to it
+        seen = read_until(proc, "connected to")
+        if not any(f"mover of segment {seg_name!r}" in line for line in seen):
+            read_until(proc, f"mover of segment {seg_name!r}")
         rc, after = stop_with(proc, sig)
     finally:
         if proc.poll() is None:
