@@ -116,7 +116,8 @@ def _client(seg: Segment, m: _Meta, i: int, now: int) -> dict[str, Any]:
     e = m.e
     mine = (e["writer"] == i) & (e["writer_gen"] == gen)
     pending = int(((e["state"] == L.WRITING) & mine).sum())
-    granted = int(((e["state"] == L.GRANTED) & mine).sum())
+    # granted, offered (READY with this writer) or claimed: in its grant ring or taken from it
+    granted = int((np.isin(e["state"], (L.GRANTED, L.READY, L.CLAIMED)) & mine).sum())
     return {"slot": i, "pid": pid, "name": name.rstrip(b"\0").decode("utf-8", "replace"),
             "state": state, "alive": m.alive(i), "generation": gen, "attached_ns": attached,
             "age_s": _age(now, attached), "holds": len(codes), "pins": int((codes >= 0).sum()),
@@ -279,22 +280,26 @@ def _verify_once(seg: Segment, sums: BlockSums | None = None) -> list[str]:
             out.append(f"block {b} is {name} but its key {key.hex()[:16]} does not match the "
                        f"key checksum {keysum:#010x} (key torn by a rewrite cut short, or "
                        "damaged)")
+        elif s == L.CLAIMED:  # its old key, on its way out (a successor unindexes it): the
+            pass              # key may already be stored again elsewhere
         elif key in owners:
             out.append(f"blocks {owners[key]} and {b} both hold key {key.hex()[:16]}")
         elif m.find(key)[0] != b:
             out.append(f"block {b} ({name}, key {key.hex()[:16]}) is not reachable through "
                        "the key index")
-        if s != L.GRANTED:  # a deferred store's key is also its unfinished rival's
+        if s not in (L.GRANTED, L.CLAIMED):  # a deferred store's key is also its rival's
             owners.setdefault(key, b)
-        why = "" if s != L.WRITING and (s != L.GRANTED or keylen) else (
+        held_for = s == L.WRITING or s == L.CLAIMED or (s == L.GRANTED and not keylen) or \
+            (s == L.READY and w >= 0)  # a store, a claim, a grant, an offer: a client's
+        why = "" if not held_for else (
             ("" if m.owner_alive else "the owner's own store, but no owner is alive") if w < 0
             else f"client slot {w}, beyond {g.max_clients} slots" if w >= g.max_clients
             else f"client slot {w}, which is dead" if not m.alive(w)
             else f"client slot {w} generation {gen}, but the slot now has generation "
                  f"{m.slot(w)[2]}" if m.slot(w)[2] != gen else "")
         if why:
-            out.append(f"block {b} is {name} for {why} (leaked "
-                       f"{'store' if s == L.WRITING else 'grant'})")
+            what = {L.WRITING: "store", L.CLAIMED: "claim", L.READY: "offer"}.get(s, "grant")
+            out.append(f"block {b} is {name} for {why} (leaked {what})")
         if s == L.EVICTING and not m.owner_alive:
             out.append(f"block {b} is evicting but no owner is alive")
         if s not in L.STATE_NAMES:

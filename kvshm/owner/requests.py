@@ -102,7 +102,7 @@ class Handlers:
             running = None  # ranks are advice: a bad one never costs a store
             self.seg.counter_add("errors")
         self.manager.grants.publish(c.slot, c.gen, m.keys, m.blocks, m.success,
-                                    int(c.grant_head["taken"]), running)
+                                    int(c.grant_head["taken"]), running, m.returned)
         self.fan_out()
         return []
 

@@ -76,11 +76,12 @@ class BlockTable:
                                    self.base).reshape(self.num_blocks, L.ENTRY_BYTES)
         self._seqs = self._rows[:, :4].view(np.uint32)[:, 0]
         self._words = self._rows.view(np.uint64)  # (num_blocks, ENTRY_BYTES // 8)
+        self._e = np.frombuffer(buf, ENTRY_DTYPE, self.num_blocks, self.base)  # by field
 
     def close(self) -> None:
         self._w32.release()
         self._w64.release()
-        del self._rows, self._seqs, self._words
+        del self._rows, self._seqs, self._words, self._e
 
     def states_if_keys(self, blocks: np.ndarray, keys: np.ndarray) -> np.ndarray:
         """Vectorised ``state_if_key``: ``keys`` is an (n, keylen) uint8 array of equal-length
@@ -351,6 +352,69 @@ class BlockTable:
         self._rows[b, WRITER_OFF:WRITER_OFF + 2] = 0xFF
         self._words[b, LAST_USE_WORD] = tick
         self._words[b, STORED_NS_WORD] = stored_ns
+        self._even_many(b, seqs)
+
+    # --- offers: a READY block in a client's grant ring, claimed by that client ------------
+    def offer_many(self, blocks: Sequence[int], slot: int, gen: int,
+                   positions: Sequence[int], tick: int) -> None:
+        """Owner: offer READY ``blocks`` (distinct) to client (slot, gen), at grant-ring
+        ``positions``, at eviction clock ``tick``: writer, generation, position and offer
+        time in one seqlock round each; the key, its state and its readability stay. From
+        here until the client publishes or dies, the owner writes nothing of these entries
+        but their last_use."""
+        b = np.asarray(blocks, np.intp)
+        seqs = self._odd_many(b)
+        e = self._e
+        e["writer"][b], e["writer_gen"][b], e["offered_at"][b] = slot, gen, tick
+        e["writer_req"][b] = np.asarray(positions, np.uint64)
+        crashpoints.crash_point("table.offer.odd")
+        self._even_many(b, seqs)
+
+    def states(self, blocks: np.ndarray) -> np.ndarray:
+        """The blocks' state bytes now (a client reading the grants it just took, which the
+        owner marked before it handed them over)."""
+        return self._e["state"][blocks]
+
+    def used_since_offer(self, blocks: np.ndarray) -> np.ndarray:
+        """Which offered ``blocks`` a request used after they were offered (last use past
+        the offer): worth keeping, where the policy would now choose others."""
+        e = self._e
+        return e["last_use"][blocks] > e["offered_at"][blocks]
+
+    def offered_to(self, blocks: np.ndarray, slot: int, gen: int) -> np.ndarray:
+        """Which of ``blocks`` are READY and offered to client (slot, gen)."""
+        e = self._e
+        return (e["state"][blocks] == L.READY) & (e["writer"][blocks] == slot) & \
+            (e["writer_gen"][blocks] == gen)
+
+    def claim_many(self, blocks: np.ndarray, slot: int, gen: int) -> np.ndarray:
+        """Client (slot, gen): claim the offered ``blocks`` (distinct) it took from its grant
+        ring: each one READY and offered to it becomes CLAIMED in one seqlock round (no
+        lookup reads it any more; relets see its sequence number move). Returns which were
+        claimed; an entry that is not an offer to us is left alone. The caller then fences
+        and gives back (``unclaim_many``) any block a reader holds."""
+        b = np.asarray(blocks, np.intp)
+        e = self._e
+        seq = self._seqs[b]
+        publish_fence()
+        ok = (e["state"][b] == L.READY) & (e["writer"][b] == slot) & \
+            (e["writer_gen"][b] == gen)
+        publish_fence()
+        ok &= ((seq & 1) == 0) & (self._seqs[b] == seq)
+        mine = b[ok]
+        if mine.size:
+            seqs = self._odd_many(mine)
+            crashpoints.crash_point("table.claim.odd")
+            e["state"][mine] = L.CLAIMED
+            self._even_many(mine, seqs)
+        return ok
+
+    def unclaim_many(self, blocks: np.ndarray) -> None:
+        """Client: give back claims of ``blocks`` (CLAIMED by us, nothing written into them
+        yet): READY again, still offered to us, in one seqlock round each."""
+        b = np.asarray(blocks, np.intp)
+        seqs = self._odd_many(b)
+        self._e["state"][b] = L.READY
         self._even_many(b, seqs)
 
     def set_last_uses(self, blocks: Sequence[int], tick: int) -> None:
