@@ -23,8 +23,9 @@ from kvshm import logs
 from kvshm.errors import SegmentNotFoundError
 from kvshm.index.launch import OWNER_IDLE_EXIT_S
 from kvshm.inspect.cleanup import reclaim, users
+from kvshm.inspect.metrics import metric_samples, prometheus
 from kvshm.inspect.schema import encode
-from kvshm.inspect.snapshot import block_rows, metric_samples, prometheus, snapshot, verify
+from kvshm.inspect.snapshot import block_rows, snapshot, verify
 from kvshm.shm import layout as L
 from kvshm.shm.names import PREFIX, SHM_DIR, list_segments, remove, remove_objects
 from kvshm.shm.segment import Segment
