@@ -34,6 +34,7 @@ the block table.
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import numpy as np
@@ -58,6 +59,9 @@ def key_array(keys: Sequence[bytes]) -> np.ndarray | None:
                                                   for k in keys):
         return None
     return np.frombuffer(joined, np.uint8).reshape(len(keys), klen)
+
+
+_EVICTING_SPINS = 10_000  # an owner decides an eviction in microseconds; past this it died
 
 
 class HoldTable:
@@ -232,6 +236,16 @@ class HoldTable:
         if seen is not None:
             return seen[0] == block and self.table.seq(block) == seen[1]
         return self.runs.still_ready(key, block)
+
+    def settled_ready(self, block: int, key: bytes) -> bool:
+        """Whether ``block`` holds ``key`` READY once an eviction in flight has decided
+        (EVICTING lasts while an owner re-reads holds; one that died there is a miss)."""
+        for _ in range(_EVICTING_SPINS):
+            state = self.table.state_if_key(block, key)
+            if state != L.EVICTING:
+                return state == L.READY
+            os.sched_yield()
+        return False
 
     def lease_many(self, keys: Sequence[bytes], karr: np.ndarray, blocks: np.ndarray,
                    hits: int) -> int:

@@ -40,7 +40,6 @@ from kvshm.shm.segment import Segment
 from kvshm.shm.table import BlockTable
 
 _HIT = LookupResult.HIT
-_EVICTING_SPINS = 10_000  # an owner decides an eviction in microseconds; past this it died
 
 
 class SharedManager(OffloadingManager):
@@ -226,7 +225,7 @@ class SharedManager(OffloadingManager):
             keys = keys if type(keys) is list else list(keys)
             proven = h.runs.proven(keys, blocks)  # a prefix loaded before, unchanged: all at once
             for (k, _), block in zip(taken, blocks) if not proven else ():
-                if not h.still_ready(k, block) and not self._settled_ready(block, k):
+                if not h.still_ready(k, block) and not h.settled_ready(block, k):
                     raise UnknownKeyError(f"key {k.hex()[:16]}… is no longer cached; "
                                           "lookup() again")  # never half-written or reused
         except BaseException:
@@ -258,16 +257,6 @@ class SharedManager(OffloadingManager):
         if state != L.READY:
             raise UnknownKeyError(f"key {k.hex()[:16]}… is not cached; lookup() first")
         return h.leases.pop(k)
-
-    def _settled_ready(self, block: int, key: bytes) -> bool:
-        """Whether ``block`` holds ``key`` READY once an eviction in flight has decided
-        (EVICTING lasts while an owner re-reads holds; one that died there is a miss)."""
-        for _ in range(_EVICTING_SPINS):
-            state = self.table.state_if_key(block, key)
-            if state != L.EVICTING:
-                return state == L.READY
-            os.sched_yield()
-        return False
 
     def complete_load(self, keys: Sequence[bytes]) -> None:
         if type(keys) is not list and type(keys) is not tuple:
