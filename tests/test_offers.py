@@ -13,17 +13,16 @@ from __future__ import annotations
 import os
 import signal
 
+import procs
 import pytest
+from conftest import TEST_LAYOUT, stop_owner
+from test_shared import spawn, wait_for
 
 from kvshm.client.connect import connect
 from kvshm.inspect.snapshot import verify
 from kvshm.shm import layout as L
-from kvshm.shm import slots
+from kvshm.shm import offers, slots
 from kvshm.shm.table import BlockTable
-
-import procs
-from conftest import TEST_LAYOUT, stop_owner
-from test_shared import spawn, wait_for
 
 BLOCKS, CLIENTS = 64, 4  # a client is stocked with 4 blocks, up to 16 as its stores grow
 
@@ -110,7 +109,7 @@ def test_an_offer_a_request_used_is_returned_and_stays_cached(pair):
     b.release()
     t = BlockTable(a.segment.buf, a.segment.geometry)
     try:
-        wait_for(lambda: t.used_since_offer([block])[0], "the owner to apply b's touch")
+        wait_for(lambda: offers.used_since_offer(t, [block])[0], "the owner to apply b's touch")
     finally:
         t.close()
     procs.store(a, keys("more", level(a)))

@@ -27,7 +27,7 @@ from kvshm.crashpoints import crash_point
 from kvshm.index import protocol as P
 from kvshm.index.api import Running
 from kvshm.shm import layout as L
-from kvshm.shm import slots
+from kvshm.shm import offers, slots
 from kvshm.shm.fence import full_fence, publish_fence
 from kvshm.shm.segment import Segment
 from kvshm.shm.table import BlockTable
@@ -99,11 +99,11 @@ class OwnStores:
     def _sort(self, ids: list[int]) -> None:
         """Blocks just taken: free grants are ours at once, offers are claimed."""
         b = np.array(ids, np.intp)
-        state = self._table.states(b)
+        state = offers.states(self._table, b)
         self.spare.extend(b[state == L.GRANTED].tolist())
-        offers = b[state == L.READY]
-        if offers.size:
-            self._claim(offers.tolist())
+        offered = b[state == L.READY]
+        if offered.size:
+            self._claim(offered.tolist())
         # Anything else was not handed to us as the protocol says (a damaged or hostile
         # slot): never written; it stays taken, and our goodbye or death ends it.
 
@@ -113,25 +113,26 @@ class OwnStores:
         used since they were offered are ``returned``; a block that is no longer an offer to
         us (a later owner ended it) is dropped."""
         b = np.array(blocks, np.intp)
-        used = self._table.used_since_offer(b)
+        used = offers.used_since_offer(self._table, b)
         if self.recent:
             used |= np.isin(b, np.fromiter(self.recent, np.intp, len(self.recent)))
         if used.any():
-            mine = self._table.offered_to(b[used], *self._me)
+            mine = offers.offered_to(self._table, b[used], *self._me)
             self.returned.extend(b[used][mine].tolist())
             b = b[~used]
-        ok = self._table.claim_many(b, *self._me)
+        ok = offers.claim(self._table, b, *self._me)
         crash_point("client.claim.before_check")
         full_fence()  # our claims before our reading of the holds: readers fence the other way
         claimed = b[ok]
         held = slots.held_anywhere(self._seg, claimed)
         if held.any():
-            self._table.unclaim_many(claimed[held])
+            offers.unclaim(self._table, claimed[held])
             self.declined.extend(claimed[held].tolist())
         self.spare.extend(claimed[~held].tolist())
         still = b[~ok]  # e.g. caught mid-settle by a new owner: try again later if so
         if still.size:
-            self.declined.extend(still[self._table.offered_to(still, *self._me)].tolist())
+            again = offers.offered_to(self._table, still, *self._me)
+            self.declined.extend(still[again].tolist())
 
     def complete(self, keys: Sequence[bytes], success: bool, chunk: int,
                  running: Running | None = None) -> list[bytes]:

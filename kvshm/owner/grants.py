@@ -53,8 +53,10 @@ from kvshm.owner.eviction import Evictor
 from kvshm.owner.outcomes import Outcomes
 from kvshm.owner.running import RunningRanks
 from kvshm.shm import layout as L
+from kvshm.shm import offers
 from kvshm.shm.fence import publish_fence
 from kvshm.shm.layout import Geometry
+from kvshm.shm.offers import offer
 from kvshm.shm.segment import Segment
 from kvshm.shm.words import WordView
 
@@ -128,8 +130,8 @@ class Grants:
                 continue
             key = self.offered.pop(b)
             e = entries.get(key) if key is not None else None
-            if e is None or e.block != b:  # claimed in a past life: nothing indexed here
-                free.append(b)
+            if key is None or e is None or e.block != b:  # claimed in a past life: nothing
+                free.append(b)                             # of it indexed here
             elif table.read(b).state == L.READY:
                 table.reset_ready(b)  # no writer: an ordinary READY block again
                 entries.policy.insert(key)
@@ -154,7 +156,7 @@ class Grants:
         entries.table.write_many(free, L.GRANTED, None, slot, gen, pos[:len(free)],
                                  entries.tick)
         if offers:
-            entries.table.offer_many(offers, slot, gen, pos[len(free):], entries.tick)
+            offer(entries.table, offers, slot, gen, pos[len(free):], entries.tick)
             self.offered.update(zip(offers, victims or ()))
             self.segment.counter_add("offered_blocks", len(offers))
         out = free + offers
@@ -183,15 +185,18 @@ class Grants:
         self._end(back)
         entries.tick += 1
         done: dict[bytes, int] = {}  # key -> block, published by this frame
-        freed = []
+        ours = []  # (key, block, position): granted to the sender and taken by it
         for k, b in zip(keys, blocks):
             pos = mine.get(b, taken)
             if pos >= taken:
                 continue  # published already (a replayed frame), never ours, or not taken
             del mine[b]
-            if b in self.offered and not self._claimed(b):
-                freed.append(b)  # written without a claim: whatever it holds now, never
-                continue         # publish it (its old key is gone with it)
+            ours.append((k, b, pos))
+        unclaimed = self._claimed([b for _, b, _ in ours if b in self.offered])
+        freed = [b for _, b, _ in ours if b in unclaimed]  # written without a claim: never
+        for k, b, pos in ours:                               # publish what it holds now
+            if b in unclaimed:
+                continue
             e = entries.get(k)
             if success and e is not None and not e.ready and k not in self.deferred:
                 # Another client's store of k is unfinished: wait for it, keyed in the
@@ -212,21 +217,26 @@ class Grants:
         entries.adopt_many(blocks, keys, None, rank_of)
         self.outcomes.stored(keys, success, len(freed))
 
-    def _claimed(self, b: int) -> bool:
-        """An offered block in a Publish: its old key leaves the index (an eviction), and
-        whether its client claimed it before writing (False: a client that never claimed
-        it wrote into a block others could read; it is freed, never published)."""
-        old = self.offered.pop(b)
-        if old is not None:
-            e = self.entries.get(old)
-            if e is not None and e.block == b:
-                self.entries.forget(old)
-                self.outcomes.evicted([old])
+    def _claimed(self, blocks: list[int]) -> set[int]:
+        """Offered blocks in a Publish: their old keys leave the index (an eviction each),
+        and the ones their client did not claim before writing are returned (a client that
+        never claimed a block wrote into one others could read: it is freed, never
+        published)."""
+        if not blocks:
+            return set()
+        entries, old = self.entries, [self.offered.pop(b) for b in blocks]
+        gone = [k for k, b in zip(old, blocks)
+                if k is not None and (e := entries.get(k)) is not None and e.block == b]
+        for k in gone:
+            entries.forget(k)
+        if gone:
+            self.outcomes.evicted(gone)
         crash_point("owner.publish.after_forget")
-        if self.entries.table.read(b).state == L.CLAIMED:
-            return True
-        self.segment.counter_add("errors")
-        return False
+        state = offers.states(entries.table, np.asarray(blocks, np.intp))
+        bad = {b for b, s in zip(blocks, state.tolist()) if s != L.CLAIMED}
+        if bad:
+            self.segment.counter_add("errors", len(bad))
+        return bad
 
     def resolve(self, key: bytes) -> None:
         """The unfinished store of ``key`` ended: a block deferred behind it is published if

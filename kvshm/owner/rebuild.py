@@ -5,8 +5,9 @@ verifies are adopted (oldest use first, so recency survives a failover), the unf
 stores of live writers stay pending, blocks granted to live clients stay granted (an offer
 still cached and indexed, a claimed one not), completed stores a dead owner deferred are
 remembered, and everything else (torn keys, dead writers' stores and claims, duplicates of a
-damaged table) is freed; a dead client's unclaimed offer is simply cached again. It fills a fresh ``Entries`` and ``Grants``;
-it never rewrites a key it keeps and never copies block data.
+damaged table) is freed; a dead client's unclaimed offer is simply cached again. It fills a
+fresh ``Entries`` and ``Grants``; it never rewrites a key it keeps and never copies block
+data.
 """
 from __future__ import annotations
 

@@ -44,6 +44,7 @@ from kvshm.shm.entry import (
     decode,
 )
 from kvshm.shm.fence import publish_fence
+from kvshm.shm.records import ENTRY_DTYPE
 
 # Below this many entries the batch writers loop over the scalar ones: numpy's per-call cost
 # (one to a few microseconds an operation on a small host) outweighs that many struct packs
@@ -76,12 +77,13 @@ class BlockTable:
                                    self.base).reshape(self.num_blocks, L.ENTRY_BYTES)
         self._seqs = self._rows[:, :4].view(np.uint32)[:, 0]
         self._words = self._rows.view(np.uint64)  # (num_blocks, ENTRY_BYTES // 8)
-        self._e = np.frombuffer(buf, ENTRY_DTYPE, self.num_blocks, self.base)  # by field
+        # Every entry by field (records.ENTRY_DTYPE), for writers of a few fields at once
+        self.fields = np.frombuffer(buf, ENTRY_DTYPE, self.num_blocks, self.base)
 
     def close(self) -> None:
         self._w32.release()
         self._w64.release()
-        del self._rows, self._seqs, self._words, self._e
+        del self._rows, self._seqs, self._words, self.fields
 
     def states_if_keys(self, blocks: np.ndarray, keys: np.ndarray) -> np.ndarray:
         """Vectorised ``state_if_key``: ``keys`` is an (n, keylen) uint8 array of equal-length
@@ -258,14 +260,14 @@ class BlockTable:
         self._w64[block * WORDS64 + PINS_WORD] = pins
 
     # --- owner-only batch writers: the rounds of many entries side by side --------------
-    def _odd_many(self, blocks: np.ndarray) -> np.ndarray:
+    def open_rounds(self, blocks: np.ndarray) -> np.ndarray:
         """``_odd`` for every block (distinct ids): readers of any of them now retry."""
         seqs = self._seqs[blocks] | 1
         self._seqs[blocks] = seqs
         publish_fence()
         return seqs
 
-    def _even_many(self, blocks: np.ndarray, seqs: np.ndarray) -> None:
+    def close_rounds(self, blocks: np.ndarray, seqs: np.ndarray) -> None:
         publish_fence()
         self._seqs[blocks] = seqs + np.uint32(1)  # wraps like the scalar round
 
@@ -310,12 +312,12 @@ class BlockTable:
         else:
             body["keysum"] = EMPTY_KEYSUM
         b = np.asarray(blocks, np.intp)
-        seqs = self._odd_many(b)
+        seqs = self.open_rounds(b)
         if crashpoints.ARMED:
             self._rows_armed(b, rows)
         else:
             self._rows[b, BODY_OFF:BODY_OFF + BODY.size] = rows
-        self._even_many(b, seqs)
+        self.close_rounds(b, seqs)
 
     def _rows_armed(self, b: np.ndarray, rows: np.ndarray) -> None:
         """The batch copy with crash point ``table.write_many.odd`` inside it (tests only): the
@@ -336,9 +338,9 @@ class BlockTable:
                 self.set_state(blk, state)
             return
         b = np.asarray(blocks, np.intp)
-        seqs = self._odd_many(b)
+        seqs = self.open_rounds(b)
         self._rows[b, STATE_OFF] = state
-        self._even_many(b, seqs)
+        self.close_rounds(b, seqs)
 
     def publish_many(self, blocks: Sequence[int], tick: int, stored_ns: int) -> None:
         """``publish`` of every block (distinct ids): WRITING -> READY, keys unchanged."""
@@ -347,75 +349,12 @@ class BlockTable:
                 self.publish(blk, tick, stored_ns)
             return
         b = np.asarray(blocks, np.intp)
-        seqs = self._odd_many(b)
+        seqs = self.open_rounds(b)
         self._rows[b, STATE_OFF] = L.READY
         self._rows[b, WRITER_OFF:WRITER_OFF + 2] = 0xFF
         self._words[b, LAST_USE_WORD] = tick
         self._words[b, STORED_NS_WORD] = stored_ns
-        self._even_many(b, seqs)
-
-    # --- offers: a READY block in a client's grant ring, claimed by that client ------------
-    def offer_many(self, blocks: Sequence[int], slot: int, gen: int,
-                   positions: Sequence[int], tick: int) -> None:
-        """Owner: offer READY ``blocks`` (distinct) to client (slot, gen), at grant-ring
-        ``positions``, at eviction clock ``tick``: writer, generation, position and offer
-        time in one seqlock round each; the key, its state and its readability stay. From
-        here until the client publishes or dies, the owner writes nothing of these entries
-        but their last_use."""
-        b = np.asarray(blocks, np.intp)
-        seqs = self._odd_many(b)
-        e = self._e
-        e["writer"][b], e["writer_gen"][b], e["offered_at"][b] = slot, gen, tick
-        e["writer_req"][b] = np.asarray(positions, np.uint64)
-        crashpoints.crash_point("table.offer.odd")
-        self._even_many(b, seqs)
-
-    def states(self, blocks: np.ndarray) -> np.ndarray:
-        """The blocks' state bytes now (a client reading the grants it just took, which the
-        owner marked before it handed them over)."""
-        return self._e["state"][blocks]
-
-    def used_since_offer(self, blocks: np.ndarray) -> np.ndarray:
-        """Which offered ``blocks`` a request used after they were offered (last use past
-        the offer): worth keeping, where the policy would now choose others."""
-        e = self._e
-        return e["last_use"][blocks] > e["offered_at"][blocks]
-
-    def offered_to(self, blocks: np.ndarray, slot: int, gen: int) -> np.ndarray:
-        """Which of ``blocks`` are READY and offered to client (slot, gen)."""
-        e = self._e
-        return (e["state"][blocks] == L.READY) & (e["writer"][blocks] == slot) & \
-            (e["writer_gen"][blocks] == gen)
-
-    def claim_many(self, blocks: np.ndarray, slot: int, gen: int) -> np.ndarray:
-        """Client (slot, gen): claim the offered ``blocks`` (distinct) it took from its grant
-        ring: each one READY and offered to it becomes CLAIMED in one seqlock round (no
-        lookup reads it any more; relets see its sequence number move). Returns which were
-        claimed; an entry that is not an offer to us is left alone. The caller then fences
-        and gives back (``unclaim_many``) any block a reader holds."""
-        b = np.asarray(blocks, np.intp)
-        e = self._e
-        seq = self._seqs[b]
-        publish_fence()
-        ok = (e["state"][b] == L.READY) & (e["writer"][b] == slot) & \
-            (e["writer_gen"][b] == gen)
-        publish_fence()
-        ok &= ((seq & 1) == 0) & (self._seqs[b] == seq)
-        mine = b[ok]
-        if mine.size:
-            seqs = self._odd_many(mine)
-            crashpoints.crash_point("table.claim.odd")
-            e["state"][mine] = L.CLAIMED
-            self._even_many(mine, seqs)
-        return ok
-
-    def unclaim_many(self, blocks: np.ndarray) -> None:
-        """Client: give back claims of ``blocks`` (CLAIMED by us, nothing written into them
-        yet): READY again, still offered to us, in one seqlock round each."""
-        b = np.asarray(blocks, np.intp)
-        seqs = self._odd_many(b)
-        self._e["state"][b] = L.READY
-        self._even_many(b, seqs)
+        self.close_rounds(b, seqs)
 
     def set_last_uses(self, blocks: Sequence[int], tick: int) -> None:
         """``set_last_use`` of every block: lone aligned word stores, as the scalar one."""
