@@ -194,3 +194,18 @@ def test_a_block_written_without_a_claim_is_never_published(pair, monkeypatch):
         e = entries(a.segment)[blk]  # freed (and perhaps granted again since): no key of its
         assert e.state != L.READY or e.key not in (k, offered[blk])
     b.release()
+
+
+def test_a_claim_never_touches_a_block_held_before_it(pair):
+    """A reader that leased (or pinned) a block before its claimer looked keeps an entry that
+    no claim ever rewrote: not even for a moment, which would fail its load."""
+    a, b = pair
+    offered = fill_until_offered(a)
+    block, key = next(iter(offered.items()))
+    assert b.lookup([key]) == 1  # leased before the claim
+    before = entries(a.segment)[block].seq
+    procs.store(a, keys("more", level(a)))
+    assert entries(a.segment)[block].seq == before  # never rewritten
+    assert procs.check(b.segment.planes(), b.prepare_load([key])[0], key)
+    b.complete_load([key])
+    b.release()

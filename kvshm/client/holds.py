@@ -239,7 +239,8 @@ class HoldTable:
 
     def settled_ready(self, block: int, key: bytes) -> bool:
         """Whether ``block`` holds ``key`` READY once an eviction in flight has decided
-        (EVICTING lasts while an owner re-reads holds; one that died there is a miss)."""
+        (EVICTING lasts while an owner, or a client claiming an offer, re-reads holds; one
+        that died there is a miss)."""
         for _ in range(_EVICTING_SPINS):
             state = self.table.state_if_key(block, key)
             if state != L.EVICTING:

@@ -8,13 +8,14 @@ not completed) and the keys it published (``complete``: one-way ``Publish`` fram
 the owner has taken their frame, so that the client reads its own completed stores back
 (``confirm``).
 
-A claim is the eviction handshake done by the client that evicts: it turns its offered
-entries CLAIMED (no lookup reads them any more; a relet sees their sequence numbers move),
-fences, then reads every slot's holds below its hold mark; a block someone holds (a lease
-or a load pin taken before the claim) is given back to READY and kept aside to claim again
-at a later store. A reader writes its hold, fences, then re-reads the entry: one of the two
-always sees the other. Only an offer to this client is ever written, and only its state.
-It never writes the key index and never waits longer than ``CONFIRM_WAIT_S``.
+A claim is the eviction handshake done by the client that evicts. A block someone already
+holds (a lookup's lease, a load's pin) is left alone, kept aside to claim at a later store.
+The others are turned EVICTING (no lookup reads them any more; a relet sees their sequence
+numbers move), then, after a fence, every slot's holds below its hold mark are read again:
+a lease that raced the claim gives its block back (READY), the rest become CLAIMED. A
+reader writes its hold, fences, then re-reads the entry: one of the two always sees the
+other. Only an offer to this client is ever written, and only its state. It never writes
+the key index and never waits longer than ``CONFIRM_WAIT_S``.
 """
 from __future__ import annotations
 
@@ -109,25 +110,28 @@ class OwnStores:
 
     def _claim(self, blocks: list[int]) -> None:
         """Claim offered ``blocks``: the claimed ones no reader holds join ``spare``, the
-        ones a reader holds go back to READY and wait in ``declined``, the ones a request
-        used since they were offered are ``returned``; a block that is no longer an offer to
-        us (a later owner ended it) is dropped."""
+        ones a reader holds wait in ``declined`` (READY: a block held before we looked is
+        never touched at all), the ones a request used since they were offered are
+        ``returned``; a block that is no longer an offer to us (a later owner ended it) is
+        dropped."""
         b = np.array(blocks, np.intp)
         used = offers.used_since_offer(self._table, b)
         if self.recent:
             used |= np.isin(b, np.fromiter(self.recent, np.intp, len(self.recent)))
-        if used.any():
-            mine = offers.offered_to(self._table, b[used], *self._me)
-            self.returned.extend(b[used][mine].tolist())
-            b = b[~used]
-        ok = offers.claim(self._table, b, *self._me)
+        held = slots.held_anywhere(self._seg, b)  # a load or lookup under way: leave it be
+        if (used | held).any():
+            mine = offers.offered_to(self._table, b, *self._me)
+            self.returned.extend(b[used & mine].tolist())
+            self.declined.extend(b[held & ~used & mine].tolist())
+            b = b[~(used | held)]
+        ok = offers.claim(self._table, b, *self._me)  # EVICTING: no lookup reads them now
         crash_point("client.claim.before_check")
         full_fence()  # our claims before our reading of the holds: readers fence the other way
         claimed = b[ok]
-        held = slots.held_anywhere(self._seg, claimed)
-        if held.any():
-            offers.unclaim(self._table, claimed[held])
-            self.declined.extend(claimed[held].tolist())
+        held = slots.held_anywhere(self._seg, claimed)  # a lease that raced the claim
+        offers.unclaim(self._table, claimed[held])
+        self.declined.extend(claimed[held].tolist())
+        offers.finish(self._table, claimed[~held])
         self.spare.extend(claimed[~held].tolist())
         still = b[~ok]  # e.g. caught mid-settle by a new owner: try again later if so
         if still.size:

@@ -289,7 +289,7 @@ def _verify_once(seg: Segment, sums: BlockSums | None = None) -> list[str]:
         if s not in (L.GRANTED, L.CLAIMED):  # a deferred store's key is also its rival's
             owners.setdefault(key, b)
         held_for = s == L.WRITING or s == L.CLAIMED or (s == L.GRANTED and not keylen) or \
-            (s == L.READY and w >= 0)  # a store, a claim, a grant, an offer: a client's
+            (s in (L.READY, L.EVICTING) and w >= 0)  # a store, a claim, a grant, an offer
         why = "" if not held_for else (
             ("" if m.owner_alive else "the owner's own store, but no owner is alive") if w < 0
             else f"client slot {w}, beyond {g.max_clients} slots" if w >= g.max_clients
@@ -297,9 +297,10 @@ def _verify_once(seg: Segment, sums: BlockSums | None = None) -> list[str]:
             else f"client slot {w} generation {gen}, but the slot now has generation "
                  f"{m.slot(w)[2]}" if m.slot(w)[2] != gen else "")
         if why:
-            what = {L.WRITING: "store", L.CLAIMED: "claim", L.READY: "offer"}.get(s, "grant")
+            what = {L.WRITING: "store", L.CLAIMED: "claim", L.EVICTING: "claim",
+                    L.READY: "offer"}.get(s, "grant")
             out.append(f"block {b} is {name} for {why} (leaked {what})")
-        if s == L.EVICTING and not m.owner_alive:
+        if s == L.EVICTING and not m.owner_alive and w < 0:  # (w >= 0: a client's claim)
             out.append(f"block {b} is evicting but no owner is alive")
         if s not in L.STATE_NAMES:
             out.append(f"block {b} has unknown state {s}")

@@ -122,7 +122,8 @@ class Grants:
     def _end(self, blocks: list[int]) -> None:
         """Blocks granted to nobody any more: a free grant, or an offer the client claimed,
         goes back to the free list (an offer's old key leaves the index first); an offer it
-        never claimed is cached again, most recent, as if a request had just used it."""
+        never claimed (or whose claim it never finished) is cached again, most recent, as if
+        a request had just used it."""
         table, entries, free = self.entries.table, self.entries, []
         for b in blocks:
             if b not in self.offered:
@@ -132,8 +133,8 @@ class Grants:
             e = entries.get(key) if key is not None else None
             if key is None or e is None or e.block != b:  # claimed in a past life: nothing
                 free.append(b)                             # of it indexed here
-            elif table.read(b).state == L.READY:
-                table.reset_ready(b)  # no writer: an ordinary READY block again
+            elif table.read(b).state in (L.READY, L.EVICTING):  # never claimed, or the claim
+                table.reset_ready(b)  # never finished: nothing written, READY as ever
                 entries.policy.insert(key)
             else:  # CLAIMED (its data may be half new): forget its key, then free it
                 entries.forget(key)

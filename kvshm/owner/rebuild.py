@@ -41,12 +41,14 @@ def rebuild(entries: Entries, grants: Grants, writer_alive: Callable[[int, int],
         torn = table.settle(b)
         e = table.read(b)
         client = (e.writer, e.writer_gen)
-        if e.state in (L.READY, L.CLAIMED) and e.writer >= 0 and writer_alive(*client):
-            # An offer of a live client, or its claim: that client alone writes the entry
-            # now (a claim that was under way when we settled it ends as a claim), so it
-            # is never freed or rewritten here, whatever its sequence number said; only an
-            # intact key is indexed again.
-            if e.state == L.READY and e.key and e.key_ok:
+        if e.state in (L.READY, L.EVICTING, L.CLAIMED) and e.writer >= 0 and \
+                writer_alive(*client):
+            # An offer of a live client, its claim under way (EVICTING) or done: that client
+            # alone writes the entry now (a claim cut by our settling ends as the client
+            # decides), so it is never freed or rewritten here, whatever its sequence number
+            # said; the key of an offer, or of a claim that may still be given back, is
+            # indexed again when intact (readers see its state).
+            if e.state != L.CLAIMED and e.key and e.key_ok:
                 offers.append((b, e.key, client, e.grant_pos))
             else:
                 grants.adopt(b, client, e.grant_pos, claimed=True)

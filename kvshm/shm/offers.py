@@ -5,10 +5,12 @@ block is free, the owner grants a client the victims it would evict, still cache
 readable: ``offer`` marks them (writer, generation, ring position and the eviction clock, in
 one seqlock round each; key and state stay). From then until the client publishes them or
 dies, the owner writes nothing of those entries but their last_use word. The client takes
-them for a store and claims them (``claim``: state CLAIMED, one seqlock round each), or gives
-a claim back (``unclaim``) when a reader holds the block; an offer a request used since it
-was offered (``used_since_offer``) it returns to the owner instead. A claim only ever touches
-an entry offered to the claiming client. The handshake with readers (fence, then read every
+them for a store and claims them: ``claim`` marks them EVICTING (no lookup reads them; a load
+that held one before waits while it lasts, as for the owner's evictions), then, once the
+caller has seen that no reader holds them, ``finish`` makes them CLAIMED (ours to write) or
+``unclaim`` READY again. An offer a request used since it was offered
+(``used_since_offer``) the client returns to the owner instead. A claim only ever touches an
+entry offered to the claiming client. The handshake with readers (fence, then read every
 slot's holds) is the caller's (``client/own_stores.py``); this module only reads and writes
 entries.
 """
@@ -58,10 +60,11 @@ def offered_to(table: BlockTable, blocks: np.ndarray, slot: int, gen: int) -> np
 
 
 def claim(table: BlockTable, blocks: np.ndarray, slot: int, gen: int) -> np.ndarray:
-    """Client (slot, gen): claim the offered ``blocks`` (distinct) it took from its grant
-    ring: each one READY and offered to it becomes CLAIMED in one seqlock round (no lookup
-    reads it any more; relets see its sequence number move). Returns which were claimed; an
-    entry that is not an offer to us, or that is being rewritten, is left alone."""
+    """Client (slot, gen): begin to claim the offered ``blocks`` (distinct) it took from its
+    grant ring: each one READY and offered to it becomes EVICTING in one seqlock round (no
+    lookup reads it any more; relets see its sequence number move). Returns which were
+    marked; an entry that is not an offer to us, or that is being rewritten, is left alone.
+    The caller fences, reads the holds, then ``finish``es or ``unclaim``s each one."""
     b = np.asarray(blocks, np.intp)
     seq = table.seqs(b)
     publish_fence()
@@ -70,17 +73,26 @@ def claim(table: BlockTable, blocks: np.ndarray, slot: int, gen: int) -> np.ndar
     ok &= ((seq & 1) == 0) & (table.seqs(b) == seq)
     mine = b[ok]
     if mine.size:
-        seqs = table.open_rounds(mine)
-        crashpoints.crash_point("table.claim.odd")
-        table.fields["state"][mine] = L.CLAIMED
-        table.close_rounds(mine, seqs)
+        _set_state(table, mine, L.EVICTING, "table.claim.odd")
     return ok
 
 
+def finish(table: BlockTable, blocks: np.ndarray) -> None:
+    """Client: end claims of ``blocks`` that no reader holds: CLAIMED, ours to write."""
+    _set_state(table, np.asarray(blocks, np.intp), L.CLAIMED)
+
+
 def unclaim(table: BlockTable, blocks: np.ndarray) -> None:
-    """Client: give back claims of ``blocks`` (CLAIMED by us, nothing written into them yet):
-    READY again, still offered to us, in one seqlock round each."""
-    b = np.asarray(blocks, np.intp)
-    seqs = table.open_rounds(b)
-    table.fields["state"][b] = L.READY
-    table.close_rounds(b, seqs)
+    """Client: give back claims of ``blocks`` a reader holds (nothing written into them):
+    READY again, still offered to us."""
+    _set_state(table, np.asarray(blocks, np.intp), L.READY)
+
+
+def _set_state(table: BlockTable, b: np.ndarray, state: int, point: str | None = None) -> None:
+    """The state of entries ``b`` (distinct), in one seqlock round each."""
+    if b.size:
+        seqs = table.open_rounds(b)
+        if point is not None:
+            crashpoints.crash_point(point)
+        table.fields["state"][b] = state
+        table.close_rounds(b, seqs)
