@@ -34,9 +34,15 @@ POINTS = (
     "owner.grant.before_count",  # granted blocks GRANTED and their ids in the ring, count not
     #                              yet stored: the client cannot take them
     "owner.publish.mid",  # a Publish frame's blocks READY in the table, not yet indexed
+    "owner.offer.after_choose",  # victims chosen to offer (out of the policy, still READY),
+    #                              not yet marked offered in the table
+    "owner.publish.after_forget",  # a claimed block's old key gone from the index, its new
+    #                                key not yet written
     # owner: entry writes
     "table.write.odd",  # entry sequence odd, body half written
     "table.write_many.odd",  # a batch's entries all odd, half their bodies written
+    "table.offer.odd",  # offered entries odd, their writer fields stored
+    "table.claim.odd",  # (a client) the entries it claims odd, their state not yet stored
     # owner: takeover
     "owner.rebuild.mid",  # half the table adopted
     "owner.reclaim.mid",  # a dead client's stores freed, its slot not yet cleared
@@ -45,6 +51,7 @@ POINTS = (
     "client.connect.after_activate",  # slot CLIENT, owner has not adopted it yet
     "client.store.after_prepare",  # blocks granted, nothing copied
     "client.store.after_take",  # blocks taken from the grant ring, the count not yet stored
+    "client.claim.before_check",  # offered blocks CLAIMED, other clients' holds not yet read
     "client.store.after_copy",  # blocks copied, complete_store not sent
     "client.load.after_pin",  # blocks pinned, not yet copied out
     "client.shutdown.before_bye",  # about to say goodbye

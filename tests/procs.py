@@ -249,3 +249,30 @@ def store_on_demand(name: str, conn, grants: bool = True) -> None:
     while (keys := conn.recv()) is not None:
         conn.send(store(mgr, keys))
     mgr.shutdown()
+
+
+def claim_and_wait(name: str, conn) -> None:
+    """Fill the cache until the owner offers us victims, then start (never finish) a store
+    that claims one: report our slot, the blocks claimed and the offers (block -> key) we
+    never took, and block."""
+    from kvshm.shm import layout as L
+    from kvshm.shm.table import BlockTable
+    mgr = connect(name)
+    t = BlockTable(mgr.segment.buf, mgr.segment.geometry)
+
+    def offers() -> dict[int, bytes]:
+        es = [t.read(b) for b in range(t.num_blocks)]
+        return {b: e.key for b, e in enumerate(es)
+                if e.state == L.READY and (e.writer, e.writer_gen) == (mgr.slot, mgr.gen)}
+    deadline = time.monotonic() + 30
+    i = 0
+    while len(offers()) < 2:
+        assert time.monotonic() < deadline, "the owner never offered victims"
+        store(mgr, [b"claimer-%d-%d" % (i, j) for j in range(8)])
+        i += 1
+    before = offers()
+    out = mgr.prepare_store([b"claimer-last"])
+    claimed = [b for b in out.block_ids if b in before]
+    conn.send({"slot": mgr.slot, "claimed": claimed,
+               "offered": {b: k for b, k in offers().items() if b not in claimed}})
+    time.sleep(3600)  # killed by the test

@@ -213,7 +213,7 @@ def test_show_live(live, capsys):
     n, info = live
     rc, out, _ = run(capsys, "show", n)
     assert rc == 0 and "fake-engine" in out and f"pid {info['owner'].pid}  alive" in out
-    assert re.search(r"free 24\s+writing 3\s+ready 5\s+evicting 0\s+granted 0\s+pinned 2\s+"
+    assert re.search(r"free 24\s+writing 3\s+ready 5\s+evicting 0\s+granted 0\s+claimed 0\s+pinned 2\s+"
                      r"leased 1", out)
     rc, s = run_json(capsys, "show", n)
     assert s["owner"]["alive"] and s["owner"]["pid"] == info["owner"].pid

@@ -213,7 +213,8 @@ def test_a_mover_that_cannot_become_a_client_leaves_the_segment_to_the_next(make
 
 def test_kvshm_inspect_shows_the_lower_tier(hosts):
     from kvshm.inspect.cli import render_show
-    from kvshm.inspect.snapshot import prometheus, snapshot
+    from kvshm.inspect.metrics import prometheus
+    from kvshm.inspect.snapshot import snapshot
     fake = FakeStore()
     a, ma = hosts(fake)
     store(a, KEYS)

@@ -34,6 +34,7 @@ the block table.
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import numpy as np
@@ -60,15 +61,22 @@ def key_array(keys: Sequence[bytes]) -> np.ndarray | None:
     return np.frombuffer(joined, np.uint8).reshape(len(keys), klen)
 
 
+_EVICTING_SPINS = 10_000  # an owner decides an eviction in microseconds; past this it died
+
+
 class HoldTable:
     """Leases (key -> hold index, with its count of lookups) and pins (key -> hold indexes)
     over a slot's hold array."""
 
-    def __init__(self, holds: np.ndarray, table: BlockTable):
+    def __init__(self, holds: np.ndarray, table: BlockTable, mark: memoryview):
         self.holds = holds
         self._hv = holds.data  # scalar stores: several times cheaper than numpy's
         self.table = table
         self.free = list(range(len(holds) - 1, -1, -1))  # a stack: see ``Plan``
+        # The slot's hold mark (layout.SLOT_OFF_HOLD_MARK): 1 + the highest entry ever used,
+        # stored before an entry above it is written, so a reader that bounds its read by it
+        # (a claim, an eviction) sees every hold. The free stack hands out low entries first.
+        self._mark, self.mark = mark, 0
         self.leases: dict[bytes, int] = {}
         # Leased key -> lookups that answered it as a hit and were not given back yet (>= 1);
         # absent for a key leased ahead of its lookups. The client counts them (``asked``).
@@ -89,6 +97,11 @@ class HoldTable:
     def block(self, i: int) -> int:
         code = self._hv[i]
         return code if code >= 0 else -2 - code
+
+    def cover(self, top: int) -> None:
+        """Make the hold mark cover entries below ``top`` before any of them is written."""
+        if top > self.mark:
+            self.mark = self._mark[0] = top
 
     def unhold(self, i: int) -> None:
         self._hv[i] = -1
@@ -141,6 +154,7 @@ class HoldTable:
         read them off the stack), and write ``codes`` into them. The caller then fences and
         re-checks, and gives back what does not hold (``give_back``)."""
         del self.free[-len(ia):]
+        self.cover(int(ia.max()) + 1)
         self.holds[ia] = codes
 
     def give_back(self, ia: np.ndarray) -> None:
@@ -198,6 +212,8 @@ class HoldTable:
         """Lease ``block`` for ``key`` if it holds it READY (proven by an unchanged ``seq``
         when one is given, else by reading the entry); else its state there, unheld."""
         i = self.free.pop()
+        if i >= self.mark:
+            self.cover(i + 1)
         self._hv[i] = -2 - block
         full_fence()  # our hold before our re-check: the owner fences the other way round
         if seq < 0 or self.table.seq(block) != seq:
@@ -220,6 +236,17 @@ class HoldTable:
         if seen is not None:
             return seen[0] == block and self.table.seq(block) == seen[1]
         return self.runs.still_ready(key, block)
+
+    def settled_ready(self, block: int, key: bytes) -> bool:
+        """Whether ``block`` holds ``key`` READY once an eviction in flight has decided
+        (EVICTING lasts while an owner, or a client claiming an offer, re-reads holds; one
+        that died there is a miss)."""
+        for _ in range(_EVICTING_SPINS):
+            state = self.table.state_if_key(block, key)
+            if state != L.EVICTING:
+                return state == L.READY
+            os.sched_yield()
+        return False
 
     def lease_many(self, keys: Sequence[bytes], karr: np.ndarray, blocks: np.ndarray,
                    hits: int) -> int:
@@ -247,6 +274,7 @@ class HoldTable:
             idx = np.array(self.free[-len(new):][::-1], np.intp)
             del self.free[-len(new):]
             sel = np.array(new, np.intp)
+            self.cover(int(idx.max()) + 1)
             self.holds[idx] = L.lease_code(blocks[sel])
             full_fence()  # our holds before our re-check: the owner fences the other way
             ok = self.table.states_if_keys(blocks[sel], karr[sel]) == L.READY
@@ -313,6 +341,7 @@ class HoldTable:
             self.asks[key] = n - 1
             shared.append(key)
             j = self.free.pop()
+            self.cover(j + 1)
             self._hv[j] = self.block(i)
             return j
         del self.leases[key]
@@ -354,3 +383,4 @@ class HoldTable:
         self.seen.clear()
         self.runs.clear()
         self._hv.release()
+        self._mark.release()

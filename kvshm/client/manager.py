@@ -40,7 +40,6 @@ from kvshm.shm.segment import Segment
 from kvshm.shm.table import BlockTable
 
 _HIT = LookupResult.HIT
-_EVICTING_SPINS = 10_000  # an owner decides an eviction in microseconds; past this it died
 
 
 class SharedManager(OffloadingManager):
@@ -64,11 +63,12 @@ class SharedManager(OffloadingManager):
         try:
             self._ctr = slots.counter_words(segment, self.slot)
             self._lk_n = self._lk_miss = 0  # key_status calls and non-hits, not yet in _ctr
-            self._h = HoldTable(slots.holds(segment, self.slot), self.table)
+            self._h = HoldTable(slots.holds(segment, self.slot), self.table,
+                                slots.hold_mark(segment, self.slot))
             slots.activate(segment, self.slot, self.gen, takes_grants=grants)
             self._link = OwnerLink(segment, self.slot, self.gen, timeout,
                                    self._after_failover, self._abandoned)
-            self._own = OwnStores(segment, self.slot, self._link)
+            self._own = OwnStores(segment, self.slot, self.gen, self._link, self.table)
             self._newcomer = segment.buf[L.OFF_NEWCOMER:L.OFF_NEWCOMER + 8].cast("Q")
             self._newcomer[0] = 1  # after CLIENT is visible: the owner clears, fences, scans
             crash_point("client.connect.after_activate")
@@ -225,13 +225,14 @@ class SharedManager(OffloadingManager):
             keys = keys if type(keys) is list else list(keys)
             proven = h.runs.proven(keys, blocks)  # a prefix loaded before, unchanged: all at once
             for (k, _), block in zip(taken, blocks) if not proven else ():
-                if not h.still_ready(k, block) and not self._settled_ready(block, k):
+                if not h.still_ready(k, block) and not h.settled_ready(block, k):
                     raise UnknownKeyError(f"key {k.hex()[:16]}… is no longer cached; "
                                           "lookup() again")  # never half-written or reused
         except BaseException:
             h.unload(taken, shared)  # nothing pinned, no lookup taken
             raise
         h.pin(taken)
+        self._own.recent.update(blocks)  # used now: an offer of ours among them is kept
         h.drop_ahead()  # what a relet took ahead and nobody asked for: no load needs it
         if not proven:
             h.runs.follow(keys, blocks)
@@ -256,16 +257,6 @@ class SharedManager(OffloadingManager):
         if state != L.READY:
             raise UnknownKeyError(f"key {k.hex()[:16]}… is not cached; lookup() first")
         return h.leases.pop(k)
-
-    def _settled_ready(self, block: int, key: bytes) -> bool:
-        """Whether ``block`` holds ``key`` READY once an eviction in flight has decided
-        (EVICTING lasts while an owner re-reads holds; one that died there is a miss)."""
-        for _ in range(_EVICTING_SPINS):
-            state = self.table.state_if_key(block, key)
-            if state != L.EVICTING:
-                return state == L.READY
-            os.sched_yield()
-        return False
 
     def complete_load(self, keys: Sequence[bytes]) -> None:
         if type(keys) is not list and type(keys) is not tuple:
@@ -317,8 +308,8 @@ class SharedManager(OffloadingManager):
     def prepare_store(self, keys: Iterable[bytes], *,
                       running: Running | None = None) -> PrepareStoreOutput | None:
         """See ``OffloadingManager.prepare_store``: from this client's grant ring when it holds
-        enough blocks (no frame at all; ``complete_store`` ranks them), else one atomic round
-        trip however many keys."""
+        enough blocks (no frame at all; ``complete_store`` ranks them), else what the ring
+        holds and one atomic round trip, however many keys, for the rest."""
         if type(keys) is not list and type(keys) is not tuple:
             keys = K.key_seq(keys)
         K.check_keys(keys)
@@ -330,8 +321,8 @@ class SharedManager(OffloadingManager):
         # key whose crc32 an indexed key has (1 in 2**32 per key cached) is verified.
         new = [k for k in dict.fromkeys(keys)
                if not own.mine(k) and (probe(k) < 0 or find(k)[0] < 0)]
-        blocks = own.take(new) if self._grants else None
-        if blocks is not None:
+        blocks = own.take(new) if self._grants else []
+        if len(blocks) == len(new):
             return PrepareStoreOutput(new, blocks, [])
         # The owner needs every offered key (none may be evicted for this store) but ours in
         # flight (it would grant them again); our earlier Publish frames are applied first.
@@ -341,8 +332,9 @@ class SharedManager(OffloadingManager):
                                                   **P.running_fields(running, c))
                                    for i, c in enumerate(chunks)])
         if isinstance(replies[0], P.NoRoom):
+            own.untake(new[:len(blocks)])
             return None
-        out = PrepareStoreOutput([], [], [])
+        out = PrepareStoreOutput(new[:len(blocks)], blocks, [])
         for r in replies:
             assert isinstance(r, P.Prepared)  # call() raised an Error; NoRoom returned above
             out.keys_to_store += r.keys

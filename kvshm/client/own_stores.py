@@ -2,35 +2,62 @@
 published that the owner has not taken yet.
 
 This module owns the client side of ``grants.py``: it is the consumer of the slot's grant
-ring (``take``), it remembers the keys in flight (blocks taken, store not completed) and the
-keys it published (``complete``: one-way ``Publish`` frames) until the owner has taken their
-frame, so that the client reads its own completed stores back (``confirm``). It never writes
-the block table or the key index and never waits longer than ``CONFIRM_WAIT_S``.
+ring (``take``), it claims the blocks the owner offered there (still cached, READY, until
+this client takes them for a store), it remembers the keys in flight (blocks taken, store
+not completed) and the keys it published (``complete``: one-way ``Publish`` frames) until
+the owner has taken their frame, so that the client reads its own completed stores back
+(``confirm``).
+
+A claim is the eviction handshake done by the client that evicts. A block someone already
+holds (a lookup's lease, a load's pin) is left alone, kept aside to claim at a later store.
+The others are turned EVICTING (no lookup reads them any more; a relet sees their sequence
+numbers move), then, after a fence, every slot's holds below its hold mark are read again:
+a lease that raced the claim gives its block back (READY), the rest become CLAIMED. A
+reader writes its hold, fences, then re-reads the entry: one of the two always sees the
+other. Only an offer to this client is ever written, and only its state. It never writes
+the key index and never waits longer than ``CONFIRM_WAIT_S``.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
+
+import numpy as np
 
 from kvshm.client.owner_link import OwnerLink
 from kvshm.crashpoints import crash_point
 from kvshm.index import protocol as P
 from kvshm.index.api import Running
 from kvshm.shm import layout as L
-from kvshm.shm import slots
-from kvshm.shm.fence import publish_fence
+from kvshm.shm import offers, slots
+from kvshm.shm.fence import full_fence, publish_fence
 from kvshm.shm.segment import Segment
+from kvshm.shm.table import BlockTable
 
 CONFIRM_WAIT_S = 0.05  # a read of our own just-published store waits this long at most
+RETURNED_PER_FRAME = 64  # offers handed back per Publish (a frame's room is for its keys)
 
 
 class OwnStores:
     """The grant-path stores of one client slot."""
 
-    def __init__(self, segment: Segment, slot: int, link: OwnerLink) -> None:
+    def __init__(self, segment: Segment, slot: int, gen: int, link: OwnerLink,
+                 table: BlockTable) -> None:
         self._gw, ids = slots.grants(segment, slot)  # counts, and ids the owner hands us
         self._gi = ids.data
         self._link = link
+        self._seg, self._table, self._me = segment, table, (slot, gen)
         self.taken = 0  # blocks taken from the grant ring (we alone store the word)
+        # Taken from the ring and not used yet: ``spare`` are ours to write (free grants,
+        # claimed offers), ``declined`` offers a reader held when we claimed (still READY
+        # and offered to us: claimed again at a later store).
+        self.spare: list[int] = []
+        self.declined: list[int] = []
+        # Offers a request used after they were offered (a lookup's load, ours or another
+        # client's): never claimed, handed back with the next Publish so that the owner
+        # caches them again; and the blocks this client loaded since its last store (its
+        # own touches may still wait in its ring).
+        self.returned: list[int] = []
+        self.recent: set[int] = set()
         self.inflight: dict[bytes, int] = {}  # key -> granted block, store not completed
         # key -> request ring position past its Publish: ours, in the index once it is taken
         self.unconfirmed: dict[bytes, int] = {}
@@ -40,18 +67,76 @@ class OwnStores:
         """Whether ``key`` is our store in flight, or published and not yet taken."""
         return key in self.inflight or key in self.unconfirmed
 
-    def take(self, keys: list[bytes]) -> list[int] | None:
-        """Granted blocks for ``keys`` (now in flight), or None if the ring holds too few."""
-        gw, n, t = self._gw, len(keys), self.taken
-        if n > gw["granted"] - t:
-            return None
-        gi, cap = self._gi, L.GRANT_CAPACITY
-        blocks = [gi[(t + i) % cap] for i in range(n)]
-        crash_point("client.store.after_take")
-        publish_fence()  # ids read before the count that lets the owner reuse their places
-        self.taken = gw["taken"] = t + n
+    def take(self, keys: list[bytes]) -> list[int]:
+        """Granted blocks, ours to write, for the first of ``keys`` (now in flight): all of
+        them when the ring and the blocks taken before hold enough, else as many as they
+        hold (the caller asks the owner for the rest, after these: the oldest victims, the
+        ones offered to us, go first, as an eviction at the owner would take them)."""
+        n, spare = len(keys), self.spare
+        if len(spare) < n and self.declined:
+            declined, self.declined = self.declined, []
+            self._claim(declined)
+        gw, gi, cap = self._gw, self._gi, L.GRANT_CAPACITY
+        while len(spare) < n:  # offers returned or declined leave room: take further
+            t = self.taken
+            m = min(n - len(spare), gw["granted"] - t)
+            if m <= 0:
+                break
+            ids = [gi[(t + i) % cap] for i in range(m)]
+            crash_point("client.store.after_take")
+            publish_fence()  # ids read before the count that lets the owner reuse their places
+            self.taken = gw["taken"] = t + m
+            self._sort(ids)
+        blocks, self.spare = spare[:n], spare[n:]
         self.inflight.update(zip(keys, blocks))
+        self.recent.clear()
         return blocks
+
+    def untake(self, keys: list[bytes]) -> None:
+        """Put the blocks of ``keys`` (just taken, nothing written) back among the spare:
+        their store was refused after all."""
+        self.spare[:0] = [self.inflight.pop(k) for k in keys]
+
+    def _sort(self, ids: list[int]) -> None:
+        """Blocks just taken: free grants are ours at once, offers are claimed."""
+        b = np.array(ids, np.intp)
+        state = offers.states(self._table, b)
+        self.spare.extend(b[state == L.GRANTED].tolist())
+        offered = b[state == L.READY]
+        if offered.size:
+            self._claim(offered.tolist())
+        # Anything else was not handed to us as the protocol says (a damaged or hostile
+        # slot): never written; it stays taken, and our goodbye or death ends it.
+
+    def _claim(self, blocks: list[int]) -> None:
+        """Claim offered ``blocks``: the claimed ones no reader holds join ``spare``, the
+        ones a reader holds wait in ``declined`` (READY: a block held before we looked is
+        never touched at all), the ones a request used since they were offered are
+        ``returned``; a block that is no longer an offer to us (a later owner ended it) is
+        dropped."""
+        b = np.array(blocks, np.intp)
+        used = offers.used_since_offer(self._table, b)
+        if self.recent:
+            used |= np.isin(b, np.fromiter(self.recent, np.intp, len(self.recent)))
+        held = slots.held_anywhere(self._seg, b)  # a load or lookup under way: leave it be
+        if (used | held).any():
+            mine = offers.offered_to(self._table, b, *self._me)
+            self.returned.extend(b[used & mine].tolist())
+            self.declined.extend(b[held & ~used & mine].tolist())
+            b = b[~(used | held)]
+        ok = offers.claim(self._table, b, *self._me)  # EVICTING: no lookup reads them now
+        crash_point("client.claim.before_check")
+        full_fence()  # our claims before our reading of the holds: readers fence the other way
+        claimed = b[ok]
+        held = slots.held_anywhere(self._seg, claimed)  # a lease that raced the claim
+        offers.unclaim(self._table, claimed[held])
+        self.declined.extend(claimed[held].tolist())
+        offers.finish(self._table, claimed[~held])
+        self.spare.extend(claimed[~held].tolist())
+        still = b[~ok]  # e.g. caught mid-settle by a new owner: try again later if so
+        if still.size:
+            again = offers.offered_to(self._table, still, *self._me)
+            self.declined.extend(still[again].tolist())
 
     def complete(self, keys: Sequence[bytes], success: bool, chunk: int,
                  running: Running | None = None) -> list[bytes]:
@@ -68,8 +153,10 @@ class OwnStores:
         ks, bs = list(mine), list(mine.values())
         for i in range(0, len(ks), chunk):  # in flight until sent: a failed push can be redone
             part = ks[i:i + chunk]
+            back = self.returned[:RETURNED_PER_FRAME]
             pos = self._link.push(P.Publish(0, part, bs[i:i + chunk], success,
-                                            **P.running_fields(running, part)))
+                                            **P.running_fields(running, part), returned=back))
+            del self.returned[:len(back)]
             for k in part:
                 del inflight[k]
             if success:

@@ -74,6 +74,9 @@ class Publish(_Msg, frozen=True):  # one-way (req 0): the stores of blocks taken
     success: bool = True  # False: the copies failed, free the blocks
     request: int = 0
     positions: list[int] | None = None
+    # Offers taken and not claimed because a request used them since they were offered: the
+    # owner caches them again (they were never written).
+    returned: list[int] = []
 
 
 class TakeEvents(_Msg, frozen=True):

@@ -23,8 +23,9 @@ from kvshm import logs
 from kvshm.errors import SegmentNotFoundError
 from kvshm.index.launch import OWNER_IDLE_EXIT_S
 from kvshm.inspect.cleanup import reclaim, users
+from kvshm.inspect.metrics import metric_samples, prometheus
 from kvshm.inspect.schema import encode
-from kvshm.inspect.snapshot import block_rows, metric_samples, prometheus, snapshot, verify
+from kvshm.inspect.snapshot import block_rows, snapshot, verify
 from kvshm.shm import layout as L
 from kvshm.shm.names import PREFIX, SHM_DIR, list_segments, remove, remove_objects
 from kvshm.shm.segment import Segment
@@ -74,7 +75,8 @@ def render_show(s: dict[str, Any]) -> str:
            f"{_size(g['data_bytes'])}  {g['max_clients']} client slots  rings of "
            f"{_size(g['ring_capacity'])}  {g['hold_capacity']} holds/client",
            f"blocks    free {b['free']}  writing {b['writing']}  ready {b['ready']}  evicting "
-           f"{b['evicting']}  granted {b['granted']}  pinned {b['pinned']}  leased "
+           f"{b['evicting']}  granted {b['granted']}  claimed {b['claimed']}  pinned "
+           f"{b['pinned']}  leased "
            f"{b['leased']}  ({b['usage']:.1%} used)"
            + (f"  INVALID {b['invalid']}" if b["invalid"] else ""),
            f"owner     {owner}",
@@ -293,7 +295,8 @@ _COMMANDS: dict[str, tuple[Callable[[Args], int], str, str]] = {
              "example: kvshm-inspect show llama8b --json"),
     "blocks": (cmd_blocks, "one row per block: state, key, pins, holders, last use, writer",
                "--state (repeatable): free, writing, ready, evicting, granted (in a client's\n"
-               "grant ring), pinned (a load pin), leased (a live client's lookup lease), used\n"
+               "grant ring), claimed (an offer its client took for a store), pinned (a load\n"
+               "pin), leased (a live client's lookup lease), used\n"
                "(not free, the default), all.\n"
                "--limit caps the rows (0 = all)."
                "\n\nexample: kvshm-inspect blocks llama8b --state writing --limit 20"),

@@ -94,6 +94,7 @@ class Blocks(_Doc):
     ready: Annotated[int, _d("stored, loadable")]
     evicting: Annotated[int, _d("being evicted")]
     granted: Annotated[int, _d("free blocks granted to a client for its next stores")]
+    claimed: Annotated[int, _d("offered blocks their client claimed for a store in flight")]
     invalid: Annotated[int, _d("with an unknown state byte")]
     pinned: Annotated[int, _d("with owner pins or a live client's load pin")]
     leased: Annotated[int, _d("leased by a live client, not pinned")]
@@ -126,7 +127,8 @@ class Client(_Doc):
     pins: Annotated[int, _d("load pins")]
     leases: Annotated[int, _d("lookup leases")]
     stores_pending: Annotated[int, _d("the client's unfinished stores (WRITING blocks it owns)")]
-    granted: Annotated[int, _d("blocks granted to it for its next stores (taken or not)")]
+    granted: Annotated[int, _d(
+        "blocks granted or offered to it for its next stores (taken or not)")]
     counters: Annotated[dict[str, int], _d(
         "the client's own counters: `lookups`, `hits`, `loads`, `load_blocks`, `bytes_in` "
         "(bytes it loaded), `bytes_out` (bytes it stored)")]
@@ -186,7 +188,8 @@ class Show(_Doc):
 class BlockRow(_Doc):
     """Each of `rows`."""
     block: Annotated[int, _d("block id")]
-    state: Annotated[str, _d("free, writing, ready, evicting, granted or invalid")]
+    state: Annotated[str, _d(
+        "free, writing, ready, evicting, granted, claimed or invalid")]
     key: Annotated[str, _d("the key, full hex")]
     pinned_by: Annotated[list[int], _d("client slots with a load pin on it")]
     leased_by: Annotated[list[int], _d("client slots with a lookup lease on it")]

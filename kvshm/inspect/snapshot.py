@@ -24,7 +24,6 @@ from kvshm.shm.keyindex import KeyIndex
 from kvshm.shm.ring import Ring
 from kvshm.shm.segment import Segment
 from kvshm.shm.table import BlockTable, state_counts
-from kvshm.tier.area import COUNTERS as TIER_COUNTERS
 from kvshm.tier.area import TierArea
 
 _ENTRY_DT = L.ENTRY_DTYPE
@@ -116,7 +115,8 @@ def _client(seg: Segment, m: _Meta, i: int, now: int) -> dict[str, Any]:
     e = m.e
     mine = (e["writer"] == i) & (e["writer_gen"] == gen)
     pending = int(((e["state"] == L.WRITING) & mine).sum())
-    granted = int(((e["state"] == L.GRANTED) & mine).sum())
+    # granted, offered (READY with this writer) or claimed: in its grant ring or taken from it
+    granted = int((np.isin(e["state"], (L.GRANTED, L.READY, L.CLAIMED)) & mine).sum())
     return {"slot": i, "pid": pid, "name": name.rstrip(b"\0").decode("utf-8", "replace"),
             "state": state, "alive": m.alive(i), "generation": gen, "attached_ns": attached,
             "age_s": _age(now, attached), "holds": len(codes), "pins": int((codes >= 0).sum()),
@@ -279,23 +279,28 @@ def _verify_once(seg: Segment, sums: BlockSums | None = None) -> list[str]:
             out.append(f"block {b} is {name} but its key {key.hex()[:16]} does not match the "
                        f"key checksum {keysum:#010x} (key torn by a rewrite cut short, or "
                        "damaged)")
+        elif s == L.CLAIMED:  # its old key, on its way out (a successor unindexes it): the
+            pass              # key may already be stored again elsewhere
         elif key in owners:
             out.append(f"blocks {owners[key]} and {b} both hold key {key.hex()[:16]}")
         elif m.find(key)[0] != b:
             out.append(f"block {b} ({name}, key {key.hex()[:16]}) is not reachable through "
                        "the key index")
-        if s != L.GRANTED:  # a deferred store's key is also its unfinished rival's
+        if s not in (L.GRANTED, L.CLAIMED):  # a deferred store's key is also its rival's
             owners.setdefault(key, b)
-        why = "" if s != L.WRITING and (s != L.GRANTED or keylen) else (
+        held_for = s == L.WRITING or s == L.CLAIMED or (s == L.GRANTED and not keylen) or \
+            (s in (L.READY, L.EVICTING) and w >= 0)  # a store, a claim, a grant, an offer
+        why = "" if not held_for else (
             ("" if m.owner_alive else "the owner's own store, but no owner is alive") if w < 0
             else f"client slot {w}, beyond {g.max_clients} slots" if w >= g.max_clients
             else f"client slot {w}, which is dead" if not m.alive(w)
             else f"client slot {w} generation {gen}, but the slot now has generation "
                  f"{m.slot(w)[2]}" if m.slot(w)[2] != gen else "")
         if why:
-            out.append(f"block {b} is {name} for {why} (leaked "
-                       f"{'store' if s == L.WRITING else 'grant'})")
-        if s == L.EVICTING and not m.owner_alive:
+            what = {L.WRITING: "store", L.CLAIMED: "claim", L.EVICTING: "claim",
+                    L.READY: "offer"}.get(s, "grant")
+            out.append(f"block {b} is {name} for {why} (leaked {what})")
+        if s == L.EVICTING and not m.owner_alive and w < 0:  # (w >= 0: a client's claim)
             out.append(f"block {b} is evicting but no owner is alive")
         if s not in L.STATE_NAMES:
             out.append(f"block {b} has unknown state {s}")
@@ -316,85 +321,3 @@ def _verify_once(seg: Segment, sums: BlockSums | None = None) -> list[str]:
                 f"{L.STATE_NAMES.get(int(st[b]), 'invalid')}" for b in codes[codes >= 0].tolist()
                 if b < g.num_blocks and st[b] not in (L.READY, L.EVICTING)]
     return out
-
-
-_GAUGES = (  # (metric, help, where in a snapshot)
-    ("kvshm_blocks_pinned", "Blocks with a load pin.", "blocks.pinned"),
-    ("kvshm_blocks_leased", "Blocks leased by a live client's lookup.", "blocks.leased"),
-    ("kvshm_num_blocks", "Blocks the segment holds.", "blocks.total"),
-    ("kvshm_cache_usage_perc", "Fraction of blocks in use (not free), 0..1.", "blocks.usage"),
-    ("kvshm_cache_bytes", "Bytes of the data region.", "geometry.data_bytes"),
-    ("kvshm_clients", "Live client processes.", "clients_alive"),
-    ("kvshm_clients_dead", "Client slots whose process died, not reclaimed.", "clients_dead"),
-    ("kvshm_owner_up", "1 while an owner process holds the owner lock.", "owner.alive"),
-    ("kvshm_owner_epoch", "Owners the segment has had.", "owner.epoch"))
-_COUNTERS = (  # (snapshot counter, help): metric kvshm_<counter>_total unless renamed
-    ("lookups", "Lookups clients made."), ("hits", "Lookups that hit."),
-    ("misses", "Lookups that missed."), ("stores", "Completed stores."),
-    ("store_blocks", "Blocks stored."), ("store_failed_blocks", "Blocks whose store failed."),
-    ("prepare_store_refused", "prepare_store calls refused (full)."),
-    ("loads", "Loads clients made."), ("load_blocks", "Blocks loaded."),
-    ("bytes_in", "Bytes loaded from the cache."), ("bytes_out", "Bytes stored into the cache."),
-    ("evictions", "Blocks evicted."), ("errors", "Errors answered."),
-    ("failovers", "Times a new owner took over."), ("reclaimed_clients", "Dead clients reclaimed."),
-    ("reclaimed_blocks", "Blocks reclaimed from dead processes."),
-    ("granted_blocks", "Blocks granted to clients ahead of their stores."),
-    ("owner_busy_ns", "CPU nanoseconds the owner spent serving frames (not idle spinning)."))
-_RENAMED = {"prepare_store_refused": "allocation_failure", "bytes_in": "load_bytes",
-            "bytes_out": "store_bytes"}  # vLLM's names for the same things (client's view)
-
-
-def metric_samples(snaps: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Every metric sample of ``snapshot()`` results: ``metric``, ``type`` (gauge or counter),
-    ``help``, ``labels`` (str -> str) and ``value`` (int or float)."""
-    out: list[dict[str, Any]] = []
-
-    def add(name: str, kind: str, text: str, value: Any, **labels: object) -> None:
-        out.append({"metric": name, "type": kind, "help": text,
-                    "labels": {k: str(v) for k, v in labels.items()},
-                    "value": int(value) if isinstance(value, int) else float(value)})
-
-    for s in snaps:
-        seg = s["name"]
-        for state in ("free", "writing", "ready", "evicting", "granted"):
-            add("kvshm_blocks", "gauge", "Blocks by state.", s["blocks"][state], segment=seg,
-                state=state)
-        for metric, text, path in _GAUGES:
-            first, _, second = path.partition(".")
-            add(metric, "gauge", text, s[first][second] if second else s[first], segment=seg)
-        add("kvshm_cache_write_usage_perc", "gauge", "Fraction of blocks being written, 0..1.",
-            s["blocks"]["writing"] / s["blocks"]["total"], segment=seg)
-        for key, text in _COUNTERS:
-            add(f"kvshm_{_RENAMED.get(key, key)}_total", "counter", text, s["counters"][key],
-                segment=seg)
-        t = s.get("tier")
-        if t is not None:
-            add("kvshm_tier_mover_up", "gauge", "1 while the host's lower-tier mover is alive.",
-                int(t["mover_alive"]), segment=seg)
-            add("kvshm_tier_up", "gauge", "1 while the mover's lower tier answers.",
-                int(t["state"] == "connected"), segment=seg)
-            for key in TIER_COUNTERS:
-                add(f"kvshm_tier_{key}_total", "counter", f"Lower tier: {key.replace('_', ' ')}.",
-                    t["counters"][key], segment=seg)
-        for c in s["clients"]:
-            add("kvshm_client_holds", "gauge", "Hold entries (load pins and leases) of a client.",
-                c["holds"], segment=seg, slot=c["slot"], pid=c["pid"], alive=int(c["alive"]))
-            for ring, depth in c["rings"].items():
-                if depth is not None:
-                    add("kvshm_ring_depth_bytes", "gauge", "Bytes queued in a client's ring.",
-                        depth, segment=seg, slot=c["slot"], ring=ring)
-    return out
-
-
-def prometheus(snaps: list[dict[str, Any]]) -> str:
-    """Prometheus text exposition (format 0.0.4) of ``snapshot()`` results, one per segment."""
-    fams: dict[str, tuple[str, str, list[str]]] = {}
-    for m in metric_samples(snaps):
-        lab = ",".join('{}="{}"'.format(k, v.replace("\\", r"\\").replace('"', r"\"")
-                                        .replace("\n", r"\n")) for k, v in m["labels"].items())
-        v = m["value"]
-        num = str(int(v)) if isinstance(v, int) else repr(float(v))
-        fams.setdefault(m["metric"], (m["type"], m["help"], []))[2].append(
-            f"{m['metric']}{{{lab}}} {num}")
-    return "".join(f"# HELP {n} {t}\n# TYPE {n} {k}\n" + "\n".join(rows) + "\n"
-                   for n, (k, t, rows) in fams.items())

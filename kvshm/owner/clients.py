@@ -8,6 +8,8 @@ into ``quarantined`` with the reason, never into an exception. It serves nothing
 """
 from __future__ import annotations
 
+import numpy as np
+
 from kvshm.errors import KvshmError, SegmentPermissionError
 from kvshm.index import protocol as P
 from kvshm.index.api import OffloadingEvent
@@ -24,6 +26,7 @@ class Client:
     def __init__(self, seg: Segment, slot: int, gen: int, events: bool):
         self.slot, self.gen, self.events = slot, gen, events
         self.holds = slots.holds(seg, slot)
+        self.hold_mark = slots.hold_mark(seg, slot)  # holds lie below it (the client's word)
         self.quarantined = False  # its rings cannot be parsed: never read again
         self.why = ""  # why it is quarantined
         self.requests: Ring | None = None
@@ -99,7 +102,12 @@ class Client:
             self.events_log.extend((e.removed, e.keys) for e in events)
             del self.events_log[:-MAX_EVENTS]
 
+    def marked_holds(self) -> np.ndarray:
+        """Its hold entries below its hold mark (clamped: the mark is the client's word)."""
+        return self.holds[:min(self.hold_mark[0], len(self.holds))]
+
     def close(self) -> None:
+        self.hold_mark.release()
         if self.bell is not None:
             self.bell.close()
         for r in (self.requests, self.replies):

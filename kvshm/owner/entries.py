@@ -113,6 +113,15 @@ class Entries:
         self.release([e.block for e in gone])
         return gone
 
+    def forget(self, key: bytes) -> Entry:
+        """Take a ready ``key`` out of the entries and the index (and the policy, if still
+        there) but leave its block to the caller: an offered block whose client claimed it."""
+        e = self.by_key.pop(key)
+        if key in self.policy:
+            self.policy.remove(key)
+        self.index.remove(key, e.block)
+        return e
+
     def take_free(self, n: int) -> list[int]:
         """``n`` free blocks, oldest freed first (the caller checked there are enough)."""
         popleft = self.free.popleft

@@ -27,6 +27,19 @@ class Evictor:
         self.outcomes = outcomes
         self.held = held  # None: nobody but this process holds blocks (no handshake)
 
+    def choose(self, n: int, requester: int) -> list[bytes] | None:
+        """``n`` victims the policy would evict now, taken out of its order but left in the
+        entries and the index, READY: a grant offers them to a client, which claims them
+        with the lease handshake itself. None (and nothing changed) if too few qualify."""
+        held = self.held(requester) if self.held else set()
+        by_key = self.entries.by_key
+
+        def can_evict(k: bytes) -> bool:
+            e = by_key[k]
+            return e.ready and not e.pins and e.block not in held
+
+        return self.entries.policy.evict(n, can_evict)
+
     def evict(self, n: int, protected: set[bytes], requester: int) -> list[bytes] | None:
         """Evict ``n`` keys, all or none (None: not enough are evictable); never one of
         ``protected`` (the keys the same store offers)."""

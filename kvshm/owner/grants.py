@@ -1,19 +1,25 @@
-"""Block grants: free blocks the owner hands each client ahead of its stores.
+"""Block grants: blocks the owner hands each client ahead of its stores.
 
 This module owns the owner's side of store-without-round-trip. The owner keeps every storing
-client stocked with a few free blocks (its *grant ring* in the client slot, ``layout.GRANT_*``),
-evicting in the background to refill it with the policy choosing victims as for any store.
-A client's ``prepare_store`` takes blocks from its ring without asking anyone; its
-``complete_store`` is a one-way ``Publish`` frame that the owner applies in ring order. The
-owner alone enters keys into the index, so two clients that stored the same key are resolved
-here: the first published wins, the other block goes back to the free list.
+client stocked with a few blocks (its *grant ring* in the client slot): free blocks while
+there are any, and otherwise the victims the policy chooses as for any store, *offered*
+instead of evicted: an offered block stays READY, cached and readable, until its client takes
+it and claims it (``OwnStores.take``: CLAIMED, after the same handshake with other clients'
+holds that an eviction makes), so grants hold no block out of the cache. A client's
+``prepare_store`` takes blocks from its ring without asking anyone; its ``complete_store`` is
+a one-way ``Publish`` frame that the owner applies in ring order. The owner alone enters keys
+into the index, so two clients that stored the same key are resolved here: the first
+published wins, the other block goes back to the free list.
 
 Invariants (the table says it all, so a successor rebuilds it):
 * a granted block is GRANTED in the table with its client's (slot, gen), no key, and in
   ``writer_req`` its position in the client's ring, from before its id enters the ring until
-  the owner publishes or frees it; nobody else gets it. A successor frees the blocks whose
-  position the ring's ``granted`` count never reached (their predecessor died handing them
-  over: the client cannot have taken them), and keeps the others, taken or not;
+  the owner publishes or frees it; nobody else gets it. An offered block is READY with its
+  key and the same three fields (CLAIMED once its client took it), out of the policy (never
+  chosen again) but still in the index; the owner writes nothing of it but its last use
+  until the client publishes it or dies. A successor frees the blocks whose position the
+  ring's ``granted`` count never reached (their predecessor died handing them over: the
+  client cannot have taken them; an offer just stays cached), and keeps the others;
 * a client may publish only blocks it has taken (position below its ``taken`` count);
 * a published key that another client's unfinished round-trip store holds waits for that
   store (``deferred``, and GRANTED with its key in the table, so a successor knows): the
@@ -22,17 +28,19 @@ Invariants (the table says it all, so a successor rebuilds it):
 * ``publish`` of a block that is not granted to the sender is ignored, which makes a
   replayed ``Publish`` (an owner died applying it) harmless;
 * a dead client's grants are freed only once no process registered to copy for it lives
-  (``LocalManager.reclaim_writer``), as its unfinished stores are.
+  (``LocalManager.reclaim_writer``), as its unfinished stores are; an offer it never
+  claimed is simply cached again.
 
-A granted block counts as used, so grants are kept small: a client is kept at
-``grant_target`` (its share of a quarter of the cache) or at twice its largest store, the
-growth beyond the share only while all grants together stay within ``grant_budget`` (that
-quarter again), so grants never hold more than half the cache. It never copies block data
-and never blocks.
+Grants are kept small all the same (an offer is a victim chosen early, before the touches
+that could have spared it): a client is kept at ``grant_target`` (its share of a quarter of
+the cache) or at twice its largest store, the growth beyond the share only while all grants
+together stay within ``grant_budget`` (that quarter again). It never copies block data and
+never blocks.
 """
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Protocol
 
 import numpy as np
@@ -45,8 +53,10 @@ from kvshm.owner.eviction import Evictor
 from kvshm.owner.outcomes import Outcomes
 from kvshm.owner.running import RunningRanks
 from kvshm.shm import layout as L
+from kvshm.shm import offers
 from kvshm.shm.fence import publish_fence
 from kvshm.shm.layout import Geometry
+from kvshm.shm.offers import offer
 from kvshm.shm.segment import Segment
 from kvshm.shm.words import WordView
 
@@ -76,6 +86,9 @@ class Grants:
         self.outcomes, self.segment = outcomes, segment
         # (slot, gen) -> {granted block: its position in that client's ring}
         self.blocks: dict[Client, dict[int, int]] = {}
+        # offered block -> the key it still holds in the index (None: gone from it, the block
+        # was found CLAIMED by a rebuild); also in ``blocks``
+        self.offered: dict[int, bytes | None] = {}
         self.deferred: dict[bytes, int] = {}  # key -> completed block waiting for a store
 
     def held(self, writer: Client | None = None) -> int:
@@ -84,9 +97,13 @@ class Grants:
             return len(self.blocks.get(writer, ()))
         return sum(map(len, self.blocks.values()))
 
-    def adopt(self, block: int, writer: Client, pos: int) -> None:
-        """A rebuild found ``block`` GRANTED to a live ``writer`` at ring position ``pos``."""
+    def adopt(self, block: int, writer: Client, pos: int, offered: bytes | None = None,
+              claimed: bool = False) -> None:
+        """A rebuild found ``block`` granted to a live ``writer`` at ring position ``pos``:
+        GRANTED, offered while still holding (indexed) key ``offered``, or ``claimed``."""
         self.blocks.setdefault(writer, {})[block] = pos
+        if offered is not None or claimed:
+            self.offered[block] = offered
 
     def settle(self, slot: int, gen: int, granted: int, taken: int) -> int:
         """At takeover: free the blocks of (slot, gen) whose position its ring's ``granted``
@@ -99,29 +116,63 @@ class Grants:
         lost = [b for b, pos in mine.items() if pos >= granted]
         for b in lost:
             del mine[b]
-        self.entries.release(lost)
+        self._end(lost)
         return len(lost)
 
+    def _end(self, blocks: list[int]) -> None:
+        """Blocks granted to nobody any more: a free grant, or an offer the client claimed,
+        goes back to the free list (an offer's old key leaves the index first); an offer it
+        never claimed (or whose claim it never finished) is cached again, most recent, as if
+        a request had just used it."""
+        table, entries, free = self.entries.table, self.entries, []
+        for b in blocks:
+            if b not in self.offered:
+                free.append(b)
+                continue
+            key = self.offered.pop(b)
+            e = entries.get(key) if key is not None else None
+            if key is None or e is None or e.block != b:  # claimed in a past life: nothing
+                free.append(b)                             # of it indexed here
+            elif table.read(b).state in (L.READY, L.EVICTING):  # never claimed, or the claim
+                table.reset_ready(b)  # never finished: nothing written, READY as ever
+                entries.policy.insert(key)
+            else:  # CLAIMED (its data may be half new): forget its key, then free it
+                entries.forget(key)
+                self.outcomes.evicted([key])
+                free.append(b)
+        entries.release(free)
+
     def grant(self, slot: int, gen: int, n: int, first: int) -> list[int]:
-        """Up to ``n`` blocks for (slot, gen), evicting if the free list is short (fewer when
-        too little can be evicted). Each is GRANTED in the table before the caller rings it."""
+        """Up to ``n`` blocks for (slot, gen): free ones first (GRANTED), then victims the
+        policy chooses, offered (still READY, cached until the client claims them); fewer
+        when too little can be chosen. Each is marked in the table before the caller rings
+        it, free grants first in the ring."""
         entries = self.entries
-        short = n - len(entries.free)
-        if short > 0 and self.evictor.evict(short, set(), ALL_HOLDS) is None:
-            n = len(entries.free)
-        out = entries.take_free(n)
-        entries.table.write_many(out, L.GRANTED, None, slot, gen, range(first, first + n),
+        free = entries.take_free(min(n, len(entries.free)))
+        short = n - len(free)
+        victims = self.evictor.choose(short, ALL_HOLDS) if short > 0 else None
+        crash_point("owner.offer.after_choose")
+        offers = [entries.by_key[k].block for k in victims or ()]
+        pos = range(first, first + len(free) + len(offers))
+        entries.table.write_many(free, L.GRANTED, None, slot, gen, pos[:len(free)],
                                  entries.tick)
-        self.blocks.setdefault((slot, gen), {}).update(zip(out, range(first, first + n)))
+        if offers:
+            offer(entries.table, offers, slot, gen, pos[len(free):], entries.tick)
+            self.offered.update(zip(offers, victims or ()))
+            self.segment.counter_add("offered_blocks", len(offers))
+        out = free + offers
+        self.blocks.setdefault((slot, gen), {}).update(zip(out, pos))
         self.segment.counter_add("granted_blocks", len(out))
         return out
 
     def publish(self, slot: int, gen: int, keys: list[bytes], blocks: list[int],
-                success: bool, taken: int, running: Running | None = None) -> None:
+                success: bool, taken: int, running: Running | None = None,
+                returned: Sequence[int] = ()) -> None:
         """Apply a client's ``Publish``: each granted block becomes its key, READY and in the
         index (unless the key is cached already, or the store failed: then it is freed), at
-        ``running``'s provisional rank when it has one. Blocks not granted to the sender, or
-        not yet taken by it (position at or above its ``taken`` count), are ignored."""
+        ``running``'s provisional rank when it has one; the ``returned`` offers (taken, never
+        claimed) are cached again. Blocks not granted to the sender, or not yet taken by it
+        (position at or above its ``taken`` count), are ignored."""
         entries = self.entries
         try:
             rank_of = self.running.rank_of(running, (slot, gen)) if success else None
@@ -129,14 +180,24 @@ class Grants:
             rank_of = None  # ranks are advice: a bad one never costs a store
             self.segment.counter_add("errors")
         mine = self.blocks.get((slot, gen), {})
+        back = [b for b in dict.fromkeys(returned) if mine.get(b, taken) < taken]
+        for b in back:
+            del mine[b]
+        self._end(back)
         entries.tick += 1
         done: dict[bytes, int] = {}  # key -> block, published by this frame
-        freed = []
+        ours = []  # (key, block, position): granted to the sender and taken by it
         for k, b in zip(keys, blocks):
             pos = mine.get(b, taken)
             if pos >= taken:
                 continue  # published already (a replayed frame), never ours, or not taken
             del mine[b]
+            ours.append((k, b, pos))
+        unclaimed = self._claimed([b for _, b, _ in ours if b in self.offered])
+        freed = [b for _, b, _ in ours if b in unclaimed]  # written without a claim: never
+        for k, b, pos in ours:                               # publish what it holds now
+            if b in unclaimed:
+                continue
             e = entries.get(k)
             if success and e is not None and not e.ready and k not in self.deferred:
                 # Another client's store of k is unfinished: wait for it, keyed in the
@@ -157,6 +218,27 @@ class Grants:
         entries.adopt_many(blocks, keys, None, rank_of)
         self.outcomes.stored(keys, success, len(freed))
 
+    def _claimed(self, blocks: list[int]) -> set[int]:
+        """Offered blocks in a Publish: their old keys leave the index (an eviction each),
+        and the ones their client did not claim before writing are returned (a client that
+        never claimed a block wrote into one others could read: it is freed, never
+        published)."""
+        if not blocks:
+            return set()
+        entries, old = self.entries, [self.offered.pop(b) for b in blocks]
+        gone = [k for k, b in zip(old, blocks)
+                if k is not None and (e := entries.get(k)) is not None and e.block == b]
+        for k in gone:
+            entries.forget(k)
+        if gone:
+            self.outcomes.evicted(gone)
+        crash_point("owner.publish.after_forget")
+        state = offers.states(entries.table, np.asarray(blocks, np.intp))
+        bad = {b for b, s in zip(blocks, state.tolist()) if s != L.CLAIMED}
+        if bad:
+            self.segment.counter_add("errors", len(bad))
+        return bad
+
     def resolve(self, key: bytes) -> None:
         """The unfinished store of ``key`` ended: a block deferred behind it is published if
         the key is gone (that store failed, or its writer died), else freed."""
@@ -172,9 +254,10 @@ class Grants:
         self.outcomes.stored([key], True, 0)
 
     def free(self, writer: Client) -> int:
-        """Free every block granted to ``writer`` (its client is gone, with its copiers)."""
+        """End every grant of ``writer`` (its client is gone, with its copiers): free blocks
+        and claimed offers are freed, offers it never claimed are cached again."""
         blocks = self.blocks.pop(writer, {})
-        self.entries.release(sorted(blocks))
+        self._end(sorted(blocks))
         return len(blocks)
 
 

@@ -2,10 +2,12 @@
 
 This module owns what a new owner trusts of the table: READY entries whose key checksum
 verifies are adopted (oldest use first, so recency survives a failover), the unfinished
-stores of live writers stay pending, blocks granted to live clients stay granted, completed
-stores a dead owner deferred are remembered, and everything else (torn keys, dead writers'
-stores, duplicates of a damaged table) is freed. It fills a fresh ``Entries`` and ``Grants``;
-it never rewrites a key it keeps and never copies block data.
+stores of live writers stay pending, blocks granted to live clients stay granted (an offer
+still cached and indexed, a claimed one not), completed stores a dead owner deferred are
+remembered, and everything else (torn keys, dead writers' stores and claims, duplicates of a
+damaged table) is freed; a dead client's unclaimed offer is simply cached again. It fills a
+fresh ``Entries`` and ``Grants``; it never rewrites a key it keeps and never copies block
+data.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ def rebuild(entries: Entries, grants: Grants, writer_alive: Callable[[int, int],
     table, by_key = entries.table, entries.by_key
     ready, kept, freed, torn_keys, free = [], 0, 0, 0, []
     writing: list[tuple[int, bytes, tuple[int, int]]] = []
+    offers: list[tuple[int, bytes, tuple[int, int], int]] = []
     entries.index.clear()
     for b in range(table.num_blocks):
         # A dead owner may have left an entry mid-rewrite (odd seq: readers would report
@@ -37,9 +40,22 @@ def rebuild(entries: Entries, grants: Grants, writer_alive: Callable[[int, int],
         # the key bytes under an unchanged READY state.
         torn = table.settle(b)
         e = table.read(b)
+        client = (e.writer, e.writer_gen)
+        if e.state in (L.READY, L.EVICTING, L.CLAIMED) and e.writer >= 0 and \
+                writer_alive(*client):
+            # An offer of a live client, its claim under way (EVICTING) or done: that client
+            # alone writes the entry now (a claim cut by our settling ends as the client
+            # decides), so it is never freed or rewritten here, whatever its sequence number
+            # said; the key of an offer, or of a claim that may still be given back, is
+            # indexed again when intact (readers see its state).
+            if e.state != L.CLAIMED and e.key and e.key_ok:
+                offers.append((b, e.key, client, e.grant_pos))
+            else:
+                grants.adopt(b, client, e.grant_pos, claimed=True)
+            continue
         if e.state != L.FREE and (e.torn or not e.key_ok):
             torn_keys += 1  # never published: its key is neither the old nor the new one
-        elif e.state in (L.READY, L.EVICTING) and e.key:
+        elif e.state in (L.READY, L.EVICTING) and e.key:  # (a dead client's offer: cached)
             ready.append((e.last_use, b, e.key, e))
             continue
         elif e.state == L.GRANTED and e.key and not torn and \
@@ -53,7 +69,8 @@ def rebuild(entries: Entries, grants: Grants, writer_alive: Callable[[int, int],
             else:
                 writing.append((b, e.key, (e.writer, e.writer_gen)))
             continue
-        # a torn WRITING entry's store was never answered, a dead writer's never ends
+        # a torn WRITING entry's store was never answered, a dead writer's (or claim's) never
+        # ends
         if e.state != L.FREE or torn:
             table.write(b, L.FREE, b"")
             freed += e.state != L.FREE
@@ -77,6 +94,13 @@ def rebuild(entries: Entries, grants: Grants, writer_alive: Callable[[int, int],
             continue
         entries.adopt(b, key, writer)
         kept += 1
+    for b, key, client, pos in offers:  # cached and indexed, out of the policy's order
+        if key in by_key:  # a duplicate (a damaged table): the client may claim it, so
+            grants.adopt(b, client, pos, claimed=True)  # it stays theirs, unindexed
+            continue
+        entries.adopt(b, key, None)
+        entries.policy.remove(key)
+        grants.adopt(b, client, pos, offered=key)
     entries.free = deque(sorted(free))  # low block ids first, like vLLM's CPU backend
     for key in list(grants.deferred):  # deferred behind a store that is over now
         behind = by_key.get(key)

@@ -16,6 +16,7 @@ from kvshm.index import protocol as P
 from kvshm.owner.clients import Client
 from kvshm.owner.manager import LocalManager
 from kvshm.shm import keys as K
+from kvshm.shm import layout as L
 from kvshm.shm.segment import Segment
 
 Handler = Callable[[Client, Any, bool], "list[P.Reply]"]
@@ -60,8 +61,11 @@ class Handlers:
         self.fan_out()
         if out is None:
             return [P.NoRoom(m.req, self.epoch)]
-        # the blocks it took, not the keys it offered (most may be cached already)
-        c.largest_store = max(c.largest_store, len(out.keys_to_store))
+        # the blocks it took, not the keys it offered (most may be cached already), with
+        # what it took from its grant ring for the same store (since the last refill)
+        took = c.grant_head["taken"] - c.taken_seen
+        took = took if 0 <= took <= L.GRANT_CAPACITY else 0  # (its own word: bounded)
+        c.largest_store = max(c.largest_store, len(out.keys_to_store) + took)
         return self._prepared(m.req, out.keys_to_store, out.block_ids, out.evicted_keys, False)
 
     def _prepared(self, req: int, keys: list[bytes], blocks: list[int], evicted: list[bytes],
@@ -102,7 +106,7 @@ class Handlers:
             running = None  # ranks are advice: a bad one never costs a store
             self.seg.counter_add("errors")
         self.manager.grants.publish(c.slot, c.gen, m.keys, m.blocks, m.success,
-                                    int(c.grant_head["taken"]), running)
+                                    int(c.grant_head["taken"]), running, m.returned)
         self.fan_out()
         return []
 

@@ -53,7 +53,7 @@ class Roster:
         do not stop its own stores, exactly as in a private cache."""
         parts = []
         for c in self.clients.values():
-            h = c.holds
+            h = c.marked_holds()
             if c.slot == requester:
                 parts.append(h[h >= 0])
             else:

@@ -67,9 +67,10 @@ from kvshm.shm.records import (  # noqa: F401  (re-exported: one definition, two
 )
 
 MAGIC = b"KVSHM\x00\x00\x01"
-FORMAT_VERSION = 5  # 2: 64-bit writer_req, keysum in every table entry; 3: block grants;
+FORMAT_VERSION = 6  # 2: 64-bit writer_req, keysum in every table entry; 3: block grants;
 #                    4: grant rings of 1,024 blocks, a client's refusal of grants;
-#                    5: doorbells and the tier area named for the segment's inode
+#                    5: doorbells and the tier area named for the segment's inode;
+#                    6: offered (READY) grants claimed by their client, slot hold marks
 HEADER_BYTES = 4096
 DATA_ALIGN = 2 << 20
 MAX_PLANES = 32
@@ -84,9 +85,12 @@ POLICY_NAMES = ("lru", "arc")
 # Block states, mirrored into the table so any process can read them.
 # GRANTED: a free block the owner handed to one client's grant ring (writer, writer_gen, no
 # key): only that client writes its data, and the owner publishes it when the client says so.
-FREE, WRITING, READY, EVICTING, GRANTED = 0, 1, 2, 3, 4
+# A READY block may be *offered* instead (READY with a writer: still cached and readable, in
+# one client's grant ring); that client CLAIMS it when it takes it for a store: CLAIMED is
+# its key no longer readable and its data being replaced, the one state a client writes.
+FREE, WRITING, READY, EVICTING, GRANTED, CLAIMED = 0, 1, 2, 3, 4, 5
 STATE_NAMES = {FREE: "free", WRITING: "writing", READY: "ready", EVICTING: "evicting",
-               GRANTED: "granted"}
+               GRANTED: "granted", CLAIMED: "claimed"}
 INVALID = len(STATE_NAMES)  # ``state_counts``' bucket for a state byte no kvshm writes
 
 # Byte offsets of kernel-released (OFD) locks taken on the segment's file descriptor.
@@ -136,9 +140,14 @@ SLOT_COUNTERS = field_names(SLOT_COUNTERS_DTYPE)  # u64 each, client-written
 SLOT_OFF_COUNTERS = 64
 assert SLOT_DTYPE.itemsize <= SLOT_OFF_COUNTERS
 # The served record (SERVED_DTYPE): owner-written words that make requests exactly-once.
+# The slot's hold mark: u64, written only by the slot's client, 1 + the highest hold entry
+# it ever used (0: none), stored before the hold entry it first covers. Whoever reads a
+# slot's holds reads the entries below it only (a claim, an eviction): holds are taken from
+# the low end, so this is a few cache lines, not the whole array.
+SLOT_OFF_HOLD_MARK = 120
 SLOT_OFF_SERVED = 128
 SLOT_HEAD_BYTES = 192
-assert SLOT_OFF_COUNTERS + 8 * len(SLOT_COUNTERS) <= SLOT_OFF_SERVED
+assert SLOT_OFF_COUNTERS + 8 * len(SLOT_COUNTERS) <= SLOT_OFF_HOLD_MARK < SLOT_OFF_SERVED
 assert SLOT_OFF_SERVED + SERVED_DTYPE.itemsize <= SLOT_HEAD_BYTES
 RING_NAMES = ("request", "reply", "peer_in", "peer_out")
 # The grant ring of a client slot (after its holds): block ids the owner hands the client

@@ -164,6 +164,9 @@ COUNTER_NAMES = (
     # CPU time (thread clock, ns) the owner spent on passes that served frames, the grant
     # refills after them included; its idle waits and spins are not in it. Owner-written.
     "owner_busy_ns",
+    # Of granted_blocks, those offered while still cached (READY until their client claims
+    # them) instead of evicted for the grant; owner-written.
+    "offered_blocks",
 )
 MAX_COUNTERS = 32  # words reserved: new counters fit without moving the pinners
 COUNTERS_DTYPE = np.dtype({"names": list(COUNTER_NAMES), "formats": ["<u8"] * len(COUNTER_NAMES),
@@ -279,19 +282,25 @@ GRANT_HEAD_DTYPE = np.dtype({
     "offsets": [0, 64, 72],
     "itemsize": 128})
 
-# --- block-table entry (one per block): written only by the owner ------------------------
-# Any process reads an entry without a lock, under its seqlock word. Who writes each field,
-# and what it guarantees:
+# --- block-table entry (one per block): written by the owner ------------------------------
+# Any process reads an entry without a lock, under its seqlock word. The owner writes every
+# entry, with one exception: a READY block the owner *offered* to a client (writer >= 0, in
+# that client's grant ring) is written by that client alone, once, to claim it (seq round,
+# state CLAIMED), or to give the claim back (CLAIMED -> READY); the owner leaves an offered
+# entry alone (but for its last_use word) until the client publishes it or dies. Who writes
+# each field, and what it guarantees:
 ENTRY_DTYPE = np.dtype([
     # seqlock word, written alone as one aligned 32-bit store: odd while the owner changes
     # the entry. A dead owner can leave it odd; only the next owner's rebuild settles it.
     ("seq", "<u4"),
-    # FREE/WRITING/READY/EVICTING/GRANTED. Changed by a lone byte store (set_state,
-    # publish) or with the body; a reader trusts it only under an even, unchanged seq.
+    # FREE/WRITING/READY/EVICTING/GRANTED/CLAIMED (layout.py). Changed by a lone byte store
+    # in a seqlock round or with the body; a reader trusts it only under an even, unchanged
+    # seq. Only READY is readable.
     ("state", "u1"),
     # length of the key, 0 for FREE. Written only with the key, in one body copy.
     ("keylen", "u1"),
-    # client slot storing into the block (WRITING) or granted it (GRANTED), -1 for none.
+    # client slot storing into the block (WRITING), granted it (GRANTED), offered it (READY)
+    # or claimed it (CLAIMED); -1 for none (a READY block nobody was offered).
     ("writer", "<i2"),
     # generation of that slot when the store was granted (a reused slot is another writer).
     ("writer_gen", "<u4"),
@@ -300,8 +309,9 @@ ENTRY_DTYPE = np.dtype([
     # rewritten (or damaged), and the block is freed instead of published.
     ("keysum", "<u4"),
     # WRITING: the writer's request id (client request counters are unbounded: 64 bits).
-    # GRANTED: the block's position in its client's grant ring (``Entry.grant_pos``), which
-    # tells a successor whether the ring's ``granted`` count ever handed it over.
+    # GRANTED, offered READY, CLAIMED: the block's position in its client's grant ring
+    # (``Entry.grant_pos``), which tells a successor whether the ring's ``granted`` count
+    # ever handed it over.
     ("writer_req", "<u8"),
     # eviction clock at the last touch: a lone aligned 64-bit store (readers may see old or
     # new, both fine); the rebuild orders ready blocks by it.
@@ -312,7 +322,11 @@ ENTRY_DTYPE = np.dtype([
     ("pins", "<u8"),
     # the key, zero padded; written only in the body copy, with keylen and keysum.
     ("key", "S64"),
-    ("spare", "V16"),  # nobody: zero
+    # offered READY, CLAIMED: the eviction clock when the owner offered the block (in the
+    # same round as the writer fields). A last_use past it means a request used the block
+    # since: its client returns the offer instead of claiming it. Stale otherwise.
+    ("offered_at", "<u8"),
+    ("spare", "V8"),  # nobody: zero
 ], align=False)
 assert ENTRY_DTYPE.itemsize == 128
 # Every field sits at a multiple of its own size: the 64-bit words can be stored through

@@ -75,6 +75,7 @@ def activate(seg: Segment, slot: int, gen: int, state: int = SlotState.CLIENT,
     ``takes_grants=False``: no owner ever stocks its grant ring (every owner reads this
     when it adopts the slot, before it serves any request of it)."""
     g = seg.geometry
+    hold_mark(seg, slot)[0] = 0
     holds(seg, slot)[:] = -1
     head, ids = grants(seg, slot)
     ids[:] = -1
@@ -142,6 +143,31 @@ def served(seg: Segment, slot: int) -> WordView:
 def holds(seg: Segment, slot: int) -> np.ndarray:
     g = seg.geometry
     return np.frombuffer(seg.buf, np.int32, g.hold_capacity, g.slot_offset(slot) + g.hold_offset)
+
+
+def hold_mark(seg: Segment, slot: int) -> memoryview:
+    """The slot's hold mark (``layout.SLOT_OFF_HOLD_MARK``) as a one-word u64 view."""
+    off = seg.geometry.slot_offset(slot) + L.SLOT_OFF_HOLD_MARK
+    return seg.buf[off:off + 8].cast("Q")
+
+
+def marked_holds(seg: Segment, slot: int, mark: int) -> np.ndarray:
+    """The slot's hold entries below ``mark`` (clamped to the array: a client's mark is its
+    own word, never trusted to bound a read)."""
+    return holds(seg, slot)[:max(0, min(int(mark), seg.geometry.hold_capacity))]
+
+
+def held_anywhere(seg: Segment, blocks: np.ndarray) -> np.ndarray:
+    """Which of ``blocks`` any slot holds (a load pin or a lookup lease), whoever it is: a
+    claim must leave such a block to its reader. Reads each slot's mark, then its holds
+    below the mark (the order the holder stores them in)."""
+    g, base = seg.geometry, seg.geometry.clients_offset + L.SLOT_OFF_HOLD_MARK
+    marks = np.ndarray((g.max_clients,), np.uint64, seg.buf, base, (g.slot_bytes,)).copy()
+    parts = [marked_holds(seg, s, m) for s, m in enumerate(marks.tolist()) if m]
+    if not parts:
+        return np.zeros(len(blocks), bool)
+    codes = np.concatenate(parts)
+    return np.isin(blocks, L.held_block(codes[codes != -1]))
 
 
 def grants(seg: Segment, slot: int) -> tuple[WordView, np.ndarray]:

@@ -44,6 +44,7 @@ from kvshm.shm.entry import (
     decode,
 )
 from kvshm.shm.fence import publish_fence
+from kvshm.shm.records import ENTRY_DTYPE
 
 # Below this many entries the batch writers loop over the scalar ones: numpy's per-call cost
 # (one to a few microseconds an operation on a small host) outweighs that many struct packs
@@ -76,11 +77,13 @@ class BlockTable:
                                    self.base).reshape(self.num_blocks, L.ENTRY_BYTES)
         self._seqs = self._rows[:, :4].view(np.uint32)[:, 0]
         self._words = self._rows.view(np.uint64)  # (num_blocks, ENTRY_BYTES // 8)
+        # Every entry by field (records.ENTRY_DTYPE), for writers of a few fields at once
+        self.fields = np.frombuffer(buf, ENTRY_DTYPE, self.num_blocks, self.base)
 
     def close(self) -> None:
         self._w32.release()
         self._w64.release()
-        del self._rows, self._seqs, self._words
+        del self._rows, self._seqs, self._words, self.fields
 
     def states_if_keys(self, blocks: np.ndarray, keys: np.ndarray) -> np.ndarray:
         """Vectorised ``state_if_key``: ``keys`` is an (n, keylen) uint8 array of equal-length
@@ -257,14 +260,14 @@ class BlockTable:
         self._w64[block * WORDS64 + PINS_WORD] = pins
 
     # --- owner-only batch writers: the rounds of many entries side by side --------------
-    def _odd_many(self, blocks: np.ndarray) -> np.ndarray:
+    def open_rounds(self, blocks: np.ndarray) -> np.ndarray:
         """``_odd`` for every block (distinct ids): readers of any of them now retry."""
         seqs = self._seqs[blocks] | 1
         self._seqs[blocks] = seqs
         publish_fence()
         return seqs
 
-    def _even_many(self, blocks: np.ndarray, seqs: np.ndarray) -> None:
+    def close_rounds(self, blocks: np.ndarray, seqs: np.ndarray) -> None:
         publish_fence()
         self._seqs[blocks] = seqs + np.uint32(1)  # wraps like the scalar round
 
@@ -309,12 +312,12 @@ class BlockTable:
         else:
             body["keysum"] = EMPTY_KEYSUM
         b = np.asarray(blocks, np.intp)
-        seqs = self._odd_many(b)
+        seqs = self.open_rounds(b)
         if crashpoints.ARMED:
             self._rows_armed(b, rows)
         else:
             self._rows[b, BODY_OFF:BODY_OFF + BODY.size] = rows
-        self._even_many(b, seqs)
+        self.close_rounds(b, seqs)
 
     def _rows_armed(self, b: np.ndarray, rows: np.ndarray) -> None:
         """The batch copy with crash point ``table.write_many.odd`` inside it (tests only): the
@@ -335,9 +338,9 @@ class BlockTable:
                 self.set_state(blk, state)
             return
         b = np.asarray(blocks, np.intp)
-        seqs = self._odd_many(b)
+        seqs = self.open_rounds(b)
         self._rows[b, STATE_OFF] = state
-        self._even_many(b, seqs)
+        self.close_rounds(b, seqs)
 
     def publish_many(self, blocks: Sequence[int], tick: int, stored_ns: int) -> None:
         """``publish`` of every block (distinct ids): WRITING -> READY, keys unchanged."""
@@ -346,12 +349,12 @@ class BlockTable:
                 self.publish(blk, tick, stored_ns)
             return
         b = np.asarray(blocks, np.intp)
-        seqs = self._odd_many(b)
+        seqs = self.open_rounds(b)
         self._rows[b, STATE_OFF] = L.READY
         self._rows[b, WRITER_OFF:WRITER_OFF + 2] = 0xFF
         self._words[b, LAST_USE_WORD] = tick
         self._words[b, STORED_NS_WORD] = stored_ns
-        self._even_many(b, seqs)
+        self.close_rounds(b, seqs)
 
     def set_last_uses(self, blocks: Sequence[int], tick: int) -> None:
         """``set_last_use`` of every block: lone aligned word stores, as the scalar one."""

@@ -1,0 +1,211 @@
+"""Offers: when no block is free, the owner grants a client the victims it would evict, still
+cached and readable, and the client claims them only when it takes them for a store.
+
+Every test runs a real owner process (started by ``connect``) and real clients. What they pin
+down: a full cache holds no grant empty; a claim never takes a block a reader holds (the
+lease handshake, done by the claiming client), nor one a request used since it was offered
+(that one goes back into the cache); nobody ever reads a claimed block's new bytes under its
+old key; and whatever dies, a claim is freed and an offer that was never claimed stays
+cached.
+"""
+from __future__ import annotations
+
+import os
+import signal
+
+import procs
+import pytest
+from conftest import TEST_LAYOUT, stop_owner
+from test_shared import spawn, wait_for
+
+from kvshm.client.connect import connect
+from kvshm.inspect.snapshot import verify
+from kvshm.shm import layout as L
+from kvshm.shm import offers, slots
+from kvshm.shm.table import BlockTable
+
+BLOCKS, CLIENTS = 64, 4  # a client is stocked with 4 blocks, up to 16 as its stores grow
+
+
+@pytest.fixture
+def pair(seg_name):
+    """Two clients of one segment: ``a`` stores, ``b`` reads."""
+    a = connect(seg_name, TEST_LAYOUT, num_blocks=BLOCKS, max_clients=CLIENTS,
+                ring_capacity=8192, hold_capacity=64)
+    b = connect(seg_name)
+    yield a, b
+    pid = a.segment.owner_record()[0]
+    for m in (b, a):
+        if m.segment is not None:
+            m.shutdown()
+    stop_owner(pid)
+
+
+def keys(tag: str, n: int) -> list[bytes]:
+    return [b"%s-%03d" % (tag.encode(), i) for i in range(n)]
+
+
+def entries(seg) -> list:
+    t = BlockTable(seg.buf, seg.geometry)
+    try:
+        return [t.read(b) for b in range(seg.geometry.num_blocks)]
+    finally:
+        t.close()
+
+
+def offers_to(m) -> dict[int, bytes]:
+    """Block -> key of the READY blocks offered to client ``m`` now."""
+    return {b: e.key for b, e in enumerate(entries(m.segment))
+            if e.state == L.READY and (e.writer, e.writer_gen) == (m.slot, m.gen)}
+
+
+def fill_until_offered(m, n: int = 1) -> dict[int, bytes]:
+    """Store into ``m`` until the cache is full and its grant ring holds ``n`` offers."""
+    for i in range(8):
+        procs.store(m, keys(f"fill{i}", BLOCKS // 4))
+    wait_for(lambda: len(offers_to(m)) >= n, "the owner to offer victims to the client")
+    return offers_to(m)
+
+
+def level(m) -> int:
+    head, _ = slots.grants(m.segment, m.slot)
+    return head["granted"] - m._own.taken
+
+
+def test_a_full_cache_offers_its_victims_and_holds_no_grant_empty(pair):
+    a, b = pair
+    offered = fill_until_offered(a)
+    states = [e.state for e in entries(a.segment)]
+    assert L.FREE not in states and L.GRANTED not in states  # every block caches a key
+    for block, key in offered.items():  # and an offered one is still a hit, right bytes
+        assert b.lookup([key]) == 1
+        assert procs.check(b.segment.planes(), b.prepare_load([key])[0], key)
+        b.complete_load([key])
+    b.release()
+    assert a.segment.counter("offered_blocks") >= len(offered)
+
+
+def test_a_claim_leaves_a_block_a_reader_holds_until_it_lets_go(pair):
+    a, b = pair
+    offered = fill_until_offered(a)
+    block, key = next(iter(offered.items()))
+    assert b.lookup([key]) == 1  # b's lease, before a claims
+    procs.store(a, keys("more", level(a)))  # takes its whole ring: every offer in it
+    assert a._own.declined == [block]  # handed back to READY, kept to claim later
+    assert procs.check(b.segment.planes(), b.prepare_load([key])[0], key)
+    b.complete_load([key])
+    b.release()
+    procs.store(a, keys("after", 1))  # claims it now that nobody holds it
+    assert a.lookup([key]) == 0 and a._own.declined == []
+
+
+def test_an_offer_a_request_used_is_returned_and_stays_cached(pair):
+    a, b = pair
+    offered = fill_until_offered(a)
+    block, key = next(iter(offered.items()))
+    b.prepare_load([key])
+    b.touch([key])
+    b.complete_load([key])
+    b.release()
+    t = BlockTable(a.segment.buf, a.segment.geometry)
+    try:
+        wait_for(lambda: offers.used_since_offer(t, [block])[0], "the owner to apply b's touch")
+    finally:
+        t.close()
+    procs.store(a, keys("more", level(a)))
+    wait_for(lambda: entries(a.segment)[block].writer == -1, "the owner to take it back")
+    e = entries(a.segment)[block]
+    assert (e.state, e.key) == (L.READY, key)
+    assert b.lookup([key]) == 1
+    b.release()
+
+
+def test_nobody_reads_a_claimed_blocks_new_bytes_under_its_old_key(pair):
+    a, b = pair
+    offered = fill_until_offered(a)
+    out = a.prepare_store(keys("new", level(a)))
+    claimed = {blk: offered[blk] for blk in out.block_ids if blk in offered}
+    assert claimed, "the store took no offer"
+    planes = a.segment.planes()
+    for k, blk in zip(out.keys_to_store, out.block_ids):
+        procs.fill(planes, blk, k)
+    for old in claimed.values():  # claimed, not yet published: no lookup finds it
+        assert b.lookup([old]) == 0
+    a.complete_store(out.keys_to_store)
+    wait_for(lambda: all(b.lookup([k]) == 1 for k in out.keys_to_store), "the publish")
+    for k, blk in zip(out.keys_to_store, out.block_ids):
+        assert procs.check(planes, b.prepare_load([k])[0], k)
+        b.complete_load([k])
+    b.release()
+    assert all(b.lookup([old]) == 0 for old in claimed.values())
+    assert verify(a.segment) == []
+
+
+def test_a_dead_clients_claims_are_freed_and_its_offers_stay_cached(pair, seg_name):
+    a, b = pair
+    p, conn = spawn(procs.claim_and_wait, seg_name)
+    info = conn.recv()  # it holds claims (a store under way) and offers it never took
+    os.kill(p.pid, signal.SIGKILL)
+    p.join()
+    wait_for(lambda: all(e.writer != info["slot"] or e.state == L.FREE
+                         for e in entries(b.segment)), "the owner to reclaim the dead client")
+    es = entries(b.segment)
+    assert all(es[blk].state == L.FREE for blk in info["claimed"])
+    for blk, key in info["offered"].items():
+        assert (es[blk].state, es[blk].key) == (L.READY, key) and b.lookup([key]) == 1
+    b.release()
+    assert verify(b.segment) == []
+
+
+def test_a_new_owner_keeps_a_live_clients_offers_and_claims(pair):
+    a, b = pair
+    fill_until_offered(a, 2)
+    out = a.prepare_store(keys("new", 1))  # claims one offer; the others stay in the ring
+    still = offers_to(a)
+    procs.fill_all(a.segment.planes(), out.block_ids, out.keys_to_store)
+    pid = a.segment.owner_record()[0]
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: not a.segment.owner_alive(), "the owner to die")
+    a.complete_store(out.keys_to_store)  # one-way: the next call's owner publishes it
+    a.take_events()  # a call: it starts a successor
+    assert a.segment.owner_record()[0] != pid
+    wait_for(lambda: b.lookup(out.keys_to_store) == 1, "the successor to publish the claim")
+    b.release()
+    assert offers_to(a) == still  # the offers it never took are still its, still cached
+    assert all(b.lookup([k]) == 1 for k in still.values())
+    b.release()
+    assert verify(a.segment) == []
+
+
+def test_a_block_written_without_a_claim_is_never_published(pair, monkeypatch):
+    a, b = pair
+    offered = fill_until_offered(a)
+    # A client that skips the claim: it takes offers as if they were its to write.
+    monkeypatch.setattr(type(a._own), "_claim", lambda self, blocks: self.spare.extend(blocks))
+    errors = a.segment.counter("errors")
+    out = a.prepare_store(keys("rogue", level(a)))
+    rogue = [(k, blk) for k, blk in zip(out.keys_to_store, out.block_ids) if blk in offered]
+    assert rogue
+    procs.fill_all(a.segment.planes(), out.block_ids, out.keys_to_store)
+    a.complete_store(out.keys_to_store)
+    wait_for(lambda: a.segment.counter("errors") >= errors + len(rogue), "the owner to refuse")
+    for k, blk in rogue:
+        assert b.lookup([k]) == 0 and b.lookup([offered[blk]]) == 0  # neither key is served
+        e = entries(a.segment)[blk]  # freed (and perhaps granted again since): no key of its
+        assert e.state != L.READY or e.key not in (k, offered[blk])
+    b.release()
+
+
+def test_a_claim_never_touches_a_block_held_before_it(pair):
+    """A reader that leased (or pinned) a block before its claimer looked keeps an entry that
+    no claim ever rewrote: not even for a moment, which would fail its load."""
+    a, b = pair
+    offered = fill_until_offered(a)
+    block, key = next(iter(offered.items()))
+    assert b.lookup([key]) == 1  # leased before the claim
+    before = entries(a.segment)[block].seq
+    procs.store(a, keys("more", level(a)))
+    assert entries(a.segment)[block].seq == before  # never rewritten
+    assert procs.check(b.segment.planes(), b.prepare_load([key])[0], key)
+    b.complete_load([key])
+    b.release()
