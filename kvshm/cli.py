@@ -8,27 +8,26 @@ from __future__ import annotations
 import argparse
 import sys
 
+from kvshm import commands
+
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="kvshm",
+        prog="kvshm", epilog=commands.EXIT_STATUS,
         description="kvshm: a shared-memory KV-cache CPU tier shared by co-located engines. "
                     "Clients start an owner on demand; 'kvshm serve' runs one under your "
                     "process manager instead. Inspect caches with 'kvshm-inspect'.")
     sub = ap.add_subparsers(dest="cmd", required=True)
     serve = sub.add_parser(
-        "serve", help="serve a segment's index in the foreground",
+        "serve", help="serve a segment's index in the foreground", epilog=commands.EXIT_STATUS,
         description="Own segment NAME until SIGTERM/SIGINT: answer every client's manager "
                     "requests and reclaim what dead clients held. Exits 0 at once if another "
                     "owner already serves it. Example: kvshm serve mycache --log-level INFO")
-    serve.add_argument("name", help="segment name (the one engines pass to kvshm.connect)")
-    from kvshm.owner.server import DEFAULT_LOG_LEVEL, LOG_LEVELS
-    from kvshm.owner.server import main as owner_main
-    serve.add_argument("--log-level", default=DEFAULT_LOG_LEVEL, type=str.upper,
-                       choices=LOG_LEVELS, help=f"logging level, case-insensitive "
-                       f"(default {DEFAULT_LOG_LEVEL}); the log goes to stderr")
+    from kvshm.owner import server
+    server.add_arguments(serve)
     mover = sub.add_parser(
         "mover", help="move segment NAME's blocks to and from Mooncake Store (one per host)",
+        epilog=commands.EXIT_STATUS,
         description="Run the host's lower-tier mover for segment NAME until SIGTERM/SIGINT: "
                     "write every stored block through to Mooncake Store and fetch engines' "
                     "misses from it. Exits 0 at once if another mover serves NAME. Needs "
@@ -40,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.cmd == "mover":
         return run_from_args(args)
-    return owner_main([args.name, "--log-level", args.log_level])
+    return server.run_from_args(args)
 
 
 if __name__ == "__main__":

@@ -82,6 +82,17 @@ class ProtocolError(KvshmError):
     """A frame could not be decoded or is not a valid request/reply."""
 
 
+class ClientQuarantinedError(ProtocolError):
+    """The owner stopped serving this client for good (it found the client's rings or grant
+    counts corrupt): no call of it will be answered. Shut the manager down and connect again."""
+
+
+class RequestDroppedError(ProtocolError):
+    """A request was in progress when several owners in a row died: it was dropped, not
+    executed, so that it cannot take every successor down. The call may be retried; if it
+    fails again the same way, the request itself kills owners (report it)."""
+
+
 class OwnerUnavailableError(KvshmError):
     """No owner process is serving the segment and none could be started."""
 
@@ -104,6 +115,10 @@ class PinningError(KvshmError):
 
 
 # --- lower tier --------------------------------------------------------------------------
+class MoverRunningError(KvshmError):
+    """Another live process is the segment's mover (one per host and segment): nothing to do."""
+
+
 class LowerTierUnavailableError(KvshmError):
     """The lower tier's client cannot be used at all: its package (or a system library it
     loads) is missing, or its configuration is invalid. Raised where a mover starts, never

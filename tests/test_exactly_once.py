@@ -144,7 +144,7 @@ def _serves_on(seg_name: str) -> int:
 def test_a_request_that_kills_every_owner_fails_instead_of_looping(seg_name, point):
     Segment.create(seg_name, TEST_LAYOUT, 16, **SMALL_GEOMETRY).close()
     result = _poisoned(seg_name, procs.poison_request, point)
-    assert result["error"] == "ProtocolError" and "owners died" in result["message"]
+    assert result["error"] == "RequestDroppedError" and "owners died" in result["message"]
     _serves_on(seg_name)
 
 

@@ -22,7 +22,7 @@ from kvshm.index import protocol as P
 from kvshm.client.connect import connect
 from kvshm.owner.grants import grant_budget, grant_target
 from kvshm.index.api import LookupResult
-from kvshm.errors import BlockStateError, ProtocolError
+from kvshm.errors import BlockStateError, ClientQuarantinedError, ProtocolError
 from kvshm.shm import layout as L
 from kvshm.shm import slots
 from kvshm.inspect.snapshot import verify
@@ -547,5 +547,5 @@ def test_a_quarantined_client_is_told_so_at_once_instead_of_timing_out(mgr):
     finally:
         other.shutdown()
     wait_for(lambda: mgr.segment.counter("errors") > errors, "the owner to quarantine us")
-    with pytest.raises(ProtocolError, match="quarantined"):
+    with pytest.raises(ClientQuarantinedError, match="quarantined"):
         mgr.take_events()

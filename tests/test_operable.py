@@ -159,3 +159,28 @@ def test_the_owner_keeps_its_own_log_bounded(tmp_path):
         stream.close()
     lines = path.read_text().splitlines()
     assert lines[-1] == "line 0999 of a chatty owner" and lines[0].startswith("[")
+
+
+COMMANDS = (["-m", "kvshm.cli"], ["-m", "kvshm.cli", "serve"], ["-m", "kvshm.cli", "mover"],
+            ["-m", "kvshm.owner"], ["-m", "kvshm.inspect.cli"])
+
+
+def test_every_command_states_the_one_exit_status_policy_in_its_help():
+    from kvshm.commands import EXIT_STATUS
+    for cmd in COMMANDS:
+        out = subprocess.run([sys.executable, *cmd, "--help"], env=ENV, capture_output=True,
+                             text=True)
+        assert out.returncode == 0, (cmd, out.stderr)
+        assert " ".join(EXIT_STATUS.split()) in " ".join(out.stdout.split()), cmd
+
+
+def test_daemons_that_cannot_run_exit_2_with_one_line():
+    name = unique_name()  # no such segment
+    for cmd in (["-m", "kvshm.cli", "serve", name],
+                ["-m", "kvshm.cli", "mover", name, "--master", "127.0.0.1:1", "--metadata",
+                 "http://127.0.0.1:1/metadata"]):
+        out = subprocess.run([sys.executable, *cmd], env=ENV, capture_output=True, text=True,
+                             timeout=60)
+        errors = [line for line in out.stderr.splitlines() if ": error: " in line]
+        assert out.returncode == 2 and len(errors) == 1, (cmd, out.stderr)
+        assert "Traceback" not in out.stderr, out.stderr

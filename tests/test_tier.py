@@ -25,7 +25,8 @@ from kvshm.shm.segment import Segment
 from kvshm.shm.wait import poll_until
 from kvshm.tier.area import TierArea
 from kvshm.tier.client import TieredManager
-from kvshm.tier.mover import Mover, MoverRunningError
+from kvshm.errors import MoverRunningError
+from kvshm.tier.mover import Mover
 
 from conftest import TEST_LAYOUT, stop_owner, unique_name
 from procs import check, store

@@ -65,7 +65,12 @@ import threading
 import time
 from collections.abc import Callable
 
-from kvshm.errors import OwnerUnavailableError, ProtocolError, ReplyTimeoutError, RingFullError
+from kvshm.errors import (
+    ClientQuarantinedError,
+    OwnerUnavailableError,
+    ReplyTimeoutError,
+    RingFullError,
+)
 from kvshm.index import protocol as P
 from kvshm.index.launch import OWNER_IDLE_EXIT_S, OWNER_MODULE
 from kvshm.logs import bound as bound_log
@@ -178,7 +183,7 @@ class OwnerLink:
 
     def _check_served(self) -> None:
         if self.quarantined():
-            raise ProtocolError(
+            raise ClientQuarantinedError(
                 f"the owner of {self.segment.name!r} quarantined this client (slot "
                 f"{self.slot}): it found our rings or grant counts corrupt and will not serve "
                 f"us again (its log, {owner_log_path(self.segment.name)}, says why); shut "

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kvshm import logs
+from kvshm import commands, logs
 from kvshm.errors import SegmentNotFoundError
 from kvshm.index.launch import OWNER_IDLE_EXIT_S
 from kvshm.inspect.cleanup import reclaim, users
@@ -131,7 +131,7 @@ def _ls_row(name: str) -> dict[str, Any]:
                    clients_alive=s["clients_alive"], owner_alive=s["owner"]["alive"],
                    age_s=s["header"]["age_s"])
     except Exception as e:  # one unreadable segment must not hide the others
-        row["error"] = _one_line(e)
+        row["error"] = commands.one_line(e)
     return row
 
 
@@ -338,8 +338,8 @@ def build_parser() -> argparse.ArgumentParser:
     raw = argparse.RawDescriptionHelpFormatter
     p = argparse.ArgumentParser(prog=PROG, formatter_class=raw, description="Inspect, check "
                                 "and clean up kvshm shared-memory KV-cache segments.",
-                                epilog="exit status: 0 ok, 1 violations (verify) or refused "
-                                "(rm), 2 error\nexample: kvshm-inspect show llama8b")
+                                epilog=f"{commands.EXIT_STATUS}\nexample: kvshm-inspect show "
+                                "llama8b")
     p.add_argument("--json", action="store_true", help="JSON output (docs/inspect.md)")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (func, short, long) in _COMMANDS.items():
@@ -371,11 +371,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _one_line(e: BaseException) -> str:
-    msg = " ".join(str(e).split())
-    return msg if type(e).__module__.startswith("kvshm") and msg else \
-        f"{type(e).__name__}: {msg}".rstrip(": ")
-
 
 def main(argv: list[str] | None = None) -> int:
     """Run ``kvshm-inspect`` with ``argv`` (default ``sys.argv[1:]``); return the exit status."""
@@ -386,13 +381,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except KeyboardInterrupt:
-        return 130
+        return commands.EXIT_INTERRUPTED
     except BrokenPipeError:  # piped into head: not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     except Exception as e:  # bad input must read as one line, never a traceback
-        print(f"{PROG}: error: {_one_line(e)}", file=sys.stderr)
-        return 2
+        return commands.error(PROG, e)
 
 
 if __name__ == "__main__":

@@ -18,9 +18,9 @@ import time
 
 import msgspec
 
-from kvshm import logs, signals
+from kvshm import commands, logs, signals
 from kvshm.crashpoints import crash_point
-from kvshm.errors import KvshmError, OwnerUnavailableError
+from kvshm.errors import KvshmError, OwnerUnavailableError, RequestDroppedError
 from kvshm.index import protocol as P
 from kvshm.owner.clients import Client
 from kvshm.owner.grants import grant_budget, grant_target, stock
@@ -34,10 +34,6 @@ from kvshm.shm.ring import Doorbell
 from kvshm.shm.segment import Segment
 
 log = logging.getLogger("kvshm.owner")
-# The one default for 'kvshm serve' and 'python -m kvshm.owner' (an auto-started
-# owner's log file then records its start, take-overs and reclaimed clients).
-DEFAULT_LOG_LEVEL = "INFO"
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 SCAN_INTERVAL_S = 0.2  # a dead client is reclaimed within about this long
 FRAMES_PER_PASS = 64  # per client and pass: one busy client cannot starve the others
@@ -202,9 +198,10 @@ class Owner:
             if attempts > MAX_ATTEMPTS:  # it killed every owner that began it: drop it.
                 # What those owners granted stays pending for the client: a reply may have
                 # reached it, so it may be copying; its goodbye or its death frees them.
-                self._answer(c, req, [P.Error(req, self.epoch, "ProtocolError",
-                                              f"request {req} was in progress when "
-                                              f"{MAX_ATTEMPTS} owners died; it was dropped")])
+                self._answer(c, req, [P.error_reply(req, self.epoch, RequestDroppedError(
+                    f"request {req} was in progress when {MAX_ATTEMPTS} owners died; it was "
+                    "dropped, not executed (retry it; if it fails so again, it kills owners: "
+                    "report it)"))])
                 return
             served["epoch"], served["attempts"] = self.epoch, attempts
             served["consumed"] = req  # from here on a successor replays instead of executing
@@ -341,33 +338,43 @@ class Owner:
         self.seg.close()
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m kvshm.owner",
-        description="Serve a kvshm segment's index (clients start this on demand).")
-    ap.add_argument("name", help="segment name (as given to kvshm.connect)")
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    """The arguments of an owner: ``kvshm serve`` and ``python -m kvshm.owner`` share them."""
+    ap.add_argument("name", help="segment name (the one engines pass to kvshm.connect)")
     ap.add_argument("--idle-exit", type=float, default=None, metavar="S",
-                    help="exit after S seconds without any attached client")
-    ap.add_argument("--log-level", default=DEFAULT_LOG_LEVEL, type=str.upper,
-                    choices=LOG_LEVELS, help=f"logging level (default {DEFAULT_LOG_LEVEL})")
-    args = ap.parse_args(argv)
+                    help="exit after S seconds without any attached client (an owner a "
+                         "client starts does; default: serve until stopped)")
+    commands.add_log_level(ap, "stderr (for an owner a client started: its log file, which "
+                           "'kvshm-inspect show' names)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m kvshm.owner NAME``: what a client starts when no owner serves NAME."""
+    ap = argparse.ArgumentParser(
+        prog="python -m kvshm.owner", epilog=commands.EXIT_STATUS,
+        description="Serve a kvshm segment's index (clients start this on demand; 'kvshm "
+                    "serve' is the same for a process manager).")
+    add_arguments(ap)
+    return run_from_args(ap.parse_args(argv))
+
+
+def run_from_args(args: argparse.Namespace) -> int:
     logs.owner_logging(args.name, args.log_level)
     stops = signals.StopSignals()  # before it starts: a stop asked meanwhile is kept
     try:
         owner = Owner(args.name, idle_exit_s=args.idle_exit)
     except OwnerUnavailableError as e:  # someone else won the race: that is success
         log.info("%s", e)
-        return 0
+        return commands.EXIT_OK
     except KvshmError as e:
-        print(f"kvshm owner: error: {e}", file=sys.stderr)
-        return 2
+        return commands.error("kvshm owner", e)
     stops.on_stop(owner.stop)
     try:
         owner.run()
     finally:
         owner.close()
     stops.report(log, "; the cache stays for the next owner")
-    return 0
+    return commands.EXIT_OK
 
 
 if __name__ == "__main__":

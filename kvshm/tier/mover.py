@@ -35,10 +35,10 @@ from itertools import islice
 
 import numpy as np
 
-from kvshm import signals
+from kvshm import commands, signals
 from kvshm.client.manager import SharedManager
 from kvshm.crashpoints import crash_point
-from kvshm.errors import KvshmError, SegmentNotFoundError
+from kvshm.errors import KvshmError, MoverRunningError, SegmentNotFoundError
 from kvshm.index.api import LookupResult
 from kvshm.shm.checksums import BlockSums
 from kvshm.shm.segment import Segment
@@ -54,10 +54,6 @@ _REMEMBER = 1 << 16          # keys fetched/put recently, not spilled (again)
 _QUEUE_MAX = 1 << 16         # store events waiting for their put; beyond: dropped
 _IDLE_EVENTS_S = 0.05        # take_events period while no store happens
 _WANTS_PER_ROUND = 1024      # wanted keys one fill round handles (gets go in batches)
-
-
-class MoverRunningError(RuntimeError):
-    """Another live mover serves the segment (``kvshm mover`` then exits 0)."""
 
 
 class Mover:
@@ -322,7 +318,7 @@ class Mover:
 
 def main(argv: list[str] | None = None) -> int:
     """``kvshm mover NAME --master HOST:PORT --metadata URL ...`` (see ``kvshm mover -h``)."""
-    ap = argparse.ArgumentParser(prog="kvshm mover")
+    ap = argparse.ArgumentParser(prog="kvshm mover", epilog=commands.EXIT_STATUS)
     add_arguments(ap)
     return run_from_args(ap.parse_args(argv))
 
@@ -345,8 +341,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--no-spill", action="store_true",
                     help="fetch on miss only; never write the segment's blocks below")
     ap.add_argument("--batch", type=int, default=64, help="blocks per put/get call (default 64)")
-    ap.add_argument("--log-level", default="INFO", type=str.upper,
-                    choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    commands.add_log_level(ap, "stderr")
 
 
 def run_from_args(a: argparse.Namespace) -> int:
@@ -360,10 +355,9 @@ def run_from_args(a: argparse.Namespace) -> int:
         mover = Mover(a.name, tier, spill=not a.no_spill, batch=a.batch)
     except MoverRunningError as e:
         log.info("%s; exiting", e)
-        return 0
+        return commands.EXIT_OK
     except KvshmError as e:  # no such segment, bad arguments: say what to do, no traceback
-        log.error("%s", e)
-        return 1
+        return commands.error("kvshm mover", e)
     stop = threading.Event()
     stops.on_stop(stop.set)
     log.info("mover of segment %r: %s, spill %s", a.name, tier.description,
@@ -371,9 +365,8 @@ def run_from_args(a: argparse.Namespace) -> int:
     try:
         mover.run(stop)
     except KvshmError as e:  # LowerTierUnavailableError: the backend can never work here
-        log.error("%s", e)
-        return 1
+        return commands.error("kvshm mover", e)
     finally:
         mover.close()
     stops.report(log)
-    return 0
+    return commands.EXIT_OK
