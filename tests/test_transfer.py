@@ -26,7 +26,8 @@ from kvshm.transfer.spec import BlockPlan, TransferSpec, coalesce, expand_block_
 
 # A string condition is evaluated when a test runs, so collecting this file imports no torch.
 CUDA = pytest.mark.skipif("not torch.cuda.is_available()", reason="needs a CUDA GPU")
-TARGETS = ["cpu"] + [pytest.param(f"cuda-{m}", marks=CUDA)
+# On CUDA a first copy may compile its kernel, which starts the compiler: not a unit test.
+TARGETS = ["cpu"] + [pytest.param(f"cuda-{m}", marks=[CUDA, pytest.mark.procs])
                      for m in ("auto", "copy", "batch", "kernel", "triton", "unpinned")]
 
 
