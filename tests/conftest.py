@@ -231,6 +231,7 @@ FILE_TIERS = {
     "test_tier.py": "procs",
     "test_warm_restart.py": "procs",
     "test_bench_ring.py": "e2e",
+    "test_bench_tools.py": "e2e",
     "test_demo.py": "e2e",
     "test_demo_options.py": "e2e",
     "test_docs.py": "e2e",

@@ -1,0 +1,37 @@
+"""The owner and cache benchmarks of docs/benchmarks.md, run briefly: each completes and prints
+the figures that page quotes, as one JSON object with --json (the vLLM baseline is left to
+the runs the page records; here the in-process LocalManager stands in for it)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+
+def tool(name: str, *args: str) -> dict:
+    p = subprocess.run([sys.executable, str(ROOT / "tools" / name), "--json", *args],
+                       capture_output=True, text=True, timeout=300, env=ENV)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(p.stdout)  # the whole of stdout
+
+
+def test_bench_hitrate_prints_every_hit_rate_and_ratio():
+    r = tool("bench_hitrate.py", "--blocks", "64", "--requests", "60", "--prompts", "8",
+             "--settle")
+    (row,) = r["sizes"]
+    for kind in ("local", "kvshm_settled"):
+        assert 0 < row[kind]["hit_rate"] < 1
+    assert row["kvshm"][0]["keys"] == row["local"]["keys"] == 60 * (48 + 8)
+    assert row["ratio_kvshm_over_baseline"][0] > 0 and row["ratio_settled_over_baseline"] > 0
+
+
+def test_bench_owner_prints_the_owner_figures():
+    r = tool("bench_owner.py", "--clients", "1", "--seconds", "0.5", "--blocks", "1024")
+    (run,) = r["runs"]
+    assert run["keys_per_s"] > 0 and run["keys_per_owner_cpu_s"] > 0
+    assert run["owner_us_per_key"] > 0 and run["client_us_per_key"] > 0
