@@ -224,6 +224,7 @@ FILE_TIERS = {
     "test_late_writers.py": "procs",
     "test_leases.py": "procs",
     "test_offers.py": "procs",
+    "test_quotas.py": "procs",
     "test_operable.py": "procs",
     "test_segment_hardening.py": "procs",
     "test_shared.py": "procs",

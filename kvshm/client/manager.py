@@ -46,11 +46,12 @@ class SharedManager(OffloadingManager):
     """The manager proxy of one client process. Same semantics as ``LocalManager``.
 
     Not for concurrent use from several threads without external locking of the read path
-    (calls to the owner are serialised internally).
+    (calls to the owner are serialised internally). ``quota``: blocks this client may keep
+    cached (0: none; ``connect`` takes a fraction of the cache too).
     """
 
     def __init__(self, segment: Segment, *, events: bool = False, grants: bool = True,
-                 timeout: float = 30.0):
+                 timeout: float = 30.0, quota: int = 0):
         self.segment = segment
         self.timeout = timeout
         self._grants = grants
@@ -65,7 +66,8 @@ class SharedManager(OffloadingManager):
             self._lk_n = self._lk_miss = 0  # key_status calls and non-hits, not yet in _ctr
             self._h = HoldTable(slots.holds(segment, self.slot), self.table,
                                 slots.hold_mark(segment, self.slot))
-            slots.activate(segment, self.slot, self.gen, takes_grants=grants)
+            slots.activate(segment, self.slot, self.gen, takes_grants=grants,
+                           quota=quota)
             self._link = OwnerLink(segment, self.slot, self.gen, timeout,
                                    self._after_failover, self._abandoned)
             self._own = OwnStores(segment, self.slot, self.gen, self._link, self.table)

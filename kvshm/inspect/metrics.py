@@ -48,7 +48,7 @@ def metric_samples(snaps: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
     for s in snaps:
         seg = s["name"]
-        for state in ("free", "writing", "ready", "evicting", "granted"):
+        for state in ("free", "writing", "ready", "evicting", "granted", "claimed"):
             add("kvshm_blocks", "gauge", "Blocks by state.", s["blocks"][state], segment=seg,
                 state=state)
         for metric, text, path in _GAUGES:
@@ -71,6 +71,11 @@ def metric_samples(snaps: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for c in s["clients"]:
             add("kvshm_client_holds", "gauge", "Hold entries (load pins and leases) of a client.",
                 c["holds"], segment=seg, slot=c["slot"], pid=c["pid"], alive=int(c["alive"]))
+            if c["quota"]:
+                add("kvshm_client_quota_blocks", "gauge", "Blocks a client may keep cached.",
+                    c["quota"], segment=seg, slot=c["slot"])
+                add("kvshm_client_cached_blocks", "gauge", "Blocks a client with a quota "
+                    "stored that are cached.", c["cached"], segment=seg, slot=c["slot"])
             for ring, depth in c["rings"].items():
                 if depth is not None:
                     add("kvshm_ring_depth_bytes", "gauge", "Bytes queued in a client's ring.",

@@ -129,6 +129,9 @@ class Client(_Doc):
     stores_pending: Annotated[int, _d("the client's unfinished stores (WRITING blocks it owns)")]
     granted: Annotated[int, _d(
         "blocks granted or offered to it for its next stores (taken or not)")]
+    quota: Annotated[int, _d("blocks it may keep cached, its quota (0: none)")]
+    cached: Annotated[int, _d(
+        "with a quota: blocks it stored that are cached, as the owner last counted them")]
     counters: Annotated[dict[str, int], _d(
         "the client's own counters: `lookups`, `hits`, `loads`, `load_blocks`, `bytes_in` "
         "(bytes it loaded), `bytes_out` (bytes it stored)")]

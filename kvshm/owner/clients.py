@@ -27,6 +27,7 @@ class Client:
         self.slot, self.gen, self.events = slot, gen, events
         self.holds = slots.holds(seg, slot)
         self.hold_mark = slots.hold_mark(seg, slot)  # holds lie below it (the client's word)
+        self.share = slots.share(seg, slot)  # its quota (its word), what we count of it
         self.quarantined = False  # its rings cannot be parsed: never read again
         self.why = ""  # why it is quarantined
         self.requests: Ring | None = None
@@ -108,6 +109,7 @@ class Client:
 
     def close(self) -> None:
         self.hold_mark.release()
+        self.share.release()
         if self.bell is not None:
             self.bell.close()
         for r in (self.requests, self.replies):

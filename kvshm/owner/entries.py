@@ -24,13 +24,15 @@ Client = tuple[int, int]  # (client slot, client generation): who writes a block
 
 class Entry:
     """One cached key: everything the owner knows of it, in one place."""
-    __slots__ = ("block", "ready", "pins", "writer")
+    __slots__ = ("block", "ready", "pins", "writer", "tenant")
 
-    def __init__(self, block: int, ready: bool, writer: Client | None) -> None:
+    def __init__(self, block: int, ready: bool, writer: Client | None,
+                 tenant: Client | None) -> None:
         self.block = block
         self.ready = ready
         self.pins = 0  # load pins taken by prepare_load (only ready keys are pinned)
         self.writer = writer  # (slot, gen) whose store is unfinished; None once ready
+        self.tenant = tenant  # (slot, gen) that stored it (its share counts it), or None
 
 
 class Entries:
@@ -47,6 +49,9 @@ class Entries:
         # reclaimed) then lands in the block least likely to have been granted again.
         self.free: deque[int] = deque()
         self.tick = tick  # the eviction clock: +1 per touch, store or publish; in last_use
+        # client (slot, gen) -> entries it stored (its share of the cache, for quotas); a
+        # client that left stays here until its entries go, as nobody's to protect
+        self.usage: dict[Client, int] = {}
 
     def __len__(self) -> int:
         return len(self.by_key)
@@ -65,20 +70,24 @@ class Entries:
             raise BlockStateError(f"key {key.hex()[:16]}… is still being stored; retry later")
         return e
 
-    def adopt(self, block: int, key: bytes, writer: Client | None) -> None:
+    def adopt(self, block: int, key: bytes, writer: Client | None,
+              tenant: Client | None = None) -> None:
         """Enter ``key`` at ``block``, most recent: ready without a writer, else pending for
-        ``writer``."""
-        self.adopt_many([block], [key], writer)
+        ``writer``; stored by ``tenant`` (the writer, when there is one)."""
+        self.adopt_many([block], [key], writer, tenant=tenant)
 
     def adopt_many(self, blocks: list[int], keys: list[bytes], writer: Client | None,
-                   rank_of: RankOf | None = None) -> None:
+                   rank_of: RankOf | None = None, tenant: Client | None = None) -> None:
         """``adopt`` of every key (distinct, none entered) at its block: one pass each over
         the entries, the policy and the index, as a batch of stores needs. With a running
         request's ``rank_of``, each key is ranked as it is inserted, as ``adopt`` one by one
         would: the request takes its rank at its first key with a position, after the
         fresh ranks of the keys before it. The table entries are the caller's to write."""
         ready = writer is None
-        self.by_key.update(zip(keys, [Entry(b, ready, writer) for b in blocks]))
+        tenant = tenant or writer
+        self.by_key.update(zip(keys, [Entry(b, ready, writer, tenant) for b in blocks]))
+        if tenant is not None and keys:
+            self.usage[tenant] = self.usage.get(tenant, 0) + len(keys)
         if writer is not None and keys:  # no empty record: nothing would ever remove it
             self.pending.setdefault(writer, set()).update(keys)
         if rank_of is None:
@@ -110,8 +119,18 @@ class Entries:
             if k in policy:
                 policy.remove(k)
             remove(k, e.block)
+            self._unuse(e)
         self.release([e.block for e in gone])
         return gone
+
+    def _unuse(self, e: Entry) -> None:
+        """``e`` leaves the cache: it no longer counts in its tenant's share."""
+        if e.tenant is not None:
+            n = self.usage.get(e.tenant, 0) - 1
+            if n > 0:
+                self.usage[e.tenant] = n
+            else:
+                self.usage.pop(e.tenant, None)
 
     def forget(self, key: bytes) -> Entry:
         """Take a ready ``key`` out of the entries and the index (and the policy, if still
@@ -120,6 +139,7 @@ class Entries:
         if key in self.policy:
             self.policy.remove(key)
         self.index.remove(key, e.block)
+        self._unuse(e)
         return e
 
     def take_free(self, n: int) -> list[int]:

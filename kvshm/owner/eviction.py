@@ -10,8 +10,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvshm.crashpoints import crash_point
-from kvshm.owner.entries import Entries
+from kvshm.owner.entries import Client, Entries
 from kvshm.owner.outcomes import Outcomes
+from kvshm.owner.quotas import Allowed, Quotas
 from kvshm.shm import layout as L
 from kvshm.shm.fence import full_fence
 
@@ -22,15 +23,19 @@ Held = Callable[[int], "set[int]"]
 class Evictor:
     """Frees room in ``entries`` for one requester at a time."""
 
-    def __init__(self, entries: Entries, outcomes: Outcomes, held: Held | None) -> None:
+    def __init__(self, entries: Entries, outcomes: Outcomes, held: Held | None,
+                 quotas: Quotas) -> None:
         self.entries = entries
         self.outcomes = outcomes
         self.held = held  # None: nobody but this process holds blocks (no handshake)
+        self.quotas = quotas
 
-    def choose(self, n: int, requester: int) -> list[bytes] | None:
-        """``n`` victims the policy would evict now, taken out of its order but left in the
-        entries and the index, READY: a grant offers them to a client, which claims them
-        with the lease handshake itself. None (and nothing changed) if too few qualify."""
+    def choose(self, n: int, requester: int, client: Client | None = None
+               ) -> list[bytes] | None:
+        """``n`` victims the policy would evict now for ``client``'s store, taken out of its
+        order but left in the entries and the index, READY: a grant offers them to a client,
+        which claims them with the lease handshake itself. None (and nothing changed) if too
+        few qualify."""
         held = self.held(requester) if self.held else set()
         by_key = self.entries.by_key
 
@@ -38,11 +43,29 @@ class Evictor:
             e = by_key[k]
             return e.ready and not e.pins and e.block not in held
 
-        return self.entries.policy.evict(n, can_evict)
+        return self._victims(n, can_evict, client)[0]
 
-    def evict(self, n: int, protected: set[bytes], requester: int) -> list[bytes] | None:
-        """Evict ``n`` keys, all or none (None: not enough are evictable); never one of
-        ``protected`` (the keys the same store offers)."""
+    def _victims(self, n: int, can_evict: Callable[[bytes], bool], client: Client | None
+                 ) -> tuple[list[bytes] | None, Callable[[bytes], bool]]:
+        """``n`` victims for ``client``'s store (the policy's, out of its order), within
+        what its quota and the others' allow (one pass after another), and the test they
+        passed."""
+        passes = self.quotas.passes(client)
+        if passes is None:
+            return self.entries.policy.evict(n, can_evict), can_evict
+        by_key = self.entries.by_key
+        for allowed in passes:
+            def test(k: bytes, allowed: Allowed = allowed) -> bool:
+                return can_evict(k) and allowed(by_key[k])
+            victims = self.entries.policy.evict(n, test)
+            if victims is not None:
+                return victims, test
+        return None, can_evict
+
+    def evict(self, n: int, protected: set[bytes], requester: int,
+              client: Client | None = None) -> list[bytes] | None:
+        """Evict ``n`` keys for ``client``'s store, all or none (None: not enough are
+        evictable); never one of ``protected`` (the keys the same store offers)."""
         held = self.held(requester) if self.held else set()
         by_key = self.entries.by_key
 
@@ -50,11 +73,11 @@ class Evictor:
             e = by_key[k]
             return e.ready and not e.pins and e.block not in held and k not in protected
 
-        victims = self.entries.policy.evict(n, can_evict)
+        victims, passed = self._victims(n, can_evict, client)
         if victims is None:
             return None
-        if self.held:
-            victims = self._fence_victims(victims, can_evict, requester)
+        if self.held:  # (victims that turn out leased are replaced within the same pass)
+            victims = self._fence_victims(victims, passed, requester)
             if victims is None:
                 return None
         self.entries.drop_many(victims)

@@ -150,7 +150,7 @@ class Grants:
         entries = self.entries
         free = entries.take_free(min(n, len(entries.free)))
         short = n - len(free)
-        victims = self.evictor.choose(short, ALL_HOLDS) if short > 0 else None
+        victims = self.evictor.choose(short, ALL_HOLDS, (slot, gen)) if short > 0 else None
         crash_point("owner.offer.after_choose")
         offers = [entries.by_key[k].block for k in victims or ()]
         pos = range(first, first + len(free) + len(offers))
@@ -215,7 +215,7 @@ class Grants:
         entries.table.write_many(blocks, L.READY, keys, -1, 0, 0, entries.tick, time.time_ns())
         if keys:
             crash_point("owner.publish.mid")
-        entries.adopt_many(blocks, keys, None, rank_of)
+        entries.adopt_many(blocks, keys, None, rank_of, tenant=(slot, gen))
         self.outcomes.stored(keys, success, len(freed))
 
     def _claimed(self, blocks: list[int]) -> set[int]:

@@ -35,6 +35,7 @@ from kvshm.owner.eviction import Evictor, Held
 from kvshm.owner.grants import Grants
 from kvshm.owner.outcomes import Outcomes
 from kvshm.owner.policy import make_policy
+from kvshm.owner.quotas import Quotas
 from kvshm.owner.rebuild import rebuild
 from kvshm.owner.running import RunningRanks
 from kvshm.shm import keys as K
@@ -73,7 +74,8 @@ class LocalManager(OffloadingManager):
         self.epoch = epoch + 1
         self.entries = Entries(self.policy, self.table, self.index, tick)
         self.outcomes = Outcomes(segment, enable_events)
-        self.evictor = Evictor(self.entries, self.outcomes, held)
+        self.quotas = Quotas(self.entries, segment.geometry.num_blocks)
+        self.evictor = Evictor(self.entries, self.outcomes, held, self.quotas)
         self.running = RunningRanks(self.policy)  # provisional ranks of running requests
         self.grants = Grants(self.entries, self.evictor, self.running, self.outcomes, segment)
         # Dead writers (slot, gen) whose stores wait for their registered copying processes.
@@ -202,7 +204,7 @@ class LocalManager(OffloadingManager):
         need = len(new) - len(entries.free)
         evicted: list[bytes] = []
         if need > 0:
-            victims = self.evictor.evict(need, set(keys), writer[0])
+            victims = self.evictor.evict(need, set(keys), writer[0], writer[:2])
             if victims is None:
                 self.segment.counter_add("prepare_store_refused")
                 return None
@@ -285,6 +287,7 @@ class LocalManager(OffloadingManager):
         w = (slot, gen)
         if w not in self.quarantined:  # a retry for a quarantined writer finds nothing
             self.running.drop_client(slot, gen)  # (a scan of every running request)
+            self.quotas.drop(w)  # what it stored stays cached, nobody's to protect
         # Quarantine: keep the blocks while a registered copier of (slot, gen) lives
         held = len(self.entries.pending.get(w, ())) + len(self.grants.blocks.get(w, ()))
         if held and writers.alive(self.segment, slot, gen):

@@ -86,6 +86,7 @@ class Roster:
             # blocks it died handing over never reached the client: free them
             granted = int(c.grant_head["granted"])
             c.stores = bool(granted) and c.grants and rec.state == L.SlotState.CLIENT
+            manager.quotas.set((slot, rec.gen), c.share["quota"])
             manager.grants.settle(slot, rec.gen, granted,
                                        int(c.grant_head["taken"]))
             self.last_client = time.monotonic()

@@ -131,6 +131,7 @@ class Owner:
         its next stores need no round trip: at twice its largest store, all clients' grants
         together within the budget."""
         if not self._grant_target:
+            self._count_shares()
             return
         grants = self.manager.grants
         room = self._grant_budget - grants.held()  # what may still be granted, to anyone
@@ -149,6 +150,14 @@ class Owner:
             else:
                 room -= n
         self.handlers.fan_out()
+        self._count_shares()
+
+    def _count_shares(self) -> None:
+        """Show each client with a quota what it has cached (kvshm-inspect reads it)."""
+        quotas = self.manager.quotas
+        for c in self.roster.clients.values():
+            if (c.slot, c.gen) in quotas.limits:
+                c.share["cached"] = quotas.used((c.slot, c.gen))
 
     def _serve_frame(self, c: Client, frame: bytes) -> None:
         """One frame, exactly once: record it consumed, execute, reply, record it answered,

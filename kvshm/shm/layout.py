@@ -50,6 +50,7 @@ from kvshm.shm.records import (  # noqa: F401  (re-exported: one definition, two
     PINNER,
     PINNER_DTYPE,
     SERVED_DTYPE,
+    SHARE_DTYPE,
     SLOT,
     SLOT_COUNTERS_DTYPE,
     SLOT_DTYPE,
@@ -70,7 +71,8 @@ MAGIC = b"KVSHM\x00\x00\x01"
 FORMAT_VERSION = 6  # 2: 64-bit writer_req, keysum in every table entry; 3: block grants;
 #                    4: grant rings of 1,024 blocks, a client's refusal of grants;
 #                    5: doorbells and the tier area named for the segment's inode;
-#                    6: offered (READY) grants claimed by their client, slot hold marks
+#                    6: offered (READY) grants claimed by their client, slot hold marks,
+#                       a client's share of the cache (quotas)
 HEADER_BYTES = 4096
 DATA_ALIGN = 2 << 20
 MAX_PLANES = 32
@@ -146,9 +148,11 @@ assert SLOT_DTYPE.itemsize <= SLOT_OFF_COUNTERS
 # the low end, so this is a few cache lines, not the whole array.
 SLOT_OFF_HOLD_MARK = 120
 SLOT_OFF_SERVED = 128
+SLOT_OFF_SHARE = 176  # records.SHARE_DTYPE: the client's quota, and what the owner counts
 SLOT_HEAD_BYTES = 192
 assert SLOT_OFF_COUNTERS + 8 * len(SLOT_COUNTERS) <= SLOT_OFF_HOLD_MARK < SLOT_OFF_SERVED
-assert SLOT_OFF_SERVED + SERVED_DTYPE.itemsize <= SLOT_HEAD_BYTES
+assert SLOT_OFF_SERVED + SERVED_DTYPE.itemsize <= SLOT_OFF_SHARE
+assert SLOT_OFF_SHARE + SHARE_DTYPE.itemsize <= SLOT_HEAD_BYTES
 RING_NAMES = ("request", "reply", "peer_in", "peer_out")
 # The grant ring of a client slot (after its holds): block ids the owner hands the client
 # ahead of its stores, so that a store needs no round trip; its counts are GRANT_HEAD_DTYPE.

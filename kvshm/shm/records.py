@@ -254,6 +254,18 @@ SLOT_COUNTERS_DTYPE = np.dtype({"names": [
     "bytes_out",    # bytes its transfers stored
 ], "formats": ["<u8"] * 6, "offsets": [8 * i for i in range(6)]})
 
+# --- a client's share of the cache (in each client slot) ----------------------------------
+# Quotas are off unless a client asks for one: then the owner keeps the blocks it stored
+# within ``quota`` (its own go first when it is over) and never lets another client's stores
+# evict them while it is within it.
+SHARE_DTYPE = np.dtype([
+    ("quota", "<u8"),   # the client, at activation, before its state: blocks it may keep
+    #                     cached (0: no quota). Its own word: the owner clamps it to the cache
+    ("cached", "<u8"),  # the owner: blocks this client stored that are cached now (a count
+    #                     of the owner's memory, refreshed after each pass; for people)
+], align=False)
+assert SHARE_DTYPE.itemsize == 16
+
 # --- served record (in each client slot): written only by the owner ----------------------
 # The words that make a client's requests exactly-once (the protocol is told in
 # ``client/owner_link.py``). Each is one aligned u64 store, so a client reads each old or

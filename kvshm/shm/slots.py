@@ -70,11 +70,15 @@ def _store(seg: Segment, slot: int, name: str, value: int | bytes) -> None:
 
 
 def activate(seg: Segment, slot: int, gen: int, state: int = SlotState.CLIENT,
-             takes_grants: bool = True) -> None:
+             takes_grants: bool = True, quota: int = 0) -> None:
     """Reset a claimed slot (holds, counters, served record, rings) and publish its record.
-    ``takes_grants=False``: no owner ever stocks its grant ring (every owner reads this
-    when it adopts the slot, before it serves any request of it)."""
+    ``takes_grants=False``: no owner ever stocks its grant ring; ``quota``: the blocks it may
+    keep cached, 0 for no quota (every owner reads both when it adopts the slot, before it
+    serves any request of it)."""
     g = seg.geometry
+    s = share(seg, slot)
+    s["quota"], s["cached"] = quota, 0
+    s.release()
     hold_mark(seg, slot)[0] = 0
     holds(seg, slot)[:] = -1
     head, ids = grants(seg, slot)
@@ -132,6 +136,12 @@ def clear_if_dead(seg: Segment, slot: int, gen: int) -> bool:
         return True
     finally:
         locks.unlock(seg.fd, L.LOCK_CLIENT_BASE + slot)
+
+
+def share(seg: Segment, slot: int) -> WordView:
+    """The slot's share of the cache (``records.SHARE_DTYPE``): its quota and what the
+    owner counts of it."""
+    return WordView(seg.buf, seg.geometry.slot_offset(slot) + L.SLOT_OFF_SHARE, L.SHARE_DTYPE)
 
 
 def served(seg: Segment, slot: int) -> WordView:

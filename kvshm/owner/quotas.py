@@ -1,0 +1,59 @@
+"""Quotas: a client's share of the cache, kept by whose stores may evict which blocks.
+
+This module owns the quotas the owner applies, per client (slot, generation), when a client
+asked for one (``connect(..., quota=...)``, in its slot's share record): a client over its
+quota evicts its own blocks first; a client within its quota is never the victim of another
+client's stores. Clients without a quota, and the blocks of clients that left or that an
+earlier owner counted (a new owner starts counting afresh), are nobody's to protect: the
+policy orders them as ever. It counts nothing itself (``Entries.usage`` does) and decides no
+order (the policy does): it only says which blocks a requester's eviction may take.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from kvshm.owner.entries import Client, Entries, Entry
+
+Allowed = Callable[[Entry], bool]
+
+
+class Quotas:
+    """The quotas of the adopted clients of one segment of ``num_blocks`` blocks."""
+
+    def __init__(self, entries: Entries, num_blocks: int) -> None:
+        self.entries, self.num_blocks = entries, num_blocks
+        self.limits: dict[Client, int] = {}  # client -> blocks it may keep cached
+
+    def set(self, client: Client, blocks: int) -> None:
+        """``client`` asked to keep ``blocks`` cached (0: no quota). Its own word, so
+        clamped to the cache."""
+        blocks = min(int(blocks), self.num_blocks)
+        if blocks > 0:
+            self.limits[client] = blocks
+        else:
+            self.limits.pop(client, None)
+
+    def drop(self, client: Client) -> None:
+        """``client`` left: its blocks are nobody's to protect from now on."""
+        self.limits.pop(client, None)
+
+    def used(self, client: Client) -> int:
+        return self.entries.usage.get(client, 0)
+
+    def passes(self, client: Client | None) -> list[Allowed] | None:
+        """The blocks an eviction for ``client`` may take, as passes to try in order (None:
+        no quotas, any evictable block). A client at or over its quota takes its own first;
+        no pass takes the blocks of another client within its quota."""
+        if not self.limits:
+            return None
+        usage = self.entries.usage
+        protected = {c for c, limit in self.limits.items()
+                     if c != client and usage.get(c, 0) <= limit}
+
+        def unprotected(e: Entry) -> bool:
+            return e.tenant not in protected
+
+        if client is not None and client in self.limits and \
+                usage.get(client, 0) >= self.limits[client]:
+            return [lambda e: e.tenant == client, unprotected]
+        return [unprotected]

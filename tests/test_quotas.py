@@ -1,0 +1,89 @@
+"""Quotas: a client may keep a share of the shared cache, which no other client's stores
+evict while it is within it; over it, its own stores evict its own blocks first.
+
+Every test runs a real owner process (started by ``connect``) and clients of one segment;
+the cache is small, so the stores evict.
+"""
+from __future__ import annotations
+
+import pytest
+
+from kvshm.client.connect import connect, quota_blocks
+from kvshm.errors import InvalidArgumentError
+from kvshm.shm import slots
+
+import procs
+from conftest import TEST_LAYOUT, stop_owner
+from test_shared import wait_for
+
+BLOCKS, CLIENTS = 64, 4
+
+
+@pytest.fixture
+def cache(seg_name):
+    """A segment, its owner, and a way to connect clients to it (shut down at the end)."""
+    first = connect(seg_name, TEST_LAYOUT, num_blocks=BLOCKS, max_clients=CLIENTS,
+                    ring_capacity=8192, hold_capacity=64)
+    made = [first]
+
+    def client(**kw):
+        m = connect(seg_name, **kw)
+        made.append(m)
+        return m
+    yield client
+    pid = first.segment.owner_record()[0]
+    for m in reversed(made):
+        if m.segment is not None:
+            m.shutdown()
+    stop_owner(pid)
+
+
+def keys(tag: str, n: int) -> list[bytes]:
+    return [b"%s-%04d" % (tag.encode(), i) for i in range(n)]
+
+
+def cached(m, ks: list[bytes]) -> int:
+    n = sum(m.lookup([k]) for k in ks)
+    m.release()
+    return n
+
+
+def flood(m, n: int, batch: int = 8) -> None:
+    for i in range(0, n, batch):
+        procs.store(m, keys(f"flood{i}", batch))
+
+
+def test_without_quotas_a_flood_evicts_another_clients_blocks(cache):
+    a, b = cache(), cache()
+    mine = keys("mine", 16)
+    procs.store(a, mine)
+    flood(b, 4 * BLOCKS)
+    assert cached(a, mine) < len(mine)  # what the quota below is there to prevent
+
+
+def test_a_client_within_its_quota_is_never_the_victim_of_a_flood(cache):
+    a, b = cache(quota=16), cache()
+    mine = keys("mine", 16)
+    procs.store(a, mine)
+    flood(b, 4 * BLOCKS)
+    assert cached(a, mine) == len(mine)
+    share = slots.share(a.segment, a.slot)
+    wait_for(lambda: share["cached"] == len(mine), "the owner to count a's share")
+    share.release()
+
+
+def test_a_client_over_its_quota_evicts_its_own_blocks_first(cache):
+    a, b = cache(quota=8), cache()
+    theirs = keys("theirs", 24)
+    procs.store(b, theirs)
+    flood(a, 4 * BLOCKS)  # far over its 8 blocks: every eviction it needs is of its own
+    assert cached(b, theirs) == len(theirs)
+
+
+def test_a_quota_is_blocks_or_a_fraction_of_the_cache():
+    assert quota_blocks(None, 64) == 0
+    assert quota_blocks(16, 64) == 16 and quota_blocks(0.25, 64) == 16
+    assert quota_blocks(0.001, 64) == 1  # at least one block
+    for bad in (0, 65, -1, 0.0, 1.5, "16", True):
+        with pytest.raises(InvalidArgumentError):
+            quota_blocks(bad, 64)
