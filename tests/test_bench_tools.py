@@ -35,3 +35,13 @@ def test_bench_owner_prints_the_owner_figures():
     (run,) = r["runs"]
     assert run["keys_per_s"] > 0 and run["keys_per_owner_cpu_s"] > 0
     assert run["owner_us_per_key"] > 0 and run["client_us_per_key"] > 0
+
+
+def test_bench_quotas_prints_the_three_runs_and_their_ratios():
+    r = tool("bench_quotas.py", "--blocks", "128", "--requests", "40", "--prompts", "4",
+             "--prompt-keys", "8")
+    runs = r["runs"]
+    assert runs["alone"]["flooded_keys"] == 0 < runs["flood"]["flooded_keys"]
+    for run in runs.values():
+        assert run["keys"] == 3 * 40 * (8 + 8) and 0 < run["hit_rate"] < 1
+    assert r["ratio_quotas_over_alone"] > 0 and r["ratio_flood_over_alone"] > 0

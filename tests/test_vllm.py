@@ -23,7 +23,7 @@ from kvshm.shm import slots
 from kvshm.index.api import LookupResult
 from kvshm.client.connect import connect
 from kvshm.errors import InvalidArgumentError, KvshmError, LayoutMismatchError
-from kvshm.integrations.vllm.config import KvshmOptions, layout_for, open_segment
+from kvshm.integrations.vllm.config import KvshmOptions, layout_for, open_segment, quota_arg
 from kvshm.integrations.vllm.core import ManagerCore
 from kvshm.integrations.vllm.jobs import WorkerCore, split_job
 from kvshm.shm.layout import Layout
@@ -59,6 +59,17 @@ def test_options_from_extra_config():
                 {"kvshm_segment": "s", "kvshm_tier": "mooncake"}):
         with pytest.raises(InvalidArgumentError):
             KvshmOptions.from_extra(bad)
+
+
+def test_a_quota_option_is_a_fraction_or_whole_blocks():
+    def quota(q):
+        return quota_arg(KvshmOptions.from_extra({"kvshm_segment": "s", "kvshm_quota": q}).quota)
+    assert quota_arg(KvshmOptions.from_extra({"kvshm_segment": "s"}).quota) is None
+    assert quota(0.25) == 0.25 and quota(1) == 1.0  # the whole cache
+    assert quota(512) == 512 and isinstance(quota(512.0), int)  # blocks
+    for bad in (0, -0.5, 2.5, "a"):
+        with pytest.raises(InvalidArgumentError, match="kvshm_quota"):
+            quota(bad)
 
 
 def test_layout_is_deterministic_and_per_rank():

@@ -54,6 +54,7 @@ class SharedManager(OffloadingManager):
                  timeout: float = 30.0, quota: int = 0):
         self.segment = segment
         self.timeout = timeout
+        self.quota = quota  # blocks it may keep cached, protected from others (0: no quota)
         self._grants = grants
         g = segment.geometry
         self.table = BlockTable(segment.buf, g)

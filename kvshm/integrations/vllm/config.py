@@ -52,6 +52,10 @@ class KvshmOptions(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
     tier: Annotated[bool, msgspec.Meta(description=(
         "look up misses in the lower tier through the host's kvshm mover (docs/tier.md)"
     ))] = msgspec.field(default=False, name="kvshm_tier")
+    quota: Annotated[float, msgspec.Meta(gt=0, description=(
+        "this instance's share of the cache: a fraction (up to 1) or a number of blocks "
+        "(above 1); within it no other instance's stores evict its blocks (docs/sharing.md)"
+    ))] | None = msgspec.field(default=None, name="kvshm_quota")
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any]) -> KvshmOptions:
@@ -68,11 +72,24 @@ class KvshmOptions(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
         if model_id:
             ours["kvshm_model_id"] = str(model_id)
         try:
-            return msgspec.convert(ours, cls, strict=False)
+            opts = msgspec.convert(ours, cls, strict=False)
         except msgspec.ValidationError as e:
             raise InvalidArgumentError(
                 f"kv_connector_extra_config: {e} (kvshm's keys: {', '.join(_OPTION_KEYS)})"
             ) from None
+        quota_arg(opts.quota)  # a quota above 1 must be whole blocks
+        return opts
+
+
+def quota_arg(quota: float | None) -> int | float | None:
+    """``kvshm_quota`` as ``connect``'s ``quota``: above 1, a number of blocks."""
+    if quota is None or quota <= 1:
+        return quota
+    if quota != int(quota):
+        raise InvalidArgumentError(f"kv_connector_extra_config: kvshm_quota={quota!r} is "
+                                   "neither a fraction of the cache (up to 1) nor a number "
+                                   "of blocks")
+    return int(quota)
 
 
 _OPTION_KEYS = tuple(f.encode_name for f in msgspec.structs.fields(KvshmOptions))

@@ -40,6 +40,7 @@ from kvshm.integrations.vllm.config import (
     layout_for,
     num_blocks_for,
     open_segment,
+    quota_arg,
 )
 from kvshm.integrations.vllm.core import ManagerCore
 from kvshm.integrations.vllm.jobs import WorkerCore
@@ -222,7 +223,8 @@ class KvshmOffloadingSpec(V.OffloadingSpec):
                 # Without cpu_bytes_to_use it only attaches (and hold_capacity goes unused).
                 blocks = None if o.nbytes is None else num_blocks_for(self.layout, o.nbytes)
                 shared = connect(o.segment, self.layout, num_blocks=blocks, policy=o.policy,
-                                 mode=o.mode, events=events, hold_capacity=o.hold_capacity)
+                                 mode=o.mode, events=events, hold_capacity=o.hold_capacity,
+                                 quota=quota_arg(o.quota))
             except LayoutMismatchError as e:
                 raise explain_mismatch(e, o.segment) from None
             g = shared.segment.geometry
