@@ -434,12 +434,14 @@ def gen(tag: str, prompt: list[int], **kw) -> dict:
     return {"op": "generate", "tag": tag, "prompts": [prompt], **kw}
 
 
-def run_engines(model: str, plans: list[tuple[str, list[dict]]], timeout: float = 400):
-    """Run one engine subprocess per (segment, steps) plan, all at once; their results.
+def run_engines(model: str, plans: list[tuple], timeout: float = 400):
+    """Run one engine subprocess per (segment, steps[, more kvshm options]) plan, all at
+    once; their results.
 
     If one fails, the others (which may be waiting for it) are killed at once."""
-    procs = [E.start_engine_subprocess(E.engine_config(model, kvshm_extra(seg), steps),
-                                       python=VLLM_PY) for seg, steps in plans]
+    procs = [E.start_engine_subprocess(E.engine_config(
+        model, {**kvshm_extra(seg), **(more[0] if more else {})}, steps), python=VLLM_PY)
+        for seg, steps, *more in plans]
     try:
         deadline = time.monotonic() + timeout
         while any(p.proc.poll() is None for p in procs):
@@ -462,7 +464,8 @@ def engines(tiny_model, tmp_path_factory):
 
     * engine 1 computes prompt P, signals, waits for engine 2, then runs (a) and (c):
       A,B,C,D,A (A comes back from kvshm); B,C,D again, zero the segment, A again.
-    * engine 2 (b) waits for P, runs it (an external hit), then computes it alone.
+    * engine 2 (b), with a quota of half the cache, waits for P, runs it (an external hit),
+      then computes it alone.
     """
     name = unique_name()
     sync = tmp_path_factory.mktemp("sync")
@@ -486,7 +489,7 @@ def engines(tiny_model, tmp_path_factory):
            {"op": "metrics", "tag": "m"}, gen("P_alone", p, skip_prefix_cache=True),
            seg_info, {"op": "touch", "path": b_done}]
     try:
-        yield (name, *run_engines(tiny_model, [(name, one), (name, two)]))
+        yield (name, *run_engines(tiny_model, [(name, one), (name, two, {"kvshm_quota": 0.5})]))
     finally:
         remove_segment(name)
 
@@ -539,7 +542,9 @@ def test_b_two_engine_processes_share_one_segment(engines):
     assert two["steps"]["m"][E.EXTERNAL_HITS] == E.EXPECTED_CACHED_TOKENS
     assert alone["num_cached_tokens"] == 0
     assert hit["token_ids"] == alone["token_ids"] == out(one, "P")["token_ids"]
-    assert two["steps"]["seg"]["clients_alive"] >= 2  # both engines attached at once
+    seg = two["steps"]["seg"]
+    assert seg["clients_alive"] >= 2  # both engines attached at once
+    assert seg["num_blocks"] // 2 in seg["quotas"]  # engine 2's kvshm_quota reached the owner
     assert two["pid"] != one["pid"]
 
 
