@@ -87,3 +87,14 @@ def test_a_quota_is_blocks_or_a_fraction_of_the_cache():
     for bad in (0, 65, -1, 0.0, 1.5, "16", True):
         with pytest.raises(InvalidArgumentError):
             quota_blocks(bad, 64)
+
+
+@pytest.mark.parametrize("grants", [False, True], ids=["round_trip", "grants"])
+def test_a_flood_never_takes_a_client_below_its_quota(cache, grants):
+    a, b = cache(quota=8), cache(grants=grants)
+    mine = keys("mine", 12)  # 4 over its quota: a flood may take those 4, no more
+    procs.store(a, mine)
+    flood(b, 4 * BLOCKS, batch=24)  # each eviction needs more blocks than a has over it
+    assert cached(a, mine) >= 8
+
+

@@ -43,15 +43,24 @@ class Quotas:
     def passes(self, client: Client | None) -> list[Allowed] | None:
         """The blocks an eviction for ``client`` may take, as passes to try in order (None:
         no quotas, any evictable block). A client at or over its quota takes its own first;
-        no pass takes the blocks of another client within its quota."""
+        no pass takes the blocks of another client within its quota, nor more of one over
+        it than it has over it. A pass is asked once per block it may take and counts what
+        it allowed (the policy takes every block its test passes), so each eviction needs
+        passes of its own."""
         if not self.limits:
             return None
         usage = self.entries.usage
-        protected = {c for c, limit in self.limits.items()
-                     if c != client and usage.get(c, 0) <= limit}
+        # another client with a quota -> how many of its blocks this eviction may still take
+        spare = {c: usage.get(c, 0) - limit for c, limit in self.limits.items() if c != client}
 
         def unprotected(e: Entry) -> bool:
-            return e.tenant not in protected
+            t = e.tenant
+            if t is None or (left := spare.get(t)) is None:
+                return True  # nobody's, no quota, or the requester's own
+            if left <= 0:
+                return False
+            spare[t] = left - 1
+            return True
 
         if client is not None and client in self.limits and \
                 usage.get(client, 0) >= self.limits[client]:
