@@ -98,3 +98,20 @@ def test_a_flood_never_takes_a_client_below_its_quota(cache, grants):
     assert cached(a, mine) >= 8
 
 
+
+def test_offers_never_take_a_client_below_its_quota(cache):
+    """Victims offered to a grant count as gone from the moment they are offered: a refill
+    while earlier offers wait in the grantee's ring, unclaimed, takes no more than the
+    spare."""
+    a, b = cache(quota=8), cache()
+    mine = keys("mine", 24)  # 16 over its quota
+    procs.store(a, mine)
+    head, _ = slots.grants(b.segment, b.slot)
+    try:
+        for i in range(4 * BLOCKS):  # one block a store, each from b's grant ring
+            procs.store(b, keys(f"flood{i}", 1))
+            # the owner refilled b's ring (to 4, once down to 2): offers wait in it
+            wait_for(lambda: head["granted"] - head["taken"] >= 3, "b's ring refilled")
+    finally:
+        head.release()
+    assert cached(a, mine) >= 8

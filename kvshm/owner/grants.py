@@ -136,6 +136,7 @@ class Grants:
             elif table.read(b).state in (L.READY, L.EVICTING):  # never claimed, or the claim
                 table.reset_ready(b)  # never finished: nothing written, READY as ever
                 entries.policy.insert(key)
+                entries.unoffered(e)
             else:  # CLAIMED (its data may be half new): forget its key, then free it
                 entries.forget(key)
                 self.outcomes.evicted([key])
@@ -152,7 +153,10 @@ class Grants:
         short = n - len(free)
         victims = self.evictor.choose(short, ALL_HOLDS, (slot, gen)) if short > 0 else None
         crash_point("owner.offer.after_choose")
-        offers = [entries.by_key[k].block for k in victims or ()]
+        chosen = [entries.by_key[k] for k in victims or ()]
+        for e in chosen:
+            entries.offered(e)  # going: no later choice counts it in its tenant's share
+        offers = [e.block for e in chosen]
         pos = range(first, first + len(free) + len(offers))
         entries.table.write_many(free, L.GRANTED, None, slot, gen, pos[:len(free)],
                                  entries.tick)
