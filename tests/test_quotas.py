@@ -115,3 +115,26 @@ def test_offers_never_take_a_client_below_its_quota(cache):
     finally:
         head.release()
     assert cached(a, mine) >= 8
+
+
+def test_a_quota_of_the_whole_cache_leaves_others_room_to_store(cache):
+    """One client asking for the whole cache must not stop every other client storing."""
+    greedy, other = cache(quota=1.0, grants=False), cache(grants=False)
+    flood(greedy, 2 * BLOCKS)  # fills the cache with blocks within its quota
+    assert procs.store(other, keys("other", 8)) != []  # refused for ever on the old owner
+
+
+def test_quotas_asked_beyond_the_cache_are_cut_to_what_can_be_kept(cache):
+    """Quotas summing to more than the cache cannot all be kept: the owner cuts the later
+    one, and shows what it applies; a client keeps at least the quota shown for it."""
+    first, second = cache(quota=40, grants=False), cache(quota=40, grants=False)
+    flood(first, 2 * BLOCKS)
+    mine = keys("mine", 40)
+    for i in range(0, len(mine), 8):
+        procs.store(second, mine[i:i + 8])
+    share = slots.share(second.segment, second.slot)
+    try:
+        assert second.quota == share["quota"] == 3 * BLOCKS // 4 - 40  # what first left
+        assert cached(second, mine) >= share["quota"]
+    finally:
+        share.release()

@@ -17,21 +17,32 @@ from kvshm.owner.entries import Client, Entries, Entry
 Allowed = Callable[[Entry], bool]
 
 
+def quota_room(num_blocks: int) -> int:
+    """The blocks all quotas together may keep of a cache of ``num_blocks``: three quarters.
+    The rest stays anybody's, so that grants can be stocked and clients without a quota
+    can store, whatever the others asked."""
+    return num_blocks * 3 // 4
+
+
 class Quotas:
     """The quotas of the adopted clients of one segment of ``num_blocks`` blocks."""
 
     def __init__(self, entries: Entries, num_blocks: int) -> None:
         self.entries, self.num_blocks = entries, num_blocks
+        self.room = quota_room(num_blocks)
         self.limits: dict[Client, int] = {}  # client -> blocks it may keep cached
 
-    def set(self, client: Client, blocks: int) -> None:
-        """``client`` asked to keep ``blocks`` cached (0: no quota). Its own word, so
-        clamped to the cache."""
-        blocks = min(int(blocks), self.num_blocks)
+    def set(self, client: Client, blocks: int) -> int:
+        """``client`` asked to keep ``blocks`` cached (0: no quota). Its own word, and
+        promises beyond the cache cannot all be kept, so it gets at most what the quotas
+        set before it left of ``room`` (first come, first served; 0: none). Returns the
+        quota it got."""
+        self.limits.pop(client, None)
+        left = self.room - sum(self.limits.values())
+        blocks = max(0, min(int(blocks), left))
         if blocks > 0:
             self.limits[client] = blocks
-        else:
-            self.limits.pop(client, None)
+        return blocks
 
     def drop(self, client: Client) -> None:
         """``client`` left: its blocks are nobody's to protect from now on."""
