@@ -11,6 +11,7 @@ import pytest
 from kvshm.client.connect import connect, quota_blocks
 from kvshm.errors import InvalidArgumentError
 from kvshm.shm import slots
+from kvshm.shm.table import BlockTable
 
 import procs
 from conftest import TEST_LAYOUT, stop_owner
@@ -137,4 +138,29 @@ def test_quotas_asked_beyond_the_cache_are_cut_to_what_can_be_kept(cache):
         assert second.quota == share["quota"] == 3 * BLOCKS // 4 - 40  # what first left
         assert cached(second, mine) >= share["quota"]
     finally:
+        share.release()
+
+
+
+def test_a_store_published_after_a_rivals_failed_store_counts_in_its_share(cache):
+    """A granted store of a key whose rival round-trip store is unfinished waits for it;
+    published when the rival fails, it is still its client's block, in its share."""
+    rival, mine = cache(grants=False), cache(quota=16)
+    key = keys("contested", 1)
+    head, _ = slots.grants(mine.segment, mine.slot)
+    share = slots.share(mine.segment, mine.slot)
+    try:
+        procs.store(mine, keys("first", 1))  # a client that stores: its ring is stocked
+        wait_for(lambda: head["granted"] > head["taken"], "mine's grant ring stocked")
+        out = mine.prepare_store(key)  # from the ring, before the rival's store began
+        assert rival.prepare_store(key).keys_to_store == key  # unfinished
+        procs.fill(mine.segment.planes(), out.block_ids[0], key[0])
+        mine.complete_store(key)  # waits behind the rival's: GRANTED, keyed in the table
+        table = BlockTable(mine.segment.buf, mine.segment.geometry)
+        wait_for(lambda: table.read(out.block_ids[0]).key == key[0], "the store to wait")
+        rival.complete_store(key, success=False)  # the waiting block is published
+        assert cached(mine, key) == 1
+        wait_for(lambda: share["cached"] == 2, "the owner to count it in mine's share")
+    finally:
+        head.release()
         share.release()

@@ -253,8 +253,10 @@ class Grants:
         if key in entries:
             entries.release([b])
             return
+        mark = entries.table.read(b)  # GRANTED to the client that stored it
+        tenant = (mark.writer, mark.writer_gen) if mark.writer >= 0 else None
         entries.table.write(b, L.READY, key, -1, 0, 0, entries.tick, time.time_ns())
-        entries.adopt(b, key, None)
+        entries.adopt(b, key, None, tenant=tenant)  # in its client's share
         self.outcomes.stored([key], True, 0)
 
     def free(self, writer: Client) -> int:
