@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 
@@ -30,9 +32,12 @@ def test_bench_hitrate_prints_every_hit_rate_and_ratio():
     assert row["ratio_kvshm_over_baseline"][0] > 0 and row["ratio_settled_over_baseline"] > 0
 
 
-def test_bench_owner_prints_the_owner_figures():
-    r = tool("bench_owner.py", "--clients", "1", "--seconds", "0.5", "--blocks", "1024")
+@pytest.mark.parametrize("protected", ["0", "0.25"])
+def test_bench_owner_prints_the_owner_figures(protected):
+    r = tool("bench_owner.py", "--clients", "1", "--seconds", "0.5", "--blocks", "1024",
+             "--protected", protected)
     (run,) = r["runs"]
+    assert run["protected"] == float(protected)
     assert run["keys_per_s"] > 0 and run["keys_per_owner_cpu_s"] > 0
     assert run["owner_us_per_key"] > 0 and run["client_us_per_key"] > 0
 

@@ -11,6 +11,7 @@ import pytest
 from kvshm.client.connect import connect, quota_blocks
 from kvshm.errors import InvalidArgumentError
 from kvshm.shm import slots
+from kvshm.shm.table import BlockTable
 
 import procs
 from conftest import TEST_LAYOUT, stop_owner
@@ -87,3 +88,79 @@ def test_a_quota_is_blocks_or_a_fraction_of_the_cache():
     for bad in (0, 65, -1, 0.0, 1.5, "16", True):
         with pytest.raises(InvalidArgumentError):
             quota_blocks(bad, 64)
+
+
+@pytest.mark.parametrize("grants", [False, True], ids=["round_trip", "grants"])
+def test_a_flood_never_takes_a_client_below_its_quota(cache, grants):
+    a, b = cache(quota=8), cache(grants=grants)
+    mine = keys("mine", 12)  # 4 over its quota: a flood may take those 4, no more
+    procs.store(a, mine)
+    flood(b, 4 * BLOCKS, batch=24)  # each eviction needs more blocks than a has over it
+    assert cached(a, mine) >= 8
+
+
+
+def test_offers_never_take_a_client_below_its_quota(cache):
+    """Victims offered to a grant count as gone from the moment they are offered: a refill
+    while earlier offers wait in the grantee's ring, unclaimed, takes no more than the
+    spare."""
+    a, b = cache(quota=8), cache()
+    mine = keys("mine", 24)  # 16 over its quota
+    procs.store(a, mine)
+    head, _ = slots.grants(b.segment, b.slot)
+    try:
+        for i in range(4 * BLOCKS):  # one block a store, each from b's grant ring
+            procs.store(b, keys(f"flood{i}", 1))
+            # the owner refilled b's ring (to 4, once down to 2): offers wait in it
+            wait_for(lambda: head["granted"] - head["taken"] >= 3, "b's ring refilled")
+    finally:
+        head.release()
+    assert cached(a, mine) >= 8
+
+
+def test_a_quota_of_the_whole_cache_leaves_others_room_to_store(cache):
+    """One client asking for the whole cache must not stop every other client storing."""
+    greedy, other = cache(quota=1.0, grants=False), cache(grants=False)
+    flood(greedy, 2 * BLOCKS)  # fills the cache with blocks within its quota
+    assert procs.store(other, keys("other", 8)) != []  # refused for ever on the old owner
+
+
+def test_quotas_asked_beyond_the_cache_are_cut_to_what_can_be_kept(cache):
+    """Quotas summing to more than the cache cannot all be kept: the owner cuts the later
+    one, and shows what it applies; a client keeps at least the quota shown for it."""
+    first, second = cache(quota=40, grants=False), cache(quota=40, grants=False)
+    flood(first, 2 * BLOCKS)
+    mine = keys("mine", 40)
+    for i in range(0, len(mine), 8):
+        procs.store(second, mine[i:i + 8])
+    share = slots.share(second.segment, second.slot)
+    try:
+        assert second.quota == share["quota"] == 3 * BLOCKS // 4 - 40  # what first left
+        assert cached(second, mine) >= share["quota"]
+    finally:
+        share.release()
+
+
+
+def test_a_store_published_after_a_rivals_failed_store_counts_in_its_share(cache):
+    """A granted store of a key whose rival round-trip store is unfinished waits for it;
+    published when the rival fails, it is still its client's block, in its share."""
+    rival, mine = cache(grants=False), cache(quota=16)
+    key = keys("contested", 1)
+    head, _ = slots.grants(mine.segment, mine.slot)
+    share = slots.share(mine.segment, mine.slot)
+    try:
+        procs.store(mine, keys("first", 1))  # a client that stores: its ring is stocked
+        wait_for(lambda: head["granted"] > head["taken"], "mine's grant ring stocked")
+        out = mine.prepare_store(key)  # from the ring, before the rival's store began
+        assert rival.prepare_store(key).keys_to_store == key  # unfinished
+        procs.fill(mine.segment.planes(), out.block_ids[0], key[0])
+        mine.complete_store(key)  # waits behind the rival's: GRANTED, keyed in the table
+        table = BlockTable(mine.segment.buf, mine.segment.geometry)
+        wait_for(lambda: table.read(out.block_ids[0]).key == key[0], "the store to wait")
+        rival.complete_store(key, success=False)  # the waiting block is published
+        assert cached(mine, key) == 1
+        wait_for(lambda: share["cached"] == 2, "the owner to count it in mine's share")
+    finally:
+        head.release()
+        share.release()

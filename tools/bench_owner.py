@@ -26,6 +26,8 @@ owner: each store is --batch (16) fresh 36-byte keys, prepare_store then complet
 no data copied (the owner never touches data either), so every client is as fast as a
 scheduler can be and the owner is the bottleneck. The cache (--blocks, 65536) is filled first
 and then evicts (the owner offers victims to the clients' grant rings) for the whole run.
+--protected F (0) first has one more client, with a quota of F of the cache, store that
+many keys: the oldest blocks, which no other client's store may evict (quotas).
 
 Reported, over --seconds (5) after a 1-second warm-up:
   keys_per_s            stored keys per wall-clock second, all clients together
@@ -69,14 +71,28 @@ def _client(name: str, idx: int, batch: int, count_from: float, stop: Any, out: 
 _WARMUP_S = 1.5  # connecting and filling the cache; then counting starts
 
 
-def run(clients: int, blocks: int, batch: int, seconds: float) -> dict[str, Any]:
+def _protect(name: str, fraction: float) -> Any:
+    """A client with a quota of ``fraction`` of the cache that stored as many keys."""
+    import kvshm
+    mgr = kvshm.connect(name, quota=fraction)
+    for i in range(0, mgr.quota, 256):
+        keys = [b"protected-%020d" % j for j in range(i, min(i + 256, mgr.quota))]
+        got = mgr.prepare_store(keys)
+        if got is not None:
+            mgr.complete_store(got.keys_to_store)
+    return mgr
+
+
+def run(clients: int, blocks: int, batch: int, seconds: float, protected: float = 0.0
+        ) -> dict[str, Any]:
     import kvshm
     from kvshm.logs import owner_log_path
     from kvshm.shm.layout import Layout
     from kvshm.shm.segment import Segment
     name = f"bowner{os.getpid()}x{uuid.uuid4().hex[:8]}"
     layout = Layout((4096,), 16, "bench-owner")
-    mgr = kvshm.connect(name, layout, num_blocks=blocks, max_clients=clients + 2)
+    mgr = kvshm.connect(name, layout, num_blocks=blocks, max_clients=clients + 3)
+    keeper = _protect(name, protected) if protected else None
     owner_pid = mgr.segment.owner_record()[0]
     owner = mgr._link.owner_proc
     ctx = mp.get_context("spawn")
@@ -101,6 +117,8 @@ def run(clients: int, blocks: int, batch: int, seconds: float) -> dict[str, Any]
         for p in kids:
             if p.is_alive():
                 p.terminate()
+        if keeper is not None:
+            keeper.shutdown()
         mgr.shutdown()
         Segment.unlink(name)
         if owner is not None:
@@ -119,7 +137,8 @@ def run(clients: int, blocks: int, batch: int, seconds: float) -> dict[str, Any]
     client_ns = sum(r[2] for r in res)
     keys_in_window = sum(r[1] / r[3] for r in res if r[3] > 0) * wall
     owner_cpu = (c1 - c0) / 1e9
-    return {"clients": clients, "blocks": blocks, "batch": batch, "seconds": round(wall, 2),
+    return {"clients": clients, "blocks": blocks, "batch": batch, "protected": protected,
+            "seconds": round(wall, 2),
             "keys_per_s": round(keys_in_window / wall),
             "owner_cpu_s": round(owner_cpu, 3),
             "keys_per_owner_cpu_s": round(keys_in_window / owner_cpu) if owner_cpu else None,
@@ -138,15 +157,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--blocks", type=int, default=65536)
     ap.add_argument("--batch", type=int, default=16, help="keys per store (default 16)")
     ap.add_argument("--seconds", type=float, default=5.0)
+    ap.add_argument("--protected", type=float, default=0.0,
+                    help="fraction of the cache a quota protects (default 0: no quotas)")
     ap.add_argument("--json", action="store_true", help="print ONE JSON object")
     a = ap.parse_args(argv)
     counts = [int(c) for c in a.clients.split(",") if c]
     if not counts or min(counts) < 1 or a.blocks < 64 or a.batch < 1 or a.seconds <= 0:
         ap.error("--clients, --blocks (>= 64), --batch and --seconds must be positive")
+    if not 0.0 <= a.protected < 1.0:
+        ap.error("--protected must be in [0, 1)")
     report: dict[str, Any] = {"tool": "bench_owner", "cpus": os.cpu_count(),
                               "load_start": _load(), "runs": []}
     for n in counts:
-        report["runs"].append(run(n, a.blocks, a.batch, a.seconds))
+        report["runs"].append(run(n, a.blocks, a.batch, a.seconds, a.protected))
     report["load_end"] = _load()
     if a.json:
         print(json.dumps(report))

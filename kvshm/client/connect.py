@@ -28,7 +28,9 @@ def connect(name: str, layout: Layout | None = None, *, num_blocks: int | None =
     store in flight as such (PENDING) rather than as a miss: for a client others wait for,
     like the lower tier's mover. ``quota``: this client's share of the cache, in blocks (an
     int) or as a fraction of it (a float in (0, 1]): over it, its stores evict its own
-    blocks first; within it, no other client's stores evict them (None: no quota).
+    blocks first; within it, no other client's stores evict them (None: no quota). All
+    quotas together keep at most three quarters of the cache: the owner cuts one asked
+    beyond what the others left (the manager's ``quota`` is the one applied).
     """
     if num_blocks is None and nbytes is not None:
         if layout is None:

@@ -78,6 +78,9 @@ class SharedManager(OffloadingManager):
             self._link.ensure_owner()
             self._link.ring_owner()
             self._link.call([self._hello()])
+            share = slots.share(segment, self.slot)  # the owner adopted us: the quota it
+            self.quota = int(share["quota"])         # applied (cut if others took the room)
+            share.release()
         except BaseException:
             # Leave the slot CLIENT and unlocked: the owner (or gc) reclaims it, and it is
             # the only one that may, since it may have adopted it already.

@@ -49,8 +49,9 @@ class Entries:
         # reclaimed) then lands in the block least likely to have been granted again.
         self.free: deque[int] = deque()
         self.tick = tick  # the eviction clock: +1 per touch, store or publish; in last_use
-        # client (slot, gen) -> entries it stored (its share of the cache, for quotas); a
-        # client that left stays here until its entries go, as nobody's to protect
+        # client (slot, gen) -> entries it stored (its share of the cache, for quotas), less
+        # those offered to a grant (going, whatever quotas say by the time they are claimed);
+        # a client that left stays here until its entries go, as nobody's to protect
         self.usage: dict[Client, int] = {}
 
     def __len__(self) -> int:
@@ -132,14 +133,24 @@ class Entries:
             else:
                 self.usage.pop(e.tenant, None)
 
+    def offered(self, e: Entry) -> None:
+        """``e`` was offered to a grant: it no longer counts in its tenant's share (it is
+        going as soon as its grantee claims it, and no quota is checked again then)."""
+        self._unuse(e)
+
+    def unoffered(self, e: Entry) -> None:
+        """An offer of ``e`` ended unclaimed: it is cached again, in its tenant's share."""
+        if e.tenant is not None:
+            self.usage[e.tenant] = self.usage.get(e.tenant, 0) + 1
+
     def forget(self, key: bytes) -> Entry:
         """Take a ready ``key`` out of the entries and the index (and the policy, if still
-        there) but leave its block to the caller: an offered block whose client claimed it."""
+        there) but leave its block to the caller: an offered block whose client claimed it
+        (out of its tenant's share since it was offered)."""
         e = self.by_key.pop(key)
         if key in self.policy:
             self.policy.remove(key)
         self.index.remove(key, e.block)
-        self._unuse(e)
         return e
 
     def take_free(self, n: int) -> list[int]:

@@ -92,7 +92,9 @@ class Evictor:
         A client writes its lease, fences, then re-reads the block's state; we mark victims
         EVICTING, fence, then re-read the leases. Whatever the interleaving, one side sees
         the other: either the client sees EVICTING and reports a miss, or we see the lease
-        and keep the block. Blocks that got leased meanwhile go back into the cache.
+        and keep the block. Blocks that got leased meanwhile go back into the cache; their
+        replacements pass ``can_evict``, whose quota counts still include the blocks kept
+        (a replacement may be refused that a fresh eviction would take, never the reverse).
         """
         assert self.held is not None
         by_key, table, policy = self.entries.by_key, self.entries.table, self.entries.policy
@@ -107,7 +109,7 @@ class Evictor:
             table.set_state(by_key[k].block, L.READY)
             policy.insert(k)  # it is being read: most recent is right
         keep = [k for k in victims if k not in lost]
-        more = policy.evict(len(lost), lambda k: can_evict(k) and by_key[k].block not in held)
+        more = policy.evict(len(lost), lambda k: by_key[k].block not in held and can_evict(k))
         if more is not None:
             more = self._fence_victims(more, can_evict, requester)
         if more is None:

@@ -136,6 +136,7 @@ class Grants:
             elif table.read(b).state in (L.READY, L.EVICTING):  # never claimed, or the claim
                 table.reset_ready(b)  # never finished: nothing written, READY as ever
                 entries.policy.insert(key)
+                entries.unoffered(e)
             else:  # CLAIMED (its data may be half new): forget its key, then free it
                 entries.forget(key)
                 self.outcomes.evicted([key])
@@ -152,7 +153,10 @@ class Grants:
         short = n - len(free)
         victims = self.evictor.choose(short, ALL_HOLDS, (slot, gen)) if short > 0 else None
         crash_point("owner.offer.after_choose")
-        offers = [entries.by_key[k].block for k in victims or ()]
+        chosen = [entries.by_key[k] for k in victims or ()]
+        for e in chosen:
+            entries.offered(e)  # going: no later choice counts it in its tenant's share
+        offers = [e.block for e in chosen]
         pos = range(first, first + len(free) + len(offers))
         entries.table.write_many(free, L.GRANTED, None, slot, gen, pos[:len(free)],
                                  entries.tick)
@@ -249,8 +253,10 @@ class Grants:
         if key in entries:
             entries.release([b])
             return
+        mark = entries.table.read(b)  # GRANTED to the client that stored it
+        tenant = (mark.writer, mark.writer_gen) if mark.writer >= 0 else None
         entries.table.write(b, L.READY, key, -1, 0, 0, entries.tick, time.time_ns())
-        entries.adopt(b, key, None)
+        entries.adopt(b, key, None, tenant=tenant)  # in its client's share
         self.outcomes.stored([key], True, 0)
 
     def free(self, writer: Client) -> int:

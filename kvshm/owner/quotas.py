@@ -17,21 +17,32 @@ from kvshm.owner.entries import Client, Entries, Entry
 Allowed = Callable[[Entry], bool]
 
 
+def quota_room(num_blocks: int) -> int:
+    """The blocks all quotas together may keep of a cache of ``num_blocks``: three quarters.
+    The rest stays anybody's, so that grants can be stocked and clients without a quota
+    can store, whatever the others asked."""
+    return num_blocks * 3 // 4
+
+
 class Quotas:
     """The quotas of the adopted clients of one segment of ``num_blocks`` blocks."""
 
     def __init__(self, entries: Entries, num_blocks: int) -> None:
         self.entries, self.num_blocks = entries, num_blocks
+        self.room = quota_room(num_blocks)
         self.limits: dict[Client, int] = {}  # client -> blocks it may keep cached
 
-    def set(self, client: Client, blocks: int) -> None:
-        """``client`` asked to keep ``blocks`` cached (0: no quota). Its own word, so
-        clamped to the cache."""
-        blocks = min(int(blocks), self.num_blocks)
+    def set(self, client: Client, blocks: int) -> int:
+        """``client`` asked to keep ``blocks`` cached (0: no quota). Its own word, and
+        promises beyond the cache cannot all be kept, so it gets at most what the quotas
+        set before it left of ``room`` (first come, first served; 0: none). Returns the
+        quota it got."""
+        self.limits.pop(client, None)
+        left = self.room - sum(self.limits.values())
+        blocks = max(0, min(int(blocks), left))
         if blocks > 0:
             self.limits[client] = blocks
-        else:
-            self.limits.pop(client, None)
+        return blocks
 
     def drop(self, client: Client) -> None:
         """``client`` left: its blocks are nobody's to protect from now on."""
@@ -43,15 +54,24 @@ class Quotas:
     def passes(self, client: Client | None) -> list[Allowed] | None:
         """The blocks an eviction for ``client`` may take, as passes to try in order (None:
         no quotas, any evictable block). A client at or over its quota takes its own first;
-        no pass takes the blocks of another client within its quota."""
+        no pass takes the blocks of another client within its quota, nor more of one over
+        it than it has over it. A pass is asked once per block it may take and counts what
+        it allowed (the policy takes every block its test passes), so each eviction needs
+        passes of its own."""
         if not self.limits:
             return None
         usage = self.entries.usage
-        protected = {c for c, limit in self.limits.items()
-                     if c != client and usage.get(c, 0) <= limit}
+        # another client with a quota -> how many of its blocks this eviction may still take
+        spare = {c: usage.get(c, 0) - limit for c, limit in self.limits.items() if c != client}
 
         def unprotected(e: Entry) -> bool:
-            return e.tenant not in protected
+            t = e.tenant
+            if t is None or (left := spare.get(t)) is None:
+                return True  # nobody's, no quota, or the requester's own
+            if left <= 0:
+                return False
+            spare[t] = left - 1
+            return True
 
         if client is not None and client in self.limits and \
                 usage.get(client, 0) >= self.limits[client]:

@@ -86,10 +86,21 @@ class Roster:
             # blocks it died handing over never reached the client: free them
             granted = int(c.grant_head["granted"])
             c.stores = bool(granted) and c.grants and rec.state == L.SlotState.CLIENT
-            manager.quotas.set((slot, rec.gen), c.share["quota"])
+            self._set_quota(manager, c)
             manager.grants.settle(slot, rec.gen, granted,
                                        int(c.grant_head["taken"]))
             self.last_client = time.monotonic()
+
+    def _set_quota(self, manager: LocalManager, c: Client) -> None:
+        """Apply the quota ``c`` asked for, cut to what the others' left; the quota applied
+        goes back in its share record, for people and for a successor owner."""
+        asked = int(c.share["quota"])
+        got = manager.quotas.set((c.slot, c.gen), asked)
+        if got != asked:
+            c.share["quota"] = got
+            log.warning("client slot %d gen %d asked for a quota of %d blocks; %d applied "
+                        "(all quotas together keep at most %d of the %d blocks)", c.slot,
+                        c.gen, asked, got, manager.quotas.room, manager.quotas.num_blocks)
 
     def quarantine(self, c: Client, why: str) -> None:
         """Stop reading a client we cannot parse. Its holds still count while it lives."""

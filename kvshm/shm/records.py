@@ -260,7 +260,8 @@ SLOT_COUNTERS_DTYPE = np.dtype({"names": [
 # evict them while it is within it.
 SHARE_DTYPE = np.dtype([
     ("quota", "<u8"),   # the client, at activation, before its state: blocks it may keep
-    #                     cached (0: no quota). Its own word: the owner clamps it to the cache
+    #                     cached (0: no quota). Its own word: the owner cuts it to what the
+    #                     quotas adopted before it left, and then writes back what it applies
     ("cached", "<u8"),  # the owner: blocks this client stored that are cached now (a count
     #                     of the owner's memory, refreshed after each pass; for people)
 ], align=False)
