@@ -68,6 +68,7 @@ from kvshm.client.connect import connect
 from kvshm.errors import KvshmError
 from kvshm.index.api import LookupResult
 from kvshm.inspect.snapshot import verify
+from kvshm.logs import owner_log_path
 from kvshm.shm import layout as L
 from kvshm.shm import slots
 from kvshm.shm.layout import Layout
@@ -568,6 +569,14 @@ class Soak:
                             or self.crashes or self.errors or self.wedges
                             or report["owner_deaths_not_killed"]
                             or (self.mover is not None and self.mover.crashes))
+        try:  # the owners' log goes with the segment: keep what a failure needs of it
+            with open(owner_log_path(self.name), errors="replace") as f:
+                lines = f.read().splitlines()
+        except OSError:
+            lines = []
+        report["owner_log_tracebacks"] = sum("Traceback" in line for line in lines)
+        if not report["ok"] or report["owner_log_tracebacks"]:
+            report["owner_log_tail"] = lines[-60:]
         return report
 
 
