@@ -276,3 +276,16 @@ def claim_and_wait(name: str, conn) -> None:
     conn.send({"slot": mgr.slot, "claimed": claimed,
                "offered": {b: k for b, k in offers().items() if b not in claimed}})
     time.sleep(3600)  # killed by the test
+
+
+def scribble_want_ring(name: str, conn, tail: int, done: int) -> None:
+    """A hostile client: leave its own slot's want ring (in the tier area) with the words
+    ``tail`` and ``done``, any u64, and no entries behind them; report the slot and go."""
+    from kvshm.tier.area import TierArea
+    mgr = connect(name)
+    area = TierArea.attach(mgr.segment)
+    ring = area._rings[mgr.slot]
+    ring["tail"], ring["done"] = tail, done
+    conn.send(mgr.slot)
+    area.close()
+    mgr.shutdown()

@@ -681,6 +681,14 @@ def test_starts_fast():
 
 
 @pytest.mark.unit
+def test_docs_name_every_header_counter():
+    doc = (ROOT / "docs" / "inspect.md").read_text()
+    para = doc[doc.index("The `show` document's `counters`"):doc.index("## Metrics")]
+    missing = [n for n in L.COUNTER_NAMES if not n.startswith("gone_") and f"`{n}`" not in para]
+    assert not missing, f"docs/inspect.md's counter list lacks {missing}"
+
+
+@pytest.mark.unit
 def test_docs_embed_the_generated_schema():
     doc = (ROOT / "docs" / "inspect.md").read_text()
     begin = doc.index("<!-- BEGIN schema tables")

@@ -1,5 +1,5 @@
 """The fault-injection soak (tools/soak.py) passes for 30 s with client and owner kills,
-client freezes and a reconnect loop."""
+client freezes and a reconnect loop, and beside hostile clients (tools/soak_hostile.py)."""
 from __future__ import annotations
 
 import json
@@ -31,4 +31,26 @@ def test_soak_with_kills_freezes_and_reconnects_keeps_every_invariant():
     assert report["freezes"] > 0
     assert report["reconnects"] > 0
     assert report["loaded_blocks"] > 0
+    assert out.returncode == 0 and report["ok"], diag
+
+
+def test_soak_beside_hostile_clients_keeps_every_invariant():
+    # Hostile clients flood the cache and scribble on their own slot, holds, rings, grant
+    # counts and want ring, with owner kills as well: the honest clients, the owner and the
+    # mover must notice nothing but a slower cache.
+    seconds = os.environ.get("KVSHM_SOAK_SECONDS", "30")
+    out = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "tools", "soak.py"), "--seconds", seconds,
+         "--kill-owner", "--hostile", "2", "--json"],
+        capture_output=True, text=True, timeout=300)
+    report = json.loads(out.stdout)
+    diag = json.dumps(report, indent=1) + "\n" + out.stderr[-4000:]
+    assert report["corrupt_loads"] == 0, diag
+    assert report["leaked_blocks"] == 0 and report["leaked_slots"] == 0, diag
+    assert report["wedges"] == 0, diag
+    assert report["client_errors"] == 0 and report["client_crashes"] == 0, diag
+    assert report["owner_deaths_not_killed"] == 0, diag
+    assert report["mover"]["crashes"] == 0 and report["mover"]["busy_windows"] == 0, diag
+    assert report["violations"] == [], diag
+    assert report["hostile"]["actions"] > 0 and report["loaded_blocks"] > 0, diag
     assert out.returncode == 0 and report["ok"], diag

@@ -255,9 +255,11 @@ def test_freed_blocks_are_reused_oldest_freed_first(new_manager):
     assert out.block_ids == [4, 5, 1, 3, 0]
 
 
-def test_rebuild_of_a_key_both_ready_and_writing_keeps_the_ready_block(make_segment):
-    # Only a damaged table holds one key twice; the published bytes must win, and the other
-    # block must come back to the free list instead of leaking.
+def test_rebuild_of_a_key_two_entries_hold_trusts_no_copy_as_ready(make_segment):
+    # Only a damaged table holds one key twice, and either copy may be the damaged one: a
+    # ready copy may hold another key's bytes, so it is freed; the one store of a key stays
+    # pending (its writer writes that block); two stores of one key are both held for their
+    # writer (it may still copy into either) and neither is ever published under the key.
     seg = make_segment(num_blocks=8, policy="lru")
     table = BlockTable(seg.buf, seg.geometry)
     table.write(5, L.WRITING, KEYS[0], writer=0, writer_gen=1, writer_req=3)
@@ -267,8 +269,13 @@ def test_rebuild_of_a_key_both_ready_and_writing_keeps_the_ready_block(make_segm
     table.close()
     m = LocalManager(seg, "lru", writer_alive=lambda slot, gen: True)
     try:
-        assert m.block_of(KEYS[0]) == 6 and m.lookup([KEYS[0]]) == 1
-        assert m.block_of(KEYS[1]) in (2, 7)
-        assert m.num_free == 8 - 2  # the two duplicates came back
+        assert m.block_of(KEYS[0]) == 5 and m.lookup([KEYS[0]]) == 0  # pending: a miss
+        assert m.block_of(KEYS[1]) is None
+        assert m.num_free == 8 - 3 and 6 in m.entries.free  # 5 pending, 2 and 7 held
+        assert seg.counter("duplicate_keys") == 2
+        m.complete_store([KEYS[0]], writer=(0, 1, 3))
+        assert m.block_of(KEYS[0]) == 5 and m.lookup([KEYS[0]]) == 1
+        assert m.reclaim_writer(0, 1) == 2  # the writer gone, its held blocks come back
+        assert m.num_free == 8 - 1
     finally:
         m.shutdown()

@@ -29,6 +29,7 @@ from kvshm.errors import MoverRunningError
 from kvshm.tier.mover import Mover
 
 from conftest import TEST_LAYOUT, stop_owner, unique_name
+import procs
 from procs import check, store
 from tier_fake import FakeStore, FakeTier
 
@@ -472,6 +473,49 @@ def test_a_not_yet_answer_gives_back_only_its_own_lookup_of_a_hit(hosts):
     assert check(eng.segment.planes(), blocks[0], KEYS[0])
     eng.complete_load(KEYS[:1])
     assert stored == []
+
+
+# A client of a slot may leave its want ring's words anything (a crash, or on purpose); they
+# are the mover's and the slot's next client's input.
+RING_WORDS = {"tail at the limit": (2**64 - 1, 0), "both at the limit": (2**64 - 1, 2**64 - 1),
+              "done past tail": (5, 1000), "tail past its entries": (5, 0),
+              "tail far past done": (2**63, 3)}
+
+
+@pytest.mark.parametrize("words", RING_WORDS.values(), ids=RING_WORDS.keys())
+def test_a_want_ring_its_last_client_scribbled_never_fails_nor_spins(hosts, make_segment,
+                                                                    words):
+    # A real client process leaves its slot's want ring impossible and goes. The mover
+    # must not be woken for it after one round (it would spin), and the next engine in
+    # that slot must look up without an error and still get its keys from below.
+    from test_shared import spawn
+    fake = FakeStore()
+    a, ma = hosts(fake)
+    store(a, KEYS)
+    spill_all(ma, fake, len(KEYS))
+    seg = make_segment(max_clients=2)  # the mover's slot and one more: the engine gets it
+    mover = Mover(seg.name, FakeTier(fake), batch=4)
+    pid = seg.owner_record()[0]
+    eng = None
+    try:
+        p, conn = spawn(procs.scribble_want_ring, seg.name, *words)
+        slot = conn.recv()
+        p.join()
+        mover.step()
+        assert not mover._woken(), "the mover would wake again at once, for good"
+        eng = TieredManager(connect(seg.name), max_wait=60.0)
+        assert eng.slot == slot
+        for i in range(20):  # each one asks the mover (and must not raise)
+            eng.lookup([b"absent-%d" % i])
+        assert fill(eng, mover, KEYS) == len(KEYS)
+        mover.step()
+        assert not mover._woken()
+        assert mover.area.snapshot()["wants_queued"] == 0
+    finally:
+        if eng is not None:
+            eng.shutdown()
+        mover.close()
+        stop_owner(pid)
 
 
 def test_a_client_checks_that_the_mover_lives_at_most_once_per_interval(make_segment,

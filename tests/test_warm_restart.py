@@ -66,3 +66,49 @@ def test_half_written_blocks_are_freed_by_the_next_owner(seg_name):
         pid = mgr.segment.owner_record()[0]
         mgr.shutdown()
         stop_owner(pid)
+
+
+def _copy_key(seg, src: int, dst: int) -> None:
+    """Damage: copy entry ``src``'s key, length and key checksum over entry ``dst``'s, so
+    that ``dst`` is self-consistent (its checksum verifies) and holds another block's key."""
+    table = BlockTable(seg.buf, seg.geometry)
+    for field in ("keylen", "keysum", "key"):
+        table.fields[field][dst] = table.fields[field][src]
+    table.close()
+
+
+def test_a_key_two_ready_entries_hold_is_a_miss_after_a_takeover(seg_name, tmp_path,
+                                                                 monkeypatch):
+    # Only damage puts one key in two entries. Here the older entry (the one a rebuild
+    # adopts first) gets the newer one's key: whichever copy a new owner kept, it could
+    # serve another key's bytes under that key. Every copy is dropped (a miss), counted
+    # in the header and logged, and what verify reported before is still known after.
+    from kvshm.inspect.snapshot import verify
+    from kvshm.logs import owner_log_path
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))  # the owners we start log here
+    older, newer, other = b"dup-older", b"dup-newer", b"dup-other"
+    mgr = connect(seg_name, TEST_LAYOUT, num_blocks=12)
+    try:
+        for k in (older, newer, other):  # one by one: older is the least recently used
+            assert procs.store(mgr, [k]) == [k]
+        seg = mgr.segment
+        b_older, b_newer = (mgr.index.find(k)[0] for k in (older, newer))
+        _copy_key(seg, b_newer, b_older)
+        assert any("both hold key" in v for v in verify(seg))
+        stop_owner(seg.owner_record()[0])
+        parent, child = CTX.Pipe()
+        p = CTX.Process(target=procs.load_and_verify, daemon=True,
+                        args=(seg_name, child, [newer]))
+        p.start()  # its connect starts the next owner, which rebuilds the index
+        got = parent.recv()
+        p.join()
+        assert got["hits"] == 0, f"a damaged copy was served: {got}"
+        assert mgr.lookup([other]) == 1  # what no damage touched is kept
+        assert seg.counter("duplicate_keys") == 1
+        assert verify(seg) == []
+        with open(owner_log_path(seg_name)) as f:
+            assert f"duplicate key {newer.hex()[:16]}" in f.read()
+    finally:
+        pid = mgr.segment.owner_record()[0]
+        mgr.shutdown()
+        stop_owner(pid)

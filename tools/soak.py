@@ -5,7 +5,13 @@ Two kinds of client process share one segment for a bounded time:
 
 * traffic clients (--clients) store, look up, load and verify checksummed blocks;
 * reconnectors (--reconnectors) loop connect() -> a lookup (verifying any load) and a small
-  checksummed store -> shutdown(), so slots are claimed and given back all the time.
+  checksummed store -> shutdown(), so slots are claimed and given back all the time;
+* hostile clients (--hostile, ``tools/soak_hostile.py``) flood the cache with unique keys, or
+  scribble on what they own (slot record, holds, rings, grant ring counts, want ring) and
+  leave, with or without a goodbye. With them a mover serves the segment (over an empty
+  lower tier) and the reconnectors look up through a ``TieredManager``, so that they take
+  the slots, and the want rings, the hostile clients left. What happens to a hostile client
+  is its own business; the soak counts its actions.
 
 Every load is verified against the content its key determines, so a block that was published
 before its bytes were complete, reused while read, or handed to the wrong key is caught.
@@ -29,12 +35,15 @@ reclaim what the dead held, runs the same invariant checks as ``kvshm-inspect ve
 checks that every client slot is FREE again.
 
 Exit status 0 only if: no corrupted load, no leaked block, no leaked slot, no wedge, no client
-error, no client crash (a client that died without being killed), ``verify`` clean.
+error, no client crash (a client that died without being killed), no owner death the injector
+did not cause (``failovers`` beyond its owner kills), no mover crash or busy loop (a mover
+using more than half a CPU over a wedge window), ``verify`` clean.
 
 Examples:
   python tools/soak.py                          # 60 s, 4 clients + 1 reconnector, kills+freezes
   python tools/soak.py --seconds 30 --kill-owner --json
   python tools/soak.py --seconds 20 --inject early-ready   # self-test: must FAIL
+  python tools/soak.py --seconds 60 --kill-owner --hostile 2 --json
 """
 from __future__ import annotations
 
@@ -53,16 +62,19 @@ import zlib
 from dataclasses import dataclass, field
 
 import numpy as np
+import soak_hostile
 
-from kvshm.shm import layout as L
-from kvshm.shm import slots
-from kvshm.index.api import LookupResult
 from kvshm.client.connect import connect
 from kvshm.errors import KvshmError
+from kvshm.index.api import LookupResult
+from kvshm.inspect.snapshot import verify
+from kvshm.logs import owner_log_path
+from kvshm.shm import layout as L
+from kvshm.shm import slots
 from kvshm.shm.layout import Layout
 from kvshm.shm.segment import Segment
-from kvshm.inspect.snapshot import verify
 from kvshm.shm.table import BlockTable
+from kvshm.tier.client import TieredManager
 
 LAYOUT = Layout((4096, 2048), 16, "soak")
 INJECTIONS = ("early-ready",)
@@ -134,7 +146,7 @@ def load(mgr, planes, keys, rep: Reporter, per_key: bool = False) -> None:
         while n < len(keys) and mgr.key_status(keys[n]) is LookupResult.HIT:
             n += 1
     else:
-        n = mgr.lookup(keys)
+        n = mgr.lookup(keys) or 0  # a TieredManager's None: not yet (a retry), no hit now
     if n:
         blocks = mgr.prepare_load(keys[:n])
         rep.verify_load(planes, keys[:n], blocks)
@@ -143,14 +155,22 @@ def load(mgr, planes, keys, rep: Reporter, per_key: bool = False) -> None:
         rep.stats["loaded_blocks"] += n
 
 
-def client(role: str, name: str, conn, seed: int, nkeys: int, inject: str | None) -> None:
+def client(role: str, name: str, conn, seed: int, nkeys: int, inject: str | None,
+           tiered: bool = False, actions: tuple[str, ...] = ()) -> None:
     """One client process until told to stop (or killed). Any kvshm error it sees is
-    reported and counted; any other exception is reported and ends it (a crash)."""
+    reported and counted; any other exception is reported and ends it (a crash).
+    ``tiered``: a reconnector looks up through a TieredManager; ``actions``: a hostile
+    client's."""
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the wedge detector's dump
     rep = Reporter(conn)
     try:
         rep.send(("hello", os.getpid()))
-        (traffic if role == "client" else reconnector)(name, conn, seed, nkeys, inject, rep)
+        if role == "hostile":
+            soak_hostile.Hostile(name, conn, seed, actions, LAYOUT, rep).run()
+        elif role == "client":
+            traffic(name, conn, seed, nkeys, inject, rep)
+        else:
+            reconnector(name, conn, seed, nkeys, inject, rep, tiered)
         rep.progress(force=True)
     except BaseException as exc:
         rep.send(("crash", type(exc).__name__, str(exc), traceback.format_exc()))
@@ -195,8 +215,9 @@ def traffic(name: str, conn, seed: int, nkeys: int, inject: str | None,
 
 
 def reconnector(name: str, conn, seed: int, nkeys: int, inject: str | None,
-                rep: Reporter) -> None:
-    """connect -> lookup (verifying any load) and a small store -> shutdown, in a loop."""
+                rep: Reporter, tiered: bool = False) -> None:
+    """connect -> lookup (verifying any load) and a small store -> shutdown, in a loop
+    (``tiered``: lookups through a TieredManager, which asks the mover on a miss)."""
     rng = random.Random(seed)
     keys = [b"soak-%05d" % i for i in range(nkeys)]
     stats = rep.stats
@@ -208,6 +229,8 @@ def reconnector(name: str, conn, seed: int, nkeys: int, inject: str | None,
             rep.error(exc)
             rep.progress()
             continue
+        if tiered:
+            mgr = TieredManager(mgr)
         try:
             planes = mgr.segment.planes()
             load(mgr, planes, rng.sample(keys, rng.randint(1, 4)), rep)
@@ -256,15 +279,24 @@ class Soak:
         self.wedges: list[dict] = []
         self.frames = (-1, time.monotonic())  # (owner frames counter, when it last moved)
         self.owner_stalled = False
+        self.hostile_final: list[dict] = []  # last stats of every hostile incarnation
+        self.hostile_crashes = 0  # hostile clients that died of an exception: informational
+        self.mover = soak_hostile.MoverWatch(self.ctx, self.name, args.wedge_seconds,
+                                             self.wedge) if args.hostile else None
 
     # --- client processes -----------------------------------------------------------------
+    def role(self, idx: int) -> str:
+        a = self.args
+        return ("client" if idx < a.clients else "reconnector"
+                if idx < a.clients + a.reconnectors else "hostile")
+
     def start_client(self, idx: int) -> None:
-        role = "client" if idx < self.args.clients else "reconnector"
+        role = self.role(idx)
         parent, child = self.ctx.Pipe()
         self.incarnation += 1
         p = self.ctx.Process(target=client, daemon=True, args=(
             role, self.name, child, self.args.seed * 1000 + self.incarnation, self.args.keys,
-            self.args.inject))
+            self.args.inject, self.mover is not None, tuple(self.args.hostile_actions)))
         p.start()
         child.close()
         self.procs[idx] = Proc(role, p, parent, time.monotonic())
@@ -280,6 +312,8 @@ class Soak:
                         pr.ops, pr.progress_at, pr.stalled = rest[0]["ops"], time.monotonic(), False
                 elif kind == "hello":
                     pr.ready = True
+                elif kind == "crash" and pr.role == "hostile":
+                    self.hostile_crashes += 1  # its own scribbles' doing: informational
                 elif kind == "corrupt":
                     self.corrupt.append(tuple(rest))
                 elif kind == "error":
@@ -295,13 +329,13 @@ class Soak:
         self.drain(idx)
         pr = self.procs[idx]
         if pr.stats:
-            self.final.append(pr.stats)
+            (self.hostile_final if pr.role == "hostile" else self.final).append(pr.stats)
         pr.conn.close()
 
     def kill_and_restart(self, idx: int, frozen: bool = False) -> None:
         pr = self.procs[idx]
         if pr.process.exitcode is not None:  # it died on its own: a client must never crash
-            self.crashes += 1
+            self.crashes += pr.role != "hostile"  # (a hostile one may leave as it likes)
         else:
             os.kill(pr.process.pid, signal.SIGKILL)
             self.kills["frozen_clients" if frozen else "clients"] += 1
@@ -315,8 +349,11 @@ class Soak:
         if a.kill_owner and self.rng.random() < 0.25:
             pid = seg.owner_record()[0]
             if pid and seg.owner_alive():
-                os.kill(pid, signal.SIGKILL)
-                self.kills["owner"] += 1
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                    self.kills["owner"] += 1
+                except ProcessLookupError:  # that owner died already (a successor rebuilds)
+                    pass
             return
         running = [i for i, pr in self.procs.items() if pr.frozen_until is None]
         if not running:
@@ -343,6 +380,15 @@ class Soak:
                 os.kill(pr.process.pid, signal.SIGCONT)
                 pr.progress_at, pr.stalled = time.monotonic(), False
 
+    def respawn(self) -> None:
+        """Hostile clients leave when they like (often without a goodbye): start another."""
+        for idx, pr in list(self.procs.items()):
+            if pr.role == "hostile" and pr.frozen_until is None and \
+                    pr.process.exitcode is not None:
+                pr.process.join()
+                self.retire(idx)
+                self.start_client(idx)
+
     # --- wedge detector -------------------------------------------------------------------
     def wedge(self, what: str, **detail) -> None:
         self.wedges.append(dict(what=what, **detail))
@@ -364,6 +410,8 @@ class Soak:
                        owner_pid=pid, owner_alive=seg.owner_alive(), frames=frames)
         for i in running:
             pr = self.procs[i]
+            if pr.role == "hostile":  # may wait on what it broke: its own business
+                continue
             if now - pr.progress_at > limit and not pr.stalled:
                 pr.stalled = True
                 self.wedge(f"{pr.role} made no progress", seconds=round(now - pr.progress_at, 1),
@@ -386,10 +434,13 @@ class Soak:
         # granted to each storing client (grants.grant_target), so small stores take the
         # grant path and large ones the round trip.
         Segment.create(self.name, LAYOUT, a.blocks, ring_capacity=64 << 10, hold_capacity=256,
-                       max_clients=a.clients + a.reconnectors + 2).close()
+                       max_clients=a.clients + a.reconnectors + 2 * a.hostile + 2 +
+                       (self.mover is not None)).close()
         seg = Segment.attach(self.name)
         try:
-            for i in range(a.clients + a.reconnectors):
+            if self.mover is not None:
+                self.mover.start()
+            for i in range(a.clients + a.reconnectors + a.hostile):
                 self.start_client(i)
             start = time.monotonic()
             end = start + a.seconds
@@ -402,9 +453,14 @@ class Soak:
                 if now >= next_fault:
                     self.inject_fault(seg)
                     next_fault = time.monotonic() + self.rng.uniform(0.2, 1.0)
+                self.respawn()
+                if self.mover is not None:
+                    self.mover.watch()
                 self.watch(seg, time.monotonic())
                 time.sleep(0.02)  # supervisor tick; the clients never wait on it
             self.stop_all()
+            if self.mover is not None:
+                self.mover.stop()
             return self.check(seg)
         finally:
             pid = seg.owner_record()[0]
@@ -418,6 +474,8 @@ class Soak:
             for pr in self.procs.values():
                 if pr.process.is_alive():
                     pr.process.kill()
+            if self.mover is not None:
+                self.mover.kill()
 
     def stop_all(self) -> None:
         """Thaw the frozen, tell everyone to stop; one that does not within the wedge
@@ -434,12 +492,13 @@ class Soak:
                 self.drain(i)
                 pr.process.join(0.1)
             if pr.process.exitcode is None:
-                self.wedge(f"{pr.role} did not stop", pid=pr.process.pid, ops=pr.ops)
-                self.dump(pr)
-                pr.process.join(1.0)  # let its faulthandler finish writing
+                if pr.role != "hostile":  # (a hostile one may wait on what it broke)
+                    self.wedge(f"{pr.role} did not stop", pid=pr.process.pid, ops=pr.ops)
+                    self.dump(pr)
+                    pr.process.join(1.0)  # let its faulthandler finish writing
                 pr.process.kill()
                 pr.process.join()
-            elif pr.process.exitcode != 0:
+            elif pr.process.exitcode != 0 and pr.role != "hostile":
                 self.crashes += 1
             self.retire(i)
 
@@ -475,12 +534,25 @@ class Soak:
                                       pid=pid, gen=gen, name=who.rstrip(b"\0").decode()))
         totals = {k: sum(s.get(k, 0) for s in self.final) for k in STATS}
         totals.pop("errors")
+        acts: dict[str, int] = {}
+        for st in self.hostile_final:
+            for k, v in st.items():
+                if k.startswith("act_"):
+                    acts[k[4:]] = acts.get(k[4:], 0) + v
+        failovers = seg.counter("failovers")
+        hostile = {
+            "clients": self.args.hostile, "action_set": list(self.args.hostile_actions),
+            "actions": sum(v for k, v in acts.items() if k in soak_hostile.ALL_ACTIONS),
+            "by_kind": acts, "crashes": self.hostile_crashes,
+            "incarnations": len(self.hostile_final)}
         report = {
             "seconds": self.args.seconds, "clients": self.args.clients,
             "reconnectors": self.args.reconnectors, "blocks": self.args.blocks,
             "inject": self.args.inject, "seed": self.args.seed,
             "kills": self.kills, "freezes": self.freezes,
-            "failovers": seg.counter("failovers"),
+            "failovers": failovers,
+            # owners that died holding the segment without the injector's kill: a client's
+            "owner_deaths_not_killed": max(0, failovers - self.kills["owner"]),
             "reclaimed_clients": seg.counter("reclaimed_clients"),
             "reclaimed_blocks": seg.counter("reclaimed_blocks"),
             "frames": seg.counter("frames"),
@@ -490,10 +562,31 @@ class Soak:
             "client_crashes": self.crashes, "violations": violations,
             "wedge_detail": self.wedges, "leaked_slot_detail": leaked_detail,
             "corrupt_detail": self.corrupt[:10], "error_samples": self.error_samples,
+            "hostile": hostile,
+            "mover": self.mover.report() if self.mover is not None else None,
         }
         report["ok"] = not (self.corrupt or writing or dead or leaked or violations
-                            or self.crashes or self.errors or self.wedges)
+                            or self.crashes or self.errors or self.wedges
+                            or report["owner_deaths_not_killed"]
+                            or (self.mover is not None and self.mover.crashes))
+        try:  # the owners' log goes with the segment: keep what a failure needs of it
+            with open(owner_log_path(self.name), errors="replace") as f:
+                lines = f.read().splitlines()
+        except OSError:
+            lines = []
+        report["owner_log_tracebacks"] = sum("Traceback" in line for line in lines)
+        if not report["ok"] or report["owner_log_tracebacks"]:
+            report["owner_log_tail"] = lines[-60:]
         return report
+
+
+def _actions(text: str) -> list[str]:
+    names = [n for n in text.split(",") if n]
+    bad = [n for n in names if n not in soak_hostile.ALL_ACTIONS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown hostile actions {bad}; known: {', '.join(soak_hostile.ALL_ACTIONS)}")
+    return names
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -523,6 +616,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=1,
                     help="seed of the injector's and the clients' random choices (default 1; "
                          "timing still varies between runs)")
+    ap.add_argument("--hostile", type=int, default=0, metavar="N",
+                    help="hostile client processes beside the honest ones, and a mover "
+                         "(default 0; see tools/soak_hostile.py)")
+    ap.add_argument("--hostile-actions", type=_actions, default=list(soak_hostile.ACTIONS),
+                    metavar="A,B,...",
+                    help="what hostile clients do, comma-separated (default "
+                         f"{','.join(soak_hostile.ACTIONS)}; also known, off by default: "
+                         f"{','.join(soak_hostile.EXTRA_ACTIONS)})")
     ap.add_argument("--json", action="store_true",
                     help="print only one JSON report on stdout (diagnostics go to stderr)")
     args = ap.parse_args(argv)
@@ -538,7 +639,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{report['corrupt_loads']}, leaked blocks {report['leaked_blocks']}, leaked "
               f"slots {report['leaked_slots']}, wedges {report['wedges']}, client errors "
               f"{report['client_errors']}, crashed clients {report['client_crashes']}, "
-              f"violations {len(report['violations'])}")
+              f"owner deaths not killed {report['owner_deaths_not_killed']}, hostile "
+              f"actions {report['hostile']['actions']}, violations "
+              f"{len(report['violations'])}")
         print(json.dumps(report, indent=1))
     return 0 if report["ok"] else 1
 

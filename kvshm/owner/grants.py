@@ -105,6 +105,14 @@ class Grants:
         if offered is not None or claimed:
             self.offered[block] = offered
 
+    def hold(self, block: int, writer: Client) -> None:
+        """A rebuild found ``block`` WRITING for a live ``writer`` under a key another store
+        holds too (damage): no key may name it, and the writer may still copy into it. It
+        is held for the writer like a claimed grant that was surely handed over (position
+        -1), freed when the writer goes, or when a Publish names it (never published: it
+        was not claimed)."""
+        self.adopt(block, writer, -1, claimed=True)
+
     def settle(self, slot: int, gen: int, granted: int, taken: int) -> int:
         """At takeover: free the blocks of (slot, gen) whose position its ring's ``granted``
         count never reached (never handed over). Returns how many. Nothing when the counts

@@ -4,20 +4,31 @@ This module owns what a new owner trusts of the table: READY entries whose key c
 verifies are adopted (oldest use first, so recency survives a failover), the unfinished
 stores of live writers stay pending, blocks granted to live clients stay granted (an offer
 still cached and indexed, a claimed one not), completed stores a dead owner deferred are
-remembered, and everything else (torn keys, dead writers' stores and claims, duplicates of a
-damaged table) is freed; a dead client's unclaimed offer is simply cached again. It fills a
-fresh ``Entries`` and ``Grants``; it never rewrites a key it keeps and never copies block
-data.
+remembered, and everything else (torn keys, dead writers' stores and claims) is freed; a
+dead client's unclaimed offer is simply cached again. It fills a fresh ``Entries`` and
+``Grants``; it never rewrites a key it keeps and never copies block data.
+
+A key that two entries hold can only come from damage, and either copy may be the damaged
+one (its key, length and key checksum copied from the other verify all the same): no copy is
+trusted. Its ready blocks are freed, an offered copy stays its client's without a key, a
+store's copy stays pending only when it is the one store of the key (its writer writes that
+block and no other), and copies of two stores are held for their writers, indexed nowhere.
+The key is then a miss, the ``duplicate_keys`` header counter counts it and the owner's log
+names it, so the evidence outlives the rebuild.
 """
 from __future__ import annotations
 
-from collections import deque
+import logging
+from collections import Counter, deque
 from collections.abc import Callable
 
 from kvshm.crashpoints import crash_point
 from kvshm.owner.entries import Entries
 from kvshm.owner.grants import Grants
 from kvshm.shm import layout as L
+
+log = logging.getLogger("kvshm.owner")
+_LOGGED = 8  # duplicate keys named in the log, at most, per rebuild
 
 
 def rebuild(entries: Entries, grants: Grants, writer_alive: Callable[[int, int], bool]
@@ -75,8 +86,11 @@ def rebuild(entries: Entries, grants: Grants, writer_alive: Callable[[int, int],
             table.write(b, L.FREE, b"")
             freed += e.state != L.FREE
         free.append(b)
+    stores = Counter(key for _, key, _ in writing)
+    twice = _held_twice(grants, [key for *_, key, _ in ready], stores,
+                        [key for _, key, _, _ in offers])
     for last_use, b, key, e in sorted(ready):  # oldest first: recency survives failover
-        if key in by_key:  # a duplicate can only come from a damaged table
+        if key in twice:
             table.write(b, L.FREE, b"")
             free.append(b)
             continue
@@ -86,17 +100,15 @@ def rebuild(entries: Entries, grants: Grants, writer_alive: Callable[[int, int],
             crash_point("owner.rebuild.mid")
         entries.adopt(b, key, None)
         entries.tick = max(entries.tick, last_use)
-    for b, key, writer in writing:  # after the ready ones: a duplicate key (a damaged
-        if key in by_key:           # table) keeps its published bytes, never a store's
-            table.write(b, L.FREE, b"")
-            free.append(b)
-            freed += 1
+    for b, key, writer in writing:
+        if stores[key] > 1:  # which store writes the key's bytes? Its writer may go on
+            grants.hold(b, writer)  # copying into either block: each stays its writer's
             continue
         entries.adopt(b, key, writer)
         kept += 1
     for b, key, client, pos in offers:  # cached and indexed, out of the policy's order
-        if key in by_key:  # a duplicate (a damaged table): the client may claim it, so
-            grants.adopt(b, client, pos, claimed=True)  # it stays theirs, unindexed
+        if key in twice:  # the client may claim it: it stays theirs, unindexed
+            grants.adopt(b, client, pos, claimed=True)
             continue
         entries.adopt(b, key, None)
         entries.policy.remove(key)
@@ -107,3 +119,19 @@ def rebuild(entries: Entries, grants: Grants, writer_alive: Callable[[int, int],
         if behind is None or behind.ready:
             grants.resolve(key)
     return {"ready": len(ready), "pending": kept, "freed": freed, "torn": torn_keys}
+
+
+def _held_twice(grants: Grants, ready: list[bytes], stores: Counter[bytes],
+                offered: list[bytes]) -> set[bytes]:
+    """The keys more than one of these entries hold (only damage does that): counted in the
+    header and named in the log."""
+    seen = Counter(ready) + stores + Counter(offered)
+    twice = {k for k, n in seen.items() if n > 1}
+    if twice:
+        grants.segment.counter_add("duplicate_keys", len(twice))
+        for k in sorted(twice)[:_LOGGED]:
+            log.warning("rebuild: duplicate key %s… in %d entries (a damaged block table): "
+                        "every copy dropped, the key is a miss", k.hex()[:16], seen[k])
+        if len(twice) > _LOGGED:
+            log.warning("rebuild: %d more duplicate keys dropped", len(twice) - _LOGGED)
+    return twice

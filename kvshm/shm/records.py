@@ -167,6 +167,9 @@ COUNTER_NAMES = (
     # Of granted_blocks, those offered while still cached (READY until their client claims
     # them) instead of evicted for the grant; owner-written.
     "offered_blocks",
+    # Keys a rebuild found in more than one block-table entry (only damage does that):
+    # every copy was dropped, so the key is a miss. Owner-written (or gc's).
+    "duplicate_keys",
 )
 MAX_COUNTERS = 32  # words reserved: new counters fit without moving the pinners
 COUNTERS_DTYPE = np.dtype({"names": list(COUNTER_NAMES), "formats": ["<u8"] * len(COUNTER_NAMES),

@@ -28,8 +28,18 @@ from ``tail``). The mover reads entries ``done+1 .. tail``; one whose ``seq`` is
 expected was overwritten by a producer that lapped the mover, and is counted as dropped. After
 handling a batch (a fetch started, or the key found absent below) the mover publishes ``done``:
 a client whose want ``seq <= done`` knows its answer is already visible in the segment (the
-key is WRITING or READY, or it stays a miss). Only x86/ARM-aligned 8-byte stores are used, as
-``kvshm.shm.ring`` explains; the mover's lock (byte 0, an OFD lock) says whether it is alive.
+key is WRITING or READY, or it stays a miss).
+
+Both words are any client's to scribble (every engine maps the area writable), so each side
+checks them where it reads them. A ring holds wants only while ``done < tail < SEQ_LIMIT``;
+any other pair is empty to the mover, which never raises or wakes again for it. A producer
+that finds ``done <= tail < SEQ_LIMIT`` false (a previous client of the slot left it so) goes
+on from ``done``, or starts again at seq 0 when ``done`` is past ``SEQ_LIMIT / 2``; the mover,
+finding ``done > tail``, starts its ``done`` again at 0 too, and reads what the producer wrote
+since. A want is answered only while ``seq <= done <= tail``.
+
+Only x86/ARM-aligned 8-byte stores are used, as ``kvshm.shm.ring`` explains; the mover's lock
+(byte 0, an OFD lock) says whether it is alive.
 """
 from __future__ import annotations
 
@@ -54,6 +64,7 @@ from kvshm.shm.words import WordView
 MAGIC = int.from_bytes(b"KVTIER01", "little")
 VERSION = 2  # 2: a want ring's done word on its own cache line
 RING_ENTRIES = 256
+SEQ_LIMIT = 1 << 62  # want seqs stay below: a word at or past it was scribbled
 LOCK_MOVER = 0
 
 STATES = ("stopped", "connecting", "connected", "down")
@@ -113,6 +124,15 @@ _E_SEQ, _E_LEN = field_offset(WANT_DTYPE, "seq") // 8, field_offset(WANT_DTYPE, 
 _E_KEY = field_offset(WANT_DTYPE, "key")
 _ENTRY_WORDS = _ENTRY // 8
 _SLOT_BYTES = _RING_HDR + RING_ENTRIES * _ENTRY
+
+
+def _unread(tail: int, done: int) -> bool:
+    """Whether a ring with these words has wants to read, or a ``done`` to start again."""
+    return done < tail < SEQ_LIMIT or done > tail
+
+
+def _queued(tail: int, done: int) -> int:
+    return tail - done if done < tail < SEQ_LIMIT else 0
 
 
 def area_bytes(max_clients: int) -> int:
@@ -261,8 +281,8 @@ class TierArea:
         return True
 
     def pending(self) -> bool:
-        """Whether any want ring holds unread entries."""
-        return any(r["tail"] != r["done"] for r in self._rings)
+        """Whether any want ring holds unread entries, or a ``done`` to start again."""
+        return any(_unread(r["tail"], r["done"]) for r in self._rings)
 
     def drain(self, limit: int = 4096) -> tuple[list[bytes], dict[int, int]]:
         """Read up to ``limit`` wanted keys; returns them and, per slot, the ``done`` value
@@ -271,7 +291,9 @@ class TierArea:
         done: dict[int, int] = {}
         for s, ring in enumerate(self._rings):
             tail, seen = ring["tail"], ring["done"]
-            if tail == seen:
+            if seen > tail:  # a producer started again (or a scribble): so do we
+                seen = done[s] = 0
+            if not seen < tail < SEQ_LIMIT:  # nothing, or words no producer writes
                 continue
             if tail - seen > RING_ENTRIES:  # lapped: the oldest are overwritten
                 self.add("wants_dropped", tail - seen - RING_ENTRIES)
@@ -316,6 +338,8 @@ class TierArea:
             raise InvalidArgumentError(f"slot {slot} is not a client slot of {self.name!r}")
         ring, e, view = self._rings[slot], self._entry_words[slot], self._slots[slot]
         tail = ring["tail"]
+        if not (done := ring["done"]) <= tail < SEQ_LIMIT:  # a previous client left it so
+            tail = done if done < SEQ_LIMIT // 2 else 0  # go on from the mover, or start again
         for k in keys[:RING_ENTRIES]:
             tail += 1
             i = (tail - 1) % RING_ENTRIES
@@ -332,8 +356,11 @@ class TierArea:
         return tail
 
     def answered(self, slot: int, seq: int) -> bool:
-        """Whether the mover has handled want ``seq`` of ring ``slot``."""
-        return self._rings[slot]["done"] >= seq
+        """Whether the mover has handled want ``seq`` of ring ``slot`` (never while the
+        ring's words are impossible: the mover starts its ``done`` again first)."""
+        ring = self._rings[slot]
+        done = ring["done"]
+        return seq <= done <= ring["tail"]
 
     # --- what kvshm-inspect shows -----------------------------------------------------
     def snapshot(self) -> dict[str, object]:
@@ -347,6 +374,6 @@ class TierArea:
             "since_ns": head["since_ns"],
             "last_error": err - (1 << 64) if err >= 1 << 63 else err,
             "last_error_ns": head["last_error_ns"],
-            "wants_queued": sum(r["tail"] - r["done"] for r in self._rings),
+            "wants_queued": sum(_queued(r["tail"], r["done"]) for r in self._rings),
             "counters": {name: self.counters[name] for name in COUNTERS}}
 

@@ -146,8 +146,12 @@ class Mover:
 
     def _fill(self) -> int:
         keys, done = self.area.drain(_WANTS_PER_ROUND)
-        if not keys:
-            return 0
+        try:
+            return self._fetch(keys, done) if keys else 0
+        finally:  # every ring read is answered, whatever came of it: none wakes us again
+            self.area.publish(done)
+
+    def _fetch(self, keys: list[bytes], done: dict[int, int]) -> int:
         find = self.mgr.index.find
         keys = list(dict.fromkeys(k for k in keys if find(k)[1] < 0))
         if not keys or not self.link.usable():
