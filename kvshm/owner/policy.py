@@ -54,6 +54,11 @@ class CachePolicy(ABC):
     def remove(self, key: bytes) -> None:
         """Drop a key without evicting it (failed store): no ghost. Unknown key: no-op."""
 
+    def remove_many(self, keys: Sequence[bytes]) -> None:
+        """``remove`` of each key (unknown ones: no-op). A policy may do it in bulk."""
+        for k in keys:
+            self.remove(k)
+
     @abstractmethod
     def touch(self, key: bytes, ready: bool) -> None:
         """Recency hit on one key. Unknown key: no-op."""

@@ -8,7 +8,11 @@ table copies in with one slice assignment, and ``Entry``, the consistent copy
 from __future__ import annotations
 
 import struct
+import zlib
+from collections.abc import Sequence
 from typing import NamedTuple
+
+import numpy as np
 
 from kvshm.shm import layout as L
 from kvshm.shm.records import (
@@ -40,6 +44,19 @@ assert STORED_NS_WORD == LAST_USE_WORD + 1  # publish stores them as adjacent wo
 # The same body as a numpy record, for the batch writers: one row per entry.
 BODY_DTYPE = sub_dtype(ENTRY_DTYPE, ENTRY_BODY)
 EMPTY_KEYSUM = L.key_checksum(b"")
+# A key's checksum is its crc32 (the key index's tag) xor a constant of its length: crc32 is
+# affine, and the checksum only prefixes the length byte. A batch writer that indexes the
+# keys it writes computes one crc32 per key for both (``keysums_of_tags``).
+KEYSUM_XOR = np.array([L.key_checksum(bytes(n)) ^ zlib.crc32(bytes(n))
+                       for n in range(L.MAX_KEY_BYTES + 1)], np.uint32)
+assert all(L.key_checksum(k) == zlib.crc32(k) ^ int(KEYSUM_XOR[len(k)])
+           for k in (b"\x01", b"k" * 36, bytes(range(L.MAX_KEY_BYTES))))
+
+
+def keysums_of_tags(keys: Sequence[bytes], tags: Sequence[int]) -> np.ndarray:
+    """``layout.key_checksum`` of each key, from its crc32 (``keyindex.tags_of``)."""
+    return np.array(tags, np.uint32) ^ KEYSUM_XOR[np.fromiter(map(len, keys), np.intp,
+                                                              len(keys))]
 
 
 class Entry(NamedTuple):

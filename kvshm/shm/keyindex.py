@@ -18,6 +18,13 @@ from kvshm.shm import layout as L
 from kvshm.shm.table import BlockTable
 
 
+def tags_of(keys: Sequence[bytes]) -> list[int]:
+    """The index tags (crc32) of ``keys``, computed in one C-level pass. A key's table
+    checksum is its tag xor a constant of its length (``layout.keysum_of_tag``), so a batch
+    writer that needs both computes one crc32 per key."""
+    return list(map(zlib.crc32, keys))
+
+
 class KeyIndex:
     """Linear-probing hash table key -> block id (crc32 tags), at most half full."""
 
@@ -97,31 +104,55 @@ class KeyIndex:
         self._uwords[2 * i] = tag
         w[2 * i + 1] = block
 
+    def insert_many(self, blocks: Sequence[int], tags: Sequence[int]) -> None:
+        """``insert`` of each key (none indexed yet) at its block, given the keys' tags
+        (``tags_of``): a store's batch in one call, its probes inlined (a call per key cost
+        as much as the probing)."""
+        w, u, mask = self._words, self._uwords, self.mask
+        for tag, block in zip(tags, blocks):
+            i = tag & mask
+            while w[2 * i + 1] >= 0:
+                i = (i + 1) & mask
+            u[2 * i] = tag  # (tag before block: see insert)
+            w[2 * i + 1] = block
+
     def remove(self, key: bytes, block: int) -> None:
         """Delete ``key``'s slot with backward-shift deletion (no tombstones to rot)."""
+        self.remove_many([block], [zlib.crc32(key)])
+
+    def remove_many(self, blocks: Sequence[int], tags: Sequence[int]) -> None:
+        """``remove`` of each key, given its block and its tag (``tags_of``), in one call.
+
+        The slot is found by its block (a block holds one key), so the key bytes are not
+        needed: a caller that knows the tags (from ``tags_of``, or the table's key checksum)
+        spares a checksum per key."""
         w, u, mask = self._words, self._uwords, self.mask
-        i = zlib.crc32(key) & mask
-        while True:
-            b = w[2 * i + 1]
-            if b < 0:
-                return  # not present
-            if b == block:
-                break
-            i = (i + 1) & mask
-        j = i
-        while True:
-            j = (j + 1) & mask
-            b = w[2 * j + 1]
-            if b < 0:
-                break
-            t = u[2 * j]
-            # Move j back into the hole at i unless its home lies cyclically in (i, j].
-            if (j - (t & mask)) & mask >= (j - i) & mask:
-                u[2 * i] = t
-                w[2 * i + 1] = b
-                i = j
-        u[2 * i] = 0
-        w[2 * i + 1] = -1
+        for tag, block in zip(tags, blocks):
+            i = tag & mask
+            while True:
+                b = w[2 * i + 1]
+                if b == block:
+                    break
+                if b < 0:
+                    i = -1  # not present
+                    break
+                i = (i + 1) & mask
+            if i < 0:
+                continue
+            j = i
+            while True:
+                j = (j + 1) & mask
+                b = w[2 * j + 1]
+                if b < 0:
+                    break
+                t = u[2 * j]
+                # Move j back into the hole at i unless its home lies cyclically in (i, j].
+                if (j - (t & mask)) & mask >= (j - i) & mask:
+                    u[2 * i] = t
+                    w[2 * i + 1] = b
+                    i = j
+            u[2 * i] = 0
+            w[2 * i + 1] = -1
 
     def clear(self) -> None:
         n = self.mask + 1

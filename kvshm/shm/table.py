@@ -42,6 +42,7 @@ from kvshm.shm.entry import (
     WRITER_OFF,
     Entry,
     decode,
+    keysums_of_tags,
 )
 from kvshm.shm.fence import publish_fence
 from kvshm.shm.records import ENTRY_DTYPE
@@ -273,9 +274,12 @@ class BlockTable:
 
     def write_many(self, blocks: Sequence[int], state: int, keys: Sequence[bytes] | None = None,
                    writer: int = -1, writer_gen: int = 0, writer_req: int | Sequence[int] = 0,
-                   last_use: int = 0, stored_ns: int = 0) -> None:
+                   last_use: int = 0, stored_ns: int = 0,
+                   tags: Sequence[int] | None = None) -> None:
         """``write`` of each of ``blocks`` (distinct ids) with its key of ``keys`` (none: empty
-        keys) and the same other fields, ``writer_req`` alone may differ per block.
+        keys) and the same other fields, ``writer_req`` alone may differ per block. ``tags``:
+        the keys' crc32s, if the caller has them (``keyindex.tags_of``): their checksums
+        follow from them (``entry.keysums_of_tags``) without a second pass over the bytes.
 
         Every body is built first (a bad value raises before any entry is touched), then all
         the entries are opened (odd), copied and closed (even) together. A death in between
@@ -308,7 +312,8 @@ class BlockTable:
                     np.frombuffer(b"".join(keys), np.uint8).reshape(n, klen)
             else:
                 body["keylen"], body["key"] = [len(k) for k in keys], keys
-            body["keysum"] = list(map(L.key_checksum, keys))
+            body["keysum"] = list(map(L.key_checksum, keys)) if tags is None else \
+                keysums_of_tags(keys, tags)
         else:
             body["keysum"] = EMPTY_KEYSUM
         b = np.asarray(blocks, np.intp)
