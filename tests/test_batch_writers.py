@@ -3,10 +3,10 @@
 A store, a publish, an eviction or a touch of many keys is mirrored with the table's
 ``write_many``/``set_states``/``publish_many``/``set_last_uses`` and the LRU policy's
 ``insert_many``/``touch_many``. Each is checked against the scalar writer applied key by key
-to a twin: the table byte for byte, the policy by its eviction order. The index (whose
-writers stay one key at a time) must find exactly the keys present after batches come and
-go. Batches straddle ``VECTOR_MIN`` so both paths of each writer run, and a tiny index makes
-collisions and wrap-around the rule.
+to a twin: the table byte for byte, the policy by its eviction order. The index must find
+exactly the keys present after batches come and go, one key at a time or a batch at a time
+(``insert_many``, ``remove_many``). Batches straddle ``VECTOR_MIN`` so both paths of each
+writer run, and a tiny index makes collisions and wrap-around the rule.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from kvshm.owner.policy import LRUPolicy
 from kvshm.shm import layout as L
-from kvshm.shm.keyindex import KeyIndex
+from kvshm.shm.keyindex import KeyIndex, tags_of
 from kvshm.shm.segment import Segment
 from kvshm.shm.table import VECTOR_MIN, BlockTable
 
@@ -108,13 +108,19 @@ def test_the_index_finds_exactly_the_keys_present_after_batches_come_and_go(batc
             free = sorted(set(range(BLOCKS)) - set(present.values()))
             blocks = data.draw(st.permutations(free))[:len(new)]
             t.write_many(blocks, L.READY, new)  # the index verifies candidates against these
-            for k, b in zip(new, blocks):
-                ix.insert(k, b)
+            if data.draw(st.booleans()):
+                ix.insert_many(blocks, tags_of(new))
+            else:
+                for k, b in zip(new, blocks):
+                    ix.insert(k, b)
             present.update(zip(new, blocks))
             gone = data.draw(st.lists(st.sampled_from(sorted(present)), unique=True)
                              if present else st.just([]))
-            for k in gone:
-                ix.remove(k, present.pop(k))
+            if data.draw(st.booleans()):
+                ix.remove_many([present.pop(k) for k in gone], tags_of(gone))
+            else:
+                for k in gone:
+                    ix.remove(k, present.pop(k))
             for k, b in present.items():
                 assert ix.find(k) == (b, L.READY) and ix.probe(k) >= 0
             for k in gone:

@@ -9,17 +9,19 @@ semantics (``manager.py`` does), chooses no victim (``eviction.py``) and copies 
 """
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterable
+from operator import attrgetter
 
 from kvshm.errors import BlockStateError, UnknownKeyError
 from kvshm.owner.policy import CachePolicy
 from kvshm.owner.running import RankOf
 from kvshm.shm import layout as L
-from kvshm.shm.keyindex import KeyIndex
+from kvshm.shm.keyindex import KeyIndex, tags_of
 from kvshm.shm.table import BlockTable
 
 Client = tuple[int, int]  # (client slot, client generation): who writes a block
+_TENANT = attrgetter("tenant")
 
 
 class Entry:
@@ -78,12 +80,14 @@ class Entries:
         self.adopt_many([block], [key], writer, tenant=tenant)
 
     def adopt_many(self, blocks: list[int], keys: list[bytes], writer: Client | None,
-                   rank_of: RankOf | None = None, tenant: Client | None = None) -> None:
+                   rank_of: RankOf | None = None, tenant: Client | None = None,
+                   tags: list[int] | None = None) -> None:
         """``adopt`` of every key (distinct, none entered) at its block: one pass each over
         the entries, the policy and the index, as a batch of stores needs. With a running
         request's ``rank_of``, each key is ranked as it is inserted, as ``adopt`` one by one
         would: the request takes its rank at its first key with a position, after the
-        fresh ranks of the keys before it. The table entries are the caller's to write."""
+        fresh ranks of the keys before it. The table entries are the caller's to write;
+        ``tags``: the keys' index tags, if the caller computed them for that write."""
         ready = writer is None
         tenant = tenant or writer
         self.by_key.update(zip(keys, [Entry(b, ready, writer, tenant) for b in blocks]))
@@ -96,9 +100,7 @@ class Entries:
         else:
             for k in keys:
                 self.policy.insert(k, rank_of(k))
-        insert = self.index.insert
-        for k, b in zip(keys, blocks):
-            insert(k, b)
+        self.index.insert_many(blocks, tags_of(keys) if tags is None else tags)
 
     def unpend(self, key: bytes, e: Entry) -> None:
         """The store of ``key`` is over (published or freed): forget its writer."""
@@ -113,16 +115,34 @@ class Entries:
         """Forget every key (distinct) and free its block, the table's entries in one batch
         write (no eviction bookkeeping: an eviction's victims, failed or reclaimed stores).
         Returns their entries, as they were."""
-        gone = [self.by_key.pop(k) for k in keys]
-        policy, remove = self.policy, self.index.remove
+        gone = list(map(self.by_key.pop, keys))
         for k, e in zip(keys, gone):
-            self.unpend(k, e)
-            if k in policy:
-                policy.remove(k)
-            remove(k, e.block)
-            self._unuse(e)
-        self.release([e.block for e in gone])
+            if e.writer is not None:
+                self.unpend(k, e)
+        blocks = [e.block for e in gone]
+        self._unindex(keys, blocks)
+        self._unuse_many(gone)
+        self.release(blocks)
         return gone
+
+    def _unindex(self, keys: list[bytes], blocks: list[int]) -> None:
+        """``keys`` (at ``blocks``, already out of ``by_key``) leave the policy and the
+        index, in a batch each."""
+        self.policy.remove_many(keys)
+        self.index.remove_many(blocks, tags_of(keys))
+
+    def _unuse_many(self, gone: list[Entry]) -> None:
+        """``gone`` left the cache: they no longer count in their tenants' shares."""
+        if len(gone) == 1:
+            self._unuse(gone[0])
+            return
+        for tenant, n in Counter(map(_TENANT, gone)).items():
+            if tenant is not None:
+                left = self.usage.get(tenant, 0) - n
+                if left > 0:
+                    self.usage[tenant] = left
+                else:
+                    self.usage.pop(tenant, None)
 
     def _unuse(self, e: Entry) -> None:
         """``e`` leaves the cache: it no longer counts in its tenant's share."""
@@ -147,11 +167,14 @@ class Entries:
         """Take a ready ``key`` out of the entries and the index (and the policy, if still
         there) but leave its block to the caller: an offered block whose client claimed it
         (out of its tenant's share since it was offered)."""
-        e = self.by_key.pop(key)
-        if key in self.policy:
-            self.policy.remove(key)
-        self.index.remove(key, e.block)
-        return e
+        return self.forget_many([key])[0]
+
+    def forget_many(self, keys: list[bytes]) -> list[Entry]:
+        """``forget`` of every key (distinct, ready), in a batch: their entries, as they were
+        (already out of their tenants' shares, as offered blocks)."""
+        gone = list(map(self.by_key.pop, keys))
+        self._unindex(keys, [e.block for e in gone])
+        return gone
 
     def take_free(self, n: int) -> list[int]:
         """``n`` free blocks, oldest freed first (the caller checked there are enough)."""

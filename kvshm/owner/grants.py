@@ -55,6 +55,7 @@ from kvshm.owner.running import RunningRanks
 from kvshm.shm import layout as L
 from kvshm.shm import offers
 from kvshm.shm.fence import publish_fence
+from kvshm.shm.keyindex import tags_of
 from kvshm.shm.layout import Geometry
 from kvshm.shm.offers import offer
 from kvshm.shm.segment import Segment
@@ -199,35 +200,41 @@ class Grants:
         entries.tick += 1
         done: dict[bytes, int] = {}  # key -> block, published by this frame
         ours = []  # (key, block, position): granted to the sender and taken by it
+        pos_of = mine.get
         for k, b in zip(keys, blocks):
-            pos = mine.get(b, taken)
+            pos = pos_of(b, taken)
             if pos >= taken:
                 continue  # published already (a replayed frame), never ours, or not taken
             del mine[b]
             ours.append((k, b, pos))
-        unclaimed = self._claimed([b for _, b, _ in ours if b in self.offered])
+        offered = self.offered
+        unclaimed = self._claimed([b for _, b, _ in ours if b in offered])
         freed = [b for _, b, _ in ours if b in unclaimed]  # written without a claim: never
-        for k, b, pos in ours:                               # publish what it holds now
+        get, deferred = entries.by_key.get, self.deferred  # publish what it holds now
+        for k, b, pos in ours:
             if b in unclaimed:
                 continue
-            e = entries.get(k)
-            if success and e is not None and not e.ready and k not in self.deferred:
+            e = get(k)
+            if e is None and success and k not in done:  # (the common case first)
+                done[k] = b
+            elif success and e is not None and not e.ready and k not in deferred:
                 # Another client's store of k is unfinished: wait for it, keyed in the
                 # table so that a successor owner still knows (``adopt``).
                 entries.table.write(b, L.GRANTED, k, slot, gen, pos, entries.tick)
-                self.deferred[k] = b
-            elif not success or e is not None or k in done:  # failed, or stored first
+                deferred[k] = b
+            else:  # failed, or stored first
                 freed.append(b)
-            else:
-                done[k] = b
         if not mine:
             self.blocks.pop((slot, gen), None)
-        entries.release(freed)
+        if freed:
+            entries.release(freed)
         keys, blocks = list(done), list(done.values())
-        entries.table.write_many(blocks, L.READY, keys, -1, 0, 0, entries.tick, time.time_ns())
+        tags = tags_of(keys)  # one crc32 per key, for the table's checksums and the index
+        entries.table.write_many(blocks, L.READY, keys, -1, 0, 0, entries.tick, time.time_ns(),
+                                 tags)
         if keys:
             crash_point("owner.publish.mid")
-        entries.adopt_many(blocks, keys, None, rank_of, tenant=(slot, gen))
+        entries.adopt_many(blocks, keys, None, rank_of, tenant=(slot, gen), tags=tags)
         self.outcomes.stored(keys, success, len(freed))
 
     def _claimed(self, blocks: list[int]) -> set[int]:
@@ -237,12 +244,12 @@ class Grants:
         published)."""
         if not blocks:
             return set()
-        entries, old = self.entries, [self.offered.pop(b) for b in blocks]
+        entries, old = self.entries, list(map(self.offered.pop, blocks))
+        get = entries.by_key.get
         gone = [k for k, b in zip(old, blocks)
-                if k is not None and (e := entries.get(k)) is not None and e.block == b]
-        for k in gone:
-            entries.forget(k)
+                if k is not None and (e := get(k)) is not None and e.block == b]
         if gone:
+            entries.forget_many(gone)
             self.outcomes.evicted(gone)
         crash_point("owner.publish.after_forget")
         state = offers.states(entries.table, np.asarray(blocks, np.intp))

@@ -17,7 +17,7 @@ import heapq
 from abc import ABC, abstractmethod
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Sequence
-from itertools import repeat
+from itertools import islice, repeat
 
 from kvshm.errors import InvalidArgumentError
 from kvshm.index.access import INSERTED, MISSED, RANKED, REUSED  # how a request used a key
@@ -53,6 +53,11 @@ class CachePolicy(ABC):
     @abstractmethod
     def remove(self, key: bytes) -> None:
         """Drop a key without evicting it (failed store): no ghost. Unknown key: no-op."""
+
+    def remove_many(self, keys: Sequence[bytes]) -> None:
+        """``remove`` of each key (unknown ones: no-op). A policy may do it in bulk."""
+        for k in keys:
+            self.remove(k)
 
     @abstractmethod
     def touch(self, key: bytes, ready: bool) -> None:
@@ -98,20 +103,19 @@ class LRUPolicy(CachePolicy):
     its tails precede its heads and everything ranked after ``r`` outlives them. Ties (keys of
     one request at one position) go by key bytes, as in vLLM's heap.
 
-    Fresh ranks only ever grow, so keys holding one sit in an ordered dict in rank order (a
-    touch moves a key to its end); keys holding a provisional rank sit in a heap of
-    ``(rank, key)`` with lazy invalidation (an entry is current while its key still has that
-    rank and no fresh one). Eviction merges the two in rank order, skipping keys ``can_evict``
-    refuses; the heap only holds keys of requests still running, so the common case costs
-    what a plain LRU does.
+    Fresh ranks only ever grow, so keys holding one sit in a dict ``key -> n`` in rank order
+    (a touch pops and re-adds a key: cheaper per key than an OrderedDict, for every store);
+    keys holding a provisional rank in ``key -> rank`` and a heap of ``(rank, key)``, lazily
+    invalidated. Eviction merges the two in rank order, skipping keys ``can_evict`` refuses;
+    the heap only holds keys of running requests: the common case is a plain LRU's cost.
     """
 
     name = "lru"
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity  # unused by LRU; kept so both policies build the same way
-        self._rank: dict[bytes, Rank] = {}
-        self._fresh: OrderedDict[bytes, None] = OrderedDict()  # fresh ranks, lowest first
+        self._fresh: dict[bytes, int] = {}  # fresh ranks (n, 0) by n, lowest first
+        self._prov: dict[bytes, Rank] = {}  # provisional ranks (never a key of _fresh)
         self._heap: list[tuple[Rank, bytes]] = []  # provisional ranks
         self._next = 0
 
@@ -119,26 +123,34 @@ class LRUPolicy(CachePolicy):
         self._next += 1
         return self._next
 
+    def _rank(self, key: bytes) -> Rank | None:
+        n = self._fresh.get(key)
+        return (n, 0) if n is not None else self._prov.get(key)
+
     def _freshen(self, key: bytes) -> None:
-        self._rank[key] = (self.new_rank(), 0)
-        self._fresh[key] = None
-        self._fresh.move_to_end(key)
+        self._prov.pop(key, None)
+        self._fresh.pop(key, None)
+        self._fresh[key] = self.new_rank()
 
     def _freshen_all(self, keys: Sequence[bytes]) -> None:
-        """``_freshen`` of each key in order, as two passes in C (a store's batch)."""
+        """``_freshen`` of each key in order, in C-level passes (a store's batch)."""
+        if len(set(keys)) != len(keys):  # a key twice: it ends where its last freshen puts it
+            for k in keys:
+                self._freshen(k)
+            return
+        if self._prov:
+            deque(map(self._prov.pop, keys, repeat(None)), 0)
         start = self._next + 1
         self._next += len(keys)
-        self._rank.update(zip(keys, zip(range(start, self._next + 1), repeat(0))))
-        fresh = self._fresh  # (OrderedDict.update is a Python loop: map is one in C)
-        deque(map(fresh.__setitem__, keys, repeat(None)), 0)
-        deque(map(fresh.move_to_end, keys), 0)  # keys present before move too, in order
+        deque(map(self._fresh.pop, keys, repeat(None)), 0)  # present ones move to the end
+        self._fresh.update(zip(keys, range(start, self._next + 1)))
 
     def _provisional(self, key: bytes, rank: Rank) -> None:
-        self._rank[key] = rank
+        self._prov[key] = rank
         self._fresh.pop(key, None)
         heapq.heappush(self._heap, (rank, key))
-        if len(self._heap) > 2 * (len(self._rank) - len(self._fresh)) + 64:  # mostly stale
-            self._heap = [(r, k) for k, r in self._rank.items() if k not in self._fresh]
+        if len(self._heap) > 2 * len(self._prov) + 64:  # mostly stale
+            self._heap = [(r, k) for k, r in self._prov.items()]
             heapq.heapify(self._heap)
 
     def insert(self, key: bytes, rank: Rank | None = None) -> None:
@@ -151,31 +163,37 @@ class LRUPolicy(CachePolicy):
         self._freshen_all(keys)
 
     def remove(self, key: bytes) -> None:
-        if self._rank.pop(key, None) is not None:
-            self._fresh.pop(key, None)
+        if self._fresh.pop(key, None) is None:
+            self._prov.pop(key, None)
+
+    def remove_many(self, keys: Sequence[bytes]) -> None:
+        # (a key is in one of the two at most; a stale heap entry is skipped like any other)
+        deque(map(self._fresh.pop, keys, repeat(None)), 0)
+        if self._prov:
+            deque(map(self._prov.pop, keys, repeat(None)), 0)
 
     def touch(self, key: bytes, ready: bool) -> None:
-        if key in self._rank:  # a key evicted between lookup and touch is not an error
+        if key in self:  # a key evicted between lookup and touch is not an error
             self._freshen(key)
 
     def touch_many(self, keys: Sequence[bytes], ready: Sequence[bool]) -> None:
-        ranks = self._rank
-        self._freshen_all([k for k in keys if k in ranks])
+        self._freshen_all([k for k in keys if k in self._fresh or k in self._prov])
 
     def access(self, key: bytes, how: int, rank: Rank | None = None) -> None:
         if how == RANKED:
             # vLLM 0.33's on_request_access: a running request's rank, never an older one
-            if rank is not None and key in self._rank and self._rank[key] < rank:
+            now = self._rank(key)
+            if rank is not None and now is not None and now < rank:
                 self._provisional(key, rank)
         elif how != MISSED:
             self.touch(key, True)
 
     def _current(self) -> tuple[Rank, bytes] | None:
         """The heap's lowest current entry (stale ones above it are dropped), or None."""
-        heap, ranks, fresh = self._heap, self._rank, self._fresh
+        heap, prov = self._heap, self._prov
         while heap:
             rank, key = heap[0]
-            if ranks.get(key) == rank and key not in fresh:
+            if prov.get(key) == rank:
                 return heap[0]
             heapq.heappop(heap)
         return None
@@ -183,16 +201,23 @@ class LRUPolicy(CachePolicy):
     def evict(self, n: int, can_evict: CanEvict) -> list[bytes] | None:
         if n <= 0:
             return _no_victims(n)
-        heap, ranks = self._heap, self._rank
-        victims: list[bytes] = []
+        top = self._current()
+        fresh = self._fresh
+        if top is None:  # fresh ranks only (no running request's): the dict's order, in C
+            victims = list(islice(filter(can_evict, fresh), n))
+            if len(victims) < n:
+                return None
+            deque(map(fresh.pop, victims), 0)
+            return victims
+        heap = self._heap
+        victims = []
         popped: list[tuple[Rank, bytes]] = []  # current heap entries taken out while scanning
         seen: set[bytes] = set()
-        fresh = iter(self._fresh)  # not mutated before the scan ends
-        f = next(fresh, None)
-        top = self._current()
+        scan = iter(fresh)  # not mutated before the scan ends
+        f = next(scan, None)
         while len(victims) < n and (f is not None or top is not None):
-            if f is not None and (top is None or (ranks[f], f) < top):
-                key, f = f, next(fresh, None)
+            if f is not None and (top is None or ((fresh[f], 0), f) < top):
+                key, f = f, next(scan, None)
             else:
                 assert top is not None  # the loop runs while either has a key
                 key = top[1]
@@ -210,18 +235,19 @@ class LRUPolicy(CachePolicy):
         if not taken:
             return None
         for key in victims:
-            del ranks[key]
-            self._fresh.pop(key, None)
+            if fresh.pop(key, None) is None:
+                del self._prov[key]
         return victims
 
     def order(self) -> list[bytes]:
-        return [k for _, k in sorted((r, k) for k, r in self._rank.items())]
+        ranked = [((n, 0), k) for k, n in self._fresh.items()]
+        return [k for _, k in sorted(ranked + [(r, k) for k, r in self._prov.items()])]
 
     def __contains__(self, key: object) -> bool:
-        return key in self._rank
+        return key in self._fresh or key in self._prov
 
     def __len__(self) -> int:
-        return len(self._rank)
+        return len(self._fresh) + len(self._prov)
 
 
 class ARCPolicy(CachePolicy):

@@ -8,6 +8,7 @@ table copies in with one slice assignment, and ``Entry``, the consistent copy
 from __future__ import annotations
 
 import struct
+import zlib
 from typing import NamedTuple
 
 from kvshm.shm import layout as L
@@ -17,7 +18,6 @@ from kvshm.shm.records import (
     field_names,
     field_offset,
     struct_format,
-    sub_dtype,
 )
 
 # The entry body (records.ENTRY_BODY: every field from state to the key, zero padded to
@@ -37,9 +37,14 @@ WORDS32 = L.ENTRY_BYTES // 4
 WORDS64 = L.ENTRY_BYTES // 8
 assert BODY_OFF == 4 and BODY_OFF + BODY.size == KEY_OFF + L.MAX_KEY_BYTES
 assert STORED_NS_WORD == LAST_USE_WORD + 1  # publish stores them as adjacent words
-# The same body as a numpy record, for the batch writers: one row per entry.
-BODY_DTYPE = sub_dtype(ENTRY_DTYPE, ENTRY_BODY)
 EMPTY_KEYSUM = L.key_checksum(b"")
+# A key's checksum is its crc32 (the key index's tag) xor a constant of its length: crc32 is
+# affine, and the checksum only prefixes the length byte. A batch writer that indexes the
+# keys it writes computes one crc32 per key for both (``table.write_many``'s ``tags``).
+KEYSUM_XOR = [L.key_checksum(bytes(n)) ^ zlib.crc32(bytes(n))
+                   for n in range(L.MAX_KEY_BYTES + 1)]
+assert all(L.key_checksum(k) == zlib.crc32(k) ^ KEYSUM_XOR[len(k)]
+           for k in (b"\x01", b"k" * 36, bytes(range(L.MAX_KEY_BYTES))))
 
 
 class Entry(NamedTuple):

@@ -17,6 +17,17 @@ import numpy as np
 from kvshm.shm import layout as L
 from kvshm.shm.table import BlockTable
 
+# A slot as a u64 (tag | block << 32): empty (block -1, tag 0) is the least value with the
+# block's sign bit set, and every used slot (block >= 0) is below it.
+_EMPTY = 0xFFFFFFFF << 32
+
+
+def tags_of(keys: Sequence[bytes]) -> list[int]:
+    """The index tags (crc32) of ``keys``, computed in one C-level pass. A key's table
+    checksum is its tag xor a constant of its length (``layout.keysum_of_tag``), so a batch
+    writer that needs both computes one crc32 per key."""
+    return list(map(zlib.crc32, keys))
+
 
 class KeyIndex:
     """Linear-probing hash table key -> block id (crc32 tags), at most half full."""
@@ -32,6 +43,11 @@ class KeyIndex:
         # an item store is one aligned 32-bit word, cheaper than packing a struct.
         flat = self._slots.reshape(-1)
         self._words, self._uwords = flat.data, flat.view(np.uint32).data
+        # The owner's batch writers see a slot as one little-endian u64 (tag | block << 32):
+        # one load reads both fields and one aligned store writes both, so a reader never
+        # sees a slot half moved, and the probe loops do half the memory operations.
+        assert self.base % 8 == 0 and np.little_endian
+        self._slot64 = flat.view(np.uint64).data
 
     def find_prefix(self, keys: Sequence[bytes], karr: np.ndarray
                     ) -> tuple[np.ndarray, np.ndarray]:
@@ -87,41 +103,54 @@ class KeyIndex:
 
     # --- owner-only writers -------------------------------------------------------------
     def insert(self, key: bytes, block: int) -> None:
-        w, mask = self._words, self.mask
-        tag = zlib.crc32(key)
-        i = tag & mask
-        while w[2 * i + 1] >= 0:
-            i = (i + 1) & mask
-        # Block before tag would be nicer, but a torn slot only ever costs a spurious miss:
-        # readers verify every candidate against the entry's key.
-        self._uwords[2 * i] = tag
-        w[2 * i + 1] = block
+        self.insert_many([block], [zlib.crc32(key)])
+
+    def insert_many(self, blocks: Sequence[int], tags: Sequence[int]) -> None:
+        """``insert`` of each key (none indexed yet) at its block, given the keys' tags
+        (``tags_of``): a store's batch in one call, its probes inlined (a call per key cost
+        as much as the probing)."""
+        q, mask = self._slot64, self.mask
+        for tag, block in zip(tags, blocks):
+            i = tag & mask
+            while q[i] < _EMPTY:
+                i = (i + 1) & mask
+            q[i] = tag | block << 32
 
     def remove(self, key: bytes, block: int) -> None:
         """Delete ``key``'s slot with backward-shift deletion (no tombstones to rot)."""
-        w, u, mask = self._words, self._uwords, self.mask
-        i = zlib.crc32(key) & mask
-        while True:
-            b = w[2 * i + 1]
-            if b < 0:
-                return  # not present
-            if b == block:
-                break
-            i = (i + 1) & mask
-        j = i
-        while True:
-            j = (j + 1) & mask
-            b = w[2 * j + 1]
-            if b < 0:
-                break
-            t = u[2 * j]
-            # Move j back into the hole at i unless its home lies cyclically in (i, j].
-            if (j - (t & mask)) & mask >= (j - i) & mask:
-                u[2 * i] = t
-                w[2 * i + 1] = b
-                i = j
-        u[2 * i] = 0
-        w[2 * i + 1] = -1
+        self.remove_many([block], [zlib.crc32(key)])
+
+    def remove_many(self, blocks: Sequence[int], tags: Sequence[int]) -> None:
+        """``remove`` of each key, given its block and its tag (``tags_of``), in one call.
+
+        The slot is found by its block (a block holds one key), so the key bytes are not
+        needed: a caller that knows the tags (from ``tags_of``, or the table's key checksum)
+        spares a checksum per key."""
+        q, mask = self._slot64, self.mask
+        for tag, block in zip(tags, blocks):
+            i = tag & mask
+            while True:
+                v = q[i]
+                if v >= _EMPTY:
+                    i = -1  # not present
+                    break
+                if v >> 32 == block:
+                    break
+                i = (i + 1) & mask
+            if i < 0:
+                continue
+            j = i
+            while True:
+                j = (j + 1) & mask
+                v = q[j]
+                if v >= _EMPTY:
+                    break
+                # Move j back into the hole at i unless its home lies cyclically in (i, j]
+                # (its home is its tag's low bits: the low word's, as mask < 2**32).
+                if (j - (v & mask)) & mask >= (j - i) & mask:
+                    q[i] = v
+                    i = j
+            q[i] = _EMPTY
 
     def clear(self) -> None:
         n = self.mask + 1
