@@ -302,3 +302,28 @@ def test_gc_with_a_live_owner_says_the_owner_reclaims(seg):
                        capture_output=True, text=True)
     assert r.returncode == 0 and "owner" in r.stdout + r.stderr
     mgr.shutdown()
+
+
+def _shm_mappings() -> int:
+    """How many of this process's mappings are segments or semaphores in /dev/shm (glibc
+    maps a semaphore it creates under a temporary name: "sem.XXXXXX (deleted)")."""
+    with open("/proc/self/maps") as f:
+        return sum("/dev/shm/kvshm-" in line or "/dev/shm/sem." in line for line in f)
+
+
+def test_failed_connects_leave_no_mapping_behind(seg):
+    import gc
+    mgr = connect(seg.name)
+    owner = seg.owner_record()[0]
+    gc.collect()
+    before = _shm_mappings()
+    os.kill(owner, signal.SIGSTOP)
+    try:
+        for _ in range(10):
+            with pytest.raises(ReplyTimeoutError):
+                connect(seg.name, timeout=0.3)
+    finally:
+        os.kill(owner, signal.SIGCONT)
+    gc.collect()
+    assert _shm_mappings() == before
+    mgr.shutdown()

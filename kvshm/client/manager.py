@@ -79,6 +79,7 @@ class SharedManager(OffloadingManager):
             # Leave the slot CLIENT and unlocked: the owner (or gc) reclaims it, and it is
             # the only one that may, since it may have adopted it already.
             slots.unlock(segment, self.slot)
+            self._close_views()  # the link's semaphores are never closed by the collector
             raise
 
     # --- owner link hooks ---------------------------------------------------------------
@@ -376,14 +377,18 @@ class SharedManager(OffloadingManager):
         except Exception:
             pass  # the owner reclaims a vanished client anyway
         slots.unlock(seg, self.slot)
-        self._link.close()
-        self._newcomer.release()
-        self._ctr.release()
-        self._own.close()
-        self._h.clear()
-        del self._h
+        self._close_views()
         seg.close()
         self.segment = None  # type: ignore[assignment]
+
+    def _close_views(self) -> None:
+        """Close the owner link (the collector would never close its doorbells) and our
+        views of the slot; what a failed construction did not open yet is skipped."""
+        for name, end in (("_link", "close"), ("_own", "close"), ("_newcomer", "release"),
+                          ("_ctr", "release"), ("_h", "clear")):
+            part = self.__dict__.pop(name, None)
+            if part is not None:
+                getattr(part, end)()
 
     def __enter__(self) -> SharedManager:
         return self

@@ -153,6 +153,10 @@ class OwnerLink:
         self._req = 0
         self._abandoned: set[int] = set()  # requests given up on: undo what they did
         self._backlog: list[bytes] = []  # posted frames that did not fit the ring yet
+        # Views first (the collector frees them), the doorbells last (it never closes them).
+        self.requests = Ring(slots.ring_view(segment, slot, "request"))
+        self.replies = Ring(slots.ring_view(segment, slot, "reply"))
+        self._served = slots.served(segment, slot)
         self.reply_bell = Doorbell(slots.bell_view(segment, slot, "reply"),
                                    segment.object_name(f"c{slot}-reply"), like_fd=segment.fd)
         try:
@@ -161,9 +165,6 @@ class OwnerLink:
         except BaseException:
             self.reply_bell.close()
             raise
-        self.requests = Ring(slots.ring_view(segment, slot, "request"))
-        self.replies = Ring(slots.ring_view(segment, slot, "reply"))
-        self._served = slots.served(segment, slot)
         self.max_frame = Ring.max_payload(segment.geometry.ring_capacity)
         self.owner_proc: subprocess.Popen | None = None
 
