@@ -327,3 +327,36 @@ def test_failed_connects_leave_no_mapping_behind(seg):
     gc.collect()
     assert _shm_mappings() == before
     mgr.shutdown()
+
+
+# --- counters at their limits ----------------------------------------------------------------
+def test_an_owner_epoch_at_its_maximum_wraps_and_successors_take_over(seg):
+    seg.write_owner_record(0, 2**32 - 1, 0, 0)  # the last epoch the record can hold
+    mgr = connect(seg.name)
+    assert seg.owner_record().epoch == mgr._link.epoch == 1  # 0 means "no owner yet"
+    stop_owner(seg.owner_record()[0])
+    assert procs.store(mgr, KEYS[:2]) == KEYS[:2]  # a successor serves: a failover seen
+    assert seg.owner_record().epoch == mgr._link.epoch == 2
+    mgr.shutdown()
+
+
+def test_a_slot_generation_at_its_maximum_wraps_and_its_next_client_stores(seg):
+    for s in range(seg.geometry.max_clients):  # as a departed client may leave its slot
+        slots._store(seg, s, "gen", 2**64 - 1)
+    mgr = connect(seg.name)
+    assert 1 <= mgr.gen < 2**32  # what a block table entry's writer field holds
+    assert procs.store(mgr, KEYS[:4]) == KEYS[:4]
+    assert mgr.lookup(KEYS[:4]) == 4 and verify(seg) == []
+    mgr.shutdown()
+
+
+def test_request_ids_at_their_limit_raise_a_typed_error(seg):
+    from kvshm.errors import CounterLimitError
+    mgr = connect(seg.name)
+    mgr._link._req = 2**64 - 2
+    mgr.take_events()  # request id 2**64 - 1, the last one
+    with pytest.raises(CounterLimitError, match="connect again"):
+        mgr.take_events()
+    mgr.shutdown()  # its goodbye has no id left either: the owner reclaims the slot
+    wait_for(lambda: slots.record(seg, mgr.slot).state == L.SlotState.FREE,
+             "the owner to reclaim the slot")

@@ -11,7 +11,7 @@ Each client slot has a request ring, a reply ring, and a *served record* of u64 
 only owners write (``records.SERVED_DTYPE``): ``consumed`` (the last request id an owner began
 to execute), ``answered`` (the last request id whose whole reply is on the reply ring),
 ``attempts``, ``one_way`` and ``epoch``. Request ids increase per slot generation (u64, never
-wrap).
+wrap: a link that used them all raises ``CounterLimitError``).
 
 Owner, for the frame at the head of a client's request ring (``Owner._serve_frame``):
 
@@ -65,7 +65,13 @@ import threading
 import time
 from collections.abc import Callable
 
-from kvshm.errors import OwnerUnavailableError, ProtocolError, ReplyTimeoutError, RingFullError
+from kvshm.errors import (
+    CounterLimitError,
+    OwnerUnavailableError,
+    ProtocolError,
+    ReplyTimeoutError,
+    RingFullError,
+)
 from kvshm.index import protocol as P
 from kvshm.index.launch import OWNER_IDLE_EXIT_S, OWNER_MODULE
 from kvshm.logs import bound as bound_log
@@ -80,6 +86,7 @@ from kvshm.shm.segment import Segment
 REPLY_SPIN_S = 200e-6
 OWNER_START_TIMEOUT_S = 20.0
 _CHECK_OWNER_S = 0.1  # while waiting, look whether the owner still lives this often
+REQ_MAX = 2**64 - 1  # the last request id: the served record's words are u64
 
 
 def _tail(path: str, start: int, n: int = 3) -> list[str]:
@@ -169,6 +176,13 @@ class OwnerLink:
         self.owner_proc: subprocess.Popen | None = None
 
     def next_req(self) -> int:
+        """A fresh request id: ids increase per slot generation, up to the served record's
+        u64 words (``REQ_MAX``); a link that used them all asks for a new connection."""
+        if self._req >= REQ_MAX:
+            raise CounterLimitError(
+                f"this client of {self.segment.name!r} (slot {self.slot}) has used every "
+                f"request id (up to {REQ_MAX}); shut this manager down and connect again: "
+                "a new connection starts its ids anew")
         self._req += 1
         return self._req
 

@@ -26,6 +26,7 @@ import msgspec
 from kvshm.errors import ClientSlotsExhaustedError, InvalidArgumentError, TransferError
 from kvshm.shm import layout as L
 from kvshm.shm import locks, slots
+from kvshm.shm.records import next_gen
 from kvshm.shm.ring import Doorbell, Ring
 from kvshm.shm.segment import Segment
 from kvshm.transfer.spec import TransferResult, TransferSpec
@@ -149,7 +150,7 @@ class SchedulerChannel:
                     continue
                 rec = slots.record(self.seg, slot)
                 if rec.state == L.SlotState.FREE:
-                    return slot, rec.gen + 1
+                    return slot, next_gen(rec.gen)
                 locks.unlock(fd, L.LOCK_CLIENT_BASE + slot)
             if time.monotonic() > deadline:
                 raise ClientSlotsExhaustedError(

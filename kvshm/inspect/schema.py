@@ -106,7 +106,7 @@ class Owner(_Doc):
     """`owner`: the owner process."""
     pid: Annotated[int, _d("last owner's pid; 0 after a clean shutdown")]
     alive: Annotated[bool, _d("whether an owner holds the owner lock")]
-    epoch: Annotated[int, _d("owners so far")]
+    epoch: Annotated[int, _d("owners so far, 1 again after 2**32 - 1")]
     since_ns: Annotated[int, _d("when the owner took over")]
     age_s: Annotated[float | None, _d("seconds since then (null: none has run)")]
     tick: Annotated[int, _d("last-use clock")]

@@ -124,8 +124,9 @@ def header_record(head: bytes) -> HeaderRecord:
 OWNER_DTYPE = np.dtype([
     ("pid", "<u4"),       # owner: its pid while it owns, 0 once it let go; for people and
     #                       for "who owns?" messages, never for liveness (LOCK_OWNER is)
-    ("epoch", "<u4"),     # owner: previous epoch + 1 on taking ownership; never decreases,
-    #                       so a changed epoch means another owner ran (served records)
+    ("epoch", "<u4"),     # owner: ``next_epoch`` of the previous one on taking ownership;
+    #                       only ever compared for equality: a changed epoch means another
+    #                       owner ran (served records, replies); 0: no owner has run yet
     ("since_ns", "<u8"),  # owner: time.time_ns() when it took (or let go of) ownership
     ("tick", "<u8"),      # owner: the eviction clock, saved so the next owner continues it
 ], align=False)
@@ -133,6 +134,16 @@ assert OWNER_DTYPE.itemsize == 24
 _offsets(OWNER_DTYPE, pid=0, epoch=4, since_ns=8, tick=16)
 OWNER = struct.Struct(struct_format(OWNER_DTYPE))
 OWNER_BYTES = 32  # room reserved in the header
+
+
+EPOCH_MAX = 2**32 - 1  # what the record's epoch word holds
+
+
+def next_epoch(epoch: int) -> int:
+    """The epoch of the owner after one of ``epoch``: +1, and after ``EPOCH_MAX`` 1 again
+    (never 0, "no owner yet"). Consecutive owners always differ, which is all that is
+    compared; two owners 2**32 - 1 takeovers apart share one, which no client lives to see."""
+    return epoch % EPOCH_MAX + 1
 
 
 class OwnerRecord(NamedTuple):
@@ -221,14 +232,24 @@ SLOT_DTYPE = np.dtype([
     #                          gc holding the owner lock); CHANNEL -> FREE by its holder,
     #                          or by the owner once the holder is dead
     ("pid", "<u4"),          # claimant: its pid, for people; 0 once cleared
-    ("gen", "<u8"),          # claimant, before the state: +1 per claim, never reused for a
-    #                          slot, so (slot, gen) names one client for ever
+    ("gen", "<u8"),          # claimant, before the state: ``next_gen`` of the last one, so
+    #                          (slot, gen) names one client (until 2**32 - 1 claims later)
     ("attached_ns", "<u8"),  # claimant: time.time_ns() at activation
     ("name", "S32"),         # claimant: its program name, NUL padded, for people
 ], align=False)
 assert SLOT_DTYPE.itemsize == 56
 _offsets(SLOT_DTYPE, state=0, pid=4, gen=8, attached_ns=16, name=24)
 SLOT = struct.Struct(struct_format(SLOT_DTYPE))
+
+
+GEN_MAX = 2**32 - 1  # what a block table entry's ``writer_gen`` word holds
+
+
+def next_gen(gen: int) -> int:
+    """The generation of a slot's next claimant after one of ``gen``: +1, and after
+    ``GEN_MAX`` 1 again (0 is no client's), whatever the word held: the last claimant wrote
+    it, and a generation must fit every record that names its writer."""
+    return gen % GEN_MAX + 1
 
 
 class SlotRecord(NamedTuple):

@@ -23,6 +23,7 @@ from kvshm.shm import layout as L
 from kvshm.shm import locks, words
 from kvshm.shm.fence import full_fence
 from kvshm.shm.layout import SlotRecord, SlotState
+from kvshm.shm.records import next_gen
 from kvshm.shm.ring import Ring
 from kvshm.shm.segment import Segment
 from kvshm.shm.words import WordView
@@ -50,7 +51,7 @@ def claim(seg: Segment, wait_for_reclaim: Callable[[], object] | None = None,
                 continue
             rec = record(seg, slot)
             if rec.state == SlotState.FREE:
-                return slot, rec.gen + 1
+                return slot, next_gen(rec.gen)
             locks.unlock(fd, L.LOCK_CLIENT_BASE + slot)
             dirty = True
         if not dirty or wait_for_reclaim is None or time.monotonic() > deadline:
