@@ -276,3 +276,46 @@ def claim_and_wait(name: str, conn) -> None:
     conn.send({"slot": mgr.slot, "claimed": claimed,
                "offered": {b: k for b, k in offers().items() if b not in claimed}})
     time.sleep(3600)  # killed by the test
+
+
+def spoil_reply_bell(name: str, conn, how: str, calls: int) -> None:
+    """A hostile client: make the file its reply doorbell had (a glibc semaphore, before
+    doorbells were words of the segment) 0 bytes long (``how="truncate"``) or a FIFO, and
+    keep its doorbell word raised, so that every reply rings it, while it never sleeps on
+    the doorbell itself; report, and on "go" make ``calls`` calls; report what they said."""
+    from kvshm.errors import KvshmError
+    from kvshm.shm import slots
+    mgr = connect(name)
+
+    def poll(timeout: float, ready, spin_s: float = 0.0) -> bool:
+        deadline = time.monotonic() + timeout
+        while not ready():
+            if time.monotonic() > deadline:
+                return False
+            os.sched_yield()
+        return True
+
+    mgr._link.reply_bell.wait = poll
+    seg = mgr.segment
+    path = f"/dev/shm/sem.kvshm-{name}@{seg.tag}-c{mgr.slot}-reply"
+    if how == "fifo":
+        if os.path.exists(path):
+            os.unlink(path)
+        os.mkfifo(path, 0o600)
+    else:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600))
+    word = slots.bell_view(seg, mgr.slot, "reply").cast("I")
+    conn.send("spoiled")
+    conn.recv()
+    served, errors = 0, []
+    for _ in range(calls):
+        word[0] = 0xFFFFFFFF  # "asleep", and then some: every reply rings it
+        try:
+            mgr.take_events()
+            served += 1
+        except KvshmError as e:
+            errors.append(type(e).__name__)
+    conn.send({"served": served, "errors": errors})
+    conn.recv()
+    word.release()
+    mgr.shutdown()

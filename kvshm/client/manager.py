@@ -79,7 +79,7 @@ class SharedManager(OffloadingManager):
             # Leave the slot CLIENT and unlocked: the owner (or gc) reclaims it, and it is
             # the only one that may, since it may have adopted it already.
             slots.unlock(segment, self.slot)
-            self._close_views()  # the link's semaphores are never closed by the collector
+            self._close_views()
             raise
 
     # --- owner link hooks ---------------------------------------------------------------
@@ -382,8 +382,8 @@ class SharedManager(OffloadingManager):
         self.segment = None  # type: ignore[assignment]
 
     def _close_views(self) -> None:
-        """Close the owner link (the collector would never close its doorbells) and our
-        views of the slot; what a failed construction did not open yet is skipped."""
+        """Close the owner link and our views of the slot (a failed construction's too, so
+        that nothing it opened outlives it); what was not opened yet is skipped."""
         for name, end in (("_link", "close"), ("_own", "close"), ("_newcomer", "release"),
                           ("_ctr", "release"), ("_h", "clear")):
             part = self.__dict__.pop(name, None)

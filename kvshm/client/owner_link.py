@@ -81,7 +81,7 @@ from kvshm.shm import slots
 from kvshm.shm.ring import Doorbell, Ring
 from kvshm.shm.segment import Segment
 
-# Spin this long for a reply before sleeping on the semaphore: long enough for a lookup or
+# Spin this long for a reply before sleeping on the doorbell: long enough for a lookup or
 # a small store round trip, short enough not to steal the owner's CPU on a busy host.
 REPLY_SPIN_S = 200e-6
 OWNER_START_TIMEOUT_S = 20.0
@@ -160,18 +160,11 @@ class OwnerLink:
         self._req = 0
         self._abandoned: set[int] = set()  # requests given up on: undo what they did
         self._backlog: list[bytes] = []  # posted frames that did not fit the ring yet
-        # Views first (the collector frees them), the doorbells last (it never closes them).
         self.requests = Ring(slots.ring_view(segment, slot, "request"))
         self.replies = Ring(slots.ring_view(segment, slot, "reply"))
         self._served = slots.served(segment, slot)
-        self.reply_bell = Doorbell(slots.bell_view(segment, slot, "reply"),
-                                   segment.object_name(f"c{slot}-reply"), like_fd=segment.fd)
-        try:
-            self.owner_bell = Doorbell(segment.buf[L.OFF_OWNER_BELL:L.OFF_OWNER_BELL + 8],
-                                       segment.object_name("owner"), like_fd=segment.fd)
-        except BaseException:
-            self.reply_bell.close()
-            raise
+        self.reply_bell = Doorbell(slots.bell_view(segment, slot, "reply"))
+        self.owner_bell = Doorbell(segment.buf[L.OFF_OWNER_BELL:L.OFF_OWNER_BELL + 8])
         self.max_frame = Ring.max_payload(segment.geometry.ring_capacity)
         self.owner_proc: subprocess.Popen | None = None
 

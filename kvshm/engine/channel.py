@@ -87,14 +87,8 @@ class _Ends:
     def __init__(self, seg: Segment, slot: int):
         self.jobs = Ring(slots.ring_view(seg, slot, "peer_in"))
         self.done = Ring(slots.ring_view(seg, slot, "peer_out"))
-        self.jobs_bell = Doorbell(slots.bell_view(seg, slot, "peer_in"),
-                                  seg.object_name(f"c{slot}-peer_in"), like_fd=seg.fd)
-        try:
-            self.done_bell = Doorbell(slots.bell_view(seg, slot, "peer_out"),
-                                      seg.object_name(f"c{slot}-peer_out"), like_fd=seg.fd)
-        except BaseException:
-            self.jobs_bell.close()
-            raise
+        self.jobs_bell = Doorbell(slots.bell_view(seg, slot, "peer_in"))
+        self.done_bell = Doorbell(slots.bell_view(seg, slot, "peer_out"))
 
     def close(self) -> None:
         for r in (self.jobs, self.done):
@@ -294,7 +288,7 @@ class WorkerChannel:
         except BaseException:  # its descriptor may hold the worker lock: close it
             self.seg.close()
             raise
-        self._ends.jobs_bell.drain()
+        self._ends.jobs_bell.reset()
         self._pending: dict[int, list[JobFrame]] = {}  # partial multi-frame jobs
 
     @property

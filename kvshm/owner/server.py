@@ -53,15 +53,14 @@ class Owner:
         try:  # (a segment removed meanwhile) its descriptor holds the owner lock: close it
             self.manager = LocalManager(self.seg, enable_events=True, held=self.roster.held,
                                         writer_alive=self.roster.writer_alive)
-            self.bell = Doorbell(self.seg.buf[L.OFF_OWNER_BELL:L.OFF_OWNER_BELL + 8],
-                                 self.seg.object_name("owner"), like_fd=self.seg.fd)
+            self.bell = Doorbell(self.seg.buf[L.OFF_OWNER_BELL:L.OFF_OWNER_BELL + 8])
         except BaseException:
             self.seg.close()
             raise
         self.epoch = self.manager.epoch
         self.handlers = Handlers(self.seg, self.manager, self.roster.clients)
         self._max_keys = 4 * self.seg.geometry.num_blocks + 65536  # per request
-        self.bell.drain()  # a predecessor that died asleep leaves stale posts behind
+        self.bell.reset()  # a predecessor that died asleep left its flag raised
         self.idle_exit_s = idle_exit_s
         self._running = True
         self._grant_target = grant_target(self.seg.geometry)
@@ -275,7 +274,7 @@ class Owner:
         request is recorded answered and released from the request ring."""
         requests, replies, bell = c.requests, c.replies, c.bell
         # A client whose rings did not open is quarantined: nothing is ever sent to it.
-        assert requests is not None and replies is not None and bell is not None
+        assert requests is not None and replies is not None
         try:
             while c.unsent:
                 if not replies.try_put(c.unsent[0]):

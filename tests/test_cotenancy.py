@@ -1,0 +1,54 @@
+"""What a client of a shared segment can and cannot do to the others, tried with real
+processes: whatever it does to what it owns or creates (its slot, its rings, its doorbell, the
+files under its objects' names), the owner keeps serving everyone else, and counts or
+quarantines it, never dies of it (``docs/cotenancy.md``).
+
+Honest clients make a fixed number of calls that must all succeed; no timing thresholds.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+
+import pytest
+
+from kvshm.client.connect import connect
+
+import procs
+from conftest import stop_owner
+
+CTX = mp.get_context("spawn")
+HONEST_OPS = 40
+
+
+def _honest_ops(mgr, n: int = HONEST_OPS) -> int:
+    """``n`` store-then-lookup rounds of fresh keys; how many were served in full."""
+    done = 0
+    for i in range(n):
+        keys = [b"honest-%d-%d" % (i, j) for j in range(2)]
+        stored = procs.store(mgr, keys)
+        done += stored == keys and mgr.lookup(keys) == 2
+    return done
+
+
+@pytest.mark.parametrize("how", ["truncate", "fifo"])
+def test_a_client_spoiling_its_doorbell_takes_no_owner_down(seg, how):
+    # A glibc semaphore is a file its users map unchecked: truncated, it was SIGBUS for every
+    # owner that rang it; a FIFO in its place made every owner's start fail. Doorbells are
+    # words of the segment now: nothing a client can truncate or replace.
+    honest = connect(seg.name)
+    parent, child = CTX.Pipe()
+    bad = CTX.Process(target=procs.spoil_reply_bell, args=(seg.name, child, how, 20),
+                      daemon=True)
+    bad.start()
+    child.close()
+    try:
+        assert parent.recv() == "spoiled"
+        stop_owner(seg.owner_record()[0])  # every owner from here on meets what it spoiled
+        parent.send("go")  # its calls and ours at once
+        assert _honest_ops(honest) == HONEST_OPS
+        assert seg.counter("failovers") == 1  # ours: no owner died of what it did
+        assert parent.recv() == {"served": 20, "errors": []}  # nor did it hurt itself
+        parent.send("stop")
+    finally:
+        bad.join(30)
+        honest.shutdown()
