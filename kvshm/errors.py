@@ -82,6 +82,11 @@ class ProtocolError(KvshmError):
     """A frame could not be decoded or is not a valid request/reply."""
 
 
+class ClientQuarantinedError(ProtocolError):
+    """The owner stopped serving this client for good: it found the client's rings or grant
+    counts corrupt (written by the client's own process)."""
+
+
 class OwnerUnavailableError(KvshmError):
     """No owner process is serving the segment and none could be started."""
 

@@ -319,3 +319,27 @@ def spoil_reply_bell(name: str, conn, how: str, calls: int) -> None:
     conn.recv()
     word.release()
     mgr.shutdown()
+
+
+def scribble_ring_positions(name: str, conn) -> None:
+    """A hostile client: once told, leave its request ring's positions 16 bytes short of
+    2**64 with a frame that claims to fit, and start an owner if none runs; report, and
+    on "call" make a call; report what it said."""
+    from kvshm.errors import KvshmError
+    from kvshm.shm.ring import _HEAD, _TAIL
+    mgr = connect(name, timeout=30.0)
+    conn.send(mgr.slot)
+    conn.recv()
+    r = mgr._link.requests
+    r._lens[(2**64 - 16) % r._cap >> 2] = 5
+    r._w[_HEAD], r._w[_TAIL] = 2**64 - 16, 2**64 - 8
+    mgr._link.ensure_owner()
+    mgr._link.ring_owner()
+    conn.send("scribbled")
+    conn.recv()
+    try:
+        mgr.take_events()
+        conn.send(None)
+    except KvshmError as e:
+        conn.send(type(e).__name__)
+    conn.recv()

@@ -43,11 +43,37 @@ def test_a_client_spoiling_its_doorbell_takes_no_owner_down(seg, how):
     child.close()
     try:
         assert parent.recv() == "spoiled"
+        epoch = seg.owner_record().epoch
         stop_owner(seg.owner_record()[0])  # every owner from here on meets what it spoiled
         parent.send("go")  # its calls and ours at once
         assert _honest_ops(honest) == HONEST_OPS
-        assert seg.counter("failovers") == 1  # ours: no owner died of what it did
+        assert seg.owner_record().epoch == epoch + 1  # the successor we made, and no other
         assert parent.recv() == {"served": 20, "errors": []}  # nor did it hurt itself
+        parent.send("stop")
+    finally:
+        bad.join(30)
+        honest.shutdown()
+
+
+def test_a_client_leaving_its_ring_positions_at_the_end_of_their_range_is_quarantined(seg):
+    # Ring positions are u64 words its client writes: an owner that trusted them stored a
+    # position past 2**64 - 1 (ValueError) and died, and so did every successor.
+    honest = connect(seg.name)
+    parent, child = CTX.Pipe()
+    bad = CTX.Process(target=procs.scribble_ring_positions, args=(seg.name, child),
+                      daemon=True)
+    bad.start()
+    child.close()
+    try:
+        parent.recv()  # its slot: connected
+        epoch = seg.owner_record().epoch
+        stop_owner(seg.owner_record()[0])  # the next owner adopts the ring as it is left
+        parent.send("scribble")
+        assert parent.recv() == "scribbled"
+        assert _honest_ops(honest) == HONEST_OPS
+        assert seg.owner_record().epoch == epoch + 1  # the successor we made, and no other
+        parent.send("call")
+        assert parent.recv() == "ClientQuarantinedError"
         parent.send("stop")
     finally:
         bad.join(30)

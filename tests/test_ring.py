@@ -152,6 +152,27 @@ def test_attach_rejects_a_ring_truncated_by_its_buffer() -> None:
         Ring(memoryview(mm)[:Ring.region_size(64)])
 
 
+def test_attach_rejects_counters_near_the_end_of_their_range() -> None:
+    # Counters a peer left there would overflow their u64 words as frames pass.
+    mm = mmap.mmap(-1, Ring.region_size(256))
+    Ring.format(memoryview(mm), 256)
+    w = memoryview(mm)[:192].cast("Q")
+    w[ring_mod._HEAD] = w[ring_mod._TAIL] = ring_mod.POS_LIMIT
+    with pytest.raises(ProtocolError, match="inconsistent"):
+        Ring(memoryview(mm))
+    w[ring_mod._HEAD] = w[ring_mod._TAIL] = ring_mod.POS_LIMIT - 8
+    r = Ring(memoryview(mm))  # just below: legal, and far from any overflow
+    assert r.try_put(b"x") and r.try_get() == b"x"
+
+
+def test_a_frame_that_ends_past_the_published_tail_is_refused() -> None:
+    r, mm = make_ring(256)
+    assert r.try_put(b"12345678")  # 8 bytes published: the frame claims more
+    struct.pack_into("<I", mm, 192, 100)
+    with pytest.raises(ProtocolError, match="published"):
+        r.peek()
+
+
 def test_format_rejects_a_misaligned_or_too_small_buffer() -> None:
     mm = mmap.mmap(-1, 2 * Ring.region_size(256))
     with pytest.raises(InvalidArgumentError, match="aligned"):

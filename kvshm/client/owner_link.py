@@ -66,9 +66,9 @@ import time
 from collections.abc import Callable
 
 from kvshm.errors import (
+    ClientQuarantinedError,
     CounterLimitError,
     OwnerUnavailableError,
-    ProtocolError,
     ReplyTimeoutError,
     RingFullError,
 )
@@ -186,7 +186,7 @@ class OwnerLink:
 
     def _check_served(self) -> None:
         if self.quarantined():
-            raise ProtocolError(
+            raise ClientQuarantinedError(
                 f"the owner of {self.segment.name!r} quarantined this client (slot "
                 f"{self.slot}): it found our rings or grant counts corrupt and will not serve "
                 f"us again (its log, {owner_log_path(self.segment.name)}, says why); shut "

@@ -5,7 +5,8 @@ kernel-released owner lock) and answers the frames clients put on their request 
 exactly once (the served record, told in ``client/owner_link.py``), goodbyes included; the
 clients themselves, alive or dead, are the ``Roster``'s, what each request does is
 ``requests.py``'s. One doorbell wakes it for all clients. It must never crash on a bad frame
-(every failure becomes an ``Error`` reply) and never copies block data.
+(every failure becomes an ``Error`` reply) nor on a client's scribbled words (a failure
+serving one client quarantines that client), and never copies block data.
 
 Run ``python -m kvshm.owner NAME`` (what clients start on demand) or ``kvshm serve NAME``.
 """
@@ -120,7 +121,12 @@ class Owner:
                 if not n:  # the CPU clock is a system call: read it only for a busy pass
                     t0 = time.thread_time_ns()
                 n += 1
-                self._serve_frame(c, frame)
+                try:
+                    self._serve_frame(c, frame)
+                except Exception as e:  # its words, not the owner, are at fault: never die
+                    log.exception("serving client slot %d failed", c.slot)
+                    self.roster.quarantine(c, f"serving it failed ({e!r})")
+                    break
                 if clients.get(c.slot) is not c or c.quarantined or c.unsent:
                     break  # gone (goodbye), unusable, or its reply waits for room
         if n:
@@ -281,8 +287,8 @@ class Owner:
                     bell.ring()
                     return False  # it does not drain its replies: try again next pass
                 c.unsent.pop(0)
-        except KvshmError as e:
-            self.roster.quarantine(c, f"reply ring unusable ({e})")
+        except Exception as e:  # KvshmError for a scribbled ring; never die of one
+            self.roster.quarantine(c, f"reply ring unusable ({e!r})")
             return False
         bell.ring()
         if c.unsent_req:

@@ -17,6 +17,14 @@ Region layout (native byte order, i.e. little-endian on x86 and ARM; it never le
 
 head/tail are monotonically increasing byte counters (position = counter % capacity). A frame
 never splits across the end: the producer writes a wrap marker and continues at offset 0.
+Counters start below ``POS_LIMIT`` (2**63), so they never reach the end of their u64 words
+(that would take 2**63 bytes through one ring).
+
+Every word of a ring is its producer's or its consumer's, each perhaps another process's
+that scribbles: a peer reads the other side's words as untrusted. Counters out of step or
+near the end of their range, a frame that claims more than a frame can hold or ends past the
+published tail, are ``ProtocolError``, never an exception of another type nor a position
+outside the data area.
 
 Memory ordering. The producer writes the payload, THEN publishes tail; the consumer reads tail,
 THEN the payload, and only after copying it out publishes head. Counters are loaded and stored
@@ -47,6 +55,7 @@ __all__ = ["Doorbell", "Ring", "memory_fence"]
 _MAGIC = int.from_bytes(b"KVRING01", "little")
 _CAP, _TAIL, _HEAD, _DATA = 1, 8, 16, 192  # word indexes into the 'Q' header view; data offset
 _WRAP = 0xFFFFFFFF  # length value of the wrap marker: "continue at offset 0"
+POS_LIMIT = 2**63  # an attached ring's counters are below it (see above)
 _SPIN_S, _YIELD_S, _SLEEP_MAX_S = 50e-6, 2e-3, 1e-3  # put() backoff phases when full
 
 _yield = os.sched_yield
@@ -114,10 +123,10 @@ class Ring:
         self._max_frame = Ring.max_payload(cap) + 4
         self._head = self._head_seen = w[_HEAD]
         self._tail = self._tail_seen = w[_TAIL]
-        if not 0 <= self._tail - self._head <= cap:
+        if not 0 <= self._tail - self._head <= cap or self._tail >= POS_LIMIT:
             raise ProtocolError(f"ring counters are inconsistent (head {self._head}, tail "
-                                f"{self._tail}, capacity {cap}): the region was overwritten; "
-                                "re-create the segment")
+                                f"{self._tail}, capacity {cap}, at most {POS_LIMIT}): the "
+                                "region was overwritten; re-create the segment")
         self._next_head = -1
 
     # --- producer -----------------------------------------------------------------------
@@ -189,10 +198,12 @@ class Ring:
             head += self._cap - pos
             pos = 0
             n = self._lens[0]
-        if n > self._max_frame - 4:
+        end = head + ((n + 11) & ~7)
+        if n > self._max_frame - 4 or end > self._tail_seen:
             raise ProtocolError(f"ring frame at offset {pos} claims {n} bytes, more than a frame "
-                                "can hold: the ring was overwritten; re-create the segment")
-        self._next_head = head + ((n + 11) & ~7)
+                                "can hold or than its producer published: the ring was "
+                                "overwritten; re-create the segment")
+        self._next_head = end
         return self._data[pos + 4:pos + 4 + n]
 
     def advance(self) -> None:
