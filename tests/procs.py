@@ -343,3 +343,28 @@ def scribble_ring_positions(name: str, conn) -> None:
     except KvshmError as e:
         conn.send(type(e).__name__)
     conn.recv()
+
+
+def hold_word_raised(name: str, conn, word: str) -> None:
+    """A hostile client: on "go", keep ``word`` raised until told to stop — the segment's
+    newcomer flag ("newcomer", as if it had just connected), or its request ring's head
+    ("head", as if a frame waited); report how many times it stored it."""
+    import numpy as np
+    from kvshm.shm.ring import _HEAD
+    mgr = connect(name)
+    if word == "newcomer":
+        w = np.frombuffer(mgr.segment.buf, np.uint64, 1, L.OFF_NEWCOMER)
+        value = 1
+    else:
+        w = mgr._link.requests._w[_HEAD:_HEAD + 1]
+        value = w[0] + 8
+    conn.send("connected")
+    conn.recv()
+    stores = 0
+    while not conn.poll():
+        w[0] = value
+        stores += 1
+        os.sched_yield()
+    conn.recv()
+    conn.send(stores)
+    mgr.shutdown()

@@ -78,3 +78,26 @@ def test_a_client_leaving_its_ring_positions_at_the_end_of_their_range_is_quaran
     finally:
         bad.join(30)
         honest.shutdown()
+
+
+@pytest.mark.parametrize("word", ["newcomer", "head"])
+def test_a_client_holding_a_word_raised_never_wakes_the_owner_for_nothing(seg, word):
+    # A newcomer flag at 1, or a request ring head that differs from its tail, told the
+    # owner that something waited: it woke, found nothing, and looked again at once, a busy
+    # loop for as long as the client kept the word raised.
+    honest = connect(seg.name)
+    parent, child = CTX.Pipe()
+    bad = CTX.Process(target=procs.hold_word_raised, args=(seg.name, child, word), daemon=True)
+    bad.start()
+    child.close()
+    try:
+        assert parent.recv() == "connected"
+        before = seg.counter("idle_wakeups")
+        parent.send("go")
+        assert _honest_ops(honest) == HONEST_OPS  # while it holds the word raised
+        parent.send("stop")
+        assert parent.recv() > 0
+        assert seg.counter("idle_wakeups") == before
+    finally:
+        bad.join(30)
+        honest.shutdown()

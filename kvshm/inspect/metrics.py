@@ -32,7 +32,8 @@ _COUNTERS = (  # (snapshot counter, help): metric kvshm_<counter>_total unless r
     ("failovers", "Times a new owner took over."), ("reclaimed_clients", "Dead clients reclaimed."),
     ("reclaimed_blocks", "Blocks reclaimed from dead processes."),
     ("granted_blocks", "Blocks granted to clients ahead of their stores."),
-    ("owner_busy_ns", "CPU nanoseconds the owner spent serving frames (not idle spinning)."))
+    ("owner_busy_ns", "CPU nanoseconds the owner spent serving frames (not idle spinning)."),
+    ("idle_wakeups", "Times the owner woke and found nothing to serve or adopt."))
 _RENAMED = {"prepare_store_refused": "allocation_failure", "bytes_in": "load_bytes",
             "bytes_out": "store_bytes"}  # vLLM's names for the same things (client's view)
 

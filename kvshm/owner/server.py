@@ -31,6 +31,7 @@ from kvshm.owner.roster import Roster
 from kvshm.owner.spin import SpinPolicy
 from kvshm.shm import layout as L
 from kvshm.shm import slots
+from kvshm.shm.fence import full_fence
 from kvshm.shm.ring import Doorbell
 from kvshm.shm.segment import Segment
 
@@ -67,12 +68,14 @@ class Owner:
         self._grant_target = grant_target(self.seg.geometry)
         self._grant_budget = grant_budget(self.seg.geometry)
         self._newcomer = self.seg.buf[L.OFF_NEWCOMER:L.OFF_NEWCOMER + 8].cast("Q")
+        self._adopt = False  # a raised newcomer flag brought a slot to adopt
         # Clients attached before a failover keep working; slots of the dead are cleared.
         self._discover()
         self.roster.reclaim_unadopted(self.manager)
         log.info("owner of %s (epoch %d): %s", name, self.epoch, self.manager.recovered)
 
     def _discover(self) -> None:
+        self._adopt = False
         self.roster.discover(self.manager, self._newcomer)
         if self.roster.removed:  # no client has a future here
             self._running = False
@@ -88,19 +91,29 @@ class Owner:
 
     # --- serving ------------------------------------------------------------------------
     def _pending(self) -> bool:
-        if self._newcomer[0]:
+        """Whether a frame or a newcomer waits (the doorbell's ``ready``). What clients
+        write must not keep it true for nothing: each ring is asked with our own position,
+        and a raised newcomer flag is cleared and counts only with a slot to adopt."""
+        if self._newcomer_waits():
             return True
         for c in self.roster.clients.values():
             if not (c.quarantined or c.unsent) and c.requests is not None and \
-                    c.requests.pending():
+                    c.requests.waiting():
                 return True
         return False
+
+    def _newcomer_waits(self) -> bool:
+        if self._newcomer[0]:
+            self._newcomer[0] = 0
+            full_fence()  # cleared before we look: a newcomer from now on raises it again
+            self._adopt = self._adopt or self.roster.newcomer_waits()
+        return self._adopt
 
     def serve_once(self) -> int:
         """Answer what waits now, at most ``FRAMES_PER_PASS`` frames per client (so one
         chatty client cannot starve the others). Returns how many frames were handled."""
         n = t0 = 0
-        if self._newcomer[0]:
+        if self._newcomer_waits():
             self._discover()
         clients = self.roster.clients
         for c in list(clients.values()):
@@ -318,12 +331,17 @@ class Owner:
         next_scan = 0.0
         spin = SpinPolicy()  # busy-polls only while recent gaps between frames were short
         idle_since: float | None = None
+        woke = False  # the last wait ended because something seemed to wait
         while self._running:
+            adopted = len(self.roster.clients)
             if self.serve_once():
+                woke = False
                 if idle_since is not None:
                     spin.observe(time.monotonic() - idle_since)
                     idle_since = None
                 continue
+            if woke and len(self.roster.clients) <= adopted:
+                self.seg.counter_add("idle_wakeups")  # woken for nothing
             now = time.monotonic()
             if idle_since is None:
                 idle_since = now
@@ -332,8 +350,8 @@ class Owner:
                 self._scan()
                 self._refill()
                 next_scan = now + SCAN_INTERVAL_S
-            self.bell.wait(min(SCAN_INTERVAL_S, max(0.0, next_scan - now)), self._pending,
-                           spin_s=spin.budget(now - idle_since))
+            woke = self.bell.wait(min(SCAN_INTERVAL_S, max(0.0, next_scan - now)),
+                                  self._pending, spin_s=spin.budget(now - idle_since))
 
     def stop(self) -> None:
         self._running = False

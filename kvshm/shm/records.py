@@ -178,6 +178,10 @@ COUNTER_NAMES = (
     # Of granted_blocks, those offered while still cached (READY until their client claims
     # them) instead of evicted for the grant; owner-written.
     "offered_blocks",
+    # Times the owner's wait ended because something seemed to wait and its next pass then
+    # found no frame to serve and no client to adopt: 0 unless a client's words lie (a
+    # newcomer flag or ring position raised for nothing). Owner-written.
+    "idle_wakeups",
 )
 MAX_COUNTERS = 32  # words reserved: new counters fit without moving the pinners
 COUNTERS_DTYPE = np.dtype({"names": list(COUNTER_NAMES), "formats": ["<u8"] * len(COUNTER_NAMES),

@@ -244,6 +244,11 @@ class Ring:
         """Whether a frame is waiting (usable as a Doorbell ``ready`` callable)."""
         return self._w[_HEAD] != self._w[_TAIL]  # head first, as in depth()
 
+    def waiting(self) -> bool:
+        """Consumer: whether a frame waits past the last one it took. Unlike ``pending`` it
+        reads no head word, which the producer could hold away from the tail for ever."""
+        return self._head != self._w[_TAIL]
+
     @property
     def capacity(self) -> int:
         return self._cap
