@@ -24,7 +24,7 @@ from kvshm.crashpoints import crash_point
 from kvshm.errors import KvshmError, OwnerUnavailableError
 from kvshm.index import protocol as P
 from kvshm.owner.clients import Client
-from kvshm.owner.grants import grant_budget, grant_target, stock
+from kvshm.owner.grants import grant_budget, grant_target, stock_all
 from kvshm.owner.manager import LocalManager
 from kvshm.owner.requests import Handlers
 from kvshm.owner.roster import Roster
@@ -154,22 +154,10 @@ class Owner:
         together within the budget."""
         if not self._grant_target:
             return
-        grants = self.manager.grants
-        room = self._grant_budget - grants.held()  # what may still be granted, to anyone
-        for c in list(self.roster.clients.values()):
-            if not c.stores or c.quarantined:
-                continue
-            try:
-                n = stock(grants, c, self._grant_target, room)
-            except Exception as e:  # its slot, not the owner, is at fault: never die of it
-                log.exception("refilling client slot %d failed", c.slot)
-                n, why = None, f"its grant ring could not be refilled ({e!r})"
-            else:
-                why = "its grant ring counts are impossible"
-            if n is None:
-                self.roster.quarantine(c, why)
-            else:
-                room -= n
+        stocked = [c for c in self.roster.clients.values() if c.stores and not c.quarantined]
+        for c, why in stock_all(self.manager.grants, stocked, self._grant_target,
+                                self._grant_budget):
+            self.roster.quarantine(c, why)
         self.handlers.fan_out()
 
     def _serve_frame(self, c: Client, frame: bytes) -> None:
