@@ -157,10 +157,11 @@ def poison_request(name: str, conn, point: str) -> None:
     del os.environ["KVSHM_CRASH_AT"]
 
 
-def poison_one_way(name: str, conn, kind: str, point: str) -> None:
+def poison_one_way(name: str, conn, kind: str, point: str, stay: bool = False) -> None:
     """Make every owner that begins our next one-way frame (``kind``: a touch, or the
     publish of a granted store) die at ``point``; then make a call behind it (it waits for an
-    owner, starting them) and report what that says."""
+    owner, starting them) and report what that says. ``stay``: then report our slot and the
+    block of the publish, and go only when told."""
     import signal
     from kvshm.errors import KvshmError
     mgr = connect(name, timeout=30.0)
@@ -185,6 +186,9 @@ def poison_one_way(name: str, conn, kind: str, point: str) -> None:
     except KvshmError as e:
         conn.send({"error": type(e).__name__, "message": str(e)})
     del os.environ["KVSHM_CRASH_AT"]
+    if stay:
+        conn.send({"slot": mgr.slot, "gen": mgr.gen, "block": out.block_ids[0]})
+        conn.recv()
     mgr.shutdown()
 
 

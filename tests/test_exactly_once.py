@@ -22,6 +22,7 @@ from kvshm.shm import slots
 from kvshm.client.connect import connect
 from kvshm.errors import ReplyTimeoutError
 from kvshm.shm.segment import Segment
+from kvshm.shm.table import BlockTable
 from kvshm.owner.grants import grant_target
 from kvshm.inspect.snapshot import verify
 
@@ -158,6 +159,34 @@ def test_a_one_way_frame_that_kills_every_owner_is_dropped_instead_of_looping(se
     result = _poisoned(seg_name, procs.poison_one_way, kind, "owner.one_way.after_begin")
     assert result == {"error": None, "message": ""}  # the call behind it was served
     assert _serves_on(seg_name) >= 1  # the dropped frame is counted, not silent
+
+
+def test_a_dropped_publish_keeps_its_blocks_for_its_client_until_it_goes_and_says_so(seg_name):
+    # Its blocks were written (the client published them), but a frame that killed three
+    # owners is no list to trust: its blocks may be ones the client still writes. They
+    # stay its own while it lives, shown as stranded, and come back when it goes.
+    from kvshm.inspect.snapshot import snapshot
+    s = Segment.create(seg_name, TEST_LAYOUT, 16, max_clients=4, **SMALL_GEOMETRY)
+    parent, child = CTX.Pipe()
+    p = CTX.Process(target=procs.poison_one_way, daemon=True,
+                    args=(seg_name, child, "publish", "owner.one_way.after_begin", True))
+    p.start()
+    child.close()
+    try:
+        assert parent.recv() == {"error": None, "message": ""}
+        mine = parent.recv()
+        row = BlockTable(s.buf, s.geometry).read(mine["block"])
+        assert row.state in (L.GRANTED, L.CLAIMED) and (row.writer, row.writer_gen) == (
+            mine["slot"], mine["gen"])  # still the client's: never handed to anyone else
+        c = next(c for c in snapshot(s)["clients"] if c["slot"] == mine["slot"])
+        assert c["stranded"] == 1
+        parent.send("go")
+        p.join(30)
+        wait_for(lambda: BlockTable(s.buf, s.geometry).read(mine["block"]).state == L.FREE,
+                 "its stranded block to be freed once it went")
+    finally:
+        stop_owner(s.owner_record()[0])
+        s.close()
 
 
 def test_event_subscription_survives_an_owner_death(seg):

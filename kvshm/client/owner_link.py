@@ -42,7 +42,9 @@ died with its predecessor and ``consumed`` is not that id, nothing was executed:
 owners died executing is answered with an error instead of killing owners forever. A one-way
 frame (``Touch``, ``Publish``) has no id and no reply: an owner records its ring position in
 ``one_way`` before executing it, counts ``attempts`` the same way, and drops one that killed
-``MAX_ATTEMPTS`` owners (counted in ``errors``, logged). Executing one again is harmless.
+``MAX_ATTEMPTS`` owners (counted in ``errors``, logged). Executing one again is harmless. The
+blocks of a dropped ``Publish`` stay the client's until it goes (``stranded`` in the served
+record and in ``kvshm-inspect show``): such a frame is no list of finished blocks to trust.
 
 Client (this module): it never resends a request on its own. While waiting it checks that an
 owner lives (the kernel-released owner lock) and starts one if not; the successor finds the

@@ -84,10 +84,10 @@ def render_show(s: dict[str, Any]) -> str:
            f"clients   {s['clients_alive']} alive, {s['clients_dead']} dead"]
     if s["clients"]:
         out += _table(["SLOT", "PID", "NAME", "ALIVE", "GEN", "PINS", "LEASES", "PENDING",
-                       *(r.upper() for r in L.RING_NAMES), "AGE"], [
+                       "STRANDED", *(r.upper() for r in L.RING_NAMES), "AGE"], [
             [c["slot"], c["pid"], c["name"], "yes" if c["alive"] else "DEAD", c["generation"],
-             c["pins"], c["leases"], c["stores_pending"], *c["rings"].values(),
-             _dur(c["age_s"])] for c in s["clients"]])
+             c["pins"], c["leases"], c["stores_pending"], c["stranded"],
+             *c["rings"].values(), _dur(c["age_s"])] for c in s["clients"]])
     if s["pinners"]:
         out += ["pin progress"] + _table(["PID", "STATE", "DONE", "TOTAL", "ALIVE"], [
             [p["pid"], p["state"], _size(p["done_bytes"]), _size(p["total_bytes"]),

@@ -129,6 +129,9 @@ class Client(_Doc):
     stores_pending: Annotated[int, _d("the client's unfinished stores (WRITING blocks it owns)")]
     granted: Annotated[int, _d(
         "blocks granted or offered to it for its next stores (taken or not)")]
+    stranded: Annotated[int, _d(
+        "of those, blocks it published in a frame that was dropped after owners died "
+        "applying it: kept for it (it may still write them), freed when it goes")]
     counters: Annotated[dict[str, int], _d(
         "the client's own counters: `lookups`, `hits`, `loads`, `load_blocks`, `bytes_in` "
         "(bytes it loaded), `bytes_out` (bytes it stored)")]

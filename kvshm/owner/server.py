@@ -215,7 +215,7 @@ class Owner:
             served["epoch"], served["attempts"] = self.epoch, attempts
             served["consumed"] = req  # from here on a successor replays instead of executing
             crash_point("owner.request.after_consume")
-        elif not self._begin_one_way(c):
+        elif not self._begin_one_way(c, msg):
             return
         if isinstance(msg, P.Bye):
             self._goodbye(c, msg)
@@ -227,19 +227,25 @@ class Owner:
         else:
             requests.advance()
 
-    def _begin_one_way(self, c: Client) -> bool:
+    def _begin_one_way(self, c: Client, msg: P.Request) -> bool:
         """Record that an owner begins the one-way frame at the head of ``c``'s request ring
         (known by its position: it has no id), or drop it (False) if it killed the last
         ``MAX_ATTEMPTS`` owners that began it: no reply can fail it, so without this count
-        every successor would begin it again and die."""
+        every successor would begin it again and die. A dropped Publish's blocks stay the
+        client's until it goes, counted as ``stranded``: a frame that killed owners is no
+        list of finished blocks to trust, and freeing a block it still writes would serve
+        wrong bytes."""
         requests = c.requests
         assert requests is not None  # a client whose rings did not open is quarantined
-        served, pos = c.served, requests.head() + 1
+        served, pos = c.served, requests.position() + 1
         attempts = int(served["attempts"]) + 1 if served["one_way"] == pos else 1
         if attempts > MAX_ATTEMPTS:
             self.seg.counter_add("errors")
+            n = len(msg.blocks) if isinstance(msg, P.Publish) else 0
+            served["stranded"] = min(int(served["stranded"]) + n, 2**63)
             log.error("client slot %d: a one-way frame was in progress when %d owners died; "
-                      "it was dropped", c.slot, MAX_ATTEMPTS)
+                      "it was dropped (the %d blocks it published stay the client's until it "
+                      "goes)", c.slot, MAX_ATTEMPTS, n)
             requests.advance()
             return False
         served["epoch"], served["attempts"], served["one_way"] = self.epoch, attempts, pos

@@ -291,8 +291,10 @@ SERVED_DTYPE = np.dtype([
     ("attempts", "<u8"),     # owner: owners that began ``consumed`` or ``one_way``
     ("one_way", "<u8"),      # owner: 1 + request ring position of the last one-way frame begun
     ("quarantined", "<u8"),  # owner: 1 once an owner stopped serving this generation (for good)
+    ("stranded", "<u8"),     # owner: blocks named by Publish frames dropped after owners died
+    #                          applying them: still this client's, freed when it goes
 ], align=False)
-assert SERVED_DTYPE.itemsize == 48
+assert SERVED_DTYPE.itemsize == 56
 
 # --- grant-ring counts (in each client slot, before its ``GRANT_CAPACITY`` block ids) ------
 # A single-producer single-consumer ring: the owner writes ids and then ``granted``, the

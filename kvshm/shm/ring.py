@@ -236,6 +236,10 @@ class Ring:
         """The consumer's position now (any process may read it)."""
         return self._w[_HEAD]
 
+    def position(self) -> int:
+        """Consumer: its own position, as it last published it (not the shared word)."""
+        return self._head
+
     def consumed(self, pos: int) -> bool:
         """Whether the consumer has taken every frame before position ``pos``."""
         return self._w[_HEAD] >= pos
