@@ -215,7 +215,7 @@ def create_cache(name: str, layout: "kvshm.Layout", num_blocks: int, max_clients
 
 def release_cache(name: str, remove: bool, tag: str | None = None) -> None:
     """Stop the segment's auto-started owner (the cache stays intact) and, if ``remove``,
-    unlink the segment and its semaphores. With ``tag``, only if the segment under ``name``
+    unlink the segment and its objects. With ``tag``, only if the segment under ``name``
     is still that incarnation (the one this run created): never one made since by others."""
     try:
         seg = kvshm.Segment.attach(name)

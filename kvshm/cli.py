@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
         description="Own segment NAME until SIGTERM/SIGINT: answer every client's manager "
                     "requests and reclaim what dead clients held. Exits 0 at once if another "
                     "owner already serves it. Example: kvshm serve mycache --log-level INFO")
-    from kvshm.owner import server
+    from kvshm.owner import command as server
     server.add_arguments(serve)
     mover = sub.add_parser(
         "mover", help="move segment NAME's blocks to and from Mooncake Store (one per host)",

@@ -55,11 +55,8 @@ POINTS = (
     "client.store.after_copy",  # blocks copied, complete_store not sent
     "client.load.after_pin",  # blocks pinned, not yet copied out
     "client.shutdown.before_bye",  # about to say goodbye
-    # doorbells
-    "bell.before_open",  # a doorbell's semaphore about to be opened (created if absent)
-    "bell.after_open",  # a doorbell's semaphore open (perhaps created), its object not yet
-    #                     checked for removal
-    "object.before_link",  # a doorbell or tier area made under a name of its own, its mode
+    # named objects
+    "object.before_link",  # a tier area made under a name of its own, its mode
     #                        set, not yet linked under its name
     # segment creation
     "segment.create.after_open",  # object exists (exclusive open), creation lock not taken

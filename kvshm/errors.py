@@ -105,6 +105,11 @@ class ReplyTimeoutError(KvshmError, TimeoutError):
     """The owner did not answer within the timeout."""
 
 
+class CounterLimitError(KvshmError):
+    """A counter that must never wrap reached the end of its range (a connection's request
+    ids): the connection that owns it must be made anew."""
+
+
 # --- data path ---------------------------------------------------------------------------
 class TransferError(KvshmError):
     """A block copy could not be submitted or failed."""

@@ -216,6 +216,7 @@ FILE_TIERS = {
     "test_transfer.py": "unit",
     "test_vllm.py": "unit",
     "test_channel.py": "procs",
+    "test_cotenancy.py": "procs",
     "test_crash_walk.py": "procs",
     "test_exactly_once.py": "procs",
     "test_fuzz.py": "procs",

@@ -157,10 +157,11 @@ def poison_request(name: str, conn, point: str) -> None:
     del os.environ["KVSHM_CRASH_AT"]
 
 
-def poison_one_way(name: str, conn, kind: str, point: str) -> None:
+def poison_one_way(name: str, conn, kind: str, point: str, stay: bool = False) -> None:
     """Make every owner that begins our next one-way frame (``kind``: a touch, or the
     publish of a granted store) die at ``point``; then make a call behind it (it waits for an
-    owner, starting them) and report what that says."""
+    owner, starting them) and report what that says. ``stay``: then report our slot and the
+    block of the publish, and go only when told."""
     import signal
     from kvshm.errors import KvshmError
     mgr = connect(name, timeout=30.0)
@@ -185,6 +186,9 @@ def poison_one_way(name: str, conn, kind: str, point: str) -> None:
     except KvshmError as e:
         conn.send({"error": type(e).__name__, "message": str(e)})
     del os.environ["KVSHM_CRASH_AT"]
+    if stay:
+        conn.send({"slot": mgr.slot, "gen": mgr.gen, "block": out.block_ids[0]})
+        conn.recv()
     mgr.shutdown()
 
 
@@ -288,4 +292,95 @@ def scribble_want_ring(name: str, conn, tail: int, done: int) -> None:
     ring["tail"], ring["done"] = tail, done
     conn.send(mgr.slot)
     area.close()
+
+
+def spoil_reply_bell(name: str, conn, how: str, calls: int) -> None:
+    """A hostile client: make the file its reply doorbell had (a glibc semaphore, before
+    doorbells were words of the segment) 0 bytes long (``how="truncate"``) or a FIFO, and
+    keep its doorbell word raised, so that every reply rings it, while it never sleeps on
+    the doorbell itself; report, and on "go" make ``calls`` calls; report what they said."""
+    from kvshm.errors import KvshmError
+    from kvshm.shm import slots
+    mgr = connect(name)
+
+    def poll(timeout: float, ready, spin_s: float = 0.0) -> bool:
+        deadline = time.monotonic() + timeout
+        while not ready():
+            if time.monotonic() > deadline:
+                return False
+            os.sched_yield()
+        return True
+
+    mgr._link.reply_bell.wait = poll
+    seg = mgr.segment
+    path = f"/dev/shm/sem.kvshm-{name}@{seg.tag}-c{mgr.slot}-reply"
+    if how == "fifo":
+        if os.path.exists(path):
+            os.unlink(path)
+        os.mkfifo(path, 0o600)
+    else:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600))
+    word = slots.bell_view(seg, mgr.slot, "reply").cast("I")
+    conn.send("spoiled")
+    conn.recv()
+    served, errors = 0, []
+    for _ in range(calls):
+        word[0] = 0xFFFFFFFF  # "asleep", and then some: every reply rings it
+        try:
+            mgr.take_events()
+            served += 1
+        except KvshmError as e:
+            errors.append(type(e).__name__)
+    conn.send({"served": served, "errors": errors})
+    conn.recv()
+    word.release()
+    mgr.shutdown()
+
+
+def scribble_ring_positions(name: str, conn) -> None:
+    """A hostile client: once told, leave its request ring's positions 16 bytes short of
+    2**64 with a frame that claims to fit, and start an owner if none runs; report, and
+    on "call" make a call; report what it said."""
+    from kvshm.errors import KvshmError
+    from kvshm.shm.ring import _HEAD, _TAIL
+    mgr = connect(name, timeout=30.0)
+    conn.send(mgr.slot)
+    conn.recv()
+    r = mgr._link.requests
+    r._lens[(2**64 - 16) % r._cap >> 2] = 5
+    r._w[_HEAD], r._w[_TAIL] = 2**64 - 16, 2**64 - 8
+    mgr._link.ensure_owner()
+    mgr._link.ring_owner()
+    conn.send("scribbled")
+    conn.recv()
+    try:
+        mgr.take_events()
+        conn.send(None)
+    except KvshmError as e:
+        conn.send(type(e).__name__)
+    conn.recv()
+
+
+def hold_word_raised(name: str, conn, word: str) -> None:
+    """A hostile client: on "go", keep ``word`` raised until told to stop — the segment's
+    newcomer flag ("newcomer", as if it had just connected), or its request ring's head
+    ("head", as if a frame waited); report how many times it stored it."""
+    import numpy as np
+    from kvshm.shm.ring import _HEAD
+    mgr = connect(name)
+    if word == "newcomer":
+        w = np.frombuffer(mgr.segment.buf, np.uint64, 1, L.OFF_NEWCOMER)
+        value = 1
+    else:
+        w = mgr._link.requests._w[_HEAD:_HEAD + 1]
+        value = w[0] + 8
+    conn.send("connected")
+    conn.recv()
+    stores = 0
+    while not conn.poll():
+        w[0] = value
+        stores += 1
+        os.sched_yield()
+    conn.recv()
+    conn.send(stores)
     mgr.shutdown()

@@ -77,12 +77,12 @@ def test_clients_start_the_owner_by_the_entry_point_the_owner_package_provides()
     import importlib.util
 
     from kvshm.index.launch import OWNER_MODULE
-    from kvshm.owner.server import main
+    from kvshm.owner.command import main
     assert OWNER_MODULE.split(".")[:2] == ["kvshm", "owner"]
     spec = importlib.util.find_spec(OWNER_MODULE + ".__main__")
     assert spec is not None and spec.origin is not None
     with open(spec.origin) as f:
-        assert "from kvshm.owner.server import main" in f.read()
+        assert "from kvshm.owner.command import main" in f.read()
     assert callable(main)
 
 

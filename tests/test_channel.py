@@ -24,7 +24,7 @@ from kvshm.shm import slots
 from kvshm.engine.channel import SchedulerChannel, WorkerChannel
 from kvshm.client.connect import connect
 from kvshm.engine.connector import SchedulerConnector
-from kvshm.errors import InvalidArgumentError, SegmentNotFoundError
+from kvshm.errors import InvalidArgumentError, ProtocolError
 from kvshm.engine.hashing import block_hashes, offload_key
 from kvshm.shm.segment import Segment
 from kvshm.shm.table import BlockTable
@@ -302,30 +302,32 @@ def _descriptors_of(name: str) -> list[str]:
     return out
 
 
-def _remove_at_the_next_doorbell(monkeypatch, name: str) -> None:
-    """The segment is removed just before this process opens its next doorbell."""
-    from kvshm.shm import ring
-    monkeypatch.setattr(ring, "crash_point", lambda point: Segment.unlink(name)
-                        if point == "bell.before_open" else None)
+def _fail_as_the_rings_open(monkeypatch) -> None:
+    """The next job channel this process opens finds its slot's rings are no rings (a
+    scribbled region)."""
+    from kvshm.engine import channel
+
+    def no_ring(view):
+        raise ProtocolError("buffer does not hold a kvshm ring")
+    monkeypatch.setattr(channel, "Ring", no_ring)
 
 
-def test_a_scheduler_channel_on_a_segment_removed_as_it_opens_keeps_no_descriptor(
-        seg_name, monkeypatch):
+def test_a_scheduler_channel_that_fails_as_it_opens_keeps_no_descriptor(seg_name, monkeypatch):
     Segment.create(seg_name, layout(1), 8, **SMALL_GEOMETRY).close()
-    _remove_at_the_next_doorbell(monkeypatch, seg_name)
-    with pytest.raises(SegmentNotFoundError):
+    _fail_as_the_rings_open(monkeypatch)
+    with pytest.raises(ProtocolError):
         SchedulerChannel(seg_name)
     assert _descriptors_of(seg_name) == []
 
 
-def test_a_worker_channel_on_a_segment_removed_as_it_opens_keeps_no_descriptor_or_lock(
+def test_a_worker_channel_that_fails_as_it_opens_keeps_no_descriptor_or_lock(
         seg_name, monkeypatch):
     Segment.create(seg_name, layout(1), 8, **SMALL_GEOMETRY).close()
     sc = SchedulerChannel(seg_name)
     try:
         before = _descriptors_of(seg_name)
-        _remove_at_the_next_doorbell(monkeypatch, seg_name)
-        with pytest.raises(SegmentNotFoundError):
+        _fail_as_the_rings_open(monkeypatch)
+        with pytest.raises(ProtocolError):
             WorkerChannel(*sc.address)
         assert _descriptors_of(seg_name) == before
         assert not sc.worker_alive()  # its lock went with its descriptor

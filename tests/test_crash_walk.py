@@ -52,10 +52,9 @@ CLIENT_POINTS = {
     "table.claim.odd": 2, "client.claim.before_check": 2,
 }
 # Walked by the tests of their own module (copy workers, batch table writes, segment
-# creation, doorbells, the mover).
-WALKED_ELSEWHERE = {"worker.store.mid_copy", "bell.before_open", "bell.after_open",
-                    "object.before_link", "mover.area.after_open", "segment.create.after_open",
-                    "segment.create.after_lock", "segment.create.after_reserve",
+# creation, named objects, the mover).
+WALKED_ELSEWHERE = {"worker.store.mid_copy", "object.before_link", "mover.area.after_open",
+                    "segment.create.after_open", "segment.create.after_lock", "segment.create.after_reserve",
                     "mover.fill.after_prepare", "mover.fill.after_get",
                     "mover.spill.after_pin"}
 

@@ -22,6 +22,7 @@ from kvshm.shm import slots
 from kvshm.client.connect import connect
 from kvshm.errors import ReplyTimeoutError
 from kvshm.shm.segment import Segment
+from kvshm.shm.table import BlockTable
 from kvshm.owner.grants import grant_target
 from kvshm.inspect.snapshot import verify
 
@@ -158,6 +159,34 @@ def test_a_one_way_frame_that_kills_every_owner_is_dropped_instead_of_looping(se
     result = _poisoned(seg_name, procs.poison_one_way, kind, "owner.one_way.after_begin")
     assert result == {"error": None, "message": ""}  # the call behind it was served
     assert _serves_on(seg_name) >= 1  # the dropped frame is counted, not silent
+
+
+def test_a_dropped_publish_keeps_its_blocks_for_its_client_until_it_goes_and_says_so(seg_name):
+    # Its blocks were written (the client published them), but a frame that killed three
+    # owners is no list to trust: its blocks may be ones the client still writes. They
+    # stay its own while it lives, shown as stranded, and come back when it goes.
+    from kvshm.inspect.snapshot import snapshot
+    s = Segment.create(seg_name, TEST_LAYOUT, 16, max_clients=4, **SMALL_GEOMETRY)
+    parent, child = CTX.Pipe()
+    p = CTX.Process(target=procs.poison_one_way, daemon=True,
+                    args=(seg_name, child, "publish", "owner.one_way.after_begin", True))
+    p.start()
+    child.close()
+    try:
+        assert parent.recv() == {"error": None, "message": ""}
+        mine = parent.recv()
+        row = BlockTable(s.buf, s.geometry).read(mine["block"])
+        assert row.state in (L.GRANTED, L.CLAIMED) and (row.writer, row.writer_gen) == (
+            mine["slot"], mine["gen"])  # still the client's: never handed to anyone else
+        c = next(c for c in snapshot(s)["clients"] if c["slot"] == mine["slot"])
+        assert c["stranded"] == 1
+        parent.send("go")
+        p.join(30)
+        wait_for(lambda: BlockTable(s.buf, s.geometry).read(mine["block"]).state == L.FREE,
+                 "its stranded block to be freed once it went")
+    finally:
+        stop_owner(s.owner_record()[0])
+        s.close()
 
 
 def test_event_subscription_survives_an_owner_death(seg):
@@ -302,3 +331,61 @@ def test_gc_with_a_live_owner_says_the_owner_reclaims(seg):
                        capture_output=True, text=True)
     assert r.returncode == 0 and "owner" in r.stdout + r.stderr
     mgr.shutdown()
+
+
+def _shm_mappings() -> int:
+    """How many of this process's mappings are segments or semaphores in /dev/shm (glibc
+    maps a semaphore it creates under a temporary name: "sem.XXXXXX (deleted)")."""
+    with open("/proc/self/maps") as f:
+        return sum("/dev/shm/kvshm-" in line or "/dev/shm/sem." in line for line in f)
+
+
+def test_failed_connects_leave_no_mapping_behind(seg):
+    import gc
+    mgr = connect(seg.name)
+    owner = seg.owner_record()[0]
+    gc.collect()
+    before = _shm_mappings()
+    os.kill(owner, signal.SIGSTOP)
+    try:
+        for _ in range(10):
+            with pytest.raises(ReplyTimeoutError):
+                connect(seg.name, timeout=0.3)
+    finally:
+        os.kill(owner, signal.SIGCONT)
+    gc.collect()
+    assert _shm_mappings() == before
+    mgr.shutdown()
+
+
+# --- counters at their limits ----------------------------------------------------------------
+def test_an_owner_epoch_at_its_maximum_wraps_and_successors_take_over(seg):
+    seg.write_owner_record(0, 2**32 - 1, 0, 0)  # the last epoch the record can hold
+    mgr = connect(seg.name)
+    assert seg.owner_record().epoch == mgr._link.epoch == 1  # 0 means "no owner yet"
+    stop_owner(seg.owner_record()[0])
+    assert procs.store(mgr, KEYS[:2]) == KEYS[:2]  # a successor serves: a failover seen
+    assert seg.owner_record().epoch == mgr._link.epoch == 2
+    mgr.shutdown()
+
+
+def test_a_slot_generation_at_its_maximum_wraps_and_its_next_client_stores(seg):
+    for s in range(seg.geometry.max_clients):  # as a departed client may leave its slot
+        slots._store(seg, s, "gen", 2**64 - 1)
+    mgr = connect(seg.name)
+    assert 1 <= mgr.gen < 2**32  # what a block table entry's writer field holds
+    assert procs.store(mgr, KEYS[:4]) == KEYS[:4]
+    assert mgr.lookup(KEYS[:4]) == 4 and verify(seg) == []
+    mgr.shutdown()
+
+
+def test_request_ids_at_their_limit_raise_a_typed_error(seg):
+    from kvshm.errors import CounterLimitError
+    mgr = connect(seg.name)
+    mgr._link._req = 2**64 - 2
+    mgr.take_events()  # request id 2**64 - 1, the last one
+    with pytest.raises(CounterLimitError, match="connect again"):
+        mgr.take_events()
+    mgr.shutdown()  # its goodbye has no id left either: the owner reclaims the slot
+    wait_for(lambda: slots.record(seg, mgr.slot).state == L.SlotState.FREE,
+             "the owner to reclaim the slot")

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from kvshm.shm import ring as ring_mod
 from kvshm.errors import FrameTooLargeError, InvalidArgumentError, ProtocolError, RingFullError
+from kvshm.shm.doorbell import AWAKE, SLEEPING
 from kvshm.shm.ring import Doorbell, Ring
 
 SPAWN = mp.get_context("spawn")  # children attach by name, like a real engine process
@@ -151,6 +152,27 @@ def test_attach_rejects_a_ring_truncated_by_its_buffer() -> None:
         Ring(memoryview(mm)[:Ring.region_size(64)])
 
 
+def test_attach_rejects_counters_near_the_end_of_their_range() -> None:
+    # Counters a peer left there would overflow their u64 words as frames pass.
+    mm = mmap.mmap(-1, Ring.region_size(256))
+    Ring.format(memoryview(mm), 256)
+    w = memoryview(mm)[:192].cast("Q")
+    w[ring_mod._HEAD] = w[ring_mod._TAIL] = ring_mod.POS_LIMIT
+    with pytest.raises(ProtocolError, match="inconsistent"):
+        Ring(memoryview(mm))
+    w[ring_mod._HEAD] = w[ring_mod._TAIL] = ring_mod.POS_LIMIT - 8
+    r = Ring(memoryview(mm))  # just below: legal, and far from any overflow
+    assert r.try_put(b"x") and r.try_get() == b"x"
+
+
+def test_a_frame_that_ends_past_the_published_tail_is_refused() -> None:
+    r, mm = make_ring(256)
+    assert r.try_put(b"12345678")  # 8 bytes published: the frame claims more
+    struct.pack_into("<I", mm, 192, 100)
+    with pytest.raises(ProtocolError, match="published"):
+        r.peek()
+
+
 def test_format_rejects_a_misaligned_or_too_small_buffer() -> None:
     mm = mmap.mmap(-1, 2 * Ring.region_size(256))
     with pytest.raises(InvalidArgumentError, match="aligned"):
@@ -162,10 +184,10 @@ def test_format_rejects_a_misaligned_or_too_small_buffer() -> None:
 # --- cross process -------------------------------------------------------------------------
 @pytest.fixture
 def shm():
-    """A fresh named segment (two rings + a doorbell flag) and semaphore names; all unlinked."""
+    """A fresh named segment (two rings + a doorbell word) and a semaphore name (the test's
+    own "go" signal); all unlinked."""
     tag = uuid.uuid4().hex[:12]
-    names = {"shm": f"/kvshm-test-ring-{tag}", "bell": f"/kvshm-test-bell-{tag}",
-             "go": f"/kvshm-test-go-{tag}"}
+    names = {"shm": f"/kvshm-test-ring-{tag}", "go": f"/kvshm-test-go-{tag}"}
     size = 2 * Ring.region_size(XCAP) + 64
     seg = posix_ipc.SharedMemory(names["shm"], posix_ipc.O_CREX, size=size)
     mm = mmap.mmap(seg.fd, size)
@@ -176,9 +198,8 @@ def shm():
         yield names, mm
     finally:
         posix_ipc.unlink_shared_memory(names["shm"])
-        for key in ("bell", "go"):
-            with contextlib.suppress(posix_ipc.ExistentialError):
-                posix_ipc.unlink_semaphore(names[key])
+        with contextlib.suppress(posix_ipc.ExistentialError):
+            posix_ipc.unlink_semaphore(names["go"])
 
 
 def attach(name: str) -> mmap.mmap:
@@ -197,7 +218,7 @@ def regions(mm: mmap.mmap) -> tuple[memoryview, memoryview, memoryview]:
 def _produce(names: dict, count: int) -> None:
     mm = attach(names["shm"])
     ring_a, _, flag = regions(mm)
-    r, bell = Ring(ring_a), Doorbell(flag, names["bell"])
+    r, bell = Ring(ring_a), Doorbell(flag)
     for seq in range(count):
         body = frame(seq, (seq * 7919) % 300)
         r.put(struct.pack("<QI", seq, zlib.crc32(body)) + body, timeout=60)
@@ -211,7 +232,7 @@ def test_cross_process_100k_frames_arrive_in_order_and_intact(shm) -> None:
     names, mm = shm
     count = 100_000
     ring_a, _, flag = regions(mm)
-    r, bell = Ring(ring_a), Doorbell(flag, names["bell"])
+    r, bell = Ring(ring_a), Doorbell(flag)
     proc = SPAWN.Process(target=_produce, args=(names, count))
     proc.start()
     try:
@@ -236,17 +257,17 @@ def test_cross_process_100k_frames_arrive_in_order_and_intact(shm) -> None:
 def _ring_after_go(names: dict) -> None:
     mm = attach(names["shm"])
     ring_a, _, flag = regions(mm)
-    r, bell = Ring(ring_a), Doorbell(flag, names["bell"])
+    r, bell = Ring(ring_a), Doorbell(flag)
     posix_ipc.Semaphore(names["go"]).acquire(60)
     r.put(b"wake up", timeout=60)
-    raise SystemExit(0 if bell.ring() else 3)  # 3: ring() saw no sleeper and did not post
+    raise SystemExit(0 if bell.ring() else 3)  # 3: ring() saw no sleeper and did not wake
 
 
 @pytest.mark.procs
 def test_doorbell_wakes_a_consumer_blocked_in_wait(shm) -> None:
     names, mm = shm
     ring_a, _, flag = regions(mm)
-    r, bell = Ring(ring_a), Doorbell(flag, names["bell"])
+    r, bell = Ring(ring_a), Doorbell(flag)
     go = posix_ipc.Semaphore(names["go"], posix_ipc.O_CREAT, initial_value=0)
     proc = SPAWN.Process(target=_ring_after_go, args=(names,))
     proc.start()
@@ -254,15 +275,15 @@ def test_doorbell_wakes_a_consumer_blocked_in_wait(shm) -> None:
     def ready() -> bool:  # the re-check after raising the flag lets the producer go
         if r.pending():
             return True
-        if struct.unpack_from("Q", flag)[0] and go.value == 0:
+        if struct.unpack_from("I", flag)[0] == SLEEPING and go.value == 0:
             go.release()
         return False
 
     try:
         assert bell.wait(60, ready, spin_s=0)
         proc.join(60)
-        assert proc.exitcode == 0  # the producer found the flag raised and posted
-        assert posix_ipc.Semaphore(names["bell"]).value == 0  # ...and the waiter consumed it
+        assert proc.exitcode == 0  # the producer found the flag raised and woke us
+        assert struct.unpack_from("I", flag)[0] == AWAKE
         assert r.try_get() == b"wake up"
     finally:
         if proc.is_alive():
@@ -274,42 +295,51 @@ def test_doorbell_wakes_a_consumer_blocked_in_wait(shm) -> None:
 # --- doorbell, single process --------------------------------------------------------------
 def test_doorbell_wait_returns_false_after_timeout_with_nothing_ready(shm) -> None:
     names, mm = shm
-    bell = Doorbell(regions(mm)[2], names["bell"])
+    bell = Doorbell(regions(mm)[2])
     assert bell.wait(0.01, lambda: False, spin_s=0.001) is False
-    assert struct.unpack_from("Q", regions(mm)[2])[0] == 0  # flag lowered again
+    assert struct.unpack_from("I", regions(mm)[2])[0] == AWAKE  # flag lowered again
     bell.close()
 
 
-def test_doorbell_stale_post_is_harmless(shm) -> None:
+def test_doorbell_flag_left_raised_by_a_dead_sleeper_is_harmless_and_reset(shm) -> None:
     names, mm = shm
-    bell = Doorbell(regions(mm)[2], names["bell"])
-    posix_ipc.Semaphore(names["bell"]).release()  # a post left over from an earlier round
+    flag = regions(mm)[2]
+    struct.pack_into("I", flag, 0, SLEEPING)  # a consumer that died asleep
+    bell = Doorbell(flag)
     assert bell.wait(0.01, lambda: False, spin_s=0) is False
-    bell.close()
-
-
-def test_doorbell_ring_does_not_post_while_consumer_is_awake(shm) -> None:
-    names, mm = shm
-    bell = Doorbell(regions(mm)[2], names["bell"])
+    struct.pack_into("I", flag, 0, SLEEPING)
+    bell.reset()  # a consumer taking over: producers stop calling the kernel for nobody
     assert bell.ring() is False
-    assert posix_ipc.Semaphore(names["bell"]).value == 0
     bell.close()
 
 
-def test_doorbell_drain_discards_stale_posts(shm) -> None:
+def test_doorbell_ring_does_not_wake_while_consumer_is_awake(shm) -> None:
     names, mm = shm
-    bell = Doorbell(regions(mm)[2], names["bell"])
-    for _ in range(3):
-        posix_ipc.Semaphore(names["bell"]).release()
-    assert bell.drain() == 3
-    assert posix_ipc.Semaphore(names["bell"]).value == 0
+    bell = Doorbell(regions(mm)[2])
+    assert bell.ring() is False
+    bell.close()
+
+
+def test_a_scribbled_doorbell_word_costs_a_wake_and_nothing_else(shm) -> None:
+    # The word is memory its consumer's peers can write: any value is a raised flag to a
+    # producer (one harmless wake), and a consumer raises it itself before it sleeps.
+    names, mm = shm
+    ring_a, _, flag = regions(mm)
+    r, bell = Ring(ring_a), Doorbell(flag)
+    for junk in (0xFFFFFFFF, 2, 0x80000000):
+        struct.pack_into("I", flag, 0, junk)
+        assert bell.ring() is True and struct.unpack_from("I", flag)[0] == AWAKE
+        struct.pack_into("I", flag, 0, junk)
+        assert bell.wait(0.01, lambda: False, spin_s=0) is False
+        r.try_put(b"x")
+        assert bell.wait(1, r.pending, spin_s=0) and r.try_get() == b"x"
     bell.close()
 
 
 def test_one_doorbell_serves_many_rings(shm) -> None:
     names, mm = shm
     ring_a, ring_b, flag = regions(mm)
-    rings, bell = [Ring(ring_a), Ring(ring_b)], Doorbell(flag, names["bell"])
+    rings, bell = [Ring(ring_a), Ring(ring_b)], Doorbell(flag)
     rings[1].try_put(b"from client b")
     assert bell.wait(0, lambda: any(r.pending() for r in rings), spin_s=0)
     assert [r.try_get() for r in rings] == [None, b"from client b"]
@@ -319,7 +349,7 @@ def test_one_doorbell_serves_many_rings(shm) -> None:
 def test_doorbell_wait_sees_a_frame_already_published_without_blocking(shm) -> None:
     names, mm = shm
     ring_a, _, flag = regions(mm)
-    r, bell = Ring(ring_a), Doorbell(flag, names["bell"])
+    r, bell = Ring(ring_a), Doorbell(flag)
     r.try_put(b"ready")
     assert bell.wait(0, r.pending, spin_s=0)
     bell.close()

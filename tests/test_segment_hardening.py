@@ -1,5 +1,5 @@
 """Data-plane hardening: attach checks fingerprinted, cross-checked fields only; a dead or
-failing creator never blocks anyone; group mode reaches the semaphores; bad manager input
+failing creator never blocks anyone; group mode reaches the named objects; bad manager input
 gets a typed error. Creators run in real processes that SIGKILL/SIGSTOP themselves at named
 crash points (``KVSHM_CRASH_AT``)."""
 from __future__ import annotations
@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import stat
 import subprocess
 import sys
 import time
@@ -179,74 +178,40 @@ def test_a_creator_stopped_before_its_lock_starts_over_when_removed(seg_name):
 
 
 # --- 5: group mode -----------------------------------------------------------------------------
-def _sem_files(name: str) -> list[str]:
-    return sorted(e for e in os.listdir("/dev/shm") if e.startswith(f"sem.kvshm-{name}@"))
-
-
-def test_semaphores_get_the_segments_group_mode(seg_name):
-    from kvshm.client.connect import connect
-    mgr = connect(seg_name, TEST_LAYOUT, num_blocks=8, mode=0o660, **SMALL_GEOMETRY)
-    try:
-        mgr.prepare_store([b"k" * 36])
-        files = _sem_files(seg_name)
-        assert files
-        assert {stat.S_IMODE(os.stat("/dev/shm/" + f).st_mode) for f in files} == {0o660}
-    finally:
-        pid = mgr.segment.owner_record()[0]
-        mgr.shutdown()
-        from conftest import stop_owner
-        stop_owner(pid)
-
-
 def _as_nobody() -> None:
     """Become uid/gid 65534 (import what is needed first: the tree may be root's alone)."""
     os.setgid(65534)
     os.setuid(65534)
 
 
-def _child_ring_as_nobody(name: str, sem: str) -> str:
-    from kvshm.shm.ring import Doorbell
+def _child_opens_the_tier_area_as_nobody(name: str) -> str:
+    from kvshm.tier.area import TierArea
     _as_nobody()
     try:
         with Segment.attach(name) as seg:
-            Doorbell(seg.buf[L.OFF_OWNER_BELL:L.OFF_OWNER_BELL + 8], sem, like_fd=seg.fd)
+            TierArea.create(seg).close()
     except KvshmError as e:
         return type(e).__name__
     return "ok"
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a process as another user")
-def test_a_group_member_opens_the_semaphores_of_a_0660_segment(make_segment):
-    from multiprocessing import get_context
-    from kvshm.shm.ring import Doorbell
-    seg = make_segment(mode=0o660)
-    os.chown(path(seg.name), -1, 65534)  # the group both users share
-    sem = seg.object_name("owner")
-    Doorbell(seg.buf[L.OFF_OWNER_BELL:L.OFF_OWNER_BELL + 8], sem, like_fd=seg.fd)
-    with get_context("spawn").Pool(1) as pool:
-        assert pool.apply(_child_ring_as_nobody, (seg.name, sem)) == "ok"
-
-
-@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a process as another user")
-def test_a_creator_killed_while_making_a_doorbell_blocks_no_other_user(make_segment):
-    # Its umask would have left the semaphore readable by its own user alone until it set
-    # the segment's mode: killed in between, another user must still get the doorbell.
+def test_a_creator_killed_while_making_a_named_object_blocks_no_other_user(make_segment):
+    # Its umask would have left the object (the tier area) readable by its own user alone
+    # until it set the segment's mode: killed in between, another user must still get it.
     seg = make_segment(mode=0o666)
     code = ("import os, sys; os.umask(0o077)\n"
-            "from kvshm.shm import layout as L\nfrom kvshm.shm.ring import Doorbell\n"
-            "seg = Segment.attach(sys.argv[1])\n"
-            "Doorbell(seg.buf[L.OFF_OWNER_BELL:L.OFF_OWNER_BELL + 8], seg.object_name('owner'),"
-            " like_fd=seg.fd)\n")
-    creator = _armed("from kvshm.shm.segment import Segment\n" + code, seg.name,
-                     at="object.before_link")
+            "from kvshm.shm.segment import Segment\nfrom kvshm.tier.area import TierArea\n"
+            "TierArea.create(Segment.attach(sys.argv[1]))\n")
+    creator = _armed(code, seg.name, at="object.before_link")
     try:
-        poll(lambda: stopped(creator), "the creator to stop with its doorbell half made")
+        poll(lambda: stopped(creator), "the creator to stop with its object half made")
     finally:
         creator.kill()
         creator.wait(timeout=DEADLINE_S)
     from multiprocessing import get_context
     with get_context("spawn").Pool(1) as pool:
-        assert pool.apply(_child_ring_as_nobody, (seg.name, seg.object_name("owner"))) == "ok"
+        assert pool.apply(_child_opens_the_tier_area_as_nobody, (seg.name,)) == "ok"
 
 
 def _owner_as_nobody(name: str, conn) -> None:
@@ -258,14 +223,16 @@ def _owner_as_nobody(name: str, conn) -> None:
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a process as another user")
-def test_a_client_whose_doorbell_the_owner_may_not_open_is_quarantined_not_fatal(make_segment):
-    # A bad client made its reply doorbell readable by itself alone; the owner (another
-    # user) cannot open it: that client gets no service, and everyone else still does.
+def test_an_owner_of_another_user_serves_a_client_whatever_it_made_under_a_doorbells_name(
+        make_segment):
+    # A client made a semaphore readable by itself alone where its reply doorbell's was once
+    # named; an owner of another user never opens it (a doorbell is a word of the segment):
+    # every client is served.
     from multiprocessing import get_context
-    from kvshm.errors import KvshmError
     from kvshm.client.connect import connect
     seg = make_segment(mode=0o666)
-    posix_ipc.Semaphore(seg.object_name("c0-reply"), posix_ipc.O_CREX, mode=0o600).close()
+    posix_ipc.Semaphore(f"/kvshm-{seg.name}@{seg.tag}-c0-reply", posix_ipc.O_CREX,
+                        mode=0o600).close()
     ctx = get_context("spawn")
     parent, child = ctx.Pipe()
     owner = ctx.Process(target=_owner_as_nobody, args=(seg.name, child), daemon=True)
@@ -273,29 +240,35 @@ def test_a_client_whose_doorbell_the_owner_may_not_open_is_quarantined_not_fatal
     child.close()
     try:
         assert parent.poll(DEADLINE_S) and parent.recv() == "serving"
-        with pytest.raises(KvshmError):
-            connect(seg.name, timeout=DEADLINE_S)  # slot 0: quarantined
+        first = connect(seg.name, timeout=DEADLINE_S)
         good = connect(seg.name, timeout=DEADLINE_S)
         try:
-            assert good.slot != 0
-            out = good.prepare_store([b"k" * 36])
-            good.complete_store(out.keys_to_store)
-            assert good.lookup([b"k" * 36]) == 1 and owner.is_alive()
+            assert first.slot == 0
+            for mgr, key in ((first, b"f" * 36), (good, b"k" * 36)):
+                out = mgr.prepare_store([key])
+                mgr.complete_store(out.keys_to_store)
+                assert mgr.lookup([key]) == 1
+            assert owner.is_alive()
         finally:
+            first.shutdown()
             good.shutdown()
     finally:
         owner.kill()
         owner.join(DEADLINE_S)
 
 
-def _child_opens_a_doorbell_after_the_removal(name: str, sem: str, conn) -> None:
-    from kvshm.shm.ring import Doorbell
+def _open_object(seg: Segment, name: str):
+    from kvshm.shm.objects import open_object
+    return open_object(name, seg.fd, semaphore=False, point="mover.area.after_open")
+
+
+def _child_opens_an_object_after_the_removal(name: str, obj: str, conn) -> None:
     _as_nobody()
     with Segment.attach(name) as seg:
         conn.send("attached")
         conn.recv()  # the segment is removed now
         try:
-            Doorbell(seg.buf[L.OFF_OWNER_BELL:L.OFF_OWNER_BELL + 8], sem, like_fd=seg.fd)
+            _open_object(seg, obj)
         except Exception as e:  # noqa: BLE001 - the parent checks which
             conn.send(type(e).__name__)
         else:
@@ -303,18 +276,17 @@ def _child_opens_a_doorbell_after_the_removal(name: str, sem: str, conn) -> None
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a process as another user")
-def test_a_doorbell_of_a_removed_segment_made_by_another_user_fails_typed(make_segment):
-    # The remover is between removing the segment and its semaphores; a process of another
-    # user opens the root-made doorbell then: the sticky /dev/shm refuses it the removal,
-    # which is the remover's to do, and it hears that the segment is gone.
+def test_an_object_of_a_removed_segment_made_by_another_user_fails_typed(make_segment):
+    # The remover is between removing the segment and its objects (the tier area); a process
+    # of another user opens the root-made object then: the sticky /dev/shm refuses it the
+    # removal, which is the remover's to do, and it hears that the segment is gone.
     from multiprocessing import get_context
-    from kvshm.shm.ring import Doorbell
     seg = make_segment(mode=0o666)
-    sem = seg.object_name("owner")
-    Doorbell(seg.buf[L.OFF_OWNER_BELL:L.OFF_OWNER_BELL + 8], sem, like_fd=seg.fd)
+    obj = seg.object_name("tier")
+    _open_object(seg, obj).close_fd()
     ctx = get_context("spawn")
     parent, child = ctx.Pipe()
-    p = ctx.Process(target=_child_opens_a_doorbell_after_the_removal, args=(seg.name, sem, child))
+    p = ctx.Process(target=_child_opens_an_object_after_the_removal, args=(seg.name, obj, child))
     p.start()
     child.close()  # a child that dies early ends our reads (EOFError), never hangs them
     try:
@@ -328,69 +300,29 @@ def test_a_doorbell_of_a_removed_segment_made_by_another_user_fails_typed(make_s
 
 
 # --- a removed segment leaves nothing behind ------------------------------------------------
-def _armed(code: str, name: str, at: str = "bell.before_open") -> subprocess.Popen:
+def _armed(code: str, name: str, at: str) -> subprocess.Popen:
     """A process running ``code`` (with ``name`` in argv[1]) that freezes at crash point
-    ``at`` (by default: about to open its first doorbell semaphore); it prints its outcome."""
+    ``at``; it prints its outcome."""
     env = dict(os.environ, PYTHONPATH=ROOT, KVSHM_CRASH_AT=at, KVSHM_CRASH_SIGNAL="STOP")
     return subprocess.Popen([sys.executable, "-c", code, name], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
 
 
-def test_an_owner_starting_as_its_segment_is_removed_leaves_no_semaphore(seg_name):
-    # Segment.unlink removes the semaphores it finds; an owner that had attached the segment
-    # before and opens its doorbell after must not create one nobody will ever remove.
-    Segment.create(seg_name, TEST_LAYOUT, 8, **SMALL_GEOMETRY).close()
-    owner = _armed("import sys; from kvshm.owner.server import main; sys.exit(main())", seg_name)
-    poll(lambda: stopped(owner), "the owner to freeze before its doorbell")
-    Segment.unlink(seg_name)
-    os.kill(owner.pid, signal.SIGCONT)
-    owner.communicate(timeout=DEADLINE_S)
-    assert _sem_files(seg_name) == []
-
-
-def test_a_client_attaching_as_its_segment_is_removed_leaves_no_semaphore(seg_name):
+def test_a_client_attaching_as_its_segment_is_removed_leaves_nothing_behind(seg_name):
     from test_exactly_once import owner_proc
     Segment.create(seg_name, TEST_LAYOUT, 8, **SMALL_GEOMETRY).close()
     owner = owner_proc(seg_name)
     client = _armed("import sys, json; from kvshm.client.connect import connect\ntry:\n"
                     " connect(sys.argv[1]); print(json.dumps(['ok', 0]))\n"
                     "except Exception as e:\n print(json.dumps([type(e).__name__, str(e)]))\n",
-                    seg_name)
-    poll(lambda: stopped(client), "the client to freeze before its doorbell")
+                    seg_name, at="client.connect.after_activate")
+    poll(lambda: stopped(client), "the client to freeze with its slot activated")
     Segment.unlink(seg_name)
     assert owner.wait(timeout=DEADLINE_S) == 0  # an owner stops serving a removed segment
     os.kill(client.pid, signal.SIGCONT)
     kind, msg = outcome(client)
-    assert kind == "SegmentNotFoundError", msg
-    assert _sem_files(seg_name) == []
-
-
-def test_an_owner_of_a_removed_segment_leaves_the_semaphores_of_its_successor_alone(seg_name):
-    # An owner had made its doorbell when its segment was removed and made again under the
-    # same name, now served by an owner of its own. The late owner removes what it made, and
-    # nothing of the new segment's: a process that opened a removed doorbell name later
-    # would make a new semaphore that the new owner never waits on.
-    from test_exactly_once import owner_proc
-    from kvshm.client.connect import connect
-    Segment.create(seg_name, TEST_LAYOUT, 8, **SMALL_GEOMETRY).close()
-    late = _armed("import sys; from kvshm.owner.server import main; sys.exit(main())", seg_name,
-                  at="bell.after_open")
-    poll(lambda: stopped(late), "the owner to freeze with its doorbell open")
-    Segment.unlink(seg_name)
-    Segment.create(seg_name, TEST_LAYOUT, 8, **SMALL_GEOMETRY).close()
-    owner = owner_proc(seg_name)
-    mgr = connect(seg_name)
-    try:
-        before = _sem_files(seg_name)
-        assert before  # the new owner's doorbell and the client's
-        os.kill(late.pid, signal.SIGCONT)
-        late.communicate(timeout=DEADLINE_S)
-        assert _sem_files(seg_name) == before
-    finally:
-        late.kill()
-        mgr.shutdown()
-        owner.terminate()
-        owner.wait(timeout=DEADLINE_S)
+    assert kind == "OwnerUnavailableError" and "was removed" in msg, msg
+    assert [e for e in os.listdir("/dev/shm") if seg_name in e] == []
 
 
 def test_a_client_of_a_removed_segment_starts_no_owner_for_its_successor(seg_name):

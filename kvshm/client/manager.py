@@ -67,8 +67,7 @@ class SharedManager(OffloadingManager):
             self._lk_n = self._lk_miss = 0  # key_status calls and non-hits, not yet in _ctr
             self._h = HoldTable(slots.holds(segment, self.slot), self.table,
                                 slots.hold_mark(segment, self.slot))
-            slots.activate(segment, self.slot, self.gen, takes_grants=grants,
-                           quota=quota)
+            slots.activate(segment, self.slot, self.gen, takes_grants=grants, quota=quota)
             self._link = OwnerLink(segment, self.slot, self.gen, timeout,
                                    self._after_failover, self._abandoned)
             self._own = OwnStores(segment, self.slot, self.gen, self._link, self.table)
@@ -78,13 +77,12 @@ class SharedManager(OffloadingManager):
             self._link.ensure_owner()
             self._link.ring_owner()
             self._link.call([self._hello()])
-            share = slots.share(segment, self.slot)  # the owner adopted us: the quota it
-            self.quota = int(share["quota"])         # applied (cut if others took the room)
-            share.release()
+            self.quota = slots.quota(segment, self.slot)  # as applied: cut if others took it
         except BaseException:
             # Leave the slot CLIENT and unlocked: the owner (or gc) reclaims it, and it is
             # the only one that may, since it may have adopted it already.
             slots.unlock(segment, self.slot)
+            self._close_views()
             raise
 
     # --- owner link hooks ---------------------------------------------------------------
@@ -382,14 +380,18 @@ class SharedManager(OffloadingManager):
         except Exception:
             pass  # the owner reclaims a vanished client anyway
         slots.unlock(seg, self.slot)
-        self._link.close()
-        self._newcomer.release()
-        self._ctr.release()
-        self._own.close()
-        self._h.clear()
-        del self._h
+        self._close_views()
         seg.close()
         self.segment = None  # type: ignore[assignment]
+
+    def _close_views(self) -> None:
+        """Close the owner link and our views of the slot (a failed construction's too, so
+        that nothing it opened outlives it); what was not opened yet is skipped."""
+        for name, end in (("_link", "close"), ("_own", "close"), ("_newcomer", "release"),
+                          ("_ctr", "release"), ("_h", "clear")):
+            part = self.__dict__.pop(name, None)
+            if part is not None:
+                getattr(part, end)()
 
     def __enter__(self) -> SharedManager:
         return self

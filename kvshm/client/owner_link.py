@@ -11,7 +11,7 @@ Each client slot has a request ring, a reply ring, and a *served record* of u64 
 only owners write (``records.SERVED_DTYPE``): ``consumed`` (the last request id an owner began
 to execute), ``answered`` (the last request id whose whole reply is on the reply ring),
 ``attempts``, ``one_way`` and ``epoch``. Request ids increase per slot generation (u64, never
-wrap).
+wrap: a link that used them all raises ``CounterLimitError``).
 
 Owner, for the frame at the head of a client's request ring (``Owner._serve_frame``):
 
@@ -42,7 +42,9 @@ died with its predecessor and ``consumed`` is not that id, nothing was executed:
 owners died executing is answered with an error instead of killing owners forever. A one-way
 frame (``Touch``, ``Publish``) has no id and no reply: an owner records its ring position in
 ``one_way`` before executing it, counts ``attempts`` the same way, and drops one that killed
-``MAX_ATTEMPTS`` owners (counted in ``errors``, logged). Executing one again is harmless.
+``MAX_ATTEMPTS`` owners (counted in ``errors``, logged). Executing one again is harmless. The
+blocks of a dropped ``Publish`` stay the client's until it goes (``stranded`` in the served
+record and in ``kvshm-inspect show``): such a frame is no list of finished blocks to trust.
 
 Client (this module): it never resends a request on its own. While waiting it checks that an
 owner lives (the kernel-released owner lock) and starts one if not; the successor finds the
@@ -67,6 +69,7 @@ from collections.abc import Callable
 
 from kvshm.errors import (
     ClientQuarantinedError,
+    CounterLimitError,
     OwnerUnavailableError,
     ReplyTimeoutError,
     RingFullError,
@@ -80,11 +83,12 @@ from kvshm.shm import slots
 from kvshm.shm.ring import Doorbell, Ring
 from kvshm.shm.segment import Segment
 
-# Spin this long for a reply before sleeping on the semaphore: long enough for a lookup or
+# Spin this long for a reply before sleeping on the doorbell: long enough for a lookup or
 # a small store round trip, short enough not to steal the owner's CPU on a busy host.
 REPLY_SPIN_S = 200e-6
 OWNER_START_TIMEOUT_S = 20.0
 _CHECK_OWNER_S = 0.1  # while waiting, look whether the owner still lives this often
+REQ_MAX = 2**64 - 1  # the last request id: the served record's words are u64
 
 
 def _tail(path: str, start: int, n: int = 3) -> list[str]:
@@ -158,21 +162,22 @@ class OwnerLink:
         self._req = 0
         self._abandoned: set[int] = set()  # requests given up on: undo what they did
         self._backlog: list[bytes] = []  # posted frames that did not fit the ring yet
-        self.reply_bell = Doorbell(slots.bell_view(segment, slot, "reply"),
-                                   segment.object_name(f"c{slot}-reply"), like_fd=segment.fd)
-        try:
-            self.owner_bell = Doorbell(segment.buf[L.OFF_OWNER_BELL:L.OFF_OWNER_BELL + 8],
-                                       segment.object_name("owner"), like_fd=segment.fd)
-        except BaseException:
-            self.reply_bell.close()
-            raise
         self.requests = Ring(slots.ring_view(segment, slot, "request"))
         self.replies = Ring(slots.ring_view(segment, slot, "reply"))
         self._served = slots.served(segment, slot)
+        self.reply_bell = Doorbell(slots.bell_view(segment, slot, "reply"))
+        self.owner_bell = Doorbell(segment.buf[L.OFF_OWNER_BELL:L.OFF_OWNER_BELL + 8])
         self.max_frame = Ring.max_payload(segment.geometry.ring_capacity)
         self.owner_proc: subprocess.Popen | None = None
 
     def next_req(self) -> int:
+        """A fresh request id: ids increase per slot generation, up to the served record's
+        u64 words (``REQ_MAX``); a link that used them all asks for a new connection."""
+        if self._req >= REQ_MAX:
+            raise CounterLimitError(
+                f"this client of {self.segment.name!r} (slot {self.slot}) has used every "
+                f"request id (up to {REQ_MAX}); shut this manager down and connect again: "
+                "a new connection starts its ids anew")
         self._req += 1
         return self._req
 

@@ -26,6 +26,7 @@ import msgspec
 from kvshm.errors import ClientSlotsExhaustedError, InvalidArgumentError, TransferError
 from kvshm.shm import layout as L
 from kvshm.shm import locks, slots
+from kvshm.shm.records import next_gen
 from kvshm.shm.ring import Doorbell, Ring
 from kvshm.shm.segment import Segment
 from kvshm.transfer.spec import TransferResult, TransferSpec
@@ -86,14 +87,8 @@ class _Ends:
     def __init__(self, seg: Segment, slot: int):
         self.jobs = Ring(slots.ring_view(seg, slot, "peer_in"))
         self.done = Ring(slots.ring_view(seg, slot, "peer_out"))
-        self.jobs_bell = Doorbell(slots.bell_view(seg, slot, "peer_in"),
-                                  seg.object_name(f"c{slot}-peer_in"), like_fd=seg.fd)
-        try:
-            self.done_bell = Doorbell(slots.bell_view(seg, slot, "peer_out"),
-                                      seg.object_name(f"c{slot}-peer_out"), like_fd=seg.fd)
-        except BaseException:
-            self.jobs_bell.close()
-            raise
+        self.jobs_bell = Doorbell(slots.bell_view(seg, slot, "peer_in"))
+        self.done_bell = Doorbell(slots.bell_view(seg, slot, "peer_out"))
 
     def close(self) -> None:
         for r in (self.jobs, self.done):
@@ -149,7 +144,7 @@ class SchedulerChannel:
                     continue
                 rec = slots.record(self.seg, slot)
                 if rec.state == L.SlotState.FREE:
-                    return slot, rec.gen + 1
+                    return slot, next_gen(rec.gen)
                 locks.unlock(fd, L.LOCK_CLIENT_BASE + slot)
             if time.monotonic() > deadline:
                 raise ClientSlotsExhaustedError(
@@ -293,7 +288,7 @@ class WorkerChannel:
         except BaseException:  # its descriptor may hold the worker lock: close it
             self.seg.close()
             raise
-        self._ends.jobs_bell.drain()
+        self._ends.jobs_bell.reset()
         self._pending: dict[int, list[JobFrame]] = {}  # partial multi-frame jobs
 
     @property

@@ -84,9 +84,9 @@ def render_show(s: dict[str, Any]) -> str:
            f"clients   {s['clients_alive']} alive, {s['clients_dead']} dead"]
     if s["clients"]:
         out += _table(["SLOT", "PID", "NAME", "ALIVE", "GEN", "PINS", "LEASES", "PENDING",
-                       "QUOTA", *(r.upper() for r in L.RING_NAMES), "AGE"], [
+                       "STRANDED", "QUOTA", *(r.upper() for r in L.RING_NAMES), "AGE"], [
             [c["slot"], c["pid"], c["name"], "yes" if c["alive"] else "DEAD", c["generation"],
-             c["pins"], c["leases"], c["stores_pending"],
+             c["pins"], c["leases"], c["stores_pending"], c["stranded"],
              f"{c['cached']}/{c['quota']}" if c["quota"] else "-", *c["rings"].values(),
              _dur(c["age_s"])] for c in s["clients"]])
     if s["pinners"]:

@@ -19,7 +19,8 @@ _GAUGES = (  # (metric, help, where in a snapshot)
     ("kvshm_clients", "Live client processes.", "clients_alive"),
     ("kvshm_clients_dead", "Client slots whose process died, not reclaimed.", "clients_dead"),
     ("kvshm_owner_up", "1 while an owner process holds the owner lock.", "owner.alive"),
-    ("kvshm_owner_epoch", "Owners the segment has had.", "owner.epoch"))
+    ("kvshm_owner_epoch", "Owners the segment has had (1 again after 2**32 - 1).",
+     "owner.epoch"))
 _COUNTERS = (  # (snapshot counter, help): metric kvshm_<counter>_total unless renamed
     ("lookups", "Lookups clients made."), ("hits", "Lookups that hit."),
     ("misses", "Lookups that missed."), ("stores", "Completed stores."),
@@ -31,7 +32,8 @@ _COUNTERS = (  # (snapshot counter, help): metric kvshm_<counter>_total unless r
     ("failovers", "Times a new owner took over."), ("reclaimed_clients", "Dead clients reclaimed."),
     ("reclaimed_blocks", "Blocks reclaimed from dead processes."),
     ("granted_blocks", "Blocks granted to clients ahead of their stores."),
-    ("owner_busy_ns", "CPU nanoseconds the owner spent serving frames (not idle spinning)."))
+    ("owner_busy_ns", "CPU nanoseconds the owner spent serving frames (not idle spinning)."),
+    ("idle_wakeups", "Times the owner woke and found nothing to serve or adopt."))
 _RENAMED = {"prepare_store_refused": "allocation_failure", "bytes_in": "load_bytes",
             "bytes_out": "store_bytes"}  # vLLM's names for the same things (client's view)
 

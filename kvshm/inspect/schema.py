@@ -106,7 +106,7 @@ class Owner(_Doc):
     """`owner`: the owner process."""
     pid: Annotated[int, _d("last owner's pid; 0 after a clean shutdown")]
     alive: Annotated[bool, _d("whether an owner holds the owner lock")]
-    epoch: Annotated[int, _d("owners so far")]
+    epoch: Annotated[int, _d("owners so far, 1 again after 2**32 - 1")]
     since_ns: Annotated[int, _d("when the owner took over")]
     age_s: Annotated[float | None, _d("seconds since then (null: none has run)")]
     tick: Annotated[int, _d("last-use clock")]
@@ -129,6 +129,9 @@ class Client(_Doc):
     stores_pending: Annotated[int, _d("the client's unfinished stores (WRITING blocks it owns)")]
     granted: Annotated[int, _d(
         "blocks granted or offered to it for its next stores (taken or not)")]
+    stranded: Annotated[int, _d(
+        "of its unfinished stores, blocks it published in a frame that was dropped after "
+        "owners died applying it: kept for it (it may still write them), freed when it goes")]
     quota: Annotated[int, _d("blocks it may keep cached, its quota (0: none)")]
     cached: Annotated[int, _d(
         "with a quota: blocks it stored that are cached, as the owner last counted them")]

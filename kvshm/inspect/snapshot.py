@@ -118,11 +118,13 @@ def _client(seg: Segment, m: _Meta, i: int, now: int) -> dict[str, Any]:
     # granted, offered (READY with this writer) or claimed: in its grant ring or taken from it
     granted = int((np.isin(e["state"], (L.GRANTED, L.READY, L.CLAIMED)) & mine).sum())
     quota, cached = struct.unpack_from("<QQ", m.buf, base + L.SLOT_OFF_SHARE)
+    stranded = struct.unpack_from("<Q", m.buf, base + L.SLOT_OFF_SERVED + L.field_offset(
+        L.SERVED_DTYPE, "stranded"))[0]
     return {"slot": i, "pid": pid, "name": name.rstrip(b"\0").decode("utf-8", "replace"),
             "state": state, "alive": m.alive(i), "generation": gen, "attached_ns": attached,
             "age_s": _age(now, attached), "holds": len(codes), "pins": int((codes >= 0).sum()),
             "leases": int((codes < -1).sum()), "stores_pending": pending, "granted": granted,
-            "quota": quota, "cached": cached,
+            "stranded": stranded, "quota": quota, "cached": cached,
             "counters": dict(zip(L.SLOT_COUNTERS, counters)), "rings": _ring_depths(seg, i)}
 
 

@@ -3,14 +3,15 @@
 This module owns ``Client``: the owner's per-client state of one slot generation (its rings
 and reply doorbell, the served record that makes its requests exactly-once, its grant ring,
 replies waiting for room, a request arriving in parts, the events it has not taken). Any of
-it may be hostile (the client writes its own slot): opening the rings or the doorbell fails
-into ``quarantined`` with the reason, never into an exception. It serves nothing itself.
+it may be hostile (the client writes its own slot): opening the rings fails into
+``quarantined`` with the reason, never into an exception; its doorbell is a word of its slot,
+which nothing it writes there can make unusable. It serves nothing itself.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from kvshm.errors import KvshmError, SegmentPermissionError
+from kvshm.errors import KvshmError
 from kvshm.index import protocol as P
 from kvshm.index.api import OffloadingEvent
 from kvshm.shm import slots
@@ -37,12 +38,7 @@ class Client:
             self.replies = Ring(slots.ring_view(seg, slot, "reply"))
         except KvshmError as e:  # no service; its holds still count while it lives
             self.quarantined, self.why = True, f"unusable rings ({e})"
-        self.bell: Doorbell | None = None
-        try:
-            self.bell = Doorbell(slots.bell_view(seg, slot, "reply"),
-                                 seg.object_name(f"c{slot}-reply"), like_fd=seg.fd)
-        except SegmentPermissionError as e:  # it made its doorbell ours to not open
-            self.quarantined, self.why = True, f"unusable reply doorbell ({e})"
+        self.bell = Doorbell(slots.bell_view(seg, slot, "reply"))  # a word: nothing to open
         self.served = slots.served(seg, slot)  # the requests it answered (owner_link.py)
         self.grant_head, self.grant_ids = slots.grants(seg, slot)
         self.stores = False  # it stores: keep its grant ring stocked
@@ -110,8 +106,7 @@ class Client:
     def close(self) -> None:
         self.hold_mark.release()
         self.share.release()
-        if self.bell is not None:
-            self.bell.close()
+        self.bell.close()
         for r in (self.requests, self.replies):
             if r is not None:
                 r.close()

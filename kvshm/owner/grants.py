@@ -39,9 +39,10 @@ never blocks.
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import numpy as np
 
@@ -60,6 +61,8 @@ from kvshm.shm.layout import Geometry
 from kvshm.shm.offers import offer
 from kvshm.shm.segment import Segment
 from kvshm.shm.words import WordView
+
+log = logging.getLogger("kvshm.owner")
 
 # Evicting for a grant must respect every client's leases, the grantee's own too: unlike a
 # store's reply, a grant cannot tell its client which of its leases it took away.
@@ -292,6 +295,9 @@ class StockedClient(Protocol):
     largest_store: int  # in blocks, the most it took between two refills or in one store
 
 
+_C = TypeVar("_C", bound=StockedClient)
+
+
 def grant_level(granted: int, taken: int) -> int | None:
     """Blocks in a client's grant ring from its two counts, or None if the counts are
     impossible (the client scribbled on its slot): taken above granted, more than the ring
@@ -345,3 +351,25 @@ def stock(grants: Grants, c: StockedClient, share: int, room: int) -> int | None
     c.taken_seen = taken
     target = sized_target(grants, level, (c.slot, c.gen), share, c.largest_store, room)
     return refill(grants, head, c.grant_ids, c.slot, c.gen, granted, level, target)
+
+
+def stock_all(grants: Grants, clients: Sequence[_C], share: int,
+              budget: int) -> list[tuple[_C, str]]:
+    """One refill of every storing client's grant ring (``stock``), so that its next stores
+    need no round trip, all clients' grants together within ``budget``. Returns the clients
+    whose rings could not be stocked, and why: their slot, not the owner, is at fault (the
+    caller quarantines them), so no failure of one stops the others' refills."""
+    room = budget - grants.held()  # what may still be granted, to anyone
+    bad: list[tuple[_C, str]] = []
+    for c in clients:
+        try:
+            n = stock(grants, c, share, room)
+        except Exception as e:  # its slot's words, never the owner's end
+            log.exception("refilling client slot %d failed", c.slot)
+            bad.append((c, f"its grant ring could not be refilled ({e!r})"))
+            continue
+        if n is None:
+            bad.append((c, "its grant ring counts are impossible"))
+        else:
+            room -= n
+    return bad

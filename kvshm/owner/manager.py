@@ -42,6 +42,7 @@ from kvshm.shm import keys as K
 from kvshm.shm import layout as L
 from kvshm.shm import locks, writers
 from kvshm.shm.keyindex import KeyIndex
+from kvshm.shm.records import next_epoch
 from kvshm.shm.segment import Segment
 from kvshm.shm.table import BlockTable
 
@@ -71,7 +72,7 @@ class LocalManager(OffloadingManager):
         self.index = KeyIndex(segment.buf, segment.geometry, self.table)
         self.policy = make_policy(policy or segment.policy, segment.geometry.num_blocks)
         pid, epoch, _, tick = segment.owner_record()
-        self.epoch = epoch + 1
+        self.epoch = next_epoch(epoch)
         self.entries = Entries(self.policy, self.table, self.index, tick)
         self.outcomes = Outcomes(segment, enable_events)
         self.quotas = Quotas(self.entries, segment.geometry.num_blocks)

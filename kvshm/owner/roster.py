@@ -102,6 +102,17 @@ class Roster:
                         "(all quotas together keep at most %d of the %d blocks)", c.slot,
                         c.gen, asked, got, manager.quotas.room, manager.quotas.num_blocks)
 
+    def newcomer_waits(self) -> bool:
+        """Whether a slot waits to be adopted (activated, its holder alive): what a raised
+        newcomer flag must bring for the owner to look further. Reads the slot states,
+        and the lock of a candidate only."""
+        for slot in range(self.seg.geometry.max_clients):
+            if slot not in self.clients:
+                rec = slots.record(self.seg, slot)
+                if rec.state in SERVED and self.writer_alive(slot, rec.gen):
+                    return True
+        return False
+
     def quarantine(self, c: Client, why: str) -> None:
         """Stop reading a client we cannot parse. Its holds still count while it lives."""
         c.quarantined = True

@@ -5,31 +5,31 @@ kernel-released owner lock) and answers the frames clients put on their request 
 exactly once (the served record, told in ``client/owner_link.py``), goodbyes included; the
 clients themselves, alive or dead, are the ``Roster``'s, what each request does is
 ``requests.py``'s. One doorbell wakes it for all clients. It must never crash on a bad frame
-(every failure becomes an ``Error`` reply) and never copies block data.
+(every failure becomes an ``Error`` reply) nor on a client's scribbled words (a failure
+serving one client quarantines that client), and never copies block data.
 
-Run ``python -m kvshm.owner NAME`` (what clients start on demand) or ``kvshm serve NAME``.
+It runs as ``python -m kvshm.owner NAME`` (what clients start on demand) or ``kvshm serve
+NAME``: ``command.py``.
 """
 from __future__ import annotations
 
-import argparse
 import logging
-import sys
 import time
 
 import msgspec
 
-from kvshm import commands, logs, signals
 from kvshm.crashpoints import crash_point
-from kvshm.errors import KvshmError, OwnerUnavailableError, RequestDroppedError
+from kvshm.errors import KvshmError, RequestDroppedError
 from kvshm.index import protocol as P
 from kvshm.owner.clients import Client
-from kvshm.owner.grants import grant_budget, grant_target, stock
+from kvshm.owner.grants import grant_budget, grant_target, stock_all
 from kvshm.owner.manager import LocalManager
 from kvshm.owner.requests import Handlers
 from kvshm.owner.roster import Roster
 from kvshm.owner.spin import SpinPolicy
 from kvshm.shm import layout as L
 from kvshm.shm import slots
+from kvshm.shm.fence import full_fence
 from kvshm.shm.ring import Doorbell
 from kvshm.shm.segment import Segment
 
@@ -49,26 +49,27 @@ class Owner:
         try:  # (a segment removed meanwhile) its descriptor holds the owner lock: close it
             self.manager = LocalManager(self.seg, enable_events=True, held=self.roster.held,
                                         writer_alive=self.roster.writer_alive)
-            self.bell = Doorbell(self.seg.buf[L.OFF_OWNER_BELL:L.OFF_OWNER_BELL + 8],
-                                 self.seg.object_name("owner"), like_fd=self.seg.fd)
+            self.bell = Doorbell(self.seg.buf[L.OFF_OWNER_BELL:L.OFF_OWNER_BELL + 8])
         except BaseException:
             self.seg.close()
             raise
         self.epoch = self.manager.epoch
         self.handlers = Handlers(self.seg, self.manager, self.roster.clients)
         self._max_keys = 4 * self.seg.geometry.num_blocks + 65536  # per request
-        self.bell.drain()  # a predecessor that died asleep leaves stale posts behind
+        self.bell.reset()  # a predecessor that died asleep left its flag raised
         self.idle_exit_s = idle_exit_s
         self._running = True
         self._grant_target = grant_target(self.seg.geometry)
         self._grant_budget = grant_budget(self.seg.geometry)
         self._newcomer = self.seg.buf[L.OFF_NEWCOMER:L.OFF_NEWCOMER + 8].cast("Q")
+        self._adopt = False  # a raised newcomer flag brought a slot to adopt
         # Clients attached before a failover keep working; slots of the dead are cleared.
         self._discover()
         self.roster.reclaim_unadopted(self.manager)
         log.info("owner of %s (epoch %d): %s", name, self.epoch, self.manager.recovered)
 
     def _discover(self) -> None:
+        self._adopt = False
         self.roster.discover(self.manager, self._newcomer)
         if self.roster.removed:  # no client has a future here
             self._running = False
@@ -84,19 +85,29 @@ class Owner:
 
     # --- serving ------------------------------------------------------------------------
     def _pending(self) -> bool:
-        if self._newcomer[0]:
+        """Whether a frame or a newcomer waits (the doorbell's ``ready``). What clients
+        write must not keep it true for nothing: each ring is asked with our own position,
+        and a raised newcomer flag is cleared and counts only with a slot to adopt."""
+        if self._newcomer_waits():
             return True
         for c in self.roster.clients.values():
             if not (c.quarantined or c.unsent) and c.requests is not None and \
-                    c.requests.pending():
+                    c.requests.waiting():
                 return True
         return False
+
+    def _newcomer_waits(self) -> bool:
+        if self._newcomer[0]:
+            self._newcomer[0] = 0
+            full_fence()  # cleared before we look: a newcomer from now on raises it again
+            self._adopt = self._adopt or self.roster.newcomer_waits()
+        return self._adopt
 
     def serve_once(self) -> int:
         """Answer what waits now, at most ``FRAMES_PER_PASS`` frames per client (so one
         chatty client cannot starve the others). Returns how many frames were handled."""
         n = t0 = 0
-        if self._newcomer[0]:
+        if self._newcomer_waits():
             self._discover()
         clients = self.roster.clients
         for c in list(clients.values()):
@@ -117,7 +128,12 @@ class Owner:
                 if not n:  # the CPU clock is a system call: read it only for a busy pass
                     t0 = time.thread_time_ns()
                 n += 1
-                self._serve_frame(c, frame)
+                try:
+                    self._serve_frame(c, frame)
+                except Exception as e:  # its words, not the owner, are at fault: never die
+                    log.exception("serving client slot %d failed", c.slot)
+                    self.roster.quarantine(c, f"serving it failed ({e!r})")
+                    break
                 if clients.get(c.slot) is not c or c.quarantined or c.unsent:
                     break  # gone (goodbye), unusable, or its reply waits for room
         if n:
@@ -133,22 +149,10 @@ class Owner:
         if not self._grant_target:
             self._count_shares()
             return
-        grants = self.manager.grants
-        room = self._grant_budget - grants.held()  # what may still be granted, to anyone
-        for c in list(self.roster.clients.values()):
-            if not c.stores or c.quarantined:
-                continue
-            try:
-                n = stock(grants, c, self._grant_target, room)
-            except Exception as e:  # its slot, not the owner, is at fault: never die of it
-                log.exception("refilling client slot %d failed", c.slot)
-                n, why = None, f"its grant ring could not be refilled ({e!r})"
-            else:
-                why = "its grant ring counts are impossible"
-            if n is None:
-                self.roster.quarantine(c, why)
-            else:
-                room -= n
+        stocked = [c for c in self.roster.clients.values() if c.stores and not c.quarantined]
+        for c, why in stock_all(self.manager.grants, stocked, self._grant_target,
+                                self._grant_budget):
+            self.roster.quarantine(c, why)
         self.handlers.fan_out()
         self._count_shares()
 
@@ -215,7 +219,7 @@ class Owner:
             served["epoch"], served["attempts"] = self.epoch, attempts
             served["consumed"] = req  # from here on a successor replays instead of executing
             crash_point("owner.request.after_consume")
-        elif not self._begin_one_way(c):
+        elif not self._begin_one_way(c, msg):
             return
         if isinstance(msg, P.Bye):
             self._goodbye(c, msg)
@@ -227,19 +231,25 @@ class Owner:
         else:
             requests.advance()
 
-    def _begin_one_way(self, c: Client) -> bool:
+    def _begin_one_way(self, c: Client, msg: P.Request) -> bool:
         """Record that an owner begins the one-way frame at the head of ``c``'s request ring
         (known by its position: it has no id), or drop it (False) if it killed the last
         ``MAX_ATTEMPTS`` owners that began it: no reply can fail it, so without this count
-        every successor would begin it again and die."""
+        every successor would begin it again and die. A dropped Publish's blocks stay the
+        client's until it goes, counted as ``stranded``: a frame that killed owners is no
+        list of finished blocks to trust, and freeing a block it still writes would serve
+        wrong bytes."""
         requests = c.requests
         assert requests is not None  # a client whose rings did not open is quarantined
-        served, pos = c.served, requests.head() + 1
+        served, pos = c.served, requests.position() + 1
         attempts = int(served["attempts"]) + 1 if served["one_way"] == pos else 1
         if attempts > MAX_ATTEMPTS:
             self.seg.counter_add("errors")
+            n = len(msg.blocks) if isinstance(msg, P.Publish) else 0
+            served["stranded"] = min(int(served["stranded"]) + n, 2**63)
             log.error("client slot %d: a one-way frame was in progress when %d owners died; "
-                      "it was dropped", c.slot, MAX_ATTEMPTS)
+                      "it was dropped (the %d blocks it published stay the client's until it "
+                      "goes)", c.slot, MAX_ATTEMPTS, n)
             requests.advance()
             return False
         served["epoch"], served["attempts"], served["one_way"] = self.epoch, attempts, pos
@@ -281,15 +291,15 @@ class Owner:
         request is recorded answered and released from the request ring."""
         requests, replies, bell = c.requests, c.replies, c.bell
         # A client whose rings did not open is quarantined: nothing is ever sent to it.
-        assert requests is not None and replies is not None and bell is not None
+        assert requests is not None and replies is not None
         try:
             while c.unsent:
                 if not replies.try_put(c.unsent[0]):
                     bell.ring()
                     return False  # it does not drain its replies: try again next pass
                 c.unsent.pop(0)
-        except KvshmError as e:
-            self.roster.quarantine(c, f"reply ring unusable ({e})")
+        except Exception as e:  # KvshmError for a scribbled ring; never die of one
+            self.roster.quarantine(c, f"reply ring unusable ({e!r})")
             return False
         bell.ring()
         if c.unsent_req:
@@ -319,12 +329,17 @@ class Owner:
         next_scan = 0.0
         spin = SpinPolicy()  # busy-polls only while recent gaps between frames were short
         idle_since: float | None = None
+        woke = False  # the last wait ended because something seemed to wait
         while self._running:
+            adopted = len(self.roster.clients)
             if self.serve_once():
+                woke = False
                 if idle_since is not None:
                     spin.observe(time.monotonic() - idle_since)
                     idle_since = None
                 continue
+            if woke and len(self.roster.clients) <= adopted:
+                self.seg.counter_add("idle_wakeups")  # woken for nothing
             now = time.monotonic()
             if idle_since is None:
                 idle_since = now
@@ -333,8 +348,8 @@ class Owner:
                 self._scan()
                 self._refill()
                 next_scan = now + SCAN_INTERVAL_S
-            self.bell.wait(min(SCAN_INTERVAL_S, max(0.0, next_scan - now)), self._pending,
-                           spin_s=spin.budget(now - idle_since))
+            woke = self.bell.wait(min(SCAN_INTERVAL_S, max(0.0, next_scan - now)),
+                                  self._pending, spin_s=spin.budget(now - idle_since))
 
     def stop(self) -> None:
         self._running = False
@@ -345,46 +360,3 @@ class Owner:
         self.bell.close()
         self._newcomer.release()
         self.seg.close()
-
-
-def add_arguments(ap: argparse.ArgumentParser) -> None:
-    """The arguments of an owner: ``kvshm serve`` and ``python -m kvshm.owner`` share them."""
-    ap.add_argument("name", help="segment name (the one engines pass to kvshm.connect)")
-    ap.add_argument("--idle-exit", type=float, default=None, metavar="S",
-                    help="exit after S seconds without any attached client (an owner a "
-                         "client starts does; default: serve until stopped)")
-    commands.add_log_level(ap, "stderr (for an owner a client started: its log file, which "
-                           "'kvshm-inspect show' names)")
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m kvshm.owner NAME``: what a client starts when no owner serves NAME."""
-    ap = argparse.ArgumentParser(
-        prog="python -m kvshm.owner", epilog=commands.EXIT_STATUS,
-        description="Serve a kvshm segment's index (clients start this on demand; 'kvshm "
-                    "serve' is the same for a process manager).")
-    add_arguments(ap)
-    return run_from_args(ap.parse_args(argv))
-
-
-def run_from_args(args: argparse.Namespace) -> int:
-    logs.owner_logging(args.name, args.log_level)
-    stops = signals.StopSignals()  # before it starts: a stop asked meanwhile is kept
-    try:
-        owner = Owner(args.name, idle_exit_s=args.idle_exit)
-    except OwnerUnavailableError as e:  # someone else won the race: that is success
-        log.info("%s", e)
-        return commands.EXIT_OK
-    except KvshmError as e:
-        return commands.error("kvshm owner", e)
-    stops.on_stop(owner.stop)
-    try:
-        owner.run()
-    finally:
-        owner.close()
-    stops.report(log, "; the cache stays for the next owner")
-    return commands.EXIT_OK
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,7 +1,7 @@
 """How long the owner busy-polls before it sleeps on its doorbell: only while spinning pays.
 
 A frame that arrives while the owner spins is served at once; one that arrives while it
-sleeps costs a semaphore wake-up (tens of microseconds, more on a loaded host). Spinning
+sleeps costs a futex wake-up (tens of microseconds, more on a loaded host). Spinning
 costs a core for as long as it lasts, so it pays only when the next frame comes within about
 the time it would spin. ``SpinPolicy`` learns that from the owner's recent idle gaps (from
 going idle to the next frame): when the median of the last ``HISTORY`` gaps is at most

@@ -68,11 +68,12 @@ from kvshm.shm.records import (  # noqa: F401  (re-exported: one definition, two
 )
 
 MAGIC = b"KVSHM\x00\x00\x01"
-FORMAT_VERSION = 6  # 2: 64-bit writer_req, keysum in every table entry; 3: block grants;
+FORMAT_VERSION = 7  # 2: 64-bit writer_req, keysum in every table entry; 3: block grants;
 #                    4: grant rings of 1,024 blocks, a client's refusal of grants;
 #                    5: doorbells and the tier area named for the segment's inode;
 #                    6: offered (READY) grants claimed by their client, slot hold marks,
-#                       a client's share of the cache (quotas)
+#                       a client's share of the cache (quotas);
+#                    7: doorbells are futex words of the segment, no semaphores
 HEADER_BYTES = 4096
 DATA_ALIGN = 2 << 20
 MAX_PLANES = 32
@@ -126,7 +127,7 @@ OFF_LAYOUT_DESC = 128  # utf-8 JSON of the layout, NUL padded, for error message
 OFF_PAGE_BYTES = OFF_LAYOUT_DESC + LAYOUT_DESC_BYTES  # MAX_PLANES x u64
 OFF_OWNER = OFF_PAGE_BYTES + 8 * MAX_PLANES  # owner record (OWNER_DTYPE)
 OFF_POLICY = OFF_OWNER + OWNER_BYTES  # eviction policy name, 16 bytes: every owner uses it
-OFF_OWNER_BELL = OFF_OWNER + 64  # owner doorbell sleeper flag (own cache line)
+OFF_OWNER_BELL = OFF_OWNER + 64  # owner doorbell: its futex word (own cache line)
 OFF_NEWCOMER = OFF_OWNER_BELL + 8  # set by a client that just activated its slot
 OFF_COUNTERS = OFF_OWNER_BELL + 64  # COUNTERS_DTYPE
 OFF_PINNERS = OFF_COUNTERS + COUNTERS_DTYPE.itemsize  # MAX_PINNERS x PINNER_DTYPE
@@ -148,8 +149,8 @@ assert SLOT_DTYPE.itemsize <= SLOT_OFF_COUNTERS
 # the low end, so this is a few cache lines, not the whole array.
 SLOT_OFF_HOLD_MARK = 120
 SLOT_OFF_SERVED = 128
-SLOT_OFF_SHARE = 176  # records.SHARE_DTYPE: the client's quota, and what the owner counts
-SLOT_HEAD_BYTES = 192
+SLOT_OFF_SHARE = 184  # records.SHARE_DTYPE: the client's quota, and what the owner counts
+SLOT_HEAD_BYTES = 256
 assert SLOT_OFF_COUNTERS + 8 * len(SLOT_COUNTERS) <= SLOT_OFF_HOLD_MARK < SLOT_OFF_SERVED
 assert SLOT_OFF_SERVED + SERVED_DTYPE.itemsize <= SLOT_OFF_SHARE
 assert SLOT_OFF_SHARE + SHARE_DTYPE.itemsize <= SLOT_HEAD_BYTES

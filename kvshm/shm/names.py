@@ -1,7 +1,8 @@
 """POSIX names: of a segment, of the objects that belong to it, and how they are found.
 
 This module owns the naming scheme in ``/dev/shm``: a segment is ``kvshm-NAME``; every
-other object of it (its doorbell semaphores, the tier area) is ``kvshm-NAME@TAG-WHAT``, TAG
+other object of it (the tier area; the doorbell semaphores of formats 5 and 6, which removal
+still finds) is ``kvshm-NAME@TAG-WHAT``, TAG
 naming one incarnation of the segment (its file's inode number in hex). A process still
 holding a removed segment then never opens, creates or removes an object of a segment created
 since under the same name. '@' is no segment-name character, so "NAME@" begins the objects of
@@ -66,7 +67,7 @@ def remove_objects(name: str) -> tuple[list[str], list[str]]:
     process that had its incarnation open, so an incarnation still linked then is the one the
     lookup finds (or a later one: removing the objects of one removed meanwhile is right too).
     Objects (the tier area) before semaphores: a semaphore checks the object it belongs to
-    once it is open and removes itself if that is gone (``Doorbell``), else the second
+    once it is open and removes itself if that is gone (``open_object``), else the second
     listing finds it. An object checks the segment (``TierArea``), removed before this.
     """
     stem = PREFIX + name + TAG_SEP

@@ -1,4 +1,5 @@
-"""Opening a segment's named objects (doorbell semaphores, the tier area).
+"""Opening a segment's named objects (the tier area; semaphores too, though no doorbell of
+format 7 or later is one: doorbells are words of the segment, ``doorbell.py``).
 
 This module owns the one way such an object is opened or created: with the access of the
 file it belongs to from the first instant it has its name, and never outliving that file's

@@ -2,9 +2,9 @@
 
 This module owns the field names, types and byte offsets of every shared record — the header,
 the owner record, the header counters, the pin-progress records, the client slot record, a
-slot's served record and grant-ring counts, a block-table entry, a key-index slot and a
-writer registration — as numpy structured dtypes (little-endian, no implicit padding), with
-the ``struct`` format and the NamedTuple that readers get derived from a dtype. Every field
+slot's served record, share and grant-ring counts, a block-table entry, a key-index slot and
+a writer registration — as numpy structured dtypes (little-endian, no implicit padding),
+with the NamedTuple that readers get (how a dtype is read is ``dtypes.py``'s). Every field
 says who writes it and what invariant it keeps. Where a record sits in the segment is
 ``layout.py``'s business; this module computes nothing else and never maps memory.
 """
@@ -16,58 +16,14 @@ from typing import NamedTuple
 
 import numpy as np
 
-# The one table from a field's numpy type to its ``struct`` code (and to the word size of
-# the aligned store that writes it, ``words.py``).
-_STRUCT_CODES = {"u1": "B", "i2": "h", "u2": "H", "i4": "i", "u4": "I", "i8": "q", "u8": "Q"}
-
-
-def field_names(dtype: np.dtype) -> tuple[str, ...]:
-    """The field names of record ``dtype``, in order."""
-    assert dtype.names is not None, f"{dtype} is not a record dtype"
-    return dtype.names
-
-
-def field_dtype(dtype: np.dtype, name: str) -> np.dtype:
-    """The type of field ``name`` of record ``dtype``."""
-    assert dtype.fields is not None, f"{dtype} is not a record dtype"
-    return dtype.fields[name][0]
-
-
-def field_offset(dtype: np.dtype, name: str) -> int:
-    """Byte offset of field ``name`` inside a record of ``dtype``."""
-    assert dtype.fields is not None, f"{dtype} is not a record dtype"
-    return int(dtype.fields[name][1])
-
-
-def _end(dtype: np.dtype, name: str) -> int:
-    """Byte offset just past field ``name`` of record ``dtype``."""
-    return field_offset(dtype, name) + field_dtype(dtype, name).itemsize
-
-
-def struct_format(dtype: np.dtype, names: tuple[str, ...] | None = None) -> str:
-    """The ``struct`` format of the consecutive fields ``names`` (all by default) of a record
-    dtype; fails if they leave a gap between them."""
-    names = names or field_names(dtype)
-    codes = "".join(f"{dt.itemsize}s" if dt.kind in "SV" else _STRUCT_CODES[dt.str[1:]]
-                    for dt in (field_dtype(dtype, n) for n in names))
-    fmt = "<" + codes
-    first = field_offset(dtype, names[0])
-    assert struct.calcsize(fmt) == _end(dtype, names[-1]) - first, f"gap in {names}"
-    return fmt
-
-
-def sub_dtype(dtype: np.dtype, names: tuple[str, ...]) -> np.dtype:
-    """The fields ``names`` of ``dtype`` as a record of their own, starting at the first."""
-    base = field_offset(dtype, names[0])
-    return np.dtype({"names": list(names), "formats": [field_dtype(dtype, n) for n in names],
-                     "offsets": [field_offset(dtype, n) - base for n in names],
-                     "itemsize": _end(dtype, names[-1]) - base})
-
-
-def _offsets(dtype: np.dtype, **expected: int) -> None:
-    for name, off in expected.items():
-        assert field_offset(dtype, name) == off, (name, field_offset(dtype, name), off)
-
+from kvshm.shm.dtypes import (  # noqa: F401  (re-exported with the records they read)
+    field_dtype,
+    field_names,
+    field_offset,
+    offsets_are,
+    struct_format,
+    sub_dtype,
+)
 
 # --- header (offset 0): written once by the creator, under LOCK_INIT ---------------------
 # An attacher trusts none of it until header.check() has cross-checked it (geometry, layout
@@ -89,7 +45,7 @@ HEADER_DTYPE = np.dtype([
     ("fingerprint", "S32"),        # creator: sha256 of the layout description it stores
 ], align=False)
 assert HEADER_DTYPE.itemsize == 100
-_offsets(HEADER_DTYPE, version=8, total_size=16, num_blocks=32, tokens_per_block=40,
+offsets_are(HEADER_DTYPE, version=8, total_size=16, num_blocks=32, tokens_per_block=40,
          index_slots=60, fingerprint=68)
 HEADER = struct.Struct(struct_format(HEADER_DTYPE))
 
@@ -124,15 +80,26 @@ def header_record(head: bytes) -> HeaderRecord:
 OWNER_DTYPE = np.dtype([
     ("pid", "<u4"),       # owner: its pid while it owns, 0 once it let go; for people and
     #                       for "who owns?" messages, never for liveness (LOCK_OWNER is)
-    ("epoch", "<u4"),     # owner: previous epoch + 1 on taking ownership; never decreases,
-    #                       so a changed epoch means another owner ran (served records)
+    ("epoch", "<u4"),     # owner: ``next_epoch`` of the previous one on taking ownership;
+    #                       only ever compared for equality: a changed epoch means another
+    #                       owner ran (served records, replies); 0: no owner has run yet
     ("since_ns", "<u8"),  # owner: time.time_ns() when it took (or let go of) ownership
     ("tick", "<u8"),      # owner: the eviction clock, saved so the next owner continues it
 ], align=False)
 assert OWNER_DTYPE.itemsize == 24
-_offsets(OWNER_DTYPE, pid=0, epoch=4, since_ns=8, tick=16)
+offsets_are(OWNER_DTYPE, pid=0, epoch=4, since_ns=8, tick=16)
 OWNER = struct.Struct(struct_format(OWNER_DTYPE))
 OWNER_BYTES = 32  # room reserved in the header
+
+
+EPOCH_MAX = 2**32 - 1  # what the record's epoch word holds
+
+
+def next_epoch(epoch: int) -> int:
+    """The epoch of the owner after one of ``epoch``: +1, and after ``EPOCH_MAX`` 1 again
+    (never 0, "no owner yet"). Consecutive owners always differ, which is all that is
+    compared; two owners 2**32 - 1 takeovers apart share one, which no client lives to see."""
+    return epoch % EPOCH_MAX + 1
 
 
 class OwnerRecord(NamedTuple):
@@ -170,6 +137,10 @@ COUNTER_NAMES = (
     # Keys a rebuild found in more than one block-table entry (only damage does that):
     # every copy was dropped, so the key is a miss. Owner-written (or gc's).
     "duplicate_keys",
+    # Times the owner's wait ended because something seemed to wait and its next pass then
+    # found no frame to serve and no client to adopt: 0 unless a client's words lie (a
+    # newcomer flag or ring position raised for nothing). Owner-written.
+    "idle_wakeups",
 )
 MAX_COUNTERS = 32  # words reserved: new counters fit without moving the pinners
 COUNTERS_DTYPE = np.dtype({"names": list(COUNTER_NAMES), "formats": ["<u8"] * len(COUNTER_NAMES),
@@ -186,7 +157,7 @@ PINNER_DTYPE = np.dtype([
     ("updated_ns", "<u8"),   # pinner: time.time_ns() of its last update, for people
 ], align=False)
 assert PINNER_DTYPE.itemsize == 32
-_offsets(PINNER_DTYPE, pid=0, state=4, done_bytes=8, total_bytes=16, updated_ns=24)
+offsets_are(PINNER_DTYPE, pid=0, state=4, done_bytes=8, total_bytes=16, updated_ns=24)
 PINNER = struct.Struct(struct_format(PINNER_DTYPE))
 PIN_IDLE, PIN_WAITING, PIN_RUNNING, PIN_DONE, PIN_FAILED = range(5)
 
@@ -224,14 +195,24 @@ SLOT_DTYPE = np.dtype([
     #                          gc holding the owner lock); CHANNEL -> FREE by its holder,
     #                          or by the owner once the holder is dead
     ("pid", "<u4"),          # claimant: its pid, for people; 0 once cleared
-    ("gen", "<u8"),          # claimant, before the state: +1 per claim, never reused for a
-    #                          slot, so (slot, gen) names one client for ever
+    ("gen", "<u8"),          # claimant, before the state: ``next_gen`` of the last one, so
+    #                          (slot, gen) names one client (until 2**32 - 1 claims later)
     ("attached_ns", "<u8"),  # claimant: time.time_ns() at activation
     ("name", "S32"),         # claimant: its program name, NUL padded, for people
 ], align=False)
 assert SLOT_DTYPE.itemsize == 56
-_offsets(SLOT_DTYPE, state=0, pid=4, gen=8, attached_ns=16, name=24)
+offsets_are(SLOT_DTYPE, state=0, pid=4, gen=8, attached_ns=16, name=24)
 SLOT = struct.Struct(struct_format(SLOT_DTYPE))
+
+
+GEN_MAX = 2**32 - 1  # what a block table entry's ``writer_gen`` word holds
+
+
+def next_gen(gen: int) -> int:
+    """The generation of a slot's next claimant after one of ``gen``: +1, and after
+    ``GEN_MAX`` 1 again (0 is no client's), whatever the word held: the last claimant wrote
+    it, and a generation must fit every record that names its writer."""
+    return gen % GEN_MAX + 1
 
 
 class SlotRecord(NamedTuple):
@@ -282,8 +263,10 @@ SERVED_DTYPE = np.dtype([
     ("attempts", "<u8"),     # owner: owners that began ``consumed`` or ``one_way``
     ("one_way", "<u8"),      # owner: 1 + request ring position of the last one-way frame begun
     ("quarantined", "<u8"),  # owner: 1 once an owner stopped serving this generation (for good)
+    ("stranded", "<u8"),     # owner: blocks named by Publish frames dropped after owners died
+    #                          applying them: still this client's, freed when it goes
 ], align=False)
-assert SERVED_DTYPE.itemsize == 48
+assert SERVED_DTYPE.itemsize == 56
 
 # --- grant-ring counts (in each client slot, before its ``GRANT_CAPACITY`` block ids) ------
 # A single-producer single-consumer ring: the owner writes ids and then ``granted``, the

@@ -1,12 +1,12 @@
-"""Single-producer/single-consumer byte-frame ring in shared memory, and its doorbell.
+"""Single-producer/single-consumer byte-frame ring in shared memory.
 
 This module owns the ring's byte layout (header, frame format, wrap marker), the ordering of
-its publications across processes, the producer's backoff when full, and the Doorbell that
-wakes a sleeping consumer (its named semaphore gets the segment's permission bits and group,
-so group sharing works, and a process that opens it after the segment was removed does not
-leave it behind). It must never decode frames (payloads are opaque bytes; msgspec
-lives with the protocol), never allocate or name shared memory itself (callers hand it a
-writable buffer carved from the segment), and never take locks shared between processes.
+its publications across processes, the checks that make a ring whose words another process
+scribbled an error rather than a crash, and the producer's backoff when full; the
+``Doorbell`` that wakes a sleeping consumer is ``doorbell.py``'s (re-exported here). It must
+never decode frames (payloads are opaque bytes; msgspec lives with the protocol), never
+allocate or name shared memory itself (callers hand it a writable buffer carved from the
+segment), and never take locks shared between processes.
 
 Region layout (native byte order, i.e. little-endian on x86 and ARM; it never leaves the host)::
 
@@ -17,6 +17,14 @@ Region layout (native byte order, i.e. little-endian on x86 and ARM; it never le
 
 head/tail are monotonically increasing byte counters (position = counter % capacity). A frame
 never splits across the end: the producer writes a wrap marker and continues at offset 0.
+Counters start below ``POS_LIMIT`` (2**63), so they never reach the end of their u64 words
+(that would take 2**63 bytes through one ring).
+
+Every word of a ring is its producer's or its consumer's, each perhaps another process's
+that scribbles: a peer reads the other side's words as untrusted. Counters out of step or
+near the end of their range, a frame that claims more than a frame can hold or ends past the
+published tail, are ``ProtocolError``, never an exception of another type nor a position
+outside the data area.
 
 Memory ordering. The producer writes the payload, THEN publishes tail; the consumer reads tail,
 THEN the payload, and only after copying it out publishes head. Counters are loaded and stored
@@ -29,29 +37,25 @@ loads are not reordered with older loads, nor stores with older loads; each Pyth
 is a separate call into C that the compiler cannot reorder across, so the ring needs no fence.
 Weakly ordered CPUs (ARM, POWER) do reorder, so there memory_fence() runs between payload write
 and tail publish, between tail read and payload read, and between payload read and head
-publish. The Doorbell's raise-flag-then-recheck is store-then-load, which even x86 reorders, so
-it always fences.
+publish.
 """
 from __future__ import annotations
 
 import ctypes
 import os
 import time
-from collections.abc import Callable
 
-import posix_ipc
-
-from kvshm.crashpoints import crash_point
 from kvshm.errors import FrameTooLargeError, InvalidArgumentError, ProtocolError, RingFullError
+from kvshm.shm.doorbell import Doorbell
 from kvshm.shm.fence import WEAK_ORDER as _WEAK_ORDER  # module-level: tests patch it
 from kvshm.shm.fence import full_fence
-from kvshm.shm.objects import open_object
 
 __all__ = ["Doorbell", "Ring", "memory_fence"]
 
 _MAGIC = int.from_bytes(b"KVRING01", "little")
 _CAP, _TAIL, _HEAD, _DATA = 1, 8, 16, 192  # word indexes into the 'Q' header view; data offset
 _WRAP = 0xFFFFFFFF  # length value of the wrap marker: "continue at offset 0"
+POS_LIMIT = 2**63  # an attached ring's counters are below it (see above)
 _SPIN_S, _YIELD_S, _SLEEP_MAX_S = 50e-6, 2e-3, 1e-3  # put() backoff phases when full
 
 _yield = os.sched_yield
@@ -119,10 +123,10 @@ class Ring:
         self._max_frame = Ring.max_payload(cap) + 4
         self._head = self._head_seen = w[_HEAD]
         self._tail = self._tail_seen = w[_TAIL]
-        if not 0 <= self._tail - self._head <= cap:
+        if not 0 <= self._tail - self._head <= cap or self._tail >= POS_LIMIT:
             raise ProtocolError(f"ring counters are inconsistent (head {self._head}, tail "
-                                f"{self._tail}, capacity {cap}): the region was overwritten; "
-                                "re-create the segment")
+                                f"{self._tail}, capacity {cap}, at most {POS_LIMIT}): the "
+                                "region was overwritten; re-create the segment")
         self._next_head = -1
 
     # --- producer -----------------------------------------------------------------------
@@ -194,10 +198,12 @@ class Ring:
             head += self._cap - pos
             pos = 0
             n = self._lens[0]
-        if n > self._max_frame - 4:
+        end = head + ((n + 11) & ~7)
+        if n > self._max_frame - 4 or end > self._tail_seen:
             raise ProtocolError(f"ring frame at offset {pos} claims {n} bytes, more than a frame "
-                                "can hold: the ring was overwritten; re-create the segment")
-        self._next_head = head + ((n + 11) & ~7)
+                                "can hold or than its producer published: the ring was "
+                                "overwritten; re-create the segment")
+        self._next_head = end
         return self._data[pos + 4:pos + 4 + n]
 
     def advance(self) -> None:
@@ -230,6 +236,10 @@ class Ring:
         """The consumer's position now (any process may read it)."""
         return self._w[_HEAD]
 
+    def position(self) -> int:
+        """Consumer: its own position, as it last published it (not the shared word)."""
+        return self._head
+
     def consumed(self, pos: int) -> bool:
         """Whether the consumer has taken every frame before position ``pos``."""
         return self._w[_HEAD] >= pos
@@ -237,6 +247,11 @@ class Ring:
     def pending(self) -> bool:
         """Whether a frame is waiting (usable as a Doorbell ``ready`` callable)."""
         return self._w[_HEAD] != self._w[_TAIL]  # head first, as in depth()
+
+    def waiting(self) -> bool:
+        """Consumer: whether a frame waits past the last one it took. Unlike ``pending`` it
+        reads no head word, which the producer could hold away from the tail for ever."""
+        return self._head != self._w[_TAIL]
 
     @property
     def capacity(self) -> int:
@@ -246,89 +261,3 @@ class Ring:
         """Release this object's views so the segment's mmap can be closed."""
         for view in (self._lens, self._data, self._w):
             view.release()
-
-
-class Doorbell:
-    """Wakes one consumer (that may serve many rings) from producers in other processes.
-
-    A named POSIX semaphore plus a "sleeping" flag word in shared memory: producers post only
-    while the flag is set, so a spinning consumer costs them no syscall per frame.
-    """
-
-    def __init__(self, flag_buf: memoryview, sem_name: str, *,
-                 like_fd: int | None = None) -> None:
-        """``like_fd``: the descriptor of the object the semaphore belongs to, which its name
-        is made for (``Segment.object_name``); the semaphore gets that file's permission
-        bits and group, so whoever may open the object may ring its bells (else 0600).
-        Raises ``SegmentNotFoundError`` if that file was removed before the semaphore was
-        open (a removal after it removes the semaphore too)."""
-        self._flag = _view(flag_buf, 8, "Doorbell").cast("Q")
-        crash_point("bell.before_open")
-        try:
-            self._sem = open_object(sem_name, like_fd, semaphore=True, point="bell.after_open")
-        except BaseException:
-            self._flag.release()
-            raise
-        self.name = sem_name
-
-    @staticmethod
-    def flag_size() -> int:
-        return 8
-
-    def ring(self) -> bool:
-        """Producer, after publishing: wake the consumer if it sleeps. Returns whether it posted."""
-        memory_fence()  # our tail store must be visible before we load the flag (store->load)
-        if self._flag[0]:
-            self._sem.release()
-            return True
-        return False
-
-    def wait(self, timeout: float, ready: Callable[[], bool], spin_s: float = 100e-6) -> bool:
-        """Consumer: return True once ``ready()`` is true, False after ``timeout`` seconds or
-        when a signal whose Python handler returned interrupted the wait (so that whatever
-        the handler asked for, such as a stop, is seen at once by the caller's loop)."""
-        now = time.perf_counter()
-        deadline, spin_end = now + timeout, now + min(spin_s, timeout)
-        while True:  # spin first: a busy producer usually publishes within microseconds
-            if ready():
-                return True
-            if time.perf_counter() >= spin_end:
-                break
-            # Yield while spinning: on a loaded host the producer may be waiting for our core.
-            _yield()
-        self._flag[0] = 1
-        # Lost-wakeup guard: a producer that published before seeing our flag did not post. So
-        # after raising the flag (fenced: store then load) we check again. Either that producer
-        # stored tail before we look (we see it here), or it loads the flag after our store
-        # (it sees 1 and posts). Stale posts from earlier rounds only cause one extra re-check.
-        memory_fence()
-        try:
-            while not ready():
-                left = deadline - time.perf_counter()
-                if left <= 0:
-                    return False
-                try:
-                    self._sem.acquire(left)
-                except posix_ipc.BusyError:
-                    pass  # loop: one last ready() check, then the deadline ends it
-                except posix_ipc.SignalError:  # raised only after its handler returned
-                    return ready()
-            return True
-        finally:
-            self._flag[0] = 0
-
-    def drain(self) -> int:
-        """Discard stale posts (e.g. made for a consumer that died asleep, its flag still set);
-        a consumer taking over calls this once. Returns how many it discarded."""
-        count = 0
-        while True:
-            try:
-                self._sem.acquire(0)
-            except posix_ipc.BusyError:
-                return count
-            count += 1
-
-    def close(self) -> None:
-        """Close this process's semaphore handle (the name stays; see unlink) and flag view."""
-        self._sem.close()
-        self._flag.release()

@@ -111,14 +111,14 @@ class Segment:
 
     @staticmethod
     def unlink(name: str, keep_log: bool = False) -> bool:
-        """Remove segment ``name`` and its objects (doorbells, tier area) and, unless
+        """Remove segment ``name`` and its objects (the tier area, old doorbells) and, unless
         ``keep_log``, its auto-started owners' log. True if the segment existed. Objects of
         another user that this process may not remove stay:
         ``kvshm-inspect rm NAME`` run as that user or root removes them (and says so).
 
         Processes that still map it keep their mapping; the memory goes when they exit. One
         that opens an object of it after this sees it removed and removes that object again
-        (``Doorbell``, ``TierArea``).
+        (``open_object``: the ``TierArea``).
         """
         return remove(name, keep_log)[0]
 

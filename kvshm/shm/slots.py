@@ -23,6 +23,7 @@ from kvshm.shm import layout as L
 from kvshm.shm import locks, words
 from kvshm.shm.fence import full_fence
 from kvshm.shm.layout import SlotRecord, SlotState
+from kvshm.shm.records import next_gen
 from kvshm.shm.ring import Ring
 from kvshm.shm.segment import Segment
 from kvshm.shm.words import WordView
@@ -50,7 +51,7 @@ def claim(seg: Segment, wait_for_reclaim: Callable[[], object] | None = None,
                 continue
             rec = record(seg, slot)
             if rec.state == SlotState.FREE:
-                return slot, rec.gen + 1
+                return slot, next_gen(rec.gen)
             locks.unlock(fd, L.LOCK_CLIENT_BASE + slot)
             dirty = True
         if not dirty or wait_for_reclaim is None or time.monotonic() > deadline:
@@ -142,6 +143,16 @@ def share(seg: Segment, slot: int) -> WordView:
     """The slot's share of the cache (``records.SHARE_DTYPE``): its quota and what the
     owner counts of it."""
     return WordView(seg.buf, seg.geometry.slot_offset(slot) + L.SLOT_OFF_SHARE, L.SHARE_DTYPE)
+
+
+def quota(seg: Segment, slot: int) -> int:
+    """The slot's quota in blocks (0: none): the client's ask until the owner adopts it, then
+    what the owner applied."""
+    view = share(seg, slot)
+    try:
+        return int(view["quota"])
+    finally:
+        view.release()
 
 
 def served(seg: Segment, slot: int) -> WordView:

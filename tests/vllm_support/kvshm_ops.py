@@ -25,18 +25,10 @@ def segment_info(name: str) -> dict[str, Any]:
             "counters": seg.counters(),
             "owner_pid": seg.owner_record()[0],
             "clients_alive": len(seg.clients_alive()),
-            "quotas": sorted(_quota(seg, s) for s in seg.clients_alive()),
+            "quotas": sorted(slots.quota(seg, s) for s in seg.clients_alive()),
         }
     finally:
         seg.close()
-
-
-def _quota(seg: Segment, slot: int) -> int:
-    share = slots.share(seg, slot)
-    try:
-        return int(share["quota"])
-    finally:
-        share.release()
 
 
 def corrupt_segment(name: str) -> int:

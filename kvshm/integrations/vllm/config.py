@@ -54,7 +54,7 @@ class KvshmOptions(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
     ))] = msgspec.field(default=False, name="kvshm_tier")
     quota: Annotated[float, msgspec.Meta(gt=0, description=(
         "this instance's share of the cache: a fraction (up to 1) or a number of blocks "
-        "(above 1); within it no other instance's stores evict its blocks (docs/sharing.md)"
+        "(above 1); within it no other instance's stores evict its blocks (docs/cotenancy.md)"
     ))] | None = msgspec.field(default=None, name="kvshm_quota")
 
     @classmethod

@@ -1,0 +1,103 @@
+"""What a client of a shared segment can and cannot do to the others, tried with real
+processes: whatever it does to what it owns or creates (its slot, its rings, its doorbell, the
+files under its objects' names), the owner keeps serving everyone else, and counts or
+quarantines it, never dies of it (``docs/cotenancy.md``).
+
+Honest clients make a fixed number of calls that must all succeed; no timing thresholds.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+
+import pytest
+
+from kvshm.client.connect import connect
+
+import procs
+from conftest import stop_owner
+
+CTX = mp.get_context("spawn")
+HONEST_OPS = 40
+
+
+def _honest_ops(mgr, n: int = HONEST_OPS) -> int:
+    """``n`` store-then-lookup rounds of fresh keys; how many were served in full."""
+    done = 0
+    for i in range(n):
+        keys = [b"honest-%d-%d" % (i, j) for j in range(2)]
+        stored = procs.store(mgr, keys)
+        done += stored == keys and mgr.lookup(keys) == 2
+    return done
+
+
+@pytest.mark.parametrize("how", ["truncate", "fifo"])
+def test_a_client_spoiling_its_doorbell_takes_no_owner_down(seg, how):
+    # A glibc semaphore is a file its users map unchecked: truncated, it was SIGBUS for every
+    # owner that rang it; a FIFO in its place made every owner's start fail. Doorbells are
+    # words of the segment now: nothing a client can truncate or replace.
+    honest = connect(seg.name)
+    parent, child = CTX.Pipe()
+    bad = CTX.Process(target=procs.spoil_reply_bell, args=(seg.name, child, how, 20),
+                      daemon=True)
+    bad.start()
+    child.close()
+    try:
+        assert parent.recv() == "spoiled"
+        epoch = seg.owner_record().epoch
+        stop_owner(seg.owner_record()[0])  # every owner from here on meets what it spoiled
+        parent.send("go")  # its calls and ours at once
+        assert _honest_ops(honest) == HONEST_OPS
+        assert seg.owner_record().epoch == epoch + 1  # the successor we made, and no other
+        assert parent.recv() == {"served": 20, "errors": []}  # nor did it hurt itself
+        parent.send("stop")
+    finally:
+        bad.join(30)
+        honest.shutdown()
+
+
+def test_a_client_leaving_its_ring_positions_at_the_end_of_their_range_is_quarantined(seg):
+    # Ring positions are u64 words its client writes: an owner that trusted them stored a
+    # position past 2**64 - 1 (ValueError) and died, and so did every successor.
+    honest = connect(seg.name)
+    parent, child = CTX.Pipe()
+    bad = CTX.Process(target=procs.scribble_ring_positions, args=(seg.name, child),
+                      daemon=True)
+    bad.start()
+    child.close()
+    try:
+        parent.recv()  # its slot: connected
+        epoch = seg.owner_record().epoch
+        stop_owner(seg.owner_record()[0])  # the next owner adopts the ring as it is left
+        parent.send("scribble")
+        assert parent.recv() == "scribbled"
+        assert _honest_ops(honest) == HONEST_OPS
+        assert seg.owner_record().epoch == epoch + 1  # the successor we made, and no other
+        parent.send("call")
+        assert parent.recv() == "ClientQuarantinedError"
+        parent.send("stop")
+    finally:
+        bad.join(30)
+        honest.shutdown()
+
+
+@pytest.mark.parametrize("word", ["newcomer", "head"])
+def test_a_client_holding_a_word_raised_never_wakes_the_owner_for_nothing(seg, word):
+    # A newcomer flag at 1, or a request ring head that differs from its tail, told the
+    # owner that something waited: it woke, found nothing, and looked again at once, a busy
+    # loop for as long as the client kept the word raised.
+    honest = connect(seg.name)
+    parent, child = CTX.Pipe()
+    bad = CTX.Process(target=procs.hold_word_raised, args=(seg.name, child, word), daemon=True)
+    bad.start()
+    child.close()
+    try:
+        assert parent.recv() == "connected"
+        before = seg.counter("idle_wakeups")
+        parent.send("go")
+        assert _honest_ops(honest) == HONEST_OPS  # while it holds the word raised
+        parent.send("stop")
+        assert parent.recv() > 0
+        assert seg.counter("idle_wakeups") == before
+    finally:
+        bad.join(30)
+        honest.shutdown()
