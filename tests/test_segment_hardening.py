@@ -259,7 +259,7 @@ def test_an_owner_of_another_user_serves_a_client_whatever_it_made_under_a_doorb
 
 def _open_object(seg: Segment, name: str):
     from kvshm.shm.objects import open_object
-    return open_object(name, seg.fd, semaphore=False, point="mover.area.after_open")
+    return open_object(name, seg.fd, point="mover.area.after_open")
 
 
 def _child_opens_an_object_after_the_removal(name: str, obj: str, conn) -> None:

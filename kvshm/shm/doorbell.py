@@ -82,12 +82,9 @@ class Doorbell:
     """Wakes one consumer (that may serve many rings) from producers in other processes.
 
     ``flag_buf``: ``FLAG_BYTES`` of the segment, 8-byte aligned, that only this doorbell uses.
-    ``name`` and ``like_fd`` are accepted for callers written when doorbells were named
-    semaphores, and unused: a doorbell has no name.
     """
 
-    def __init__(self, flag_buf: memoryview, name: str = "", *,
-                 like_fd: int | None = None) -> None:
+    def __init__(self, flag_buf: memoryview) -> None:
         mv = memoryview(flag_buf).cast("B")
         if mv.readonly or len(mv) < FLAG_BYTES:
             raise InvalidArgumentError(f"a doorbell needs {FLAG_BYTES} writable bytes, got "

@@ -1,11 +1,11 @@
-"""Opening a segment's named objects (the tier area; semaphores too, though no doorbell of
-format 7 or later is one: doorbells are words of the segment, ``doorbell.py``).
+"""Opening a segment's named objects: the tier area (doorbells are words of the segment,
+``doorbell.py``, not objects).
 
 This module owns the one way such an object is opened or created: with the access of the
 file it belongs to from the first instant it has its name, and never outliving that file's
 removal. It never names objects (``names.py``) and never maps or locks them.
 
-Why create-then-link: ``sem_open`` and ``shm_open`` apply the umask, so an object created
+Why create-then-link: ``shm_open`` applies the umask, so an object created
 under its name would show the wrong mode until its creator chmods it, and a creator killed
 in between would leave other users refused for as long as the object lives. Instead the
 creator makes the object under a name of its own, sets its mode and group, and links it into
@@ -26,46 +26,41 @@ from kvshm.crashpoints import crash_point
 from kvshm.errors import SegmentNotFoundError, SegmentPermissionError
 from kvshm.shm.names import SHM_DIR
 
-Shared: TypeAlias = "posix_ipc.Semaphore | posix_ipc.SharedMemory"
+Shared: TypeAlias = posix_ipc.SharedMemory
 _seq = itertools.count()
 
 
-def _path(name: str, semaphore: bool) -> str:
-    return f"{SHM_DIR}/{'sem.' if semaphore else ''}{name.lstrip('/')}"
+def _path(name: str) -> str:
+    return f"{SHM_DIR}/{name.lstrip('/')}"
 
 
-def _open(name: str, semaphore: bool, flags: int = 0, mode: int = 0o600) -> Shared:
-    if semaphore:
-        return posix_ipc.Semaphore(name, flags, mode=mode, initial_value=0)
+def _open(name: str, flags: int = 0, mode: int = 0o600) -> Shared:
     return posix_ipc.SharedMemory(name, flags, mode=mode)
 
 
 def _close(obj: Shared) -> None:
-    if isinstance(obj, posix_ipc.Semaphore):
-        obj.close()
-    else:
-        obj.close_fd()
+    obj.close_fd()
 
 
-def _unlink(name: str, semaphore: bool) -> None:
+def _unlink(name: str) -> None:
     # Another user's is refused by the sticky /dev/shm: its maker or the segment's remover
     # takes it (``names.remove_objects``).
     with contextlib.suppress(posix_ipc.ExistentialError, posix_ipc.PermissionsError):
-        (posix_ipc.unlink_semaphore if semaphore else posix_ipc.unlink_shared_memory)(name)
+        posix_ipc.unlink_shared_memory(name)
 
 
-def _create(name: str, semaphore: bool, mode: int, gid: int) -> Shared | None:
+def _create(name: str, mode: int, gid: int) -> Shared | None:
     """Make ``name`` with ``mode`` and group ``gid``; None if somebody else made it first."""
     tmp = f"{name}.new-{os.getpid()}-{next(_seq)}"  # begins like name: removed with it
-    obj = _open(tmp, semaphore, posix_ipc.O_CREX, mode)
+    obj = _open(tmp, posix_ipc.O_CREX, mode)
     try:
-        path = _path(tmp, semaphore)
+        path = _path(tmp)
         os.chmod(path, mode)
         if gid >= 0 and os.stat(path).st_gid != gid:
             with contextlib.suppress(OSError):  # a group we are not in: the creator's stays
                 os.chown(path, -1, gid)
         crash_point("object.before_link")
-        os.link(path, _path(name, semaphore))
+        os.link(path, _path(name))
     except (FileExistsError, FileNotFoundError):  # first made by another; or our file was
         _close(obj)                               # removed with a removed segment: again
         return None
@@ -73,12 +68,12 @@ def _create(name: str, semaphore: bool, mode: int, gid: int) -> Shared | None:
         _close(obj)
         raise
     finally:
-        _unlink(tmp, semaphore)
+        _unlink(tmp)
     return obj
 
 
-def open_object(name: str, like_fd: int | None, *, semaphore: bool, point: str) -> Shared:
-    """Open, creating it if absent, object ``name`` (a semaphore, else shared memory) that
+def open_object(name: str, like_fd: int | None, *, point: str) -> Shared:
+    """Open, creating it if absent, shared-memory object ``name`` that
     belongs to the open file ``like_fd``: it gets that file's mode and group (0600 without
     one). Raises ``SegmentNotFoundError`` if that file was removed before the object was open
     (the object is removed again: a removal after it finds it), ``SegmentPermissionError`` if
@@ -90,10 +85,10 @@ def open_object(name: str, like_fd: int | None, *, semaphore: bool, point: str) 
     try:
         while True:
             try:
-                obj = _open(name, semaphore)
+                obj = _open(name)
                 break
             except posix_ipc.ExistentialError:
-                made = _create(name, semaphore, mode, gid)
+                made = _create(name, mode, gid)
                 if made is not None:
                     obj = made
                     break
@@ -110,7 +105,7 @@ def open_object(name: str, like_fd: int | None, *, semaphore: bool, point: str) 
         # name is this removed file's alone (a new one under the same name has names of its
         # own), so it goes whoever made it.
         _close(obj)
-        _unlink(name, semaphore)
+        _unlink(name)
         raise SegmentNotFoundError(
             f"{name} belongs to an object that was removed while this process was opening "
             "it; create it again, or connect to the one now under its name")

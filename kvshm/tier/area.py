@@ -9,7 +9,7 @@ talks to a lower tier and never touches the segment's index.
 
 Why a separate object and not a frame to the owner: a want is a hint on the engine's lookup
 path, which reads shared memory and never waits for the owner. Writing a want is two stores
-and, when the mover sleeps, one semaphore post; the owner's exactly-once protocol and its
+and, when the mover sleeps, one futex wake; the owner's exactly-once protocol and its
 rings stay untouched, and an owner failover never loses or replays a want. Wants are lossy on
 purpose (a lost want is a miss); nothing in the index depends on them.
 
@@ -98,7 +98,7 @@ AREA_HEAD_DTYPE = np.dtype({"names": [
     "since_ns",       # the mover: time.time_ns() when it took the area
     "last_error",     # the mover: the lower tier's last error code (signed, as u64)
     "last_error_ns",  # the mover: when it happened
-    "sleeping",       # the doorbell's flag: the mover sleeps on the semaphore
+    "sleeping",       # the doorbell's flag: the mover sleeps on its futex
     "kick",           # any engine: 1 = a store completed, read the events now; the mover: 0
 ], "formats": ["<u8"] * 11, "offsets": [8 * i for i in range(11)], "itemsize": 128})
 _CTR, _DESC, _SLOT0 = 128, 384, 512  # byte offsets: counters, backend description, rings
@@ -163,7 +163,7 @@ class TierArea:
         except counters, and those only when the geometry matches. Raises
         ``SegmentNotFoundError`` when ``seg`` was removed (it needs no area any more)."""
         posix, n = seg.object_name("tier"), seg.geometry.max_clients
-        shm = open_object(posix, seg.fd, semaphore=False, point="mover.area.after_open")
+        shm = open_object(posix, seg.fd, point="mover.area.after_open")
         fd = shm.fd
         size = area_bytes(n)
         if os.fstat(fd).st_size != size:
@@ -254,8 +254,7 @@ class TierArea:
     def bell(self) -> Doorbell:
         if self._bell is None:
             at = field_offset(AREA_HEAD_DTYPE, "sleeping")
-            self._bell = Doorbell(self.buf[at:at + 8],
-                                  self.posix + "-bell", like_fd=self.fd)
+            self._bell = Doorbell(self.buf[at:at + 8])
         return self._bell
 
     def _ring(self) -> None:
