@@ -13,10 +13,10 @@ that connection (its own library would trust the words it scribbled, and writing
 something no metadata check can stop). Flooding stores go through the library on a clean
 connection only.
 
-Actions the owner is not yet expected to survive belong elsewhere and are off unless named
-(``EXTRA_ACTIONS``): replacing or truncating the client's own reply doorbell, holding the
-header's newcomer flag up, and counters at the top of their range (its request ids, its
-slot's generation past 32 bits, where the next client of the slot counts on from it).
+Besides, it may scribble its doorbell words (its reply doorbell, and the owner's, which
+every client rings), hold the header's newcomer flag up, or leave its counters at the top of
+their range (its request ids, its slot's generation past 32 bits, where the next client of
+the slot counts on from it).
 
 The mover (``mover_main``) serves the segment over an empty in-memory lower tier: it is here
 to read the want rings the hostile clients scribble; nothing is ever fetched or spilled.
@@ -38,9 +38,8 @@ from kvshm.shm import layout as L
 from kvshm.shm import slots, words
 from kvshm.tier.api import Code, LowerTier
 
-ACTIONS = ("flood", "slot", "holds", "request_ring", "reply_ring", "grant_counts", "want_ring")
-EXTRA_ACTIONS = ("doorbell", "newcomer", "counter_limits")
-ALL_ACTIONS = ACTIONS + EXTRA_ACTIONS
+ACTIONS = ("flood", "slot", "holds", "request_ring", "reply_ring", "grant_counts", "want_ring",
+           "doorbell", "newcomer", "counter_limits")
 FLOOD_STORES = 50  # stores of unique keys per flooding connection, at most
 U64 = (1 << 64) - 1
 
@@ -122,7 +121,7 @@ class Hostile:
             value = bytes(rng.getrandbits(8) for _ in range(L.SLOT_NAME_BYTES))
         elif field in ("pid", "state"):
             value = rng.choice([0, 1, 2, 3, 7, 0xFFFFFFFF, rng.getrandbits(32)])
-        elif field == "gen":  # (past a table entry's 32-bit writer_gen: counter_limits)
+        elif field == "gen":  # (past a table entry's 32-bit writer_gen too: counter_limits)
             value = rng.choice([mgr.gen - 1, mgr.gen + 1, 0, rng.getrandbits(31)])
         else:
             value = _word(rng)
@@ -184,15 +183,16 @@ class Hostile:
         finally:
             area.close()
 
-    # --- the other helpers' items (off by default) ---------------------------------------
     def doorbell(self, mgr) -> None:
-        """Its reply doorbell's file: truncated to 0 bytes, or replaced by a FIFO."""
-        path = "/dev/shm/sem." + mgr.segment.object_name(f"c{mgr.slot}-reply").lstrip("/")
-        if self.rng.random() < 0.5:
-            os.truncate(path, 0)
+        """Its reply doorbell's futex word, or the owner's (every client rings it): any
+        value, as a scribbler leaves it."""
+        seg, rng = mgr.segment, self.rng
+        if rng.random() < 0.5:
+            word = slots.bell_view(seg, mgr.slot, "reply").cast("I")
         else:
-            os.unlink(path)
-            os.mkfifo(path, 0o600)
+            word = seg.buf[L.OFF_OWNER_BELL:L.OFF_OWNER_BELL + 4].cast("I")
+        word[0] = rng.choice([0, 1, 2, 0xFFFFFFFF, rng.getrandbits(32)])
+        word.release()
 
     def newcomer(self, mgr) -> None:
         """Hold the header's newcomer flag at 1 for a while."""
