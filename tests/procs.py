@@ -384,3 +384,16 @@ def hold_word_raised(name: str, conn, word: str) -> None:
     conn.recv()
     conn.send(stores)
     mgr.shutdown()
+
+
+def scribble_slot_state(name: str, conn, state: int) -> None:
+    """A hostile client: begin a store of two keys (its blocks WRITING), then leave its own
+    slot record's state at ``state``; report the slot, and wait to be SIGKILLed."""
+    from kvshm.shm import words
+    mgr = connect(name)
+    out = mgr.prepare_store([b"scribbler-0", b"scribbler-1"])
+    seg = mgr.segment
+    words.store_fields(seg.buf, seg.geometry.slot_offset(mgr.slot), L.SLOT_DTYPE,
+                       state=state)
+    conn.send({"slot": mgr.slot, "blocks": out.block_ids})
+    conn.recv()  # SIGKILLed here

@@ -8,13 +8,19 @@ Honest clients make a fixed number of calls that must all succeed; no timing thr
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
+import signal
 
 import pytest
 
 from kvshm.client.connect import connect
+from kvshm.shm import layout as L
+from kvshm.shm import slots
+from kvshm.shm.table import BlockTable
 
 import procs
 from conftest import stop_owner
+from test_shared import wait_for
 
 CTX = mp.get_context("spawn")
 HONEST_OPS = 40
@@ -100,4 +106,32 @@ def test_a_client_holding_a_word_raised_never_wakes_the_owner_for_nothing(seg, w
         assert seg.counter("idle_wakeups") == before
     finally:
         bad.join(30)
+        honest.shutdown()
+
+
+@pytest.mark.parametrize("state", [0xFFFFFFFF, 7, 1])
+def test_a_dead_clients_slot_comes_back_whatever_state_it_left_in_it(seg, state):
+    # The slot state is a word its client writes: a client that left garbage there and died
+    # while no owner ran kept its slot (and its unfinished stores) for as long as the
+    # segment lived, since the next owner reclaimed only slots in states it knew.
+    honest = connect(seg.name)
+    parent, child = CTX.Pipe()
+    bad = CTX.Process(target=procs.scribble_slot_state, args=(seg.name, child, state),
+                      daemon=True)
+    bad.start()
+    child.close()
+    try:
+        told = parent.recv()
+        stop_owner(seg.owner_record()[0])
+        os.kill(bad.pid, signal.SIGKILL)
+        bad.join(30)
+        honest.take_events()  # a round trip: starts the next owner, which meets the slot
+        slot, table = told["slot"], BlockTable(seg.buf, seg.geometry)
+        wait_for(lambda: slots.record(seg, slot).state == L.SlotState.FREE,
+                 "the dead client's slot to be reclaimed")
+        assert all(table.read(b).state == L.FREE for b in told["blocks"])  # and its stores
+        assert _honest_ops(honest) == HONEST_OPS
+    finally:
+        if bad.is_alive():
+            bad.kill()
         honest.shutdown()

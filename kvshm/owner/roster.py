@@ -138,10 +138,12 @@ class Roster:
             if slot in self.clients:
                 continue
             rec = slots.record(self.seg, slot)
-            if rec.state in SERVED and not self.writer_alive(slot, rec.gen):
-                self.reclaim(manager, slot, rec.gen)
-            elif rec.state == L.SlotState.CHANNEL:  # holds nothing of ours: it just goes FREE
+            if rec.state == L.SlotState.CHANNEL:  # holds nothing of ours: it just goes FREE
                 slots.clear_if_dead(self.seg, slot, rec.gen)
+            elif rec.state != L.SlotState.FREE and not self.writer_alive(slot, rec.gen):
+                # CLIENT or LEAVING, or any word its client left there: the state is the
+                # client's to write, so a dead holder's slot goes back whatever it says
+                self.reclaim(manager, slot, rec.gen)
 
     def retire_counters(self, slot: int) -> None:
         """Fold a leaving client's own counters into the segment's totals."""
