@@ -23,6 +23,7 @@ from kvshm.crashpoints import crash_point
 from kvshm.errors import KvshmError, OwnerUnavailableError
 from kvshm.index import protocol as P
 from kvshm.owner.clients import Client
+from kvshm.owner.detach import detach
 from kvshm.owner.grants import grant_budget, grant_target, stock
 from kvshm.owner.manager import LocalManager
 from kvshm.owner.requests import Handlers
@@ -350,7 +351,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="exit after S seconds without any attached client")
     ap.add_argument("--log-level", default=DEFAULT_LOG_LEVEL, type=str.upper,
                     choices=LOG_LEVELS, help=f"logging level (default {DEFAULT_LOG_LEVEL})")
+    ap.add_argument("--detach", action="store_true",
+                    help="fork first: print the owner's pid and exit, the owner going on in a "
+                    "session of its own, nobody's child (how clients start one)")
     args = ap.parse_args(argv)
+    if args.detach:
+        detach()
     logs.owner_logging(args.name, args.log_level)
     stops = signals.StopSignals()  # before it starts: a stop asked meanwhile is kept
     try:
