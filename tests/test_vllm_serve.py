@@ -51,27 +51,32 @@ def wait_exit(pid: int, timeout: float) -> bool:
 
 
 def test_the_owner_outlives_vllm_serve_stopped_by_sigterm(tiny_model):
+    """Server 1 starts the owner and computes two prompts; server 2 attaches; server 1 gets
+    SIGTERM (vLLM kills its EngineCore's tree). The same owner serves on: it reclaims server
+    1's EngineCore (``verify`` clean), server 2 gets both prompts from the segment with server
+    1's outputs, with no failover; once server 2 is stopped too, the owner exits by itself."""
     name = unique_name()
     prompts = [E.random_prompt(s) for s in (21, 22)]
     servers: list[Server] = []
     seg = None
     try:
         servers.append(first := Server(VLLM_PY, tiny_model, name))
-        first.wait_ready()
+        first.wait_ready()  # its EngineCore created the segment and started the owner
+        servers.append(second := Server(VLLM_PY, tiny_model, name))
         cold = [first.complete(p) for p in prompts]
         assert [c["cached_tokens"] for c in cold] == [0, 0]
+        second.wait_ready()
         seg = Segment.attach(name)
         owner, _, _, _ = seg.owner_record()
         failovers = seg.counter("failovers")
-        assert seg.clients_alive()  # the EngineCore, attached
+        assert len(seg.clients_alive()) == 2  # both EngineCores
         first.stop()
         assert _alive(owner)  # vLLM killed the EngineCore's tree: the owner was not in it
-        wait_until(lambda: not snapshot(seg)["clients"], "the dead EngineCore reclaimed")
+        wait_until(lambda: [c["alive"] for c in snapshot(seg)["clients"]] == [True],
+                   "server 1's dead EngineCore reclaimed")
         verified = inspect("verify", name)
         assert verified.returncode == 0, verified.stdout + verified.stderr
 
-        servers.append(second := Server(VLLM_PY, tiny_model, name))
-        second.wait_ready()
         hits = [second.complete(p) for p in prompts]
         assert [h["cached_tokens"] for h in hits] == [E.EXPECTED_CACHED_TOKENS] * 2
         assert [h["token_ids"] for h in hits] == [c["token_ids"] for c in cold]
