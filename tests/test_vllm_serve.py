@@ -7,6 +7,10 @@
   clean, a second server answers the first one's prompts from the segment with identical
   outputs, and the owner exits by itself once no client is left.
 
+* ``vllm serve --data-parallel-size 2``: one server, two engine cores (data-parallel
+  replicas), each a kvshm client of the one segment their shared configuration names; a
+  prompt prefilled by either replica is an external hit on the other, with the same output.
+
 Each test starts servers (some 45 s each on two cores): they are ``slow`` as well as ``e2e``.
 They use the vLLM venv (see ``test_vllm``) and skip without it.
 """
@@ -26,7 +30,7 @@ from kvshm.shm.segment import Segment
 from conftest import unique_name
 from test_vllm import REPO, VLLM_PY, E, _alive, needs_vllm, remove_segment
 from test_vllm import tiny_model  # noqa: F401  (a fixture)
-from test_vllm_processes import wait_until
+from test_vllm_processes import descendants, wait_until
 from vllm_support.serve import Server
 
 pytestmark = [pytest.mark.slow, needs_vllm]
@@ -89,6 +93,44 @@ def test_the_owner_outlives_vllm_serve_stopped_by_sigterm(tiny_model):
     finally:
         for s in servers:
             s.kill()
+        if seg is not None:
+            seg.close()
+        remove_segment(name)
+
+
+def test_data_parallel_replicas_hit_each_others_prefills(tiny_model):
+    """``--data-parallel-size 2`` with kvshm: vLLM starts two EngineCores (replicas) from one
+    configuration, so both attach to the one segment; a prompt routed to one replica is a
+    hit on the other (both ways), with the output the first replica computed."""
+    name = unique_name()
+    prompts = [E.random_prompt(s) for s in (31, 32)]
+    # each replica's OpenMP threads bound to a core of its own (vLLM maps "0|1" to ranks)
+    server = Server(VLLM_PY, tiny_model, name, "--data-parallel-size", "2",
+                    env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+    seg = None
+    try:
+        server.wait_ready()
+        seg = Segment.attach(name)
+        clients = snapshot(seg)["clients"]
+        assert len(clients) == 2 and all(c["alive"] for c in clients)
+        cores = {c["pid"] for c in clients}
+        assert len(cores) == 2 and cores <= set(descendants(server.proc.pid))  # two replicas
+        for first, then, prompt in ((0, 1, prompts[0]), (1, 0, prompts[1])):
+            cold = server.complete(prompt, rank=first)
+            hit = server.complete(prompt, rank=then)
+            assert cold["cached_tokens"] == 0
+            assert hit["cached_tokens"] == E.EXPECTED_CACHED_TOKENS
+            assert hit["token_ids"] == cold["token_ids"]
+        hits = {c["pid"]: c["counters"]["hits"] for c in snapshot(seg)["clients"]}
+        assert sorted(hits) == sorted(cores) and all(hits.values())  # each replica hit once
+        owner = seg.owner_record()[0]
+        server.stop()
+        assert _alive(owner)
+        wait_until(lambda: not snapshot(seg)["clients"], "both replicas reclaimed")
+        verified = inspect("verify", name)
+        assert verified.returncode == 0, verified.stdout + verified.stderr
+    finally:
+        server.kill()
         if seg is not None:
             seg.close()
         remove_segment(name)

@@ -59,6 +59,7 @@ class Server:
 
     def __init__(self, python: str, model: str, segment: str | None, *args: str,
                  env: dict[str, str] | None = None, cwd: str | None = None):
+        """``args``: more ``vllm serve`` options; ``env``: more environment."""
         self.port = free_port()
         self.model = model
         cmd = [python, "-m", "tests.vllm_support.serve", "serve", model, "--host",
@@ -99,13 +100,18 @@ class Server:
                 raise TimeoutError(f"vllm serve not ready in {timeout}s:\n{self.log_tail()}")
             time.sleep(0.5)  # polling the server's state
 
-    def complete(self, prompt: list[int], max_tokens: int = E.MAX_TOKENS) -> dict[str, Any]:
-        """Greedy completion of token ids: its token ids and cached prompt tokens."""
+    def complete(self, prompt: list[int], max_tokens: int = E.MAX_TOKENS,
+                 rank: int | None = None) -> dict[str, Any]:
+        """Greedy completion of token ids: its token ids and cached prompt tokens. ``rank``
+        routes it to that data-parallel replica (vLLM's ``X-data-parallel-rank`` header)."""
         body = json.dumps({"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
                            "temperature": 0, "ignore_eos": True,
                            "return_token_ids": True}).encode()
+        headers = {"Content-Type": "application/json"}
+        if rank is not None:
+            headers["X-data-parallel-rank"] = str(rank)
         req = urllib.request.Request(f"http://127.0.0.1:{self.port}/v1/completions", body,
-                                     {"Content-Type": "application/json"})
+                                     headers)
         with urllib.request.urlopen(req, timeout=300) as r:
             out = json.load(r)
         details = out["usage"].get("prompt_tokens_details") or {}
@@ -114,16 +120,13 @@ class Server:
 
     def stop(self, timeout: float = 120) -> int:
         """SIGTERM to the server (its API process), as ``kill PID`` or Kubernetes sends it;
-        its exit status."""
+        its exit status once it exited."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout)
-        finally:
-            self.kill()
+        return self.proc.wait(timeout)
 
     def kill(self) -> None:
-        """Whatever is left of its process group, and its log."""
+        """SIGKILL whatever is left of its process group; remove its log."""
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
