@@ -13,7 +13,9 @@ This module owns the list of kvshm's metrics (``METRICS``: name, kind, help, lab
 (keys looked up, hits, blocks and bytes moved: deltas since the previous call) and the shared
 segment's state (blocks by state, usage, owner-side totals and the owner's CPU time: snapshots,
 the same in every engine of the segment; the owner's CPU time and the block count of a large
-table at most once per ``interval`` seconds). A step costs some 20 microseconds.
+table at most once per ``interval`` seconds), each handed to vLLM only when it moved: a step
+in which nothing moved returns nothing, so vLLM has no stats to process. A step costs some 20
+microseconds.
 
 It reads the segment only (never a round trip to the owner: ``get_stats`` runs every scheduler
 step); the spec turns the samples into vLLM's types.
@@ -103,10 +105,12 @@ class StatsReader:
         self._interval = interval
         self._blocks_interval = interval if g.num_blocks > every_step_blocks else 0.0
         self._next_blocks = self._next_cpu = 0.0
+        self._gauges: dict[tuple[str, tuple[str, ...]], float] = {}  # as last handed over
 
     def take(self) -> list[tuple[str, float, tuple[str, ...]]]:
         """``(metric name, value, label values)`` since the previous call: the client
-        counters' deltas (only those that moved), and the segment's snapshot."""
+        counters' deltas and the segment's gauges, each only if it moved (vLLM keeps a
+        gauge's last value; every sample handed over costs it work in every step)."""
         now = self._ctr.tolist()
         out: list[tuple[str, float, tuple[str, ...]]] = []
         if now != self._last:
@@ -114,12 +118,18 @@ class StatsReader:
             self._last = now
             out = [(f"{P}{name}", d[src], ()) for src, name, _ in _CLIENT if d[src] > 0]
         t = time.monotonic()
+        gauges: list[tuple[str, float, tuple[str, ...]]] = []
         if t >= self._next_blocks:
             self._next_blocks = t + self._blocks_interval
-            out += self.block_samples()
-        out += self.segment_samples(t >= self._next_cpu)
+            gauges += self.block_samples()
+        gauges += self.segment_samples(t >= self._next_cpu)
         if t >= self._next_cpu:
             self._next_cpu = t + self._interval
+        for sample in gauges:
+            key = (sample[0], sample[2])
+            if self._gauges.get(key) != sample[1]:
+                self._gauges[key] = sample[1]
+                out.append(sample)
         return out
 
     def block_samples(self) -> list[tuple[str, float, tuple[str, ...]]]:
