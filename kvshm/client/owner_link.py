@@ -153,10 +153,16 @@ class OwnerLink:
 
     def send(self, msg: P.Request) -> None:
         """One-way request (``req == 0``): no reply. Dropped if the ring is full — only
-        recency hints travel this way, and an engine must never block on them."""
+        recency hints travel this way, and an engine must never block on them.
+
+        The owner is not woken for it while the ring is less than a quarter full: it takes
+        the hint at its next pass (within its scan interval, or with this client's next
+        frame that wakes it, which the hint precedes in the ring), so an engine pays no
+        owner wake-up per finished request, and the owner takes no core from it."""
         with self._lock:
             if self.requests.try_put(P.request_encoder.encode(msg)):
-                self.owner_bell.ring()
+                if 4 * self.requests.depth() > self.requests.capacity:
+                    self.owner_bell.ring()
             elif not self.segment.owner_alive():
                 self.ensure_owner()
 
