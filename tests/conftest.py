@@ -241,6 +241,7 @@ FILE_TIERS = {
     "test_tier_mooncake.py": "e2e",
     "test_tier_vllm.py": "e2e",
     "test_vllm_processes.py": "e2e",
+    "test_vllm_serve.py": "e2e",
     "test_vllm_versions.py": "e2e",
 }
 

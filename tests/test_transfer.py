@@ -409,6 +409,31 @@ def test_a_failed_copy_reports_failure_and_the_handler_keeps_working(rig, monkey
     check("store", devs, planes, before, [5], [1], 1)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_inline_copy_is_done_in_the_callers_thread_before_submit_returns(kind):
+    """``inline`` (what kvshm's vLLM worker uses for a CPU KV cache): the copy runs inside
+    ``transfer_async``, in the caller's thread; a failing one is reported, never raised."""
+    devs = [random_bytes(8 * 128, 5).view(torch.float16).reshape(8, 64)]
+    planes = [random_bytes(8 * 128, 6).reshape(8, 128)]
+    h = make_handler(devs, planes, inline=(kind,))
+    real, threads = h._copy, []
+    h._copy = lambda job: (threads.append(threading.get_ident()), real(job))[1]
+    try:
+        before = snapshot(devs, planes)
+        assert h.transfer_async(1, TransferSpec(kind, [2, 3], [5, 1]))
+        assert threads == [threading.get_ident()]
+        check(kind, devs, planes, before, [2, 3], [5, 1], 1)  # in place, with no wait
+        assert [(r.job_id, r.success, r.nbytes) for r in h.get_finished()] == [(1, True, 256)]
+        h._copy = lambda job: (_ for _ in ()).throw(RuntimeError("injected copy failure"))
+        assert h.transfer_async(2, TransferSpec(kind, [0], [0]))
+        h.wait([2])
+        assert [(r.job_id, r.success) for r in h.get_finished()] == [(2, False)]
+    finally:
+        h.shutdown()
+    with pytest.raises(InvalidArgumentError, match="inline"):
+        make_handler(devs, planes, inline=("both",))
+
+
 def test_a_job_id_still_in_flight_is_refused():
     devs, planes = [torch.zeros(8, 64, dtype=torch.float16)], [torch.zeros(4, 128, dtype=torch.uint8)]
     h = make_handler(devs, planes)

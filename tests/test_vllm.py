@@ -302,6 +302,12 @@ def test_stats_reader_reports_this_engines_deltas_and_the_segments_state(seg_nam
         again = {n for n, _, _ in reader.take()}
         assert not any(KINDS[n] == "counter" for n in again)  # deltas: reported once
         assert {n for n, _ in got} <= {m.name for m in METRICS}  # all declared to vLLM
+        # a step in which nothing moved hands vLLM nothing (it would process every sample)
+        assert reader.take() == []
+        other.prepare_store([b"p" * 36])  # another engine's store moves the segment: gauges
+        moved = {(n, lab): v for n, v, lab in reader.take()}
+        assert moved[("vllm:kvshm_blocks", ("writing",))] == 2
+        assert not any(KINDS[n] == "counter" for n, _ in moved)
     finally:
         core.shutdown()
         other.shutdown()

@@ -1,7 +1,7 @@
 """kvshm's vLLM integration across processes: engines and workers that die or live apart.
 
-* the owner that an engine auto-starts outlives a SIGKILL of that engine's whole process
-  group (vLLM's EngineCore and its workers);
+* the owner that an engine auto-starts is nobody's descendant: it outlives vLLM's kill of
+  that engine's process tree (every descendant of the EngineCore) or process group;
 * a vLLM worker process apart from its scheduler (tensor parallelism) copies a store only
   while registered under the scheduler's kvshm client (slot, generation), so the owner keeps
   a dead scheduler's blocks from reuse while its workers may still write them;
@@ -25,6 +25,7 @@ from lazy import torch  # imported at its first use, not when the suite is colle
 from kvshm.index.api import LookupResult
 from kvshm.client.connect import connect
 from kvshm.integrations.vllm.jobs import WorkerCore
+from kvshm.logs import owner_log_path
 from kvshm.shm import layout as L
 from kvshm.shm import writers
 from kvshm.shm.layout import Layout
@@ -37,7 +38,7 @@ from test_vllm import REPO, VLLM_PY, E, _alive, needs_vllm, remove_segment
 from test_vllm import tiny_model  # noqa: F401  (a fixture)
 
 
-# --- the auto-started owner outlives the process group that started it ---------------------
+# --- the auto-started owner is nobody's descendant ------------------------------------------
 _GROUP_CHILD = """
 import os, subprocess, sys
 from kvshm.client.connect import connect
@@ -49,15 +50,47 @@ mate = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
                         stdin=subprocess.PIPE)
 print(mgr.segment.owner_record()[0], mgr.segment.counter("failovers"), os.getpgid(0),
       mate.pid, flush=True)
-sys.stdin.read()  # until the test kills the whole group
+sys.stdin.read()  # until the test kills it
 """
 
 
+def descendants(pid: int) -> list[int]:
+    """Every living descendant of ``pid``, as ``psutil.Process(pid).children(recursive=True)``
+    finds them (vLLM's ``kill_process_tree``): by parent pid, from /proc."""
+    parents: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError):
+                continue  # gone meanwhile
+            parents.setdefault(parent, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        kids = parents.get(todo.pop(), [])
+        out += kids
+        todo += kids
+    return out
+
+
+def kill_process_tree(pid: int) -> None:
+    """What vLLM does to an engine process that does not exit at once (``vllm serve``'s
+    SIGTERM, every time; an offline ``LLM`` whose EngineCore takes over 5 s): SIGKILL to
+    every descendant, then to the process itself."""
+    for child in descendants(pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, signal.SIGKILL)
+    os.kill(pid, signal.SIGKILL)
+
+
 @pytest.mark.procs
-def test_the_owner_survives_a_sigkill_of_the_starting_engines_process_group():
+@pytest.mark.parametrize("kill", ["process_tree", "process_group"])
+def test_the_owner_outlives_the_engine_that_started_it(kill):
     """vLLM's EngineCore (here a plain client in a process group of its own, with a second
-    member) auto-starts the owner; ``killpg(SIGKILL)`` of that group leaves the owner
-    serving: another client finds the same owner pid, no failover, the stored block."""
+    member) auto-starts the owner; vLLM's tree kill (every descendant SIGKILLed) or a SIGKILL
+    of the whole group leaves the owner serving: it was nobody's descendant, another client
+    finds the same owner pid, no failover, the stored block, and the owner still logs."""
     name = unique_name()
     child = subprocess.Popen([sys.executable, "-c", _GROUP_CHILD, name], cwd=REPO,
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
@@ -66,12 +99,16 @@ def test_the_owner_survives_a_sigkill_of_the_starting_engines_process_group():
     try:
         owner, failovers, pgid, mate = map(int, child.stdout.readline().split())
         assert pgid == child.pid and os.getpgid(mate) == pgid
-        assert owner not in (child.pid, mate) and os.getpgid(owner) != pgid  # detached
-        os.killpg(pgid, signal.SIGKILL)
+        assert owner not in descendants(child.pid) and mate in descendants(child.pid)
+        assert os.getpgid(owner) == os.getsid(owner) == owner  # a session of its own
+        if kill == "process_tree":
+            kill_process_tree(child.pid)
+        else:
+            os.killpg(pgid, signal.SIGKILL)
         assert child.wait(30) == -signal.SIGKILL
         deadline = time.monotonic() + 30
         while _alive(mate):  # the group's other member dies too (a zombie: reparented)
-            assert time.monotonic() < deadline, "the group's second member outlived SIGKILL"
+            assert time.monotonic() < deadline, "the engine's second process outlived SIGKILL"
             time.sleep(0.005)  # polling a state; the assertions are on states
         assert _alive(owner)
         mgr = connect(name)
@@ -83,6 +120,8 @@ def test_the_owner_survives_a_sigkill_of_the_starting_engines_process_group():
             assert mgr.segment.counter("failovers") == failovers
         finally:
             mgr.shutdown()
+        with open(owner_log_path(name)) as f:
+            assert f"kvshm-owner[{owner}] owner of {name}" in f.read()
     finally:
         if child.poll() is None:
             os.killpg(child.pid, signal.SIGKILL)

@@ -20,7 +20,8 @@ import numpy as np
 
 from kvshm.client.holds import HoldTable, key_array
 from kvshm.client.own_stores import OwnStores
-from kvshm.client.owner_link import OwnerLink, start_owner
+from kvshm.client.owner_link import OwnerLink
+from kvshm.client.owner_start import start_owner
 from kvshm.crashpoints import crash_point
 from kvshm.errors import BlockStateError, HoldsExhaustedError, InvalidArgumentError, UnknownKeyError
 from kvshm.index import protocol as P

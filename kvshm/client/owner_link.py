@@ -1,9 +1,9 @@
 """A client's link to the owner: calls on the request ring, replies, failover, exactly-once.
 
 This module owns how a client talks to the owner of its segment: it starts an owner when none
-serves, puts request frames on the client slot's request ring, waits for the replies on the
-reply ring, and rides out owner deaths. It never reads or writes the block table and never
-holds blocks (``holds.py``).
+serves (``owner_start.py``), puts request frames on the client slot's request ring, waits for
+the replies on the reply ring, and rides out owner deaths. It never reads or writes the block
+table and never holds blocks (``holds.py``).
 
 The protocol: every request is executed at most once
 --------------------------------------------------------
@@ -60,23 +60,18 @@ its client quarantined (no more service, but its holds are honoured while it liv
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
 
+from kvshm.client.owner_start import OwnerProcess, start_owner
 from kvshm.errors import (
     ClientQuarantinedError,
     CounterLimitError,
-    OwnerUnavailableError,
     ReplyTimeoutError,
     RingFullError,
 )
 from kvshm.index import protocol as P
-from kvshm.index.launch import OWNER_IDLE_EXIT_S, OWNER_MODULE
-from kvshm.logs import bound as bound_log
 from kvshm.logs import owner_log_path
 from kvshm.shm import layout as L
 from kvshm.shm import slots
@@ -86,61 +81,8 @@ from kvshm.shm.segment import Segment
 # Spin this long for a reply before sleeping on the doorbell: long enough for a lookup or
 # a small store round trip, short enough not to steal the owner's CPU on a busy host.
 REPLY_SPIN_S = 200e-6
-OWNER_START_TIMEOUT_S = 20.0
 _CHECK_OWNER_S = 0.1  # while waiting, look whether the owner still lives this often
 REQ_MAX = 2**64 - 1  # the last request id: the served record's words are u64
-
-
-def _tail(path: str, start: int, n: int = 3) -> list[str]:
-    try:
-        with open(path, "rb") as f:
-            f.seek(start)
-            return f.read().decode(errors="replace").strip().splitlines()[-n:]
-    except OSError:
-        return []
-
-
-def start_owner(segment: Segment) -> subprocess.Popen | None:
-    """Make sure an owner serves ``segment``: start one if nobody holds the owner lock.
-
-    The owner runs detached (own session, no stdin/stdout, no inherited fds); its stderr,
-    the log, is appended to ``owner_log_path(segment.name)``."""
-    if segment.owner_alive():
-        return None
-    _refuse_removed(segment)  # an owner started by name would serve a successor instead
-    path = owner_log_path(segment.name)
-    bound_log(path)  # before we note where the new owner's lines start
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        start = os.lseek(fd, 0, os.SEEK_END)
-        proc = subprocess.Popen(
-            [sys.executable, "-m", OWNER_MODULE, segment.name, "--idle-exit",
-             str(OWNER_IDLE_EXIT_S)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-            stderr=fd, start_new_session=True, close_fds=True)
-    finally:
-        os.close(fd)
-    epoch = segment.owner_record()[1]
-    deadline = time.monotonic() + OWNER_START_TIMEOUT_S
-    while not segment.owner_alive():
-        rc = proc.poll()
-        if rc not in (None, 0) and segment.owner_record()[1] != epoch:
-            break  # it owned the segment and died already: the caller notices and goes on
-        if rc not in (None, 0) or time.monotonic() > deadline:
-            why = _tail(path, start)
-            raise OwnerUnavailableError(
-                f"could not start an owner for segment {segment.name!r} (exit "
-                f"{rc}): {' | '.join(why) or 'no output'}; see {path}, or run 'kvshm "
-                f"serve {segment.name}' to see why")
-        _refuse_removed(segment)  # removed meanwhile: our lock will never be taken
-        time.sleep(0.005)  # polling the child's start, bounded by the deadline
-    return proc
-
-
-def _refuse_removed(segment: Segment) -> None:
-    if segment.removed():
-        raise OwnerUnavailableError(
-            f"segment {segment.name!r} was removed, and no owner serves it any more; shut "
-            "this manager down and connect again (to the segment now under its name)")
 
 
 class OwnerLink:
@@ -168,7 +110,7 @@ class OwnerLink:
         self.reply_bell = Doorbell(slots.bell_view(segment, slot, "reply"))
         self.owner_bell = Doorbell(segment.buf[L.OFF_OWNER_BELL:L.OFF_OWNER_BELL + 8])
         self.max_frame = Ring.max_payload(segment.geometry.ring_capacity)
-        self.owner_proc: subprocess.Popen | None = None
+        self.owner_proc: OwnerProcess | None = None  # the last owner this link started
 
     def next_req(self) -> int:
         """A fresh request id: ids increase per slot generation, up to the served record's
@@ -220,10 +162,16 @@ class OwnerLink:
 
     def send(self, msg: P.Request) -> None:
         """One-way request (``req == 0``): no reply. Dropped if the ring is full — only
-        recency hints travel this way, and an engine must never block on them."""
+        recency hints travel this way, and an engine must never block on them.
+
+        The owner is not woken for it while the ring is less than a quarter full: it takes
+        the hint at its next pass (within its scan interval, or with this client's next
+        frame that wakes it, which the hint precedes in the ring), so an engine pays no
+        owner wake-up per finished request, and the owner takes no core from it."""
         with self._lock:
             if self.requests.try_put(P.request_encoder.encode(msg)):
-                self.owner_bell.ring()
+                if 4 * self.requests.depth() > self.requests.capacity:
+                    self.owner_bell.ring()
             elif not self.segment.owner_alive():
                 self.ensure_owner()
 

@@ -11,6 +11,7 @@ import logging
 
 from kvshm import commands, logs, signals
 from kvshm.errors import KvshmError, OwnerUnavailableError
+from kvshm.owner.detach import detach
 from kvshm.owner.server import Owner
 
 log = logging.getLogger("kvshm.owner")
@@ -33,7 +34,13 @@ def main(argv: list[str] | None = None) -> int:
         description="Serve a kvshm segment's index (clients start this on demand; 'kvshm "
                     "serve' is the same for a process manager).")
     add_arguments(ap)
-    return run_from_args(ap.parse_args(argv))
+    ap.add_argument("--detach", action="store_true",
+                    help="fork first: print the owner's pid and exit, the owner going on in a "
+                         "session of its own, nobody's child (how clients start one)")
+    args = ap.parse_args(argv)
+    if args.detach:
+        detach()
+    return run_from_args(args)
 
 
 def run_from_args(args: argparse.Namespace) -> int:

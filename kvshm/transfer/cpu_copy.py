@@ -93,6 +93,10 @@ class CpuTransferHandler(TransferHandler):
     thread closes the gap when a core is free. Small jobs and small runs stay on one thread:
     waking a helper costs more than it saves, and the GIL serialises per-run Python cost.
     ``copier``: ``memmove`` (default) or ``vm`` (process_vm_readv, memmove where refused).
+    ``inline``: the kinds (``"load"``, ``"store"``) copied in the caller's thread, inside
+    ``transfer_async``, instead of on a lane's thread. For an engine whose KV cache is on the
+    CPU: its compute threads hold every core, so a copy thread only takes a core from them
+    (and its hand-offs cost a wake-up each way), while the copy itself is no shorter there.
     """
 
     def __init__(self, device_tensors: Sequence[torch.Tensor], planes: Sequence[torch.Tensor],
@@ -100,7 +104,7 @@ class CpuTransferHandler(TransferHandler):
                  kv_dim_before_num_blocks: Sequence[bool] | None = None,
                  threads: int | None = None, split_min_bytes: int = 8 << 20,
                  split_min_run: int = 64 << 10, copier: str = "memmove",
-                 checksums: BlockSums | None = None) -> None:
+                 checksums: BlockSums | None = None, inline: Iterable[str] = ()) -> None:
         self._geo: Geometry = build_geometry(device_tensors, planes, block_size_factor,
                                              kv_dim_before_num_blocks)
         if any(p.device.device.type != "cpu" for p in self._geo.pairs):
@@ -112,6 +116,9 @@ class CpuTransferHandler(TransferHandler):
         self._sums = checksums
         self._sum_planes = sorted({checksums.plane_of(p.plane_ptr) for p in self._geo.pairs}) \
             if checksums is not None else []
+        self._inline = frozenset(inline)
+        if not self._inline <= {"load", "store"}:
+            raise InvalidArgumentError(f"inline takes 'load' and 'store', got {sorted(inline)}")
         self._threads = max(1, threads if threads is not None else min(2, os.cpu_count() or 1))
         self._split_min, self._split_min_run = split_min_bytes, split_min_run
         self._helpers = ThreadPoolExecutor(2 * (self._threads - 1), "kvshm-copy-helper") \
@@ -140,7 +147,10 @@ class CpuTransferHandler(TransferHandler):
                 raise InvalidArgumentError(f"job {job_id} is still in flight; job ids must be "
                                            f"unique among unfinished jobs")
             self._pending[job_id] = job
-            self._queues[spec.lane].put(job)
+            if spec.kind not in self._inline:
+                self._queues[spec.lane].put(job)
+                return True
+        self._run(job)  # (inline) done before we return; wait() finds nothing to wait for
         return True
 
     def get_finished(self) -> list[TransferResult]:
@@ -169,21 +179,25 @@ class CpuTransferHandler(TransferHandler):
     # --- worker side ---------------------------------------------------------------------
     def _lane(self, q: queue.SimpleQueue) -> None:
         while (job := q.get()) is not None:
-            t0 = time.perf_counter()
-            error: Exception | None = None
-            try:
-                nbytes, ok = self._copy(job), True
-                if self._sums is not None:
-                    self._check_sums(job)
-            except Exception as e:  # the job fails, the thread lives on
-                logger.exception("kvshm: %s job %d failed", job.plan.kind, job.job_id)
-                nbytes, ok, error = 0, False, e
-            result = TransferResult(job.job_id, ok, nbytes, time.perf_counter() - t0,
-                                    job.plan.kind, error)
-            with self._lock:  # result is visible before wait() returns
-                self._finished.append(result)
-                del self._pending[job.job_id]
-            job.done.set()
+            self._run(job)
+
+    def _run(self, job: _Job) -> None:
+        """Copy ``job``, then make its result visible and set its event."""
+        t0 = time.perf_counter()
+        error: Exception | None = None
+        try:
+            nbytes, ok = self._copy(job), True
+            if self._sums is not None:
+                self._check_sums(job)
+        except Exception as e:  # the job fails, the thread lives on
+            logger.exception("kvshm: %s job %d failed", job.plan.kind, job.job_id)
+            nbytes, ok, error = 0, False, e
+        result = TransferResult(job.job_id, ok, nbytes, time.perf_counter() - t0,
+                                job.plan.kind, error)
+        with self._lock:  # result is visible before wait() returns
+            self._finished.append(result)
+            del self._pending[job.job_id]
+        job.done.set()
 
     def _check_sums(self, job: _Job) -> None:
         """After the copy: a store records its pages' sums, a load verifies them."""

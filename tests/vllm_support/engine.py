@@ -28,6 +28,7 @@ Steps let subprocesses rendezvous through files:
   {"op": "touch", "path": "OUTDIR/a_stored"}
   {"op": "wait_file", "path": "OUTDIR/a_stored", "timeout": 120}
   {"op": "metrics", "tag": "m1"}
+  {"op": "reset_prefix_cache"}                     # the device's prefix cache (not kvshm's)
   {"op": "sleep", "seconds": 0.5}
   {"op": "call", "tag": "x", "fn": "pkg.mod:func", "args": [...]}   # result kept under tag
 """
@@ -361,6 +362,8 @@ def _child_main(config_path: str) -> int:
             time.sleep(float(step["seconds"]))
         elif op == "metrics":
             result["steps"][tag] = metrics_snapshot(llm)
+        elif op == "reset_prefix_cache":  # the device prefix cache only, not the connector's
+            result["steps"][tag] = bool(llm.reset_prefix_cache())
         elif op == "call":  # "pkg.module:function" with JSON args; its JSON result is kept
             import importlib
 

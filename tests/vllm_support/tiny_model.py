@@ -7,6 +7,11 @@ inside ``build_tiny_model`` (they live in the vLLM venv, ``.venv-vllm``).
 Shape: LlamaConfig(vocab 512, hidden 128, intermediate 256, 2 layers, 4 heads, 4 kv heads)
 -> head_dim 32 (the CPU attention backend refuses head_dim 16). Saved in fp32 (~1.8 MB).
 Deterministic: fixed torch seed, fixed tokenizer corpus; two builds give identical files.
+
+``build_tiny_model(path, **HALF_B)`` builds a model of realistic shape instead (a
+0.4B-parameter Llama shaped like Qwen2-0.5B: 24 layers, hidden 896, 14 query and 2 KV heads
+of 64, grouped-query attention; vocabulary 32000; bfloat16, ~0.8 GB), for benchmarks whose
+prefill must cost what it costs with real models. Same tokenizer (prompts are token ids).
 """
 
 from __future__ import annotations
@@ -39,7 +44,20 @@ _CORPUS = [
 _MARKER = ".kvshm_tiny_model.json"
 
 
-def _params() -> dict:
+# A realistic shape (Qwen2-0.5B's, as a Llama): ~0.4B parameters, random weights.
+HALF_B = {
+    "vocab_size": 32000,
+    "hidden_size": 896,
+    "intermediate_size": 4864,
+    "num_layers": 24,
+    "num_heads": 14,
+    "num_kv_heads": 2,
+    "max_position_embeddings": 32768,
+    "dtype": "bfloat16",
+}
+
+
+def _params(**shape) -> dict:
     return {
         "vocab_size": VOCAB_SIZE,
         "hidden_size": HIDDEN_SIZE,
@@ -48,20 +66,23 @@ def _params() -> dict:
         "num_heads": NUM_HEADS,
         "num_kv_heads": NUM_KV_HEADS,
         "max_position_embeddings": MAX_POSITION_EMBEDDINGS,
+        "dtype": "float32",
         "seed": SEED,
         "version": 1,
+        **shape,
     }
 
 
-def build_tiny_model(path: str | os.PathLike) -> str:
-    """Build (or reuse, if already built with the same parameters) the tiny model
-    in directory ``path`` and return its absolute path as a string."""
+def build_tiny_model(path: str | os.PathLike, **shape) -> str:
+    """Build (or reuse, if already built with the same parameters) the tiny model (or one
+    of ``shape``, e.g. ``HALF_B``) in directory ``path`` and return its absolute path."""
     path = os.path.abspath(os.fspath(path))
     marker = os.path.join(path, _MARKER)
+    params = _params(**shape)
     if os.path.exists(marker):
         try:
             with open(marker) as f:
-                if json.load(f) == _params():
+                if json.load(f) == params:
                     return path
         except (OSError, ValueError):
             pass
@@ -89,34 +110,35 @@ def build_tiny_model(path: str | os.PathLike) -> str:
         unk_token="<unk>",
         bos_token="<s>",
         eos_token="</s>",
-        model_max_length=MAX_POSITION_EMBEDDINGS,
+        model_max_length=params["max_position_embeddings"],
     )
     fast.save_pretrained(path)
 
     # --- model: random Llama, fixed seed, fp32 ---
+    dtype = params["dtype"]
     cfg = LlamaConfig(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=HIDDEN_SIZE,
-        intermediate_size=INTERMEDIATE_SIZE,
-        num_hidden_layers=NUM_LAYERS,
-        num_attention_heads=NUM_HEADS,
-        num_key_value_heads=NUM_KV_HEADS,
-        max_position_embeddings=MAX_POSITION_EMBEDDINGS,
+        vocab_size=params["vocab_size"],
+        hidden_size=params["hidden_size"],
+        intermediate_size=params["intermediate_size"],
+        num_hidden_layers=params["num_layers"],
+        num_attention_heads=params["num_heads"],
+        num_key_value_heads=params["num_kv_heads"],
+        max_position_embeddings=params["max_position_embeddings"],
         bos_token_id=fast.bos_token_id,
         eos_token_id=fast.eos_token_id,
         tie_word_embeddings=False,
-        dtype="float32",
+        dtype=dtype,
     )
     saved_rng = torch.random.get_rng_state()
     try:
-        torch.manual_seed(SEED)
-        model = LlamaForCausalLM(cfg).to(torch.float32).eval()
+        torch.manual_seed(params["seed"])
+        model = LlamaForCausalLM(cfg).to(getattr(torch, dtype)).eval()
     finally:
         torch.random.set_rng_state(saved_rng)
     model.save_pretrained(path, safe_serialization=True)
 
     with open(marker, "w") as f:
-        json.dump(_params(), f)
+        json.dump(params, f)
     return path
 
 

@@ -10,8 +10,9 @@ executors) and outlive it. With a writer registry (``writers=``), a store job na
 scheduler's kvshm client (slot, generation), and the worker copies only while registered
 under it (``kvshm.shm.writers``): registered before the copy starts, a store of a generation
 that is already dead is skipped (nobody will complete it), and the registration goes once
-that generation is dead and none of its copies is in flight. Meanwhile the owner keeps the
-dead scheduler's WRITING blocks from being reused.
+that generation is dead and none of its copies is in flight (looked at by ``get_finished``
+at most every ``RETIRE_EVERY_S``). Meanwhile the owner keeps the dead scheduler's WRITING
+blocks from being reused.
 
 Inputs from vLLM are duck-typed. It must never import vLLM or import torch at module level
 (it receives tensors), and never report a job before all of its bytes are in place.
@@ -19,6 +20,7 @@ Inputs from vLLM are duck-typed. It must never import vLLM or import torch at mo
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +30,10 @@ from kvshm.shm import writers as W
 from kvshm.transfer.spec import TransferHandler, TransferSpec
 
 logger = logging.getLogger(__name__)
+
+# How often get_finished looks for dead schedulers to unregister from: a dead one's blocks
+# stay out of reach this much longer, the live ones cost no syscall in most steps.
+RETIRE_EVERY_S = 0.05
 
 
 def plane_columns(tensor_pages: Sequence[int], bpc: int, plane_page: int) -> list[tuple[int, int]]:
@@ -123,6 +129,7 @@ class WorkerCore:
         self._finish_loads = finish_loads
         self._loading: set[int] = set()  # parts of unreported loads
         self._writing: dict[int, tuple[int, int]] = {}  # store job -> the writer it copies for
+        self._next_retire = 0.0
 
     def submit(self, job_id: int, kind: str, block_ids: Sequence[int],
                group_sizes: Sequence[int], block_indices: Sequence[int],
@@ -160,6 +167,8 @@ class WorkerCore:
         elif not W.generation_alive(self._writers.seg, *writer):
             logger.warning("kvshm: store job %d skipped: its scheduler (client slot %d "
                            "generation %d) is gone", job_id, *writer)
+            if writer not in self._writing.values():  # no copy of ours for it in flight
+                self._writers.unregister(*writer)
             return False
         self._writing[job_id] = writer
         return True
@@ -187,7 +196,10 @@ class WorkerCore:
         if self._writers is not None:
             for job_id, *_ in out:
                 self._writing.pop(job_id, None)
-            self._writers.retire(set(self._writing.values()))
+            now = time.monotonic()  # (vLLM asks every step: a liveness check costs a syscall)
+            if now >= self._next_retire:
+                self._next_retire = now + RETIRE_EVERY_S
+                self._writers.retire(set(self._writing.values()))
         return out
 
     def wait(self, job_ids: Iterable[int]) -> None:

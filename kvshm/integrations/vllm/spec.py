@@ -246,7 +246,10 @@ class KvshmOffloadingSpec(V.OffloadingSpec):
                 tensors = [t.tensor for t in kv_caches.tensors]
                 groups = [[r.tensor_idx for r in refs] for refs in kv_caches.group_data_refs]
                 options: dict[str, Any] = {}
-                options["finish_loads"] = bool(tensors) and tensors[0].device.type == "cpu"
+                if tensors and tensors[0].device.type == "cpu":
+                    # vLLM's compute threads hold every core: copy in the engine's thread
+                    options["inline"] = ("load", "store")
+                    options["finish_loads"] = True
                 if tensors and tensors[0].device.type == "cuda":
                     from kvshm.transfer.pinning import pin_in_background
                     pin = pin_in_background(plane.data_ptr(), plane.numel(),

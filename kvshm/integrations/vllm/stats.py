@@ -13,7 +13,10 @@ This module owns the list of kvshm's metrics (``METRICS``: name, kind, help, lab
 (keys looked up, hits, blocks and bytes moved: deltas since the previous call) and the shared
 segment's state (blocks by state, usage, owner-side totals and the owner's CPU time: snapshots,
 the same in every engine of the segment; the owner's CPU time and the block count of a large
-table at most once per ``interval`` seconds). A step costs some 20 microseconds.
+table at most once per ``interval`` seconds; the block states only in a step in which the
+owner's counters or this engine's moved, else once per ``interval``), each handed to vLLM only
+when it moved: a step in which nothing moved returns nothing, so vLLM has no stats to process.
+A step in which nothing moved costs a few microseconds.
 
 It reads the segment only (never a round trip to the owner: ``get_stats`` runs every scheduler
 step); the spec turns the samples into vLLM's types.
@@ -102,11 +105,14 @@ class StatsReader:
         # the owner's CPU time (a /proc read) once per interval
         self._interval = interval
         self._blocks_interval = interval if g.num_blocks > every_step_blocks else 0.0
-        self._next_blocks = self._next_cpu = 0.0
+        self._next_blocks = self._next_cpu = self._next_idle = 0.0
+        self._seen: tuple[int, ...] = ()  # the owner's counters at the previous step
+        self._gauges: dict[tuple[str, tuple[str, ...]], float] = {}  # as last handed over
 
     def take(self) -> list[tuple[str, float, tuple[str, ...]]]:
         """``(metric name, value, label values)`` since the previous call: the client
-        counters' deltas (only those that moved), and the segment's snapshot."""
+        counters' deltas and the segment's gauges, each only if it moved (vLLM keeps a
+        gauge's last value; every sample handed over costs it work in every step)."""
         now = self._ctr.tolist()
         out: list[tuple[str, float, tuple[str, ...]]] = []
         if now != self._last:
@@ -114,12 +120,24 @@ class StatsReader:
             self._last = now
             out = [(f"{P}{name}", d[src], ()) for src, name, _ in _CLIENT if d[src] > 0]
         t = time.monotonic()
-        if t >= self._next_blocks:
+        counters = struct.unpack_from(_COUNTERS_FMT, self.segment.buf, L.OFF_COUNTERS)
+        gauges: list[tuple[str, float, tuple[str, ...]]] = []
+        # Blocks change state with the owner's work (its counters move) or this engine's
+        # (ours moved); other engines' claims of their granted blocks show within interval.
+        moved = counters != self._seen or bool(out)
+        self._seen = counters
+        if t >= self._next_blocks and (moved or t >= self._next_idle):
             self._next_blocks = t + self._blocks_interval
-            out += self.block_samples()
-        out += self.segment_samples(t >= self._next_cpu)
+            self._next_idle = t + self._interval
+            gauges += self.block_samples()
+        gauges += self.segment_samples(t >= self._next_cpu, counters)
         if t >= self._next_cpu:
             self._next_cpu = t + self._interval
+        for sample in gauges:
+            key = (sample[0], sample[2])
+            if self._gauges.get(key) != sample[1]:
+                self._gauges[key] = sample[1]
+                out.append(sample)
         return out
 
     def block_samples(self) -> list[tuple[str, float, tuple[str, ...]]]:
@@ -131,9 +149,12 @@ class StatsReader:
         out.append((f"{P}usage_perc", (total - n[L.FREE]) / total, ()))
         return out
 
-    def segment_samples(self, owner_cpu: bool = True) -> list[tuple[str, float, tuple[str, ...]]]:
-        """The owner's totals (one header read) and its CPU time (one /proc read)."""
-        counters = struct.unpack_from(_COUNTERS_FMT, self.segment.buf, L.OFF_COUNTERS)
+    def segment_samples(self, owner_cpu: bool = True, counters: tuple[int, ...] | None = None
+                        ) -> list[tuple[str, float, tuple[str, ...]]]:
+        """The owner's totals (one header read, unless given) and its CPU time (one /proc
+        read)."""
+        if counters is None:
+            counters = struct.unpack_from(_COUNTERS_FMT, self.segment.buf, L.OFF_COUNTERS)
         out: list[tuple[str, float, tuple[str, ...]]] = [
             (f"{P}segment_{name}", counters[i], ()) for name, i in _SEGMENT_AT]
         if owner_cpu:
