@@ -36,18 +36,38 @@ sys.exit(main(["mover", sys.argv[1], "--master", "127.0.0.1:1", "--metadata", "h
 """
 
 
-def read_until(proc: subprocess.Popen, marker: str, timeout: float = 60.0) -> list[str]:
-    """Lines of ``proc``'s stderr up to and including the first that contains ``marker``."""
-    lines: list[str] = []
-    deadline = time.monotonic() + timeout
-    while not lines or marker not in lines[-1]:
-        left = deadline - time.monotonic()
-        assert left > 0 and proc.poll() is None, f"no {marker!r} in: {lines}"
-        if select.select([proc.stderr], [], [], left)[0]:
-            line = proc.stderr.readline()
-            assert line, f"stderr closed before {marker!r}: {lines}"
-            lines.append(line)
-    return lines
+class Stderr:
+    """A child's stderr read line by line with a deadline. It reads the pipe's fd itself:
+    a buffered file would take several lines in one read, and a select() on its fd would
+    then wait for a line that already sits in the file's buffer."""
+
+    def __init__(self, proc: subprocess.Popen):
+        self.proc = proc
+        self.rest = b""  # read from the pipe, after the last line handed out
+
+    def until(self, marker: str, timeout: float = 60.0) -> list[str]:
+        """Lines up to and including the first that contains ``marker``."""
+        lines: list[str] = []
+        deadline = time.monotonic() + timeout
+        while not lines or marker not in lines[-1]:
+            if b"\n" in self.rest:
+                line, self.rest = self.rest.split(b"\n", 1)
+                lines.append(line.decode())
+                continue
+            left = deadline - time.monotonic()
+            assert left > 0 and self.proc.poll() is None, f"no {marker!r} in: {lines}"
+            fd = self.proc.stderr.fileno()
+            if select.select([fd], [], [], left)[0]:
+                chunk = os.read(fd, 65536)
+                assert chunk, f"stderr closed before {marker!r}: {lines}"
+                self.rest += chunk
+        return lines
+
+    def stop_with(self, sig: signal.Signals) -> tuple[int, list[str]]:
+        """Signal the child; its exit status and what it printed to stderr afterwards."""
+        self.proc.send_signal(sig)
+        _, err = self.proc.communicate(timeout=60)
+        return self.proc.returncode, (self.rest + err).decode().splitlines()
 
 
 def wait_asleep(seg: Segment, offset: int, timeout: float = 60.0) -> None:
@@ -63,23 +83,17 @@ def wait_asleep(seg: Segment, offset: int, timeout: float = 60.0) -> None:
         flag.release()
 
 
-def stop_with(proc: subprocess.Popen, sig: signal.Signals) -> tuple[int, list[str]]:
-    """Signal ``proc``; its exit status and what it printed to stderr afterwards."""
-    proc.send_signal(sig)
-    _, err = proc.communicate(timeout=60)
-    return proc.returncode, err.splitlines()
-
-
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_kvshm_serve_stops_on_a_signal_with_exit_0_and_one_line(sig, seg_name, tmp_path):
     seg = Segment.create(seg_name, TEST_LAYOUT, 8, max_clients=2)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "XDG_RUNTIME_DIR": str(tmp_path)}
     proc = subprocess.Popen([sys.executable, "-m", "kvshm.cli", "serve", seg_name],
-                            env=env, stderr=subprocess.PIPE, text=True)
+                            env=env, stderr=subprocess.PIPE)
     try:
-        read_until(proc, f"owner of {seg_name}")
+        err = Stderr(proc)
+        err.until(f"owner of {seg_name}")
         wait_asleep(seg, L.OFF_OWNER_BELL)
-        rc, after = stop_with(proc, sig)
+        rc, after = err.stop_with(sig)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -95,15 +109,16 @@ def test_kvshm_mover_stops_on_a_signal_with_exit_0_and_one_line(sig, seg_name, t
     env = {**os.environ, "PYTHONPATH": str(ROOT), "XDG_RUNTIME_DIR": str(tmp_path)}
     proc = subprocess.Popen(
         [sys.executable, "-c", MOVER.format(tests=str(ROOT / "tests")), seg_name],
-        env=env, stderr=subprocess.PIPE, text=True)
+        env=env, stderr=subprocess.PIPE)
     try:
         # its lower tier's connection is logged from another thread, before or after the
         # mover says it serves: wait for both, so that every line after the signal is the
         # mover's answer to it
-        seen = read_until(proc, "connected to")
+        err = Stderr(proc)
+        seen = err.until("connected to")
         if not any(f"mover of segment {seg_name!r}" in line for line in seen):
-            read_until(proc, f"mover of segment {seg_name!r}")
-        rc, after = stop_with(proc, sig)
+            err.until(f"mover of segment {seg_name!r}")
+        rc, after = err.stop_with(sig)
     finally:
         if proc.poll() is None:
             proc.kill()
