@@ -192,6 +192,8 @@ def seg(seg_name):
 
 # --- tiers -------------------------------------------------------------------------------
 TIERS = ("unit", "procs", "e2e")  # registered (and described) in setup.cfg
+# Marks registered beside the tiers: they never replace one, a run may leave them out.
+BESIDE_TIERS = ("slow",)
 
 # Every test file's tier: that of most of its tests. A test that needs more says so with its
 # own mark (@pytest.mark.procs on a test of a unit file, or a marked parameter), which

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FILE_TIERS, TIERS, tier_of
+from conftest import BESIDE_TIERS, FILE_TIERS, TIERS, tier_of
 from kvshm.shm.segment import Segment
 
 TESTS = Path(__file__).resolve().parent
@@ -27,12 +27,12 @@ def test_every_test_file_has_a_tier_and_every_entry_names_a_file():
     assert set(FILE_TIERS.values()) <= set(TIERS)
 
 
-def test_the_tiers_are_the_markers_registered_in_setup_cfg():
+def test_the_tiers_and_the_marks_beside_them_are_the_markers_in_setup_cfg():
     cfg = configparser.ConfigParser()
     cfg.read(ROOT / "setup.cfg")
     pytest_cfg = cfg["tool:pytest"]
     markers = [line.split(":")[0] for line in pytest_cfg["markers"].strip().splitlines()]
-    assert markers == list(TIERS)
+    assert markers == [*TIERS, *BESIDE_TIERS]
     assert "--strict-markers" in pytest_cfg["addopts"].split()
 
 
