@@ -8,9 +8,8 @@ failover), the hold table (``holds.py``: counted leases and pins) and its own st
 and the block table and lease what they find. A ``prepare_store`` the client's grant ring
 covers sends nothing and its ``complete_store`` is a one-way ``Publish``; a larger store is
 one atomic round trip. ``touch`` is one-way. When the owner dies mid-call, the client starts
-another and the successor finishes the call: callers see a delay, not an error. It never
-copies block data.
-"""
+another (``owner_start.py``) and the successor finishes the call: callers see a delay, not an
+error. It never copies block data."""
 from __future__ import annotations
 
 import os
