@@ -228,6 +228,7 @@ FILE_TIERS = {
     "test_leases.py": "procs",
     "test_offers.py": "procs",
     "test_quotas.py": "procs",
+    "test_owner_start.py": "procs",
     "test_operable.py": "procs",
     "test_segment_hardening.py": "procs",
     "test_shared.py": "procs",

@@ -13,6 +13,7 @@ It never talks to an owner (``owner_link.py`` does) and never reads the block ta
 """
 from __future__ import annotations
 
+import errno
 import os
 import select
 import signal
@@ -32,19 +33,39 @@ _POLL_S = 0.005  # how often the lock is looked at while the new owner starts
 
 class OwnerProcess:
     """An owner process this client started (not its child): its pid, and a pidfd to tell
-    whether it still runs, wait for it or signal it without ever hitting a reused pid. Enough
-    of ``subprocess.Popen``'s interface for a tool that stops the owner it started."""
+    whether it still runs, wait for it or signal it without ever hitting a reused pid. Where
+    pidfds are refused (a kernel before 5.3, a container whose seccomp profile predates them)
+    it is watched by pid and start time instead. Enough of ``subprocess.Popen``'s interface
+    for a tool that stops the owner it started."""
 
     def __init__(self, pid: int):
         self.pid = pid
+        self._fd: int | None = None
+        self._start = _stat(pid)[1]  # its start time: a reused pid has another (no pidfd)
+        self._gone = self._start is None
+        if self._gone:
+            return
         try:
-            self._fd: int | None = os.pidfd_open(pid)
+            self._fd = os.pidfd_open(pid)
         except ProcessLookupError:
-            self._fd = None  # gone already
+            self._gone = True
+        except OSError as e:
+            if e.errno not in (errno.ENOSYS, errno.EPERM, errno.EACCES):
+                raise
 
     def exited(self, timeout: float = 0.0) -> bool:
         """Whether it has exited, waiting up to ``timeout`` s for that."""
-        return self._fd is None or bool(select.select([self._fd], [], [], timeout)[0])
+        if self._fd is not None:
+            return _readable(self._fd, timeout)
+        deadline = time.monotonic() + timeout
+        while not self._gone:
+            state, start = _stat(self.pid)
+            self._gone = start != self._start or state in ("Z", "X")
+            left = deadline - time.monotonic()
+            if self._gone or left <= 0:
+                break
+            time.sleep(min(_POLL_S, left))  # no pidfd to wait on: its state, polled
+        return self._gone
 
     def wait(self, timeout: float) -> None:
         """Wait up to ``timeout`` s for it to exit; ``subprocess.TimeoutExpired`` if not."""
@@ -52,12 +73,15 @@ class OwnerProcess:
             raise subprocess.TimeoutExpired(f"{OWNER_MODULE} (pid {self.pid})", timeout)
 
     def send_signal(self, sig: int) -> None:
-        if not self.exited():
-            assert self._fd is not None
-            try:
+        if self.exited():
+            return
+        try:
+            if self._fd is not None:
                 signal.pidfd_send_signal(self._fd, sig)
-            except ProcessLookupError:
-                pass  # exited meanwhile
+            else:
+                os.kill(self.pid, sig)
+        except ProcessLookupError:
+            pass  # exited meanwhile
 
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)
@@ -67,11 +91,30 @@ class OwnerProcess:
 
     def close(self) -> None:
         """Stop watching it (also when this object is collected): ``exited`` says True."""
+        self._gone = True
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
 
     __del__ = close
+
+
+def _stat(pid: int) -> tuple[str | None, int | None]:
+    """A process's state letter and start time (clock ticks since boot); Nones if gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return None, None
+    return fields[0].decode(), int(fields[19])
+
+
+def _readable(fd: int, timeout: float | None) -> bool:
+    """Whether ``fd`` is readable (a pidfd: its process exited) within ``timeout`` s. poll,
+    not select: an engine may well have file descriptors numbered above select's 1024."""
+    p = select.poll()
+    p.register(fd, select.POLLIN)
+    return bool(p.poll(None if timeout is None else max(0.0, timeout) * 1e3))
 
 
 def _tail(path: str, start: int, n: int = 3) -> list[str]:
@@ -102,9 +145,11 @@ def start_owner(segment: Segment) -> OwnerProcess | None:
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         start = os.lseek(fd, 0, os.SEEK_END)
+        # The launcher prints the owner's pid, then waits for its stdin to close: the owner,
+        # its child until then, cannot die and be reaped (its pid reused) before we watch it.
         launcher = subprocess.Popen(
             [sys.executable, "-m", OWNER_MODULE, segment.name, "--detach", "--idle-exit",
-             str(OWNER_IDLE_EXIT_S)], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+             str(OWNER_IDLE_EXIT_S)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=fd, start_new_session=True, close_fds=True)
     finally:
         os.close(fd)
@@ -118,17 +163,23 @@ def start_owner(segment: Segment) -> OwnerProcess | None:
             f"{' | '.join(lines) or 'no output'}; see {path}, or run 'kvshm serve "
             f"{segment.name}' to see why")
 
-    assert launcher.stdout is not None
-    with launcher, launcher.stdout:
-        # The launcher prints the owner's pid and exits as soon as it has forked it.
-        if not select.select([launcher.stdout], [], [], OWNER_START_TIMEOUT_S)[0]:
+    assert launcher.stdin is not None and launcher.stdout is not None
+    owner: OwnerProcess | None = None
+    with launcher:
+        ready = _readable(launcher.stdout.fileno(), OWNER_START_TIMEOUT_S)
+        line = launcher.stdout.readline() if ready else b""
+        if line.strip().isdigit():
+            owner = OwnerProcess(int(line))
+        launcher.stdin.close()  # it exits now
+        if not ready:
             launcher.kill()
-            raise failed(f"no pid within {OWNER_START_TIMEOUT_S:g}s")
-        line = launcher.stdout.readline()
-        rc = launcher.wait()  # at once: it exits right after printing
-    if rc != 0 or not line.strip().isdigit():
+        rc = launcher.wait()
+    if not ready:
+        raise failed(f"no pid within {OWNER_START_TIMEOUT_S:g}s")
+    if rc != 0 or owner is None:
+        if owner is not None:
+            owner.close()
         raise failed(f"exit {rc}")
-    owner = OwnerProcess(int(line))
     try:
         while not segment.owner_alive():
             if owner.exited():

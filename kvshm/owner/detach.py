@@ -1,35 +1,48 @@
 """How an auto-started owner leaves the process tree of the client that started it.
 
 This module owns ``detach()``, the first thing ``python -m kvshm.owner NAME --detach`` (the
-way clients start an owner, ``kvshm.client.owner_start``) does: it forks, the parent writes
-the child's pid on stdout and exits at once, and the child goes on as the owner in a session
-of its own. The owner is then nobody's descendant: it is reparented to init (or to the
-nearest subreaper, such as a container's init), so killing the engine's whole process tree
-(what vLLM does to an EngineCore on shutdown) or its process group leaves it serving. Its
-stdin stays /dev/null and its stderr, the owner log, is kept.
+way clients start an owner, ``kvshm.client.owner_start``) does, before any import that could
+start a thread: it forks; the parent (the launcher) writes the child's pid on stdout, waits
+until its reader closes the launcher's stdin when that is a pipe (so the owner, its child
+until then, cannot exit and be reaped, its pid free for reuse, before the reader watches it
+through a pidfd), and exits; the child goes on as the owner in a session of its own. The
+owner is then nobody's descendant: it is reparented to init (or to the nearest subreaper,
+such as a container's init), so killing the engine's whole process tree (what vLLM does to
+an EngineCore on shutdown) or its process group leaves it serving. Its stdin and stdout are
+/dev/null; its stderr, the owner log, is kept.
 
-It must run before the process starts any thread (it forks), and never imports anything of
-kvshm.
+It never imports anything of kvshm (it runs before the owner's imports).
 """
 from __future__ import annotations
 
 import os
+import stat
 import sys
+
+_detached = False  # this process is the detached child already
 
 
 def detach() -> None:
-    """Fork; in the parent, write the child's pid and a newline to stdout and exit 0 at once;
-    in the child, return in a new session with stdout on /dev/null (the parent's reader sees
-    end of file once the parent is gone)."""
+    """Fork; in the parent, write the child's pid and a newline to stdout, wait for end of
+    file on stdin if it is a pipe, and exit 0; in the child, return in a new session with
+    stdin and stdout on /dev/null. Once detached, a second call does nothing."""
+    global _detached
+    if _detached:
+        return
     sys.stdout.flush()
     sys.stderr.flush()
     pid = os.fork()
     if pid:
         try:
             os.write(1, b"%d\n" % pid)
+            if stat.S_ISFIFO(os.fstat(0).st_mode):
+                while os.read(0, 4096):
+                    pass  # until the reader closes it (or dies)
         finally:
             os._exit(0)
+    _detached = True
     os.setsid()  # the child is no group leader: it becomes the leader of a new session
-    null = os.open(os.devnull, os.O_WRONLY)
+    null = os.open(os.devnull, os.O_RDWR)
+    os.dup2(null, 0)
     os.dup2(null, 1)
     os.close(null)
