@@ -191,3 +191,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         shutil.rmtree(tmp, ignore_errors=True)
     result["loadavg_after"] = _loadavg()
     return result
+
+
+if __name__ == "__main__":  # a library: say what it is and who uses it
+    import argparse
+    argparse.ArgumentParser(prog="bench_vllm_ttft.py", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter,
+                            epilog="This file is a library, not a program: "
+                            "tools/bench_vllm.py --engines 2 runs it.").parse_args()
+    raise SystemExit("bench_vllm_ttft.py is a library; run tools/bench_vllm.py --engines 2 instead")
