@@ -668,6 +668,39 @@ def test_the_handler_releases_the_pin_it_was_given_at_shutdown():
     assert not pin.pinned and not base.is_pinned()
 
 
+class _PinInProgress:
+    """A background pin that has not finished: what a copy sees in an engine's first steps."""
+    done = pinned = False
+
+    def unregister(self) -> None:
+        pass
+
+
+@CUDA
+def test_a_copy_while_the_segment_is_still_being_pinned_warns_nothing(caplog):
+    rig = Rig("cuda-unpinned")
+    planes = rig.planes(8, [256])
+    h = make_handler([rig.tensor((8, 128))], planes, pin=_PinInProgress())
+    with caplog.at_level("WARNING", logger="kvshm"):
+        run(h, 1, "store", [0, 1], [2, 3])
+    h.shutdown()
+    assert not [r for r in caplog.records if "not pinned" in r.getMessage()]
+
+
+@CUDA
+def test_a_copy_once_pinning_ended_unpinned_warns_once(caplog):
+    pin = _PinInProgress()
+    pin.done = True  # it finished without pinning (refused, or failed and logged)
+    rig = Rig("cuda-unpinned")
+    planes = rig.planes(8, [256])
+    h = make_handler([rig.tensor((8, 128))], planes, pin=pin)
+    with caplog.at_level("WARNING", logger="kvshm"):
+        run(h, 1, "store", [0, 1], [2, 3])
+        run(h, 2, "store", [2, 3], [4, 5])
+    h.shutdown()
+    assert len([r for r in caplog.records if "not pinned" in r.getMessage()]) == 1
+
+
 def test_explicit_skip_allows_a_job_that_ends_inside_its_last_segment_block():
     """vLLM loads may start and end mid-chunk: 4 device blocks from sub-blocks 1..4 of 2x3."""
     torch = pytest.importorskip("torch")

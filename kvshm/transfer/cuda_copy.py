@@ -254,10 +254,14 @@ class CudaTransferHandler(TransferHandler):
         if known is not None:
             return known
         pinned = self._method != "copy" and plan.n > 0 and self._pinned()
-        if self._method != "copy" and plan.n > 0 and not pinned and not self._warned:
+        # A pin still in progress (an engine's first steps) is no news; one that ended
+        # unpinned, or memory nobody pins, is: copies stay slow for good.
+        settled = self._pin is None or getattr(self._pin, "done", True)
+        if self._method != "copy" and plan.n > 0 and not pinned and settled \
+                and not self._warned:
             self._warned = True
-            logger.warning("kvshm: segment planes are not pinned (yet); copies run from "
-                           "pageable memory: slower, and they block the calling thread")
+            logger.warning("kvshm: segment planes are not pinned; copies run from pageable "
+                           "memory: slower, and they block the calling thread")
         uva = pinned and self._gather is not None and self._gather.ready()
         method = choose_method(self._method, plan.kind, self._page, plan.n, pinned=pinned,
                                uva=uva, triton=self._triton, batch=self._batch is not None,
