@@ -97,6 +97,19 @@ class DeviceKV:
         import torch
         return self.tensors if self.cuda else [torch.from_numpy(a) for a in self.arrays]
 
+    def release(self) -> None:
+        """The engine's last CUDA act, once its worker has exited: free the device KV and
+        reset this process's CUDA context. A process that shared CUDA memory with another
+        otherwise leaves the driver's ``cuda.shm.*`` file in /dev/shm when it exits."""
+        if self.cuda:
+            import ctypes
+
+            import torch
+            torch.cuda.synchronize()
+            self.tensors = []
+            torch.cuda.empty_cache()
+            ctypes.CDLL("libcuda.so.1").cuDevicePrimaryCtxReset(torch.cuda.current_device())
+
 
 def _views(mm: mmap.mmap, planes: int, blocks: int, page: int) -> list[np.ndarray]:
     return [np.frombuffer(mm, np.uint8, blocks * page, p * blocks * page).reshape(blocks, page)
@@ -288,6 +301,7 @@ class Engine(EngineLoop):
         self.worker.close()  # first: it releases our CUDA tensors before we exit
         if self._own_mgr:
             self.mgr.shutdown()
+        self.dev.release()
         return dict(self.stats)
 
     @staticmethod

@@ -159,3 +159,13 @@ def test_demo_on_cuda_ends_without_cuda_ipc_warnings():
     proc = demo("--cache", unique_name(), "--device", "cuda")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Producer process has been terminated" not in proc.stderr, proc.stderr[-3000:]
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/nvidiactl") or not _cuda(), reason="needs CUDA")
+def test_demo_on_cuda_leaves_nothing_in_dev_shm():
+    """An engine shares CUDA memory with its worker; at exit the CUDA driver leaves a
+    ``cuda.shm.*`` file in /dev/shm for such a process unless its context was reset."""
+    before = set(os.listdir("/dev/shm"))
+    proc = demo("--cache", unique_name(), "--device", "cuda")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not set(os.listdir("/dev/shm")) - before
