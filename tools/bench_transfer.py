@@ -48,7 +48,8 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -200,6 +201,27 @@ def bench_cpu(page: int, blocks: int, reps: int, ids: str, threads: int | None,
     return out
 
 
+def one_job(h: Any, spec: TransferSpec, job: Iterator[int]) -> Callable[[], None]:
+    """One job of ``spec`` on handler ``h``, waited for: what a column of kvshm times."""
+    def run() -> None:
+        j = next(job)
+        h.transfer_async(j, spec)
+        h.wait([j])
+        assert all(r.success for r in h.get_finished())
+    return run
+
+
+def contiguous_copy(src: Any, dst: Any, stream: Any) -> Callable[[], None]:
+    """One ``copy_`` of all of ``src`` on ``stream``, waited for: the baseline column."""
+    import torch
+
+    def run() -> None:
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+        stream.synchronize()
+    return run
+
+
 def bench_cuda(page: int, blocks: int, reps: int, ids: str, methods: list[str],
                budget_s: float) -> dict:
     import torch
@@ -226,16 +248,7 @@ def bench_cuda(page: int, blocks: int, reps: int, ids: str, methods: list[str],
         pairs = list(zip(si.tolist(), di.tolist()))
         spec = TransferSpec(kind, d_ids, s_ids)
 
-        def kvshm(h=None, spec=spec) -> None:
-            j = next(job)
-            h.transfer_async(j, spec)
-            h.wait([j])
-            assert all(r.success for r in h.get_finished())
-
-        def contiguous(src=src, dst=dst) -> None:
-            with torch.cuda.stream(stream):
-                dst.copy_(src, non_blocking=True)
-            stream.synchronize()
+        contiguous = contiguous_copy(src, dst, stream)
 
         def synced() -> None:
             stream.synchronize()
@@ -244,13 +257,13 @@ def bench_cuda(page: int, blocks: int, reps: int, ids: str, methods: list[str],
             with torch.cuda.stream(stream):
                 return naive_loop(pairs, src, dst, budget_s, page, synced, non_blocking=True)()
 
-        fns = {f"kvshm[{m}]": (lambda h=h: kvshm(h)) for m, h in handlers.items()}
+        fns = {f"kvshm[{m}]": one_job(h, spec, job) for m, h in handlers.items()}
         res = run_interleaved({**fns, "contiguous": contiguous, "loop": loop}, reps,
                               blocks * page)
         res["kvshm"] = res.get("kvshm[auto]", next(iter(res.values())))
         out[kind] = res
         for h in handlers.values():
-            check(lambda h=h: kvshm(h), src, dst, si, di)
+            check(one_job(h, spec, job), src, dst, si, di)
     for h in handlers.values():
         h.shutdown()
     if region is not None:

@@ -60,20 +60,9 @@ def main(argv: list[str] | None = None) -> int:
             for kind in ("store", "load"):
                 src, dst = (dev, plane) if kind == "store" else (plane, dev)
                 spec = TransferSpec(kind, d_ids, s_ids)
-
-                def kvshm(h=h, spec=spec) -> None:
-                    j = next(job)
-                    h.transfer_async(j, spec)
-                    h.wait([j])
-                    assert all(r.success for r in h.get_finished())
-
-                def contiguous(src=src, dst=dst, stream=stream) -> None:
-                    with torch.cuda.stream(stream):
-                        dst.copy_(src, non_blocking=True)
-                    stream.synchronize()
-
-                r = B.run_interleaved({"kvshm": kvshm, "contiguous": contiguous}, a.reps,
-                                      a.blocks * page)
+                r = B.run_interleaved({"kvshm": B.one_job(h, spec, job),
+                                       "contiguous": B.contiguous_copy(src, dst, stream)},
+                                      a.reps, a.blocks * page)
                 row[kind] = round(r["kvshm"] / r["contiguous"], 3)
                 row[kind + "_gbs"] = round(r["kvshm"], 1)
             h.shutdown()
