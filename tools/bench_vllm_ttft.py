@@ -193,10 +193,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-if __name__ == "__main__":  # a library: say what it is and who uses it
-    import argparse
-    argparse.ArgumentParser(prog="bench_vllm_ttft.py", description=__doc__,
-                            formatter_class=argparse.RawDescriptionHelpFormatter,
-                            epilog="This file is a library, not a program: "
-                            "tools/bench_vllm.py --engines 2 runs it.").parse_args()
-    raise SystemExit("bench_vllm_ttft.py is a library; run tools/bench_vllm.py --engines 2 instead")
+if __name__ == "__main__":  # a library: say what it is and who runs it
+    import os.path
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+    from library_help import explain
+    explain("bench_vllm_ttft.py", __doc__, instead="tools/bench_vllm.py")

@@ -325,10 +325,9 @@ class MoverWatch:
                 "max_cpu_share": round(self.max_share, 3), "cpu_s": round(self.cpu, 2)}
 
 
-if __name__ == "__main__":  # a library: say what it is and who uses it
-    import argparse
-    argparse.ArgumentParser(prog="soak_hostile.py", description=__doc__,
-                            formatter_class=argparse.RawDescriptionHelpFormatter,
-                            epilog="This file is a library, not a program: tools/soak.py "
-                            "--hostile N runs it.").parse_args()
-    raise SystemExit("soak_hostile.py is a library; run tools/soak.py --hostile N instead")
+if __name__ == "__main__":  # a library: say what it is and who runs it
+    import os.path
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+    from library_help import explain
+    explain("soak_hostile.py", __doc__, instead="tools/soak.py")

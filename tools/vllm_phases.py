@@ -106,11 +106,9 @@ def copy_threads(on: bool) -> Iterator[None]:
         CpuTransferHandler.__init__ = init  # type: ignore[method-assign]
 
 
-if __name__ == "__main__":  # a library: say what it is and who uses it
-    import argparse
-    argparse.ArgumentParser(prog="vllm_phases.py", description=__doc__,
-                            formatter_class=argparse.RawDescriptionHelpFormatter,
-                            epilog="This file is a library, not a program: "
-                            "tools/bench_vllm.py runs it (the per-phase breakdown)."
-                            ).parse_args()
-    raise SystemExit("vllm_phases.py is a library; run tools/bench_vllm.py instead")
+if __name__ == "__main__":  # a library: say what it is and who runs it
+    import os.path
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+    from library_help import explain
+    explain("vllm_phases.py", __doc__, instead="tools/bench_vllm.py")
