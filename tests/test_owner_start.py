@@ -91,7 +91,7 @@ def test_the_launcher_stays_the_owners_parent_until_its_reader_lets_go(seg):
     """The owner's pid cannot be reused while the client opens its pidfd: its parent, the
     launcher, lives (and so would hold its zombie) until the client closes its stdin."""
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "kvshm.owner", seg.name, "--detach", "--idle-exit", "30"],
+        [sys.executable, "-m", "kvshm.owner", seg.name, "--detach", "--hold", "--idle-exit", "30"],
         env=ENV, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     try:
         owner = int(launcher.stdout.readline())
@@ -109,3 +109,60 @@ def test_the_launcher_stays_the_owners_parent_until_its_reader_lets_go(seg):
             launcher.wait()
         launcher.stdout.close()
     stop_owner(owner)
+
+
+_FORK_HOLDS_THE_PIPE = """
+import os, subprocess, sys, time
+real = subprocess.Popen
+class Popen(real):
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        if os.fork() == 0:  # a fork of the client (a multiprocessing worker, say) that
+            time.sleep(600)  # keeps every fd it inherited, the launcher's stdin pipe too
+            os._exit(0)
+subprocess.Popen = Popen
+from kvshm.client.connect import connect
+mgr = connect(sys.argv[1])
+print("connected", flush=True)
+mgr.shutdown()
+os.killpg(0, 9)  # the fork too (the test runs us in a group of our own)
+"""
+
+
+def test_a_fork_of_the_client_holding_the_launchers_stdin_does_not_hang_the_connect(seg):
+    proc = subprocess.Popen([sys.executable, "-c", _FORK_HOLDS_THE_PIPE, seg.name], env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=120)  # the fork sleeps 600 s: a hang fails here
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+    assert out.split() == ["connected"], err[-3000:]
+
+
+def test_detach_from_a_shell_never_waits_for_or_reads_the_callers_stdin(seg):
+    """``python -m kvshm.owner NAME --detach`` in a pipeline: the launcher prints the pid and
+    exits, whatever its stdin (a pipe left open here), and reads none of it."""
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "kvshm.owner", seg.name, "--detach", "--idle-exit", "30"],
+        env=ENV, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    try:
+        launcher.stdin.write(b"the caller's own input\n")
+        launcher.stdin.flush()
+        owner = int(launcher.stdout.readline())
+        assert launcher.wait(60) == 0  # with its stdin still open
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+        launcher.stdout.close()
+        launcher.stdin.close()
+    stop_owner(owner)
+
+
+def test_detach_with_bad_arguments_fails_at_once_and_forks_nothing():
+    out = subprocess.run([sys.executable, "-m", "kvshm.owner", "--detach"], env=ENV,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and out.stdout == "" and "usage:" in out.stderr

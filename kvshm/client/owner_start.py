@@ -1,13 +1,14 @@
 """Starting an owner for a segment that has none: detached, watched, explained when it fails.
 
 This module owns how a client starts the owner process (``python -m kvshm.owner NAME
---detach --idle-exit S``) and waits until it holds the owner lock. The owner it starts is
-nobody's descendant (``kvshm.owner.detach``): the process the client starts forks the owner
-off, prints its pid and exits, so the owner is reparented to init and survives whatever
-kills the engine's process tree or group (vLLM's shutdown SIGKILLs every descendant of its
-EngineCore). Its stderr, the log, is appended to ``owner_log_path(name)``; when it fails to
-start, the error quotes that log's new lines. The client watches the owner through a pidfd,
-never through a child's exit status, since the owner is not its child.
+--detach --hold --idle-exit S``) and waits until it holds the owner lock. The owner it starts
+is nobody's descendant (``kvshm.owner.detach``): the process the client starts forks the
+owner off, prints its pid, and is killed once the client watches the owner, so the owner is
+reparented to init and survives whatever kills the engine's process tree or group (vLLM's
+shutdown SIGKILLs every descendant of its EngineCore). Its stderr, the log, is appended to
+``owner_log_path(name)``; when it fails to start, the error quotes that log's new lines. The
+client watches the owner through a pidfd, never through a child's exit status, since the
+owner is not its child.
 
 It never talks to an owner (``owner_link.py`` does) and never reads the block table.
 """
@@ -142,18 +143,19 @@ def start_owner(segment: Segment) -> OwnerProcess | None:
     refuse_removed(segment)  # an owner started by name would serve a successor instead
     path = owner_log_path(segment.name)
     bound_log(path)  # before we note where the new owner's lines start
+    epoch = segment.owner_record()[1]  # before an owner we start could take the segment
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         start = os.lseek(fd, 0, os.SEEK_END)
-        # The launcher prints the owner's pid, then waits for its stdin to close: the owner,
-        # its child until then, cannot die and be reaped (its pid reused) before we watch it.
+        # The launcher prints the owner's pid, then (--hold) waits for its stdin to close or
+        # for us to kill it: the owner, its child until then, cannot die and be reaped (its
+        # pid reused) before we watch it.
         launcher = subprocess.Popen(
-            [sys.executable, "-m", OWNER_MODULE, segment.name, "--detach", "--idle-exit",
+            [sys.executable, "-m", OWNER_MODULE, segment.name, "--detach", "--hold", "--idle-exit",
              str(OWNER_IDLE_EXIT_S)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=fd, start_new_session=True, close_fds=True)
     finally:
         os.close(fd)
-    epoch = segment.owner_record()[1]
     deadline = time.monotonic() + OWNER_START_TIMEOUT_S
 
     def failed(why: str) -> OwnerUnavailableError:
@@ -170,16 +172,14 @@ def start_owner(segment: Segment) -> OwnerProcess | None:
         line = launcher.stdout.readline() if ready else b""
         if line.strip().isdigit():
             owner = OwnerProcess(int(line))
-        launcher.stdin.close()  # it exits now
-        if not ready:
-            launcher.kill()
+        launcher.stdin.close()  # it exits now, or (its pipe inherited by a fork of ours) not:
+        if not ready or owner is not None:
+            launcher.kill()  # its job is done (we watch the owner) or failed: never wait on it
         rc = launcher.wait()
     if not ready:
         raise failed(f"no pid within {OWNER_START_TIMEOUT_S:g}s")
-    if rc != 0 or owner is None:
-        if owner is not None:
-            owner.close()
-        raise failed(f"exit {rc}")
+    if owner is None:
+        raise failed(f"exit {rc}" if rc else f"no pid in its output: {line[:40]!r}")
     try:
         while not segment.owner_alive():
             if owner.exited():

@@ -12,7 +12,6 @@ import logging
 from kvshm import commands, logs, signals
 from kvshm.errors import KvshmError, OwnerUnavailableError
 from kvshm.owner.detach import detach
-from kvshm.owner.server import Owner
 
 log = logging.getLogger("kvshm.owner")
 
@@ -37,13 +36,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--detach", action="store_true",
                     help="fork first: print the owner's pid and exit, the owner going on in a "
                          "session of its own, nobody's child (how clients start one)")
+    ap.add_argument("--hold", action="store_true", help=argparse.SUPPRESS)  # a client's launcher
     args = ap.parse_args(argv)
     if args.detach:
-        detach()
+        detach(hold=args.hold)
     return run_from_args(args)
 
 
 def run_from_args(args: argparse.Namespace) -> int:
+    from kvshm.owner.server import Owner  # after detach(): its imports may start threads
     logs.owner_logging(args.name, args.log_level)
     stops = signals.StopSignals()  # before it starts: a stop asked meanwhile is kept
     try:
