@@ -69,8 +69,14 @@ def test_a_client_within_its_quota_is_never_the_victim_of_a_flood(cache):
     flood(b, 4 * BLOCKS)
     assert cached(a, mine) == len(mine)
     share = slots.share(a.segment, a.slot)
-    wait_for(lambda: share["cached"] == len(mine), "the owner to count a's share")
-    share.release()
+    try:
+        wait_for(lambda: share["cached"] == len(mine), "the owner to count a's share")
+    except AssertionError as e:  # say what the owner counted, and whether it was replaced
+        seg = a.segment
+        raise AssertionError(f"{e}: {share['cached']} counted, quota {share['quota']}, "
+                             f"failovers {seg.counter('failovers')}") from None
+    finally:
+        share.release()
 
 
 def test_a_client_over_its_quota_evicts_its_own_blocks_first(cache):
