@@ -63,7 +63,10 @@ def test_without_quotas_a_flood_evicts_another_clients_blocks(cache):
 
 
 def test_a_client_within_its_quota_is_never_the_victim_of_a_flood(cache):
-    a, b = cache(quota=16), cache()
+    # a stores by round trip: with a grant ring, a refill once the flood has filled the cache
+    # may offer a's own blocks to a itself (a is at its quota), and an offered block, still
+    # cached, no longer counts in a's share (seen: 8 of 16 counted, all 16 offered to a)
+    a, b = cache(quota=16, grants=False), cache()
     mine = keys("mine", 16)
     procs.store(a, mine)
     flood(b, 4 * BLOCKS)
