@@ -134,7 +134,9 @@ class Client(_Doc):
         "owners died applying it: kept for it (it may still write them), freed when it goes")]
     quota: Annotated[int, _d("blocks it may keep cached, its quota (0: none)")]
     cached: Annotated[int, _d(
-        "with a quota: blocks it stored that are cached, as the owner last counted them")]
+        "with a quota: blocks it stored that are cached, as the owner last counted them "
+        "(less any the owner offered to the client's own grants for its next stores: still "
+        "cached, but going)")]
     counters: Annotated[dict[str, int], _d(
         "the client's own counters: `lookups`, `hits`, `loads`, `load_blocks`, `bytes_in` "
         "(bytes it loaded), `bytes_out` (bytes it stored)")]
