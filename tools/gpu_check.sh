@@ -2,7 +2,8 @@
 # The CUDA transfer path's check on a machine with an NVIDIA GPU, in one command from the
 # repository root:
 #
-#   1. installs the wheels carried in .whl/ (if any) into /tmp/site, without the network;
+#   1. installs the wheels carried in .whl/ (if any) into a fresh temporary directory,
+#      without the network;
 #   2. runs the CUDA tests: tests/test_transfer.py, tests/test_pinning.py,
 #      tests/test_copy_kernel.py;
 #   3. runs `tools/bench_transfer.py --device cuda --blocks 1000 --reps 5 --budget 0.5 --json`
@@ -33,8 +34,9 @@ keep() {  # keep the first failing step's status
 note "install"
 export PYTHONPATH=$PWD
 if compgen -G ".whl/*.whl" > /dev/null; then
+    site=$(mktemp -d)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
+        --target "$site" .whl/*.whl && export PYTHONPATH=$site:$PWD
     keep $?
 else
     echo "no .whl/: using what is installed"

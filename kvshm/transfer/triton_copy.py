@@ -49,7 +49,7 @@ def _copy_pages(base, idx, table, n, n_pairs, n_pieces,
             src, dst = dev, seg
         else:
             src, dst = seg, dev
-        src = tl.multiple_of(src, ALIGN)  # lets Triton issue 16-byte loads and stores
+        src = tl.multiple_of(src, ALIGN)  # lets Triton emit 16-byte loads and stores
         dst = tl.multiple_of(dst, ALIGN)
         for k in range(PIECE // BLOCK):  # a constant trip count; the mask ends the page
             o = start + k * BLOCK + tl.arange(0, BLOCK)
