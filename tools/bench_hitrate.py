@@ -160,8 +160,8 @@ def _local(blocks: int) -> _Kvshm:
 
 def _shared(blocks: int, settle: bool = False) -> _Kvshm:
     import kvshm
-    from kvshm.logs import owner_log_path
-    from kvshm.shm.segment import Segment
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_teardown import remove_segment
     name = f"bhit{os.getpid()}x{uuid.uuid4().hex[:8]}S"
     m = kvshm.connect(name, _layout(), num_blocks=blocks)
     owner = m._link.owner_proc
@@ -170,16 +170,7 @@ def _shared(blocks: int, settle: bool = False) -> _Kvshm:
         try:
             m.shutdown()
         finally:
-            Segment.unlink(name)  # the owner stops once its segment is gone
-            if owner is not None:
-                try:
-                    owner.wait(timeout=5)
-                except Exception:
-                    owner.kill()
-            try:
-                os.unlink(owner_log_path(name))
-            except OSError:
-                pass
+            remove_segment(name, owner)
     return _Kvshm(m, close, settle)
 
 

@@ -18,7 +18,8 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from proc_clock import cpu_ns
+from bench_teardown import remove_segment
+from proc_clock import cpu_ns, loadavg
 
 DESCRIPTION = """\
 --clients N client processes store new keys as fast as they can through one segment and its
@@ -86,9 +87,7 @@ def _protect(name: str, fraction: float) -> Any:
 def run(clients: int, blocks: int, batch: int, seconds: float, protected: float = 0.0
         ) -> dict[str, Any]:
     import kvshm
-    from kvshm.logs import owner_log_path
     from kvshm.shm.layout import Layout
-    from kvshm.shm.segment import Segment
     name = f"bowner{os.getpid()}x{uuid.uuid4().hex[:8]}"
     layout = Layout((4096,), 16, "bench-owner")
     mgr = kvshm.connect(name, layout, num_blocks=blocks, max_clients=clients + 3)
@@ -120,16 +119,7 @@ def run(clients: int, blocks: int, batch: int, seconds: float, protected: float 
         if keeper is not None:
             keeper.shutdown()
         mgr.shutdown()
-        Segment.unlink(name)
-        if owner is not None:
-            try:
-                owner.wait(timeout=10)
-            except Exception:
-                owner.kill()
-        try:
-            os.unlink(owner_log_path(name))
-        except OSError:
-            pass
+        remove_segment(name, owner, wait_s=10)
     wall = s1 - s0
     # Each client counted from count_from until it saw ``stop``: its rate, summed, over the
     # owner's window.
@@ -167,10 +157,10 @@ def main(argv: list[str] | None = None) -> int:
     if not 0.0 <= a.protected < 1.0:
         ap.error("--protected must be in [0, 1)")
     report: dict[str, Any] = {"tool": "bench_owner", "cpus": os.cpu_count(),
-                              "load_start": _load(), "runs": []}
+                              "load_start": loadavg(), "runs": []}
     for n in counts:
         report["runs"].append(run(n, a.blocks, a.batch, a.seconds, a.protected))
-    report["load_end"] = _load()
+    report["load_end"] = loadavg()
     if a.json:
         print(json.dumps(report))
         return 0
@@ -182,14 +172,6 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['keys_per_owner_cpu_s']:>17} {r['owner_us_per_key']:>13} "
               f"{r['owner_busy_us_per_key']:>12} {r['client_us_per_key']:>14}")
     return 0
-
-
-def _load() -> str:
-    try:
-        with open("/proc/loadavg") as f:
-            return " ".join(f.read().split()[:3])
-    except OSError:
-        return "?"
 
 
 if __name__ == "__main__":

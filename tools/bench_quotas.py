@@ -19,6 +19,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_hitrate import _Kvshm, _layout, make_trace  # noqa: E402
+from bench_teardown import remove_segment  # noqa: E402
 
 DESCRIPTION = """\
 Three sharers and one flooder are clients of one segment of --blocks (1024) blocks, each
@@ -53,8 +54,6 @@ def flood_keys(round_no: int, n: int) -> list[bytes]:
 def run(a: argparse.Namespace, traces: list[list[list[bytes]]], flood: bool,
         quota: float | None) -> dict[str, Any]:
     import kvshm
-    from kvshm.logs import owner_log_path
-    from kvshm.shm.segment import Segment
     name = f"bquota{os.getpid()}x{uuid.uuid4().hex[:8]}"
     first = kvshm.connect(name, _layout(), num_blocks=a.blocks, max_clients=SHARERS + 2)
     owner = first._link.owner_proc
@@ -86,16 +85,7 @@ def run(a: argparse.Namespace, traces: list[list[list[bytes]]], flood: bool,
                 m.shutdown()
             except Exception:
                 pass
-        Segment.unlink(name)  # the owner stops once its segment is gone
-        if owner is not None:
-            try:
-                owner.wait(timeout=5)
-            except Exception:
-                owner.kill()
-        try:
-            os.unlink(owner_log_path(name))
-        except OSError:
-            pass
+        remove_segment(name, owner)
 
 
 def main(argv: list[str] | None = None) -> int:

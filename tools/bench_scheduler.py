@@ -17,7 +17,8 @@ import time
 import uuid
 from typing import Any
 
-from proc_clock import cpu_ns
+from bench_teardown import remove_segment
+from proc_clock import cpu_ns, loadavg
 
 DESCRIPTION = """\
 Per-key cost of the manager calls a vLLM scheduler makes, replayed from a synthetic trace
@@ -87,14 +88,6 @@ def _log(*a: Any) -> None:
 def _unique(tag: str) -> str:
     # Segment.unlink removes semaphores by prefix "<name>-": no name may prefix another.
     return f"bsched{os.getpid()}x{uuid.uuid4().hex[:8]}{tag}"
-
-
-def _load() -> str:
-    try:
-        with open("/proc/loadavg") as f:
-            return " ".join(f.read().split()[:3])
-    except OSError:
-        return "?"
 
 
 def _layout(page_bytes: int, planes: int):
@@ -327,25 +320,10 @@ class _Shared:
         self.owner_pid = self.mgr.segment.owner_record()[0]
 
     def close(self) -> None:
-        from kvshm.logs import owner_log_path
-        from kvshm.shm.segment import Segment
         try:
             self.mgr.shutdown()
         finally:
-            Segment.unlink(self.name)
-            if self.owner is not None:  # it stops once its segment is unlinked
-                try:
-                    self.owner.wait(timeout=3)
-                except Exception:  # noqa: BLE001
-                    self.owner.terminate()
-                    try:
-                        self.owner.wait(timeout=3)
-                    except Exception:  # noqa: BLE001
-                        self.owner.kill()
-            try:
-                os.unlink(owner_log_path(self.name))
-            except OSError:
-                pass
+            remove_segment(self.name, self.owner, wait_s=3)
 
 
 # --- N clients -----------------------------------------------------------------------------
@@ -468,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
         capacity, evicts = a.capacity, None
     result: dict[str, Any] = {
         "tool": "bench_scheduler", "python": platform.python_version(),
-        "cpus": os.cpu_count(), "load_start": _load(), "baseline": base_kind,
+        "cpus": os.cpu_count(), "load_start": loadavg(), "baseline": base_kind,
         "capacity_blocks": capacity, "evicts": evicts,
         "layout": {"planes": a.planes, "page_bytes": a.page_bytes,
                    "block_bytes": a.planes * a.page_bytes, "tokens_per_block": 16},
@@ -512,7 +490,7 @@ def main(argv: list[str] | None = None) -> int:
             if base_kind == "vllm":
                 result["traces"][t]["ratio_kvshm_over_local"] = _ratios(summ["kvshm"],
                                                                         summ["local"])
-            _log(f"{t} done, load {_load()}")
+            _log(f"{t} done, load {loadavg()}")
         if a.profile:
             import cProfile
             trace = make_trace(*TRACES["t1"], a.requests, "profile")
@@ -526,7 +504,7 @@ def main(argv: list[str] | None = None) -> int:
             for n in sorted({1, a.clients}):
                 result["clients"][str(n)] = run_clients(n, shared, base_kind, capacity, creq,
                                                         deadline)
-                _log(f"{n} clients done, load {_load()}")
+                _log(f"{n} clients done, load {loadavg()}")
             growth: dict[str, Any] = {}
             one = result["clients"]["1"][0]
             many = result["clients"][str(a.clients)]
@@ -545,7 +523,7 @@ def main(argv: list[str] | None = None) -> int:
         for c in closers:
             c()
         shared.close()
-    result["load_end"] = _load()
+    result["load_end"] = loadavg()
     result["seconds"] = time.monotonic() - t_begin
     if a.json:
         print(json.dumps(result))

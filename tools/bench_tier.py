@@ -98,7 +98,7 @@ def _raw_putter(cfg: tuple[str, str, str], global_mib: int, n: int, bb: int, bat
 def throughput(a: argparse.Namespace, master) -> dict[str, Any]:
     import kvshm
     from mooncake.store import MooncakeDistributedStore
-    from kvshm.tier.area import COUNTERS as TIER_COUNTERS, TierArea
+    from kvshm.tier.area import TierArea
     from kvshm.tier.client import TieredManager
     page = a.block_kib * 1024 // 2
     lay = kvshm.Layout((page, page), 16, "bench-tier")

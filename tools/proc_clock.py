@@ -1,5 +1,6 @@
 """CPU time of another process, from /proc, for the benchmarks that report what a process
-(the owner above all) spent: nanosecond clocks where the kernel keeps them.
+(the owner above all) spent: nanosecond clocks where the kernel keeps them; and the host's
+load average, which every benchmark reports beside its figures.
 
 Linux only; it never raises for a process that is gone (``sched_ns``) and imports nothing but
 the standard library.
@@ -30,11 +31,18 @@ def cpu_ns(pid: int) -> int:
     return ticks * 1_000_000_000 // os.sysconf("SC_CLK_TCK")
 
 
-if __name__ == "__main__":  # a library: say what it is and who uses it
-    import argparse
-    argparse.ArgumentParser(prog="proc_clock.py", description=__doc__,
-                            formatter_class=argparse.RawDescriptionHelpFormatter,
-                            epilog="This file is a library, not a program: tools/bench_ring.py "
-                            "and tools/bench_scheduler.py\nreport through it.").parse_args()
-    raise SystemExit("proc_clock.py is a library; run tools/bench_ring.py or "
-                     "tools/bench_scheduler.py instead")
+def loadavg() -> str:
+    """The host's 1, 5 and 15 minute load averages, as /proc/loadavg says them ("?" if not)."""
+    try:
+        with open("/proc/loadavg") as f:
+            return " ".join(f.read().split()[:3])
+    except OSError:
+        return "?"
+
+
+if __name__ == "__main__":  # a library: say what it is and who runs it
+    import os.path
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+    from library_help import explain
+    explain("proc_clock.py", __doc__, instead="tools/bench_scheduler.py")
