@@ -309,16 +309,21 @@ def test_a_client_killed_before_its_owner_adopted_it_gets_its_slot_back(seg):
     mgr.shutdown()
 
 
-def test_timed_out_connects_leave_no_slot_behind(seg):
-    mgr = connect(seg.name)
+def time_out_connects(seg, n: int = 10) -> None:
+    """``n`` connects that time out: the owner is stopped (SIGSTOP) meanwhile."""
     owner = seg.owner_record()[0]
     os.kill(owner, signal.SIGSTOP)
     try:
-        for _ in range(10):
+        for _ in range(n):
             with pytest.raises(ReplyTimeoutError):
                 connect(seg.name, timeout=0.3)
     finally:
         os.kill(owner, signal.SIGCONT)
+
+
+def test_timed_out_connects_leave_no_slot_behind(seg):
+    mgr = connect(seg.name)
+    time_out_connects(seg)
     wait_for(lambda: sum(slots.record(seg, s).state != L.SlotState.FREE
                          for s in range(seg.geometry.max_clients)) == 1,
              "the owner to reclaim the slots of timed-out connects")
@@ -334,8 +339,8 @@ def test_gc_with_a_live_owner_says_the_owner_reclaims(seg):
 
 
 def _shm_mappings() -> int:
-    """How many of this process's mappings are segments or semaphores in /dev/shm (glibc
-    maps a semaphore it creates under a temporary name: "sem.XXXXXX (deleted)")."""
+    """How many of this process's mappings are segments (or, of older formats, glibc
+    semaphores: "sem.XXXXXX (deleted)") in /dev/shm."""
     with open("/proc/self/maps") as f:
         return sum("/dev/shm/kvshm-" in line or "/dev/shm/sem." in line for line in f)
 
@@ -343,16 +348,9 @@ def _shm_mappings() -> int:
 def test_failed_connects_leave_no_mapping_behind(seg):
     import gc
     mgr = connect(seg.name)
-    owner = seg.owner_record()[0]
     gc.collect()
     before = _shm_mappings()
-    os.kill(owner, signal.SIGSTOP)
-    try:
-        for _ in range(10):
-            with pytest.raises(ReplyTimeoutError):
-                connect(seg.name, timeout=0.3)
-    finally:
-        os.kill(owner, signal.SIGCONT)
+    time_out_connects(seg)
     gc.collect()
     assert _shm_mappings() == before
     mgr.shutdown()
