@@ -55,6 +55,8 @@ POINTS = (
     "client.store.after_copy",  # blocks copied, complete_store not sent
     "client.load.after_pin",  # blocks pinned, not yet copied out
     "client.shutdown.before_bye",  # about to say goodbye
+    "owner.launch.before_pid",  # (a client's owner launcher) the owner forked, its pid not
+    #                             yet written to the client
     # named objects
     "object.before_link",  # a tier area made under a name of its own, its mode
     #                        set, not yet linked under its name

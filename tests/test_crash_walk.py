@@ -53,7 +53,7 @@ CLIENT_POINTS = {
 }
 # Walked by the tests of their own module (copy workers, batch table writes, segment
 # creation, named objects, the mover).
-WALKED_ELSEWHERE = {"worker.store.mid_copy", "object.before_link", "mover.area.after_open",
+WALKED_ELSEWHERE = {"worker.store.mid_copy", "owner.launch.before_pid", "object.before_link", "mover.area.after_open",
                     "segment.create.after_open", "segment.create.after_lock", "segment.create.after_reserve",
                     "mover.fill.after_prepare", "mover.fill.after_get",
                     "mover.spill.after_pin"}

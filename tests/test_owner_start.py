@@ -166,3 +166,26 @@ def test_detach_with_bad_arguments_fails_at_once_and_forks_nothing():
     out = subprocess.run([sys.executable, "-m", "kvshm.owner", "--detach"], env=ENV,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and out.stdout == "" and "usage:" in out.stderr
+
+
+_CONNECT = """
+import sys
+from kvshm.client.connect import connect
+mgr = connect(sys.argv[1])
+print(mgr.segment.owner_alive(), flush=True)
+mgr.shutdown()
+"""
+
+
+@pytest.mark.parametrize("signal_name", ["KILL", "STOP"])
+def test_a_launcher_that_dies_or_stalls_before_the_pid_leaves_its_owner_serving(seg,
+                                                                                signal_name):
+    """The client watches the segment, not only the launcher: the owner the launcher forked
+    takes the segment, and the connect goes on with it (a stalled launcher is killed)."""
+    env = {**ENV, "KVSHM_CRASH_AT": "owner.launch.before_pid",
+           "KVSHM_CRASH_SIGNAL": signal_name}
+    out = subprocess.run([sys.executable, "-c", _CONNECT, seg.name], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["True"]
+

@@ -30,6 +30,7 @@ from kvshm.shm.segment import Segment
 
 OWNER_START_TIMEOUT_S = 20.0
 _POLL_S = 0.005  # how often the lock is looked at while the new owner starts
+_WAIT_PID_S = 0.05  # how long the launcher's pid is waited for between looks at the lock
 
 
 class OwnerProcess:
@@ -168,18 +169,17 @@ def start_owner(segment: Segment) -> OwnerProcess | None:
     assert launcher.stdin is not None and launcher.stdout is not None
     owner: OwnerProcess | None = None
     with launcher:
-        ready = _readable(launcher.stdout.fileno(), OWNER_START_TIMEOUT_S)
-        line = launcher.stdout.readline() if ready else b""
+        line = _pid_line(launcher, segment, deadline)
         if line.strip().isdigit():
             owner = OwnerProcess(int(line))
-        launcher.stdin.close()  # it exits now, or (its pipe inherited by a fork of ours) not:
-        if not ready or owner is not None:
-            launcher.kill()  # its job is done (we watch the owner) or failed: never wait on it
+        launcher.stdin.close()
+        launcher.kill()  # its work is done or failed; a fork of ours may hold its stdin open
         rc = launcher.wait()
-    if not ready:
-        raise failed(f"no pid within {OWNER_START_TIMEOUT_S:g}s")
     if owner is None:
-        raise failed(f"exit {rc}" if rc else f"no pid in its output: {line[:40]!r}")
+        if segment.owner_alive():
+            return None  # an owner serves (its launcher died or stalled): not one to watch
+        raise failed(f"exit {rc}" if rc else f"no pid in its output: {line[:40]!r}" if line
+                     else f"no pid within {OWNER_START_TIMEOUT_S:g}s")
     try:
         while not segment.owner_alive():
             if owner.exited():
@@ -194,3 +194,24 @@ def start_owner(segment: Segment) -> OwnerProcess | None:
         owner.close()
         raise
     return owner
+
+
+def _pid_line(launcher: subprocess.Popen, segment: Segment, deadline: float) -> bytes:
+    """The launcher's line (the owner's pid), or b"" once an owner holds the segment or the
+    deadline passed. A launcher that a signal ended (or stopped) after its fork has started
+    an owner all the same: then only the segment tells, so it is watched too. One that
+    exited with an error (it forks only once its arguments parsed) is reported at once."""
+    assert launcher.stdout is not None
+    eof = False
+    while not segment.owner_alive() and time.monotonic() < deadline:
+        if eof:
+            time.sleep(_WAIT_PID_S)  # the launcher is gone: only the segment can tell now
+        elif _readable(launcher.stdout.fileno(), _WAIT_PID_S):
+            line = launcher.stdout.readline()
+            if line:
+                return line
+            eof = True
+            if (launcher.wait() or 0) > 0:
+                break
+    return b""
+

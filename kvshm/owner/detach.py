@@ -13,12 +13,14 @@ engine's whole process tree (what vLLM does to an EngineCore on shutdown) or its
 group leaves it serving. Its stdin and stdout are /dev/null; its stderr, the owner log, is
 kept.
 
-It never imports anything of kvshm (it runs before the owner's imports).
+It imports nothing of kvshm but its crash points (it runs before the owner's imports).
 """
 from __future__ import annotations
 
 import os
 import sys
+
+from kvshm.crashpoints import crash_point
 
 _detached = False  # this process is the detached child already
 
@@ -35,6 +37,7 @@ def detach(hold: bool = False) -> None:
     pid = os.fork()
     if pid:
         try:
+            crash_point("owner.launch.before_pid")
             os.write(1, b"%d\n" % pid)
             if hold:  # asked for (a client's launcher): never a caller's own stdin
                 while os.read(0, 4096):
