@@ -575,3 +575,142 @@ def test_random_ranked_ops_match_the_rank_model(ops):
         else:
             apply_common(p, model, op, args)
         assert p.order() == model.cached() and len(p) == len(model.cached())
+
+
+# --- LRU: groups (a quota'd tenant's keys), which an eviction may skip whole -------------
+def grouped(*groups) -> LRUPolicy:
+    """An LRU with k(i) inserted in order, filed under ``groups[i]``."""
+    p = LRUPolicy(16)
+    for i, g in enumerate(groups):
+        p.insert(k(i), None, g)
+    return p
+
+
+def test_lru_groups_keep_one_order_across_groups():
+    p = grouped(None, "a", None, "a")
+    assert p.order() == [k(0), k(1), k(2), k(3)] and len(p) == 4 and k(1) in p
+    assert p.evict(3, everything) == [k(0), k(1), k(2)]
+
+
+def test_lru_an_eviction_never_asks_about_keys_of_a_skipped_group():
+    p = grouped("a", "a", None, "a", None)
+    asked: list[bytes] = []
+    victims = p.evict(2, lambda key: asked.append(key) or True, skip={"a"})
+    assert victims == [k(2), k(4)] and asked == [k(2), k(4)]
+    assert p.order() == [k(0), k(1), k(3)]
+
+
+def test_lru_an_eviction_of_only_some_groups_asks_about_nothing_else():
+    p = grouped(None, "a", "b", "a")
+    asked: list[bytes] = []
+    assert p.evict(2, lambda key: asked.append(key) or True, only=("a",)) == [k(1), k(3)]
+    assert asked == [k(1), k(3)]
+    assert p.evict(1, everything, only=("a",)) is None  # all-or-nothing, nothing changed
+    assert p.order() == [k(0), k(2)]
+
+
+def test_lru_a_touched_key_stays_in_its_group():
+    p = grouped("a", None)
+    p.touch(k(0), ready=True)
+    p.touch_many([k(1), k(0)], [True, True])
+    assert p.order() == [k(1), k(0)]
+    assert p.evict(1, everything, skip={"a"}) == [k(1)]
+    assert p.evict(1, everything, skip={"a"}) is None
+
+
+def test_lru_a_provisional_key_goes_back_to_its_group():
+    p = grouped("a", None)
+    r = p.new_rank()
+    p.insert(k(2), (r, -1), "a")
+    p.access(k(0), RANKED, (r, -2))
+    for key in (k(2), k(0)):  # its request finished: fresh ranks, in group "a" again
+        p.access(key, REUSED)
+    assert p.order() == [k(1), k(2), k(0)]
+    assert p.evict(1, everything, only=("a",)) == [k(2)]
+
+
+def test_lru_regroup_keeps_every_keys_place():
+    p = grouped(None, None, "a", None)
+    p.regroup([k(1), k(3), k(9)], "a")
+    assert p.order() == [k(0), k(1), k(2), k(3)]
+    assert p.evict(1, everything, skip={"a"}) == [k(0)]
+    assert p.evict(1, everything, skip={"a"}) is None
+    assert p.evict(3, everything, only=("a",)) == [k(1), k(2), k(3)]
+
+
+GROUPS = (None, "a", "b")
+GROUPED_OPS = st.lists(st.one_of(
+    st.tuples(st.just("insert"), KEYS, st.sampled_from(GROUPS)),
+    st.tuples(st.just("insert_many"), st.lists(KEYS, max_size=3, unique=True),
+              st.sampled_from(GROUPS)),
+    st.tuples(st.just("ranked_insert"), KEYS, st.sampled_from(GROUPS), st.integers(0, 2),
+              st.integers(0, 3)),
+    st.tuples(st.just("ranked"), KEYS, st.integers(0, 2), st.integers(0, 3)),
+    st.tuples(st.just("touch_many"), st.lists(KEYS, max_size=3)),
+    st.tuples(st.just("remove_many"), st.lists(KEYS, max_size=3)),
+    st.tuples(st.just("regroup"), st.lists(KEYS, max_size=3), st.sampled_from(GROUPS)),
+    st.tuples(st.just("evict"), st.integers(1, 3), st.frozensets(KEYS),
+              st.frozensets(st.sampled_from(GROUPS)), st.booleans()),
+    *COMMON_OPS[1:3],
+), max_size=60)
+
+
+@settings(max_examples=400, deadline=None)
+@given(ops=GROUPED_OPS)
+def test_random_grouped_ops_match_the_rank_model_with_group_filters(ops):
+    """Groups change what an eviction walks, never what it takes: the reference model,
+    which knows no groups, refuses the skipped groups' keys in its test instead."""
+    p, model = LRUPolicy(4), ListLRU(4)
+    group: dict[bytes, object] = {}  # the model's key -> group
+    requests: dict[int, tuple[int, int]] = {}
+
+    def rank_of(req, pos):
+        if req not in requests:
+            requests[req] = (p.new_rank(), model.new_rank())
+        a, b = requests[req]
+        return (a, -pos), (b, -pos)
+
+    for op, *args in ops:
+        if op == "insert" and args[0] not in model.rank:
+            p.insert(args[0], None, args[1])
+            model.insert(args[0])
+            group[args[0]] = args[1]
+        elif op == "insert_many":
+            keys = [key for key in args[0] if key not in model.rank]
+            p.insert_many(keys, args[1])
+            for key in keys:
+                model.insert(key)
+                group[key] = args[1]
+        elif op == "ranked_insert" and args[0] not in model.rank:
+            a, b = rank_of(args[2], args[3])
+            p.insert(args[0], a, args[1])
+            model.insert(args[0], b)
+            group[args[0]] = args[1]
+        elif op == "ranked":
+            a, b = rank_of(args[1], args[2])
+            p.access(args[0], RANKED, a)
+            model.ranked(args[0], b)
+        elif op == "touch_many":
+            p.touch_many(args[0], [True] * len(args[0]))
+            for key in args[0]:
+                model.touch(key, True)
+        elif op == "remove_many":
+            p.remove_many(args[0])
+            for key in args[0]:
+                model.remove(key)
+        elif op == "regroup":
+            p.regroup(args[0], args[1])
+            group.update((key, args[1]) for key in args[0] if key in model.rank)
+        elif op == "evict":
+            n, allowed, groups, as_only = args
+            def ok(key, allowed=allowed, groups=groups, as_only=as_only):
+                return key in allowed and (group[key] in groups) == as_only
+            before = p.order()
+            got = p.evict(n, ok, *((groups, ()) if as_only else (None, groups)))
+            assert got == model.evict(n, ok)
+            if got is None:
+                assert p.order() == before  # all-or-nothing
+        elif op in ("remove", "touch"):
+            apply_common(p, model, op, args)
+        assert p.order() == model.cached() and len(p) == len(model.cached())
+        assert not any(map(p.__contains__, (key for key in group if key not in model.rank)))

@@ -10,7 +10,7 @@ semantics (``manager.py`` does), chooses no victim (``eviction.py``) and copies 
 from __future__ import annotations
 
 from collections import Counter, deque
-from collections.abc import Iterable
+from collections.abc import Container, Iterable
 from operator import attrgetter
 
 from kvshm.errors import BlockStateError, UnknownKeyError
@@ -55,6 +55,9 @@ class Entries:
         # those offered to a grant (going, whatever quotas say by the time they are claimed);
         # a client that left stays here until its entries go, as nobody's to protect
         self.usage: dict[Client, int] = {}
+        # tenants whose keys the policy files under a group of their own, so that an eviction
+        # that may not take them never walks them (those with a quota: ``Quotas`` keeps it)
+        self.grouped: Container[Client] = ()
 
     def __len__(self) -> int:
         return len(self.by_key)
@@ -95,12 +98,18 @@ class Entries:
             self.usage[tenant] = self.usage.get(tenant, 0) + len(keys)
         if writer is not None and keys:  # no empty record: nothing would ever remove it
             self.pending.setdefault(writer, set()).update(keys)
+        group = tenant if tenant in self.grouped else None
         if rank_of is None:
-            self.policy.insert_many(keys)
+            self.policy.insert_many(keys, group)
         else:
             for k in keys:
-                self.policy.insert(k, rank_of(k))
+                self.policy.insert(k, rank_of(k), group)
         self.index.insert_many(blocks, tags_of(keys) if tags is None else tags)
+
+    def requeue(self, key: bytes, e: Entry) -> None:
+        """``key`` (cached at ``e``, out of the policy's order) is back in it, most recent, in
+        its tenant's group."""
+        self.policy.insert(key, None, e.tenant if e.tenant in self.grouped else None)
 
     def unpend(self, key: bytes, e: Entry) -> None:
         """The store of ``key`` is over (published or freed): forget its writer."""

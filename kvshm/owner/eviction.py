@@ -54,10 +54,10 @@ class Evictor:
         if passes is None:
             return self.entries.policy.evict(n, can_evict), can_evict
         by_key = self.entries.by_key
-        for allowed in passes:
+        for allowed, only, skip in passes:  # (groups a pass refuses whole are never walked)
             def test(k: bytes, allowed: Allowed = allowed) -> bool:
                 return can_evict(k) and allowed(by_key[k])
-            victims = self.entries.policy.evict(n, test)
+            victims = self.entries.policy.evict(n, test, only, skip)
             if victims is not None:
                 return victims, test
         return None, can_evict
@@ -107,7 +107,7 @@ class Evictor:
             return victims
         for k in lost:
             table.set_state(by_key[k].block, L.READY)
-            policy.insert(k)  # it is being read: most recent is right
+            self.entries.requeue(k, by_key[k])  # it is being read: most recent is right
         keep = [k for k in victims if k not in lost]
         more = policy.evict(len(lost), lambda k: by_key[k].block not in held and can_evict(k))
         if more is not None:
@@ -115,6 +115,6 @@ class Evictor:
         if more is None:
             for k in keep:
                 table.set_state(by_key[k].block, L.READY)
-                policy.insert(k)
+                self.entries.requeue(k, by_key[k])
             return None
         return keep + more

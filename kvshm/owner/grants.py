@@ -147,7 +147,7 @@ class Grants:
                 free.append(b)                             # of it indexed here
             elif table.read(b).state in (L.READY, L.EVICTING):  # never claimed, or the claim
                 table.reset_ready(b)  # never finished: nothing written, READY as ever
-                entries.policy.insert(key)
+                entries.requeue(key, e)
                 entries.unoffered(e)
             else:  # CLAIMED (its data may be half new): forget its key, then free it
                 entries.forget(key)

@@ -10,11 +10,20 @@ order (the policy does): it only says which blocks a requester's eviction may ta
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
+from typing import NamedTuple
 
 from kvshm.owner.entries import Client, Entries, Entry
 
 Allowed = Callable[[Entry], bool]
+
+
+class Pass(NamedTuple):
+    """One pass of an eviction: the blocks it may take, and the policy groups (tenants
+    with a quota, ``Entries.grouped``) it is sure to refuse whole, so never walks."""
+    allowed: Allowed
+    only: Collection[Client] | None  # it takes none but these groups' blocks (None: any)
+    skip: Collection[Client]  # it takes none of these groups' blocks
 
 
 def quota_room(num_blocks: int) -> int:
@@ -31,6 +40,7 @@ class Quotas:
         self.entries, self.num_blocks = entries, num_blocks
         self.room = quota_room(num_blocks)
         self.limits: dict[Client, int] = {}  # client -> blocks it may keep cached
+        entries.grouped = self.limits  # a client with a quota: its blocks in a group of theirs
 
     def set(self, client: Client, blocks: int) -> int:
         """``client`` asked to keep ``blocks`` cached (0: no quota). Its own word, and
@@ -42,6 +52,9 @@ class Quotas:
         blocks = max(0, min(int(blocks), left))
         if blocks > 0:
             self.limits[client] = blocks
+            if self.used(client):  # (a quota comes before a client's stores: never so far)
+                self.entries.policy.regroup(
+                    [k for k, e in self.entries.by_key.items() if e.tenant == client], client)
         return blocks
 
     def drop(self, client: Client) -> None:
@@ -51,7 +64,7 @@ class Quotas:
     def used(self, client: Client) -> int:
         return self.entries.usage.get(client, 0)
 
-    def passes(self, client: Client | None) -> list[Allowed] | None:
+    def passes(self, client: Client | None) -> list[Pass] | None:
         """The blocks an eviction for ``client`` may take, as passes to try in order (None:
         no quotas, any evictable block). A client at or over its quota takes its own first;
         no pass takes the blocks of another client within its quota, nor more of one over
@@ -73,7 +86,10 @@ class Quotas:
             spare[t] = left - 1
             return True
 
+        # the clients within their quota: none of their blocks is unprotected
+        protected = {c for c, left in spare.items() if left <= 0}
         if client is not None and client in self.limits and \
                 usage.get(client, 0) >= self.limits[client]:
-            return [lambda e: e.tenant == client, unprotected]
-        return [unprotected]
+            return [Pass(lambda e: e.tenant == client, (client,), ()),
+                    Pass(unprotected, None, protected)]
+        return [Pass(unprotected, None, protected)]
