@@ -61,23 +61,26 @@ def _table_bytes(t: BlockTable) -> bytes:
        keyless=st.booleans(), writer=st.integers(-1, 200), gen=st.integers(0, 2**32 - 1),
        per_block_req=st.booleans(), req=st.integers(0, 2**64 - 1),
        last_use=st.integers(0, 2**64 - 1), stored_ns=st.integers(0, 2**64 - 1),
-       data=st.data())
+       tenant=st.integers(-1, 200), tenant_gen=st.integers(0, 2**32 - 1), data=st.data())
 def test_write_many_stores_the_bytes_write_stores(keys, state, keyless, writer, gen,
                                                   per_block_req, req, last_use, stored_ns,
-                                                  data):
+                                                  tenant, tenant_gen, data):
     blocks = data.draw(st.permutations(range(BLOCKS)))[:len(keys)]
     reqs = [(req + i) % 2**64 for i in range(len(keys))] if per_block_req else req
     with twins() as ((one, _), (many, _)):
         for t in (one, many):  # entries with something in them first: a rewrite must clear it
             t.write_many(range(BLOCKS), L.READY, [b"x" * L.MAX_KEY_BYTES] * BLOCKS, 3, 4, 5,
-                         6, 7)
+                         6, 7, tenant=8, tenant_gen=9)
         for i, b in enumerate(blocks):
             one.write(b, state, b"" if keyless else keys[i], writer, gen,
-                      reqs[i] if per_block_req else req, last_use, stored_ns)
+                      reqs[i] if per_block_req else req, last_use, stored_ns, tenant=tenant,
+                      tenant_gen=tenant_gen)
         many.write_many(blocks, state, None if keyless else keys, writer, gen, reqs, last_use,
-                        stored_ns)
+                        stored_ns, tenant=tenant, tenant_gen=tenant_gen)
         assert _table_bytes(many) == _table_bytes(one)
         assert all(many.read(b).key_ok for b in blocks)
+        stored_by = (tenant, tenant_gen) if tenant >= 0 else None
+        assert all(many.read(b).stored_by == stored_by for b in blocks)
 
 
 @settings(max_examples=40, deadline=None)

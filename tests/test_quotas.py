@@ -6,6 +6,9 @@ the cache is small, so the stores evict.
 """
 from __future__ import annotations
 
+import os
+import signal
+
 import pytest
 
 from kvshm.client.connect import connect, quota_blocks
@@ -88,6 +91,18 @@ def test_a_client_over_its_quota_evicts_its_own_blocks_first(cache):
     procs.store(b, theirs)
     flood(a, 4 * BLOCKS)  # far over its 8 blocks: every eviction it needs is of its own
     assert cached(b, theirs) == len(theirs)
+
+
+@pytest.mark.parametrize("grants", [False, True], ids=["round_trip", "grants"])
+def test_a_quota_protects_what_its_client_stored_before_the_owner_died(cache, grants):
+    a, b = cache(quota=16, grants=grants), cache()
+    mine = keys("mine", 16)
+    procs.store(a, mine)
+    os.kill(a.segment.owner_record()[0], signal.SIGKILL)
+    wait_for(lambda: not a.segment.owner_alive(), "the owner to die")
+    flood(b, 4 * BLOCKS)  # its first store starts the successor, which counts a's share
+    assert b.segment.counter("failovers") >= 1
+    assert cached(a, mine) == len(mine)
 
 
 def test_a_quota_is_blocks_or_a_fraction_of_the_cache():

@@ -207,6 +207,9 @@ class BlockRow(_Doc):
     last_use: Annotated[int, _d("owner tick of last use")]
     stored_ns: Annotated[int, _d("when its store completed")]
     pins: Annotated[int, _d("the owner's in-process pins")]
+    tenant: Annotated[int, _d("client slot whose store it holds, whose quota counts it "
+                              "(-1: nobody's)")]
+    tenant_gen: Annotated[int, _d("that slot's generation")]
 
 
 class BlocksDoc(_Doc):

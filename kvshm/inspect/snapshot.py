@@ -208,7 +208,9 @@ def block_rows(seg: Segment, states: set[str], limit: int) -> tuple[int, list[di
         e = m.e[b]
         rows.append({"block": b, "state": L.STATE_NAMES.get(int(e["state"]), "invalid"),
                      "key": m.key(b).hex(), "pinned_by": by.get(("pinned", b), []),
-                     "leased_by": by.get(("leased", b), []), **{k: int(e[k]) for k in _ROW_FIELDS}})
+                     "leased_by": by.get(("leased", b), []),
+                     **{k: int(e[k]) for k in _ROW_FIELDS},
+                     "tenant": int(e["tenant"]) - 1, "tenant_gen": int(e["tenant_gen"])})
     return len(chosen), rows
 
 

@@ -223,7 +223,8 @@ class Grants:
             elif success and e is not None and not e.ready and k not in deferred:
                 # Another client's store of k is unfinished: wait for it, keyed in the
                 # table so that a successor owner still knows (``adopt``).
-                entries.table.write(b, L.GRANTED, k, slot, gen, pos, entries.tick)
+                entries.table.write(b, L.GRANTED, k, slot, gen, pos, entries.tick, tenant=slot,
+                                    tenant_gen=gen)
                 deferred[k] = b
             else:  # failed, or stored first
                 freed.append(b)
@@ -234,7 +235,7 @@ class Grants:
         keys, blocks = list(done), list(done.values())
         tags = tags_of(keys)  # one crc32 per key, for the table's checksums and the index
         entries.table.write_many(blocks, L.READY, keys, -1, 0, 0, entries.tick, time.time_ns(),
-                                 tags)
+                                 tags, slot, gen)
         if keys:
             crash_point("owner.publish.mid")
         entries.adopt_many(blocks, keys, None, rank_of, tenant=(slot, gen), tags=tags)
@@ -273,7 +274,8 @@ class Grants:
             return
         mark = entries.table.read(b)  # GRANTED to the client that stored it
         tenant = (mark.writer, mark.writer_gen) if mark.writer >= 0 else None
-        entries.table.write(b, L.READY, key, -1, 0, 0, entries.tick, time.time_ns())
+        entries.table.write(b, L.READY, key, -1, 0, 0, entries.tick, time.time_ns(), 0,
+                            *(tenant or (-1, 0)))
         entries.adopt(b, key, None, tenant=tenant)  # in its client's share
         self.outcomes.stored([key], True, 0)
 

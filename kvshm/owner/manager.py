@@ -213,7 +213,8 @@ class LocalManager(OffloadingManager):
         entries.tick += 1
         slot, gen, req = writer
         blocks = entries.take_free(len(new))
-        self.table.write_many(blocks, L.WRITING, new, slot, gen, req, entries.tick)
+        self.table.write_many(blocks, L.WRITING, new, slot, gen, req, entries.tick, tenant=slot,
+                              tenant_gen=gen)
         entries.adopt_many(blocks, new, (slot, gen), rank_of)
         return PrepareStoreOutput(new, blocks, evicted)
 

@@ -3,10 +3,11 @@
 This module owns the quotas the owner applies, per client (slot, generation), when a client
 asked for one (``connect(..., quota=...)``, in its slot's share record): a client over its
 quota evicts its own blocks first; a client within its quota is never the victim of another
-client's stores. Clients without a quota, and the blocks of clients that left or that an
-earlier owner counted (a new owner starts counting afresh), are nobody's to protect: the
-policy orders them as ever. It counts nothing itself (``Entries.usage`` does) and decides no
-order (the policy does): it only says which blocks a requester's eviction may take.
+client's stores. Clients without a quota, and the blocks of clients that left, are nobody's
+to protect: the policy orders them as ever (a new owner counts each client's blocks from the
+table, which names every block's tenant, so protection survives a takeover). It counts
+nothing itself (``Entries.usage`` does) and decides no order (the policy does): it only says
+which blocks a requester's eviction may take.
 """
 from __future__ import annotations
 

@@ -98,7 +98,7 @@ def rebuild(entries: Entries, grants: Grants, writer_alive: Callable[[int, int],
             table.reset_ready(b)
         if len(by_key) == len(ready) // 2:
             crash_point("owner.rebuild.mid")
-        entries.adopt(b, key, None)
+        entries.adopt(b, key, None, e.stored_by)  # in its client's share, as before
         entries.tick = max(entries.tick, last_use)
     for b, key, writer in writing:
         if stores[key] > 1:  # which store writes the key's bytes? Its writer may go on

@@ -20,10 +20,10 @@ from kvshm.shm.records import (
     struct_format,
 )
 
-# The entry body (records.ENTRY_BODY: every field from state to the key, zero padded to
-# MAX_KEY_BYTES). It is packed into a private bytes object and copied into the segment with
-# one slice assignment (a memcpy: no zero-fill, no transient value a reader or a successor
-# could mistake).
+# The entry body (records.ENTRY_BODY: every field from state to the tenant's, the key zero
+# padded to MAX_KEY_BYTES). It is packed into a private bytes object and copied into the
+# segment with one slice assignment (a memcpy: no zero-fill, no transient value a reader or
+# a successor could mistake).
 BODY = struct.Struct(struct_format(ENTRY_DTYPE, ENTRY_BODY))
 BODY_OFF = field_offset(ENTRY_DTYPE, "state")
 KEY_OFF = L.ENTRY_KEY_OFFSET
@@ -35,7 +35,7 @@ STORED_NS_WORD = field_offset(ENTRY_DTYPE, "stored_ns") // 8
 PINS_WORD = field_offset(ENTRY_DTYPE, "pins") // 8
 WORDS32 = L.ENTRY_BYTES // 4
 WORDS64 = L.ENTRY_BYTES // 8
-assert BODY_OFF == 4 and BODY_OFF + BODY.size == KEY_OFF + L.MAX_KEY_BYTES
+assert BODY_OFF == 4 and BODY_OFF + BODY.size == field_offset(ENTRY_DTYPE, "offered_at")
 assert STORED_NS_WORD == LAST_USE_WORD + 1  # publish stores them as adjacent words
 EMPTY_KEYSUM = L.key_checksum(b"")
 # A key's checksum is its crc32 (the key index's tag) xor a constant of its length: crc32 is
@@ -61,11 +61,18 @@ class Entry(NamedTuple):
     pins: int
     keysum: int = 0  # the checksum stored with the key (layout.key_checksum)
     torn: bool = False  # read() gave up: the seq stayed odd (or kept moving); do not trust
+    tenant: int = -1  # client slot whose store the block holds (its quota counts it), or -1
+    tenant_gen: int = 0
 
     @property
     def grant_pos(self) -> int:
         """A GRANTED block's position in its client's grant ring (stored in writer_req)."""
         return self.writer_req
+
+    @property
+    def stored_by(self) -> tuple[int, int] | None:
+        """(slot, gen) of the client whose store the block holds, or None: nobody's."""
+        return (self.tenant, self.tenant_gen) if self.tenant >= 0 else None
 
     @property
     def key_ok(self) -> bool:
@@ -76,12 +83,13 @@ class Entry(NamedTuple):
 # BlockTable.write packs and decode() unpacks the body positionally, in this order: a
 # reordering of records.ENTRY_DTYPE must fail here, at import, not scramble fields silently.
 assert ENTRY_BODY == ("state", "keylen", "writer", "writer_gen", "keysum", "writer_req",
-                      "last_use", "stored_ns", "pins", "key")
+                      "last_use", "stored_ns", "pins", "key", "tenant", "spare", "tenant_gen")
 assert field_names(ENTRY_DTYPE)[:len(ENTRY_BODY) + 1] == ("seq", *ENTRY_BODY)
 
 
 def decode(seq: int, f: tuple, torn: bool) -> Entry:
     """The ``Entry`` of a body ``BODY`` unpacked (``f``) under sequence number ``seq``."""
-    state, keylen, writer, gen, keysum, req, last_use, stored_ns, pins, key = f
+    state, keylen, writer, gen, keysum, req, last_use, stored_ns, pins, key, tenant, _, \
+        tenant_gen = f
     return Entry(seq, state, key[:keylen], writer, gen, req, last_use, stored_ns, pins,
-                 keysum, torn)
+                 keysum, torn, tenant - 1, tenant_gen)

@@ -68,12 +68,13 @@ from kvshm.shm.records import (  # noqa: F401  (re-exported: one definition, two
 )
 
 MAGIC = b"KVSHM\x00\x00\x01"
-FORMAT_VERSION = 7  # 2: 64-bit writer_req, keysum in every table entry; 3: block grants;
+FORMAT_VERSION = 8  # 2: 64-bit writer_req, keysum in every table entry; 3: block grants;
 #                    4: grant rings of 1,024 blocks, a client's refusal of grants;
 #                    5: doorbells and the tier area named for the segment's inode;
 #                    6: offered (READY) grants claimed by their client, slot hold marks,
 #                       a client's share of the cache (quotas);
-#                    7: doorbells are futex words of the segment, no semaphores
+#                    7: doorbells are futex words of the segment, no semaphores;
+#                    8: a table entry names its block's tenant (quotas survive failover)
 HEADER_BYTES = 4096
 DATA_ALIGN = 2 << 20
 MAX_PLANES = 32

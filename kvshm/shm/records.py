@@ -321,20 +321,28 @@ ENTRY_DTYPE = np.dtype([
     ("pins", "<u8"),
     # the key, zero padded; written only in the body copy, with keylen and keysum.
     ("key", "S64"),
+    # 1 + the client slot whose store the block holds (READY; WRITING: the writer, whose
+    # store it will be), 0 for nobody's: that client's quota counts the block. Written in
+    # every body copy (so never stale), and kept by the word stores that make a block READY
+    # or offer it: a successor owner counts each client's share from it, so quotas protect
+    # what was stored before it took over.
+    ("tenant", "<u2"),
+    ("spare", "V2"),  # nobody: zero
+    # generation of that slot when it stored the block (a reused slot is another client).
+    ("tenant_gen", "<u4"),
     # offered READY, CLAIMED: the eviction clock when the owner offered the block (in the
     # same round as the writer fields). A last_use past it means a request used the block
     # since: its client returns the offer instead of claiming it. Stale otherwise.
     ("offered_at", "<u8"),
-    ("spare", "V8"),  # nobody: zero
 ], align=False)
 assert ENTRY_DTYPE.itemsize == 128
 # Every field sits at a multiple of its own size: the 64-bit words can be stored through
 # aligned memoryview casts, the seq word likewise (and the batch writers view rows as words).
 assert all(field_offset(ENTRY_DTYPE, n) % field_dtype(ENTRY_DTYPE, n).itemsize == 0
            for n in field_names(ENTRY_DTYPE) if field_dtype(ENTRY_DTYPE, n).kind in "iu")
-# The body (every field from state to the key) is copied in with one slice assignment.
+# The body (every field from state to the tenant's) is copied in with one slice assignment.
 ENTRY_BODY = ("state", "keylen", "writer", "writer_gen", "keysum", "writer_req", "last_use",
-              "stored_ns", "pins", "key")
+              "stored_ns", "pins", "key", "tenant", "spare", "tenant_gen")
 
 # --- key-index slot (open addressing, a power of two of them): written only by the owner --
 INDEX_SLOT_DTYPE = np.dtype([

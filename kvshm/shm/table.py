@@ -174,13 +174,16 @@ class BlockTable:
         self._w32[block * WORDS32] = (seq + 1) & 0xFFFFFFFF
 
     def write(self, block: int, state: int, key: bytes, writer: int = -1, writer_gen: int = 0,
-              writer_req: int = 0, last_use: int = 0, stored_ns: int = 0, pins: int = 0) -> None:
+              writer_req: int = 0, last_use: int = 0, stored_ns: int = 0, pins: int = 0,
+              tenant: int = -1, tenant_gen: int = 0) -> None:
         """Rewrite ``block``'s whole entry (key, its checksum and every field) in one round.
+        ``tenant``: the slot whose store the block holds (-1: nobody's), of ``tenant_gen``.
 
         The body is packed first, so a value out of range raises before the entry is touched.
         """
         self._put(block, BODY.pack(state, len(key), writer, writer_gen, L.key_checksum(key),
-                                    writer_req, last_use, stored_ns, pins, key))
+                                    writer_req, last_use, stored_ns, pins, key, tenant + 1, b"",
+                                    tenant_gen))
 
     def _put(self, block: int, body: bytes) -> None:
         """One seqlock round that copies a packed ``body`` into ``block``'s entry."""
@@ -276,7 +279,8 @@ class BlockTable:
     def write_many(self, blocks: Sequence[int], state: int, keys: Sequence[bytes] | None = None,
                    writer: int = -1, writer_gen: int = 0, writer_req: int | Sequence[int] = 0,
                    last_use: int = 0, stored_ns: int = 0,
-                   tags: Sequence[int] | None = None) -> None:
+                   tags: Sequence[int] | None = None, tenant: int = -1,
+                   tenant_gen: int = 0) -> None:
         """``write`` of each of ``blocks`` (distinct ids) with its key of ``keys`` (none: empty
         keys) and the same other fields, ``writer_req`` alone may differ per block. ``tags``:
         the keys' crc32s, if the caller has them (``keyindex.tags_of``): their checksums
@@ -293,7 +297,7 @@ class BlockTable:
         if n < VECTOR_MIN:
             reqs = [writer_req] * n if isinstance(writer_req, int) else writer_req
             bodies = [BODY.pack(state, len(k), writer, writer_gen, L.key_checksum(k), reqs[i],
-                                 last_use, stored_ns, 0, k)
+                                 last_use, stored_ns, 0, k, tenant + 1, b"", tenant_gen)
                       for i, k in enumerate(keys or [b""] * n)]
             for blk, packed in zip(blocks, bodies):
                 self._put(blk, packed)
@@ -315,7 +319,8 @@ class BlockTable:
             writer_req
         rows = np.frombuffer(b"".join(map(
             BODY.pack, repeat(state, n), lens, repeat(writer, n), repeat(writer_gen, n), sums,
-            req_of, repeat(last_use, n), repeat(stored_ns, n), repeat(0, n), bkeys)),
+            req_of, repeat(last_use, n), repeat(stored_ns, n), repeat(0, n), bkeys,
+            repeat(tenant + 1, n), repeat(b"", n), repeat(tenant_gen, n))),
             np.uint8).reshape(n, BODY.size)
         if len(rows) != n:
             raise ValueError(f"write_many of {n} blocks with {len(rows)} writer_req values")
