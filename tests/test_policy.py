@@ -649,6 +649,7 @@ GROUPED_OPS = st.lists(st.one_of(
     st.tuples(st.just("touch_many"), st.lists(KEYS, max_size=3)),
     st.tuples(st.just("remove_many"), st.lists(KEYS, max_size=3)),
     st.tuples(st.just("regroup"), st.lists(KEYS, max_size=3), st.sampled_from(GROUPS)),
+    st.tuples(st.just("dissolve"), st.sampled_from(GROUPS)),
     st.tuples(st.just("evict"), st.integers(1, 3), st.frozensets(KEYS),
               st.frozensets(st.sampled_from(GROUPS)), st.booleans()),
     *COMMON_OPS[1:3],
@@ -701,6 +702,9 @@ def test_random_grouped_ops_match_the_rank_model_with_group_filters(ops):
         elif op == "regroup":
             p.regroup(args[0], args[1])
             group.update((key, args[1]) for key in args[0] if key in model.rank)
+        elif op == "dissolve":
+            p.dissolve(args[0])
+            group.update((key, None) for key, g in group.items() if g == args[0])
         elif op == "evict":
             n, allowed, groups, as_only = args
             def ok(key, allowed=allowed, groups=groups, as_only=as_only):
@@ -714,3 +718,17 @@ def test_random_grouped_ops_match_the_rank_model_with_group_filters(ops):
             apply_common(p, model, op, args)
         assert p.order() == model.cached() and len(p) == len(model.cached())
         assert not any(map(p.__contains__, (key for key in group if key not in model.rank)))
+
+
+def test_lru_dissolve_files_a_groups_keys_back_in_the_common_order():
+    p = grouped("a", None, "a", None)
+    p.dissolve("a")
+    assert p.order() == [k(0), k(1), k(2), k(3)]
+    assert p.evict(2, everything, only=(None,)) == [k(0), k(1)]
+
+
+def test_lru_a_cached_key_inserted_again_moves_to_the_new_group_once():
+    p = grouped("a", None)
+    p.insert_many([k(0), k(2)], "b")  # k0 is cached already (the caller broke its promise)
+    assert len(p) == 3 and p.order() == [k(1), k(0), k(2)]
+    assert p.evict(3, everything) == [k(1), k(0), k(2)] and len(p) == 0

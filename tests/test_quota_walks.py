@@ -78,3 +78,12 @@ def test_a_quota_set_after_a_clients_stores_files_its_earlier_blocks_apart_too(m
     store(manager, keys(b"n", 4), A)
     assert asked == mine[:4]
     assert all(manager.key_status(key) == LookupResult.HIT for key in others)
+
+
+def test_a_departed_clients_blocks_rejoin_the_common_order(manager):
+    assert manager.quotas.set(A, 16) == 16
+    mine = keys(b"a", 8)
+    store(manager, mine, A)
+    store(manager, keys(b"b", 8), B)
+    manager.reclaim_writer(*A)  # A left: its blocks are nobody's to protect
+    assert manager.policy.evict(8, lambda key: True, skip={A}) == mine  # no group to skip

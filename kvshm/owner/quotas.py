@@ -59,8 +59,10 @@ class Quotas:
         return blocks
 
     def drop(self, client: Client) -> None:
-        """``client`` left: its blocks are nobody's to protect from now on."""
-        self.limits.pop(client, None)
+        """``client`` left: its blocks are nobody's to protect from now on (back in the
+        policy's common group, so that evictions walk one order again)."""
+        if self.limits.pop(client, None) is not None:
+            self.entries.policy.dissolve(client)
 
     def used(self, client: Client) -> int:
         return self.entries.usage.get(client, 0)

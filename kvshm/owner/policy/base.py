@@ -13,8 +13,9 @@ Groups: a caller may file a key under a *group* (any hashable; None is the commo
 and, when it evicts, name groups whose keys ``can_evict`` is sure to refuse (``skip``) or
 the only groups whose keys it may accept (``only``). A policy may then never look at those
 keys; one that ignores groups (ARC) asks ``can_evict`` as ever. Groups are a way to skip
-work, never a rule: ``can_evict`` alone decides what may go, so a key filed under the wrong
-group costs time, never a wrong victim.
+work, never a rule: ``can_evict`` alone decides what may go, so no key is ever taken
+against its word; but an eviction passes over the keys of the groups it was told to skip,
+so those groups must be exact (the caller vouches for them).
 
 Not thread-safe: only the owner's single loop calls a policy.
 """
@@ -58,6 +59,11 @@ class CachePolicy(ABC):
     def regroup(self, keys: Sequence[bytes], group: Group) -> None:
         """File cached ``keys`` under ``group``, each keeping its place in the order.
         Unknown keys: no-op. A policy without groups has nothing to do."""
+        return None
+
+    def dissolve(self, group: Group) -> None:
+        """File every key of ``group`` under the common group, each keeping its place in the
+        order. A policy without groups has nothing to do."""
         return None
 
     @abstractmethod

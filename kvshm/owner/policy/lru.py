@@ -47,6 +47,7 @@ class LRUPolicy(CachePolicy):
         self.capacity = capacity  # unused by LRU; kept so both policies build the same way
         self._fresh: Fresh = {}  # the common group's fresh ranks, lowest first
         self._groups: dict[Group, Fresh] = {}  # every other group's, lowest first; none empty
+        self._group_of: dict[bytes, Group] = {}  # the group of each key of a ``_groups`` dict
         self._prov: dict[bytes, Rank] = {}  # provisional ranks (never a key of a Fresh)
         self._pgroup: dict[bytes, Group] = {}  # a provisional key's group, if not None
         self._heap: list[tuple[Rank, bytes]] = []  # provisional ranks
@@ -56,23 +57,44 @@ class LRUPolicy(CachePolicy):
         self._next += 1
         return self._next
 
-    # --- where a key is -------------------------------------------------------------------
-    def _where(self, key: bytes) -> tuple[Group, Fresh] | None:
-        """The group and the dict holding ``key``'s fresh rank, or None."""
-        if key in self._fresh:
-            return None, self._fresh
-        for g, d in self._groups.items():
-            if key in d:
-                return g, d
-        return None
+    # --- a key's group ------------------------------------------------------------------
+    def _plain(self) -> bool:
+        """No key in a group but the common one: the plain LRU's paths serve."""
+        return not self._group_of and not self._pgroup
 
-    def _dict_of(self, group: Group) -> Fresh:
+    def _file(self, key: bytes, n: int, group: Group) -> None:
+        """Give ``key`` (in no dict) fresh rank ``n`` in ``group``."""
         if group is None:
-            return self._fresh
+            self._fresh[key] = n
+            return
         d = self._groups.get(group)
         if d is None:
             d = self._groups[group] = {}
-        return d
+        d[key] = n
+        self._group_of[key] = group
+
+    def _unfile(self, key: bytes) -> tuple[bool, Group]:
+        """Take ``key``'s fresh rank out of its dict: (whether it had one, its group)."""
+        if self._fresh.pop(key, None) is not None:
+            return True, None
+        g = self._group_of.pop(key, None)
+        if g is None:
+            return False, None
+        d = self._groups[g]
+        del d[key]
+        if not d:
+            del self._groups[g]
+        return True, g
+
+    def _unfile_many(self, keys: Sequence[bytes]) -> None:
+        """``_unfile`` of each of ``keys`` (absent ones: no-op)."""
+        deque(map(self._fresh.pop, keys, repeat(None)), 0)
+        if self._group_of:
+            for k in keys:
+                g = self._group_of.pop(k, None)
+                if g is not None:
+                    del self._groups[g][k]
+            self._tidy()
 
     def _tidy(self) -> None:
         """Forget emptied groups (so that no group left means the plain LRU's paths)."""
@@ -80,30 +102,38 @@ class LRUPolicy(CachePolicy):
             del self._groups[g]
 
     def _rank(self, key: bytes) -> Rank | None:
-        where = self._where(key)
-        return (where[1][key], 0) if where is not None else self._prov.get(key)
+        n = self._fresh.get(key)
+        if n is None and (g := self._group_of.get(key)) is not None:
+            n = self._groups[g][key]
+        return (n, 0) if n is not None else self._prov.get(key)
 
     # --- changes ------------------------------------------------------------------------
     def _freshen(self, key: bytes, group: Group = None) -> None:
         """``key`` takes a fresh rank in its group: the one it is filed under if it is
         cached (a provisional key's too), else ``group``."""
+        if group is None and not self._group_of and not self._pgroup:  # (plain)
+            self._prov.pop(key, None)
+            self._fresh.pop(key, None)
+            self._fresh[key] = self.new_rank()
+            return
         if key in self._prov:
             del self._prov[key]
             group = self._pgroup.pop(key, None)
         else:
-            where = self._where(key)
-            if where is not None:
-                group, home = where
-                del home[key]
-        self._dict_of(group)[key] = self.new_rank()
+            found, g = self._unfile(key)
+            if found:
+                group = g
+        self._file(key, self.new_rank(), group)
 
     def _provisional(self, key: bytes, rank: Rank, group: Group = None) -> None:
-        if key in self._prov:
+        if group is None and not self._group_of and not self._pgroup:  # (plain)
+            self._fresh.pop(key, None)
+        elif key in self._prov:
             group = self._pgroup.get(key)
-        elif (where := self._where(key)) is not None:
-            group, home = where
-            del home[key]
-            self._tidy()
+        else:
+            found, g = self._unfile(key)
+            if found:
+                group = g
         self._prov[key] = rank
         if group is not None:
             self._pgroup[key] = group
@@ -125,14 +155,24 @@ class LRUPolicy(CachePolicy):
             for k in keys:
                 self._freshen(k, group)
             return
-        # New keys (the caller's promise), in C-level passes: a store's batch.
+        # New keys (the caller's promise; one cached all the same moves, as a touch would),
+        # in C-level passes: a store's batch.
         if self._prov:
             deque(map(self._prov.pop, keys, repeat(None)), 0)
-            deque(map(self._pgroup.pop, keys, repeat(None)), 0)
+            if self._pgroup:
+                deque(map(self._pgroup.pop, keys, repeat(None)), 0)
+        self._unfile_many(keys)
         start = self._next + 1
         self._next += len(keys)
-        deque(map(self._fresh.pop, keys, repeat(None)), 0)
-        self._dict_of(group).update(zip(keys, range(start, self._next + 1)))
+        ranks = zip(keys, range(start, self._next + 1))
+        if group is None:
+            self._fresh.update(ranks)
+            return
+        d = self._groups.get(group)
+        if d is None:
+            d = self._groups[group] = {}
+        d.update(ranks)
+        self._group_of.update(zip(keys, repeat(group)))
 
     def regroup(self, keys: Sequence[bytes], group: Group) -> None:
         moved: list[tuple[int, bytes]] = []
@@ -141,40 +181,62 @@ class LRUPolicy(CachePolicy):
                 self._pgroup.pop(k, None)
                 if group is not None:
                     self._pgroup[k] = group
-            elif (where := self._where(k)) is not None and where[1] is not self._dict_of(group):
-                moved.append((where[1].pop(k), k))
-        if moved:  # into the group's dict, each at its rank: the dict rebuilt in rank order
-            target = self._dict_of(group)
-            merged = list(heapq.merge(list(zip(target.values(), target)), sorted(moved)))
-            target.clear()
-            target.update(zip(map(_KEY, merged), map(itemgetter(0), merged)))
-        self._tidy()
+                continue
+            n = self._fresh.get(k) if group is not None else None
+            g = self._group_of.get(k)
+            if n is not None or (g is not None and g != group):
+                moved.append((n if n is not None else self._groups[g][k], k))
+                self._unfile(k)
+        self._merge_into(group, moved)
+
+    def dissolve(self, group: Group) -> None:
+        """File every key of ``group`` under the common group, each keeping its place (the
+        group's reason to exist is gone: a client with a quota left)."""
+        if group is None:
+            return
+        for k in [k for k, g in self._pgroup.items() if g == group]:
+            del self._pgroup[k]
+        d = self._groups.pop(group, None)
+        if d:
+            deque(map(self._group_of.pop, d), 0)
+            self._merge_into(None, list(zip(d.values(), d)))
+
+    def _merge_into(self, group: Group, moved: list[tuple[int, bytes]]) -> None:
+        """File ``moved`` (``(n, key)``, keys in no dict) under ``group`` at their ranks:
+        its dict is rebuilt in rank order (one linear merge)."""
+        if not moved:
+            return
+        if group is None:
+            target = self._fresh
+        else:
+            target = self._groups.setdefault(group, {})
+            self._group_of.update(zip(map(_KEY, moved), repeat(group)))
+        merged = list(heapq.merge(list(zip(target.values(), target)), sorted(moved)))
+        target.clear()
+        target.update(zip(map(_KEY, merged), map(itemgetter(0), merged)))
 
     def remove(self, key: bytes) -> None:
         if key in self._prov:
             del self._prov[key]
             self._pgroup.pop(key, None)
-        elif (where := self._where(key)) is not None:
-            del where[1][key]
-            self._tidy()
+        else:
+            self._unfile(key)
 
     def remove_many(self, keys: Sequence[bytes]) -> None:
         # (a key is in one dict at most; a stale heap entry is skipped like any other)
-        deque(map(self._fresh.pop, keys, repeat(None)), 0)
         if self._prov:
             deque(map(self._prov.pop, keys, repeat(None)), 0)
-            deque(map(self._pgroup.pop, keys, repeat(None)), 0)
-        if self._groups:
-            for d in self._groups.values():
-                deque(map(d.pop, keys, repeat(None)), 0)
-            self._tidy()
+            if self._pgroup:
+                deque(map(self._pgroup.pop, keys, repeat(None)), 0)
+        self._unfile_many(keys)
 
     def touch(self, key: bytes, ready: bool) -> None:
-        if key in self:  # a key evicted between lookup and touch is not an error
+        # a key evicted between lookup and touch is not an error
+        if key in self._fresh or key in self._prov or key in self._group_of:
             self._freshen(key)
 
     def touch_many(self, keys: Sequence[bytes], ready: Sequence[bool]) -> None:
-        if self._groups or self._pgroup:  # each key stays in its group: one at a time
+        if not self._plain():  # each key stays in its group: one at a time
             for k in keys:
                 self.touch(k, True)
             return
@@ -237,10 +299,10 @@ class LRUPolicy(CachePolicy):
             victims = list(islice(filter(can_evict, scan), n))
             if len(victims) < n:
                 return None
-            for d in dicts:
-                deque(map(d.pop, victims, repeat(None)), 0)
-            if len(dicts) > 1 or dicts[0] is not self._fresh:
-                self._tidy()
+            if dicts[0] is self._fresh and len(dicts) == 1:
+                deque(map(self._fresh.pop, victims), 0)
+            else:
+                self._unfile_many(victims)
             return victims
         heap = self._heap
         victims = []
@@ -268,12 +330,7 @@ class LRUPolicy(CachePolicy):
         if not taken:
             return None
         for key in victims:
-            if key in self._prov:
-                del self._prov[key]
-                self._pgroup.pop(key, None)
-            else:
-                del self._where(key)[1][key]  # type: ignore[index]
-        self._tidy()
+            self.remove(key)
         return victims
 
     def order(self) -> list[bytes]:
@@ -282,8 +339,7 @@ class LRUPolicy(CachePolicy):
         return [k for _, k in sorted(ranked + [(r, k) for k, r in self._prov.items()])]
 
     def __contains__(self, key: object) -> bool:
-        return key in self._fresh or key in self._prov or \
-            any(key in d for d in self._groups.values())
+        return key in self._fresh or key in self._prov or key in self._group_of
 
     def __len__(self) -> int:
-        return len(self._fresh) + len(self._prov) + sum(map(len, self._groups.values()))
+        return len(self._fresh) + len(self._prov) + len(self._group_of)
