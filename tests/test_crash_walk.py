@@ -28,7 +28,7 @@ from kvshm.shm.table import BlockTable
 
 import procs
 from conftest import SMALL_GEOMETRY, TEST_LAYOUT, stop_owner
-from kvshm.owner.grants import grant_target
+from kvshm.owner.stocking import grant_target
 from test_exactly_once import owner_proc
 from test_shared import wait_for
 

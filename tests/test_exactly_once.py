@@ -23,7 +23,7 @@ from kvshm.client.connect import connect
 from kvshm.errors import ReplyTimeoutError
 from kvshm.shm.segment import Segment
 from kvshm.shm.table import BlockTable
-from kvshm.owner.grants import grant_target
+from kvshm.owner.stocking import grant_target
 from kvshm.inspect.snapshot import verify
 
 import procs
@@ -213,7 +213,7 @@ def test_a_prepare_store_larger_than_a_frame_is_one_atomic_operation(seg_name):
     # 300 keys do not fit one frame of this ring. Keys offered in one call are never chosen
     # as victims of that call; when the parts ran separately, the part with the new keys
     # evicted the cached keys an earlier part had offered.
-    # 64 client slots over 200 blocks: no grants (grants.grant_target), stores round-trip.
+    # 64 client slots over 200 blocks: no grants (stocking.grant_target), stores round-trip.
     mgr = connect(seg_name, TEST_LAYOUT, num_blocks=200, ring_capacity=8192, max_clients=64)
     try:
         cached = [b"cached-%054d" % i for i in range(200)]

@@ -20,7 +20,7 @@ import pytest
 
 from kvshm.index import protocol as P
 from kvshm.client.connect import connect
-from kvshm.owner.grants import grant_budget, grant_target
+from kvshm.owner.stocking import grant_budget, grant_target
 from kvshm.index.api import LookupResult
 from kvshm.errors import BlockStateError, ClientQuarantinedError, ProtocolError
 from kvshm.shm import layout as L

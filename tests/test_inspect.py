@@ -29,7 +29,7 @@ import pytest
 from kvshm.shm import layout as L
 from kvshm.inspect import snapshot as S
 from kvshm.inspect.cli import main
-from kvshm.owner.grants import grant_budget
+from kvshm.owner.stocking import grant_budget
 from kvshm.inspect.schema import DOCUMENTS, Show, render_docs
 from kvshm.shm.layout import Layout
 from kvshm.owner.manager import LocalManager

@@ -431,7 +431,7 @@ class Soak:
     def run(self) -> dict:
         a = self.args
         # Client slots for everyone and the probe, and no more: a few blocks are then
-        # granted to each storing client (grants.grant_target), so small stores take the
+        # granted to each storing client (stocking.grant_target), so small stores take the
         # grant path and large ones the round trip.
         Segment.create(self.name, LAYOUT, a.blocks, ring_capacity=64 << 10, hold_capacity=256,
                        max_clients=a.clients + a.reconnectors + 2 * a.hostile + 2 +

@@ -43,7 +43,7 @@ class Client:
         self.grant_head, self.grant_ids = slots.grants(seg, slot)
         self.stores = False  # it stores: keep its grant ring stocked
         # Its largest store so far, in keys (round trip, or grants taken between refills):
-        # the owner keeps its grant ring at twice that, within the budget (``grants.py``).
+        # the owner keeps its grant ring at twice that, within the budget (``stocking.py``).
         self.largest_store = 0
         self.taken_seen = int(self.grant_head["taken"])
         # it takes grants: the slot says so from its activation, before any request

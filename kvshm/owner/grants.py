@@ -31,18 +31,13 @@ Invariants (the table says it all, so a successor rebuilds it):
   (``LocalManager.reclaim_writer``), as its unfinished stores are; an offer it never
   claimed is simply cached again.
 
-Grants are kept small all the same (an offer is a victim chosen early, before the touches
-that could have spared it): a client is kept at ``grant_target`` (its share of a quarter of
-the cache) or at twice its largest store, the growth beyond the share only while all grants
-together stay within ``grant_budget`` (that quarter again). It never copies block data and
-never blocks.
+How many blocks each client is kept stocked with is ``stocking.py``'s. This module never
+copies block data and never blocks.
 """
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Sequence
-from typing import Protocol, TypeVar
 
 import numpy as np
 
@@ -55,29 +50,13 @@ from kvshm.owner.outcomes import Outcomes
 from kvshm.owner.running import RunningRanks
 from kvshm.shm import layout as L
 from kvshm.shm import offers
-from kvshm.shm.fence import publish_fence
 from kvshm.shm.keyindex import tags_of
-from kvshm.shm.layout import Geometry
 from kvshm.shm.offers import offer
 from kvshm.shm.segment import Segment
-from kvshm.shm.words import WordView
-
-log = logging.getLogger("kvshm.owner")
 
 # Evicting for a grant must respect every client's leases, the grantee's own too: unlike a
 # store's reply, a grant cannot tell its client which of its leases it took away.
 ALL_HOLDS = -1
-
-
-def grant_target(g: Geometry) -> int:
-    """Blocks a storing client is kept stocked with at first: its share of a quarter of the
-    cache (0: tiny caches store by round trip)."""
-    return min(L.GRANT_CAPACITY, g.num_blocks // (4 * g.max_clients))
-
-
-def grant_budget(g: Geometry) -> int:
-    """Blocks all clients' grants together may hold: a quarter of the cache."""
-    return g.num_blocks // 4 if grant_target(g) else 0
 
 
 class Grants:
@@ -201,7 +180,27 @@ class Grants:
             del mine[b]
         self._end(back)
         entries.tick += 1
-        done: dict[bytes, int] = {}  # key -> block, published by this frame
+        done, freed = self._sort_publish(slot, gen, keys, blocks, mine, taken, success)
+        if not mine:
+            self.blocks.pop((slot, gen), None)
+        if freed:
+            entries.release(freed)
+        keys, blocks = list(done), list(done.values())
+        tags = tags_of(keys)  # one crc32 per key, for the table's checksums and the index
+        entries.table.write_many(blocks, L.READY, keys, -1, 0, 0, entries.tick, time.time_ns(),
+                                 tags, slot, gen)
+        if keys:
+            crash_point("owner.publish.mid")
+        entries.adopt_many(blocks, keys, None, rank_of, tenant=(slot, gen), tags=tags)
+        self.outcomes.stored(keys, success, len(freed))
+
+    def _sort_publish(self, slot: int, gen: int, keys: list[bytes], blocks: list[int],
+                      mine: dict[int, int], taken: int, success: bool
+                      ) -> tuple[dict[bytes, int], list[int]]:
+        """``publish``'s general case, a key at a time: which of the sender's taken blocks
+        are published (key -> block) and which are freed; a block behind another client's
+        unfinished store of its key is deferred. Blocks sorted leave ``mine``."""
+        entries, done, freed = self.entries, {}, []
         ours = []  # (key, block, position): granted to the sender and taken by it
         pos_of = mine.get
         for k, b in zip(keys, blocks):
@@ -228,18 +227,7 @@ class Grants:
                 deferred[k] = b
             else:  # failed, or stored first
                 freed.append(b)
-        if not mine:
-            self.blocks.pop((slot, gen), None)
-        if freed:
-            entries.release(freed)
-        keys, blocks = list(done), list(done.values())
-        tags = tags_of(keys)  # one crc32 per key, for the table's checksums and the index
-        entries.table.write_many(blocks, L.READY, keys, -1, 0, 0, entries.tick, time.time_ns(),
-                                 tags, slot, gen)
-        if keys:
-            crash_point("owner.publish.mid")
-        entries.adopt_many(blocks, keys, None, rank_of, tenant=(slot, gen), tags=tags)
-        self.outcomes.stored(keys, success, len(freed))
+        return done, freed
 
     def _claimed(self, blocks: list[int]) -> set[int]:
         """Offered blocks in a Publish: their old keys leave the index (an eviction each),
@@ -287,19 +275,6 @@ class Grants:
         return len(blocks)
 
 
-class StockedClient(Protocol):
-    """What ``stock`` reads and keeps of a client (the owner's ``_Client``)."""
-    slot: int
-    gen: int
-    grant_head: WordView  # its slot's grant counts (records.GRANT_HEAD_DTYPE)
-    grant_ids: np.ndarray  # its slot's grant ring
-    taken_seen: int  # its taken count at the last refill
-    largest_store: int  # in blocks, the most it took between two refills or in one store
-
-
-_C = TypeVar("_C", bound=StockedClient)
-
-
 def grant_level(granted: int, taken: int) -> int | None:
     """Blocks in a client's grant ring from its two counts, or None if the counts are
     impossible (the client scribbled on its slot): taken above granted, more than the ring
@@ -309,69 +284,3 @@ def grant_level(granted: int, taken: int) -> int | None:
     if 0 <= level <= L.GRANT_CAPACITY and granted <= 2**64 - 1 - L.GRANT_CAPACITY:
         return level
     return None
-
-
-def sized_target(grants: Grants, level: int, writer: tuple[int, int], share: int,
-                 largest: int, room: int) -> int:
-    """The level to refill ``writer``'s ring to: twice its ``largest`` store, so one store
-    takes at most half and a refill (at half) follows every store; never less than its
-    ``share`` (counting its taken, unpublished blocks, so a client whose taken count runs
-    ahead of its publishes is not refilled without end); the growth beyond the share within
-    ``room``. It never shrinks: a scheduler's step sizes recur."""
-    inflight = grants.held(writer) - level
-    grown = min(L.GRANT_CAPACITY, max(share, 2 * largest))
-    return min(grown, max(share - inflight, level + room, 0))
-
-
-def refill(grants: Grants, head: WordView, ids: np.ndarray, slot: int, gen: int,
-           granted: int, level: int, target: int) -> int:
-    """Top up one client's grant ring (``granted`` pushed so far, ``level`` in it, from
-    ``grant_level``) to ``target`` blocks, when it is half empty. The ids go in first, then
-    the count that publishes them. Returns the blocks granted."""
-    if level > target // 2:
-        return 0
-    blocks = grants.grant(slot, gen, target - level, granted)
-    for i, b in enumerate(blocks):
-        ids[(granted + i) % L.GRANT_CAPACITY] = b
-    crash_point("owner.grant.before_count")
-    publish_fence()  # ids before the count that hands them over
-    head["granted"] = granted + len(blocks)
-    return len(blocks)
-
-
-def stock(grants: Grants, c: StockedClient, share: int, room: int) -> int | None:
-    """One refill of client ``c``'s grant ring, sized by ``sized_target`` (its largest store
-    so far grows from the blocks it took since the last refill). Returns the blocks
-    granted, or None if its ring's counts are impossible (grant it nothing)."""
-    head = c.grant_head
-    granted, taken = head["granted"], head["taken"]
-    level = grant_level(granted, taken)
-    if level is None:
-        return None
-    if 0 < taken - c.taken_seen <= L.GRANT_CAPACITY:
-        c.largest_store = max(c.largest_store, taken - c.taken_seen)
-    c.taken_seen = taken
-    target = sized_target(grants, level, (c.slot, c.gen), share, c.largest_store, room)
-    return refill(grants, head, c.grant_ids, c.slot, c.gen, granted, level, target)
-
-
-def stock_all(grants: Grants, clients: Sequence[_C], share: int,
-              budget: int) -> list[tuple[_C, str]]:
-    """One refill of every storing client's grant ring (``stock``), so that its next stores
-    need no round trip, all clients' grants together within ``budget``. Returns the clients
-    whose rings could not be stocked, and why: their slot, not the owner, is at fault (the
-    caller quarantines them), so no failure of one stops the others' refills."""
-    room = budget - grants.held()  # what may still be granted, to anyone
-    bad: list[tuple[_C, str]] = []
-    for c in clients:
-        try:
-            n = stock(grants, c, share, room)
-        except Exception as e:  # its slot's words, never the owner's end
-            log.exception("refilling client slot %d failed", c.slot)
-            bad.append((c, f"its grant ring could not be refilled ({e!r})"))
-            continue
-        if n is None:
-            bad.append((c, "its grant ring counts are impossible"))
-        else:
-            room -= n
-    return bad

@@ -22,11 +22,11 @@ from kvshm.crashpoints import crash_point
 from kvshm.errors import KvshmError, RequestDroppedError
 from kvshm.index import protocol as P
 from kvshm.owner.clients import Client
-from kvshm.owner.grants import grant_budget, grant_target, stock_all
 from kvshm.owner.manager import LocalManager
 from kvshm.owner.requests import Handlers
 from kvshm.owner.roster import Roster
 from kvshm.owner.spin import SpinPolicy
+from kvshm.owner.stocking import grant_budget, grant_target, stock_all
 from kvshm.shm import layout as L
 from kvshm.shm import slots
 from kvshm.shm.fence import full_fence
