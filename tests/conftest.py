@@ -209,6 +209,7 @@ FILE_TIERS = {
     "test_manager_model.py": "unit",
     "test_pinning.py": "unit",
     "test_policy.py": "unit",
+    "test_quota_takeover.py": "unit",
     "test_quota_walks.py": "unit",
     "test_ring.py": "unit",
     "test_running_ranks.py": "unit",

@@ -53,7 +53,8 @@ class Quotas:
         blocks = max(0, min(int(blocks), left))
         if blocks > 0:
             self.limits[client] = blocks
-            if self.used(client):  # (a quota comes before a client's stores: never so far)
+            if self.used(client):  # a successor adopting a client the table names: one
+                # pass over the entries per quota, once per takeover
                 self.entries.policy.regroup(
                     [k for k, e in self.entries.by_key.items() if e.tenant == client], client)
         return blocks

@@ -42,7 +42,7 @@ def rebuild(entries: Entries, grants: Grants, writer_alive: Callable[[int, int],
     table, by_key = entries.table, entries.by_key
     ready, kept, freed, torn_keys, free = [], 0, 0, 0, []
     writing: list[tuple[int, bytes, tuple[int, int]]] = []
-    offers: list[tuple[int, bytes, tuple[int, int], int]] = []
+    offers: list[tuple[int, bytes, tuple[int, int], int, tuple[int, int] | None]] = []
     entries.index.clear()
     for b in range(table.num_blocks):
         # A dead owner may have left an entry mid-rewrite (odd seq: readers would report
@@ -60,14 +60,14 @@ def rebuild(entries: Entries, grants: Grants, writer_alive: Callable[[int, int],
             # said; the key of an offer, or of a claim that may still be given back, is
             # indexed again when intact (readers see its state).
             if e.state != L.CLAIMED and e.key and e.key_ok:
-                offers.append((b, e.key, client, e.grant_pos))
+                offers.append((b, e.key, client, e.grant_pos, None if torn else e.stored_by))
             else:
                 grants.adopt(b, client, e.grant_pos, claimed=True)
             continue
         if e.state != L.FREE and (e.torn or not e.key_ok):
             torn_keys += 1  # never published: its key is neither the old nor the new one
         elif e.state in (L.READY, L.EVICTING) and e.key:  # (a dead client's offer: cached)
-            ready.append((e.last_use, b, e.key, e))
+            ready.append((e.last_use, b, e.key, e, None if torn else e.stored_by))
             continue
         elif e.state == L.GRANTED and e.key and not torn and \
                 e.key not in grants.deferred:
@@ -87,9 +87,11 @@ def rebuild(entries: Entries, grants: Grants, writer_alive: Callable[[int, int],
             freed += e.state != L.FREE
         free.append(b)
     stores = Counter(key for _, key, _ in writing)
-    twice = _held_twice(grants, [key for *_, key, _ in ready], stores,
-                        [key for _, key, _, _ in offers])
-    for last_use, b, key, e in sorted(ready):  # oldest first: recency survives failover
+    twice = _held_twice(grants, [key for _, _, key, _, _ in ready], stores,
+                        [key for _, key, *_ in offers])
+    # oldest first: recency survives failover (a torn entry's tenant is nobody: its key
+    # verified, but a tenant half rewritten could name anyone)
+    for last_use, b, key, e, tenant in sorted(ready, key=lambda r: r[:2]):
         if key in twice:
             table.write(b, L.FREE, b"")
             free.append(b)
@@ -98,7 +100,7 @@ def rebuild(entries: Entries, grants: Grants, writer_alive: Callable[[int, int],
             table.reset_ready(b)
         if len(by_key) == len(ready) // 2:
             crash_point("owner.rebuild.mid")
-        entries.adopt(b, key, None, e.stored_by)  # in its client's share, as before
+        entries.adopt(b, key, None, tenant)  # in its client's share, as before
         entries.tick = max(entries.tick, last_use)
     for b, key, writer in writing:
         if stores[key] > 1:  # which store writes the key's bytes? Its writer may go on
@@ -106,11 +108,12 @@ def rebuild(entries: Entries, grants: Grants, writer_alive: Callable[[int, int],
             continue
         entries.adopt(b, key, writer)
         kept += 1
-    for b, key, client, pos in offers:  # cached and indexed, out of the policy's order
-        if key in twice:  # the client may claim it: it stays theirs, unindexed
+    for b, key, client, pos, tenant in offers:  # cached and indexed, out of the policy's
+        if key in twice:  # order; the client may claim it: it stays theirs, unindexed
             grants.adopt(b, client, pos, claimed=True)
             continue
-        entries.adopt(b, key, None)
+        entries.adopt(b, key, None, tenant)  # its tenant's again if the offer ends unclaimed:
+        entries.offered(by_key[key])  # out of its share meanwhile, as any offer
         entries.policy.remove(key)
         grants.adopt(b, client, pos, offered=key)
     entries.free = deque(sorted(free))  # low block ids first, like vLLM's CPU backend
