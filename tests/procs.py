@@ -103,6 +103,13 @@ def connect_and_report(name: str, conn) -> None:
     mgr.shutdown()
 
 
+def connect_with_quota_and_report(name: str, conn, quota: int) -> None:
+    mgr = connect(name, quota=quota, timeout=60.0)
+    conn.send({"slot": mgr.slot, "quota": mgr.quota})
+    conn.recv()
+    mgr.shutdown()
+
+
 def pid() -> int:
     return os.getpid()
 

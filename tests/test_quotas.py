@@ -13,12 +13,13 @@ import pytest
 
 from kvshm.client.connect import connect, quota_blocks
 from kvshm.errors import InvalidArgumentError
+from kvshm.shm import layout as L
 from kvshm.shm import slots
 from kvshm.shm.table import BlockTable
 
 import procs
 from conftest import TEST_LAYOUT, stop_owner
-from test_shared import wait_for
+from test_shared import spawn, wait_for
 
 BLOCKS, CLIENTS = 64, 4
 
@@ -103,6 +104,39 @@ def test_a_quota_protects_what_its_client_stored_before_the_owner_died(cache, gr
     flood(b, 4 * BLOCKS)  # its first store starts the successor, which counts a's share
     assert b.segment.counter("failovers") >= 1
     assert cached(a, mine) == len(mine)
+
+
+def test_a_newcomer_a_successor_adopts_never_cuts_the_quota_of_a_client_served_before(
+        seg_name):
+    # The quotas together keep at most 48 of the 64 blocks, first come, first served. A has
+    # 40. B asks for 40 in a lower slot just as the owner dies: its successor adopts both,
+    # and must serve A's quota first, whatever the slot order.
+    first = connect(seg_name, TEST_LAYOUT, num_blocks=BLOCKS, max_clients=CLIENTS,
+                    ring_capacity=8192, hold_capacity=64)
+    x = connect(seg_name)
+    a = connect(seg_name, quota=40)
+    assert a.quota == 40 and x.slot < a.slot
+    free_slot = x.slot
+    x.shutdown()  # B will take its slot, below A's, once the owner has given it back
+    wait_for(lambda: slots.record(first.segment, free_slot).state == L.SlotState.FREE,
+             "x's slot to be free")
+    owner = first.segment.owner_record()[0]
+    os.kill(owner, signal.SIGSTOP)  # B's hello waits: it is never adopted by this owner
+    p, conn = spawn(procs.connect_with_quota_and_report, seg_name, 40)
+    try:
+        wait_for(lambda: slots.record(first.segment, free_slot).state == L.SlotState.CLIENT,
+                 "B to activate its slot")
+        os.kill(owner, signal.SIGKILL)  # B's connect starts the successor
+        b = conn.recv()
+        assert b["slot"] == free_slot
+        assert (slots.quota(a.segment, a.slot), b["quota"]) == (40, 8)  # as applied
+    finally:
+        conn.send("go")
+        p.join(30)
+        pid = first.segment.owner_record()[0]
+        a.shutdown()
+        first.shutdown()
+        stop_owner(pid)
 
 
 def test_a_quota_is_blocks_or_a_fraction_of_the_cache():

@@ -69,6 +69,7 @@ class Roster:
         ``newcomer``: the header flag a client sets after activating its slot."""
         newcomer[0] = 0
         full_fence()  # clear the flag before reading states, or a newcomer could be missed
+        adopted: list[Client] = []
         for slot in range(self.seg.geometry.max_clients):
             if slot in self.clients:
                 continue
@@ -86,10 +87,15 @@ class Roster:
             # blocks it died handing over never reached the client: free them
             granted = int(c.grant_head["granted"])
             c.stores = bool(granted) and c.grants and rec.state == L.SlotState.CLIENT
-            self._set_quota(manager, c)
+            adopted.append(c)
             manager.grants.settle(slot, rec.gen, granted,
                                        int(c.grant_head["taken"]))
             self.last_client = time.monotonic()
+        # Quotas are first come, first served. A client an earlier owner served (it began a
+        # request of it) holds the quota that owner applied: it comes before a newcomer that
+        # only asked, whatever their slots, so a takeover never cuts a quota it was given.
+        for c in sorted(adopted, key=lambda c: (not c.served["epoch"], c.slot)):
+            self._set_quota(manager, c)
 
     def _set_quota(self, manager: LocalManager, c: Client) -> None:
         """Apply the quota ``c`` asked for, cut to what the others' left; the quota applied
