@@ -612,3 +612,26 @@ def test_segment_create_refuses_a_size_for_a_block_count(seg_name):
     with pytest.raises(InvalidArgumentError, match="count of blocks.*nbytes"):
         Segment.create(seg_name, LAYOUT, "64M")
     assert not os.path.exists(shm_path(seg_name))
+
+
+def test_a_hold_scan_finds_every_pin_and_lease_below_each_slots_mark(make_segment):
+    """Few blocks are compared with every hold, many are looked up after a sort: both find
+    exactly the blocks some slot pins or leases below its mark."""
+    from kvshm.shm import slots
+    seg = make_segment(num_blocks=64, max_clients=4)
+    rng = np.random.default_rng(7)
+    cap = seg.geometry.hold_capacity
+    scan = slots.HoldScan(seg)
+    for _ in range(200):
+        want: set[int] = set()
+        for s in range(4):
+            h = slots.holds(seg, s)
+            h[:] = rng.choice([-1, *range(64), *(L.lease_code(b) for b in range(64))], cap)
+            mark = int(rng.integers(0, cap + 1))
+            slots.hold_mark(seg, s)[0] = mark
+            want |= {int(L.held_block(c)) for c in h[:mark] if c != -1}
+        for n in (0, 1, 3, 8, 9, 40):
+            blocks = rng.choice(64, n, replace=False)
+            got = scan.held(blocks)
+            assert got.tolist() == [int(b) in want for b in blocks]
+    scan.close()

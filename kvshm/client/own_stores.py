@@ -45,7 +45,8 @@ class OwnStores:
         self._gw, ids = slots.grants(segment, slot)  # counts, and ids the owner hands us
         self._gi = ids.data
         self._link = link
-        self._seg, self._table, self._me = segment, table, (slot, gen)
+        self._table, self._me = table, (slot, gen)
+        self._holds = slots.HoldScan(segment)  # every slot's holds, which a claim spares
         self.taken = 0  # blocks taken from the grant ring (we alone store the word)
         # Taken from the ring and not used yet: ``spare`` are ours to write (free grants,
         # claimed offers), ``declined`` offers a reader held when we claimed (still READY
@@ -118,7 +119,7 @@ class OwnStores:
         used = offers.used_since_offer(self._table, b)
         if self.recent:
             used |= np.isin(b, np.fromiter(self.recent, np.intp, len(self.recent)))
-        held = slots.held_anywhere(self._seg, b)  # a load or lookup under way: leave it be
+        held = self._holds.held(b)  # a load or lookup under way: leave it be
         if (used | held).any():
             mine = offers.offered_to(self._table, b, *self._me)
             self.returned.extend(b[used & mine].tolist())
@@ -128,7 +129,7 @@ class OwnStores:
         crash_point("client.claim.before_check")
         full_fence()  # our claims before our reading of the holds: readers fence the other way
         claimed = b[ok]
-        held = slots.held_anywhere(self._seg, claimed)  # a lease that raced the claim
+        held = self._holds.held(claimed)  # a lease that raced the claim
         offers.unclaim(self._table, claimed[held])
         self.declined.extend(claimed[held].tolist())
         offers.finish(self._table, claimed[~held])
@@ -192,3 +193,4 @@ class OwnStores:
     def close(self) -> None:
         self._gw.release()
         self._gi.release()
+        self._holds.close()

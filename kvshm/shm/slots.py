@@ -172,23 +172,40 @@ def hold_mark(seg: Segment, slot: int) -> memoryview:
     return seg.buf[off:off + 8].cast("Q")
 
 
-def marked_holds(seg: Segment, slot: int, mark: int) -> np.ndarray:
-    """The slot's hold entries below ``mark`` (clamped to the array: a client's mark is its
-    own word, never trusted to bound a read)."""
-    return holds(seg, slot)[:max(0, min(int(mark), seg.geometry.hold_capacity))]
+# Up to this many blocks, ``HoldScan.held`` compares every hold with each block's two codes
+# (pin and lease) instead of sorting them all (np.isin): one to a few blocks, against the
+# hundreds of holds of clients mid-load, is what a one-key store's claim asks.
+_FEW = 8
 
 
-def held_anywhere(seg: Segment, blocks: np.ndarray) -> np.ndarray:
-    """Which of ``blocks`` any slot holds (a load pin or a lookup lease), whoever it is: a
-    claim must leave such a block to its reader. Reads each slot's mark, then its holds
-    below the mark (the order the holder stores them in)."""
-    g, base = seg.geometry, seg.geometry.clients_offset + L.SLOT_OFF_HOLD_MARK
-    marks = np.ndarray((g.max_clients,), np.uint64, seg.buf, base, (g.slot_bytes,)).copy()
-    parts = [marked_holds(seg, s, m) for s, m in enumerate(marks.tolist()) if m]
-    if not parts:
-        return np.zeros(len(blocks), bool)
-    codes = np.concatenate(parts)
-    return np.isin(blocks, L.held_block(codes[codes != -1]))
+class HoldScan:
+    """Every slot's holds, for a claim to see which blocks someone holds: the views into the
+    segment are made once (the caller closes them before the segment closes)."""
+
+    def __init__(self, seg: Segment) -> None:
+        g = seg.geometry
+        self._marks = np.ndarray((g.max_clients,), np.uint64, seg.buf,
+                                 g.clients_offset + L.SLOT_OFF_HOLD_MARK, (g.slot_bytes,))
+        self._holds = [holds(seg, s) for s in range(g.max_clients)]
+        self._cap = g.hold_capacity
+
+    def held(self, blocks: np.ndarray) -> np.ndarray:
+        """Which of ``blocks`` any slot holds (a load pin or a lookup lease), whoever it is:
+        a claim must leave such a block to its reader. Reads each slot's mark, then its
+        holds below the mark (the order the holder stores them in; a mark is its slot's own
+        word, so it is clamped to the array)."""
+        cap, h = self._cap, self._holds
+        parts = [h[s][:min(m, cap)] for s, m in enumerate(self._marks.tolist()) if m]
+        if not parts:
+            return np.zeros(len(blocks), bool)
+        codes = np.concatenate(parts)
+        if len(blocks) <= _FEW:  # a claim's usual size: compare the codes, never sort them
+            b = np.asarray(blocks, np.int64)[:, None]
+            return ((codes == b) | (codes == L.lease_code(b))).any(axis=1)
+        return np.isin(blocks, L.held_block(codes[codes != -1]))
+
+    def close(self) -> None:
+        del self._marks, self._holds
 
 
 def grants(seg: Segment, slot: int) -> tuple[WordView, np.ndarray]:
