@@ -34,6 +34,9 @@ Traces (keys are vLLM's 36-byte offload keys: sha256 block hash + 4-byte group):
       followed by 16 keys unique to the request.
   t2  --requests2 (40) requests of 1,000-key prompts: an 800-key prefix from one of 4
       system prompts followed by 200 unique keys.
+  t3  --requests3 (100) requests shaped as t1 whose 16 unique keys are stored one per
+      prepare_store + complete_store, as a decode step stores the block a request just
+      filled.
 Per request, as vLLM 0.32's offloading connector calls its manager:
   lookup        one call per key, in order, until the first key that is not a HIT
                 (vLLM: lookup(key, req_context); kvshm: key_status(key), which is what
@@ -78,7 +81,8 @@ and gives up after --max-seconds (replays stop early and say so in 'truncated').
 
 KEY_BYTES = 36
 N_PROMPTS = 4
-TRACES = {"t1": (64, 16), "t2": (800, 200)}  # (prefix keys, unique keys) per request
+TRACES = {"t1": (64, 16), "t2": (800, 200), "t3": (64, 16)}  # (prefix, unique keys) a request
+STORE_BATCH = {"t3": 1}  # keys a store call carries (others: all of a request's at once)
 
 
 def _log(*a: Any) -> None:
@@ -219,8 +223,10 @@ def _baseline_kind(force_local: bool) -> str:
 
 
 # --- replay --------------------------------------------------------------------------------
-def replay(mgr: Any, trace: list[list[bytes]], deadline: float, tag: str) -> dict[str, Any]:
-    """Run every request of ``trace`` through ``mgr``; per-call us/key samples per op."""
+def replay(mgr: Any, trace: list[list[bytes]], deadline: float, tag: str,
+           store_batch: int | None = None) -> dict[str, Any]:
+    """Run every request of ``trace`` through ``mgr``; per-call us/key samples per op.
+    ``store_batch``: keys a store call carries (None: the request's whole rest at once)."""
     pc = time.perf_counter_ns
     lk: list[float] = []
     ld: list[float] = []
@@ -253,13 +259,15 @@ def replay(mgr: Any, trace: list[list[bytes]], deadline: float, tag: str) -> dic
             tot["load"][0] += dt
             tot["load"][1] += hits
         rest = keys[hits:]
-        if rest:
+        step = store_batch or len(rest) or 1
+        for i in range(0, len(rest), step):
+            part = rest[i:i + step]
             t0 = pc()
-            ok = mgr.store(rest, ctx)
+            ok = mgr.store(part, ctx)
             dt = pc() - t0
-            st.append(dt / 1e3 / len(rest))
+            st.append(dt / 1e3 / len(part))
             tot["store"][0] += dt
-            tot["store"][1] += len(rest)
+            tot["store"][1] += len(part)
             no_room += not ok
         mgr.finish(ctx)
         done += 1
@@ -403,6 +411,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests2", type=int, default=40,
                     help="requests in trace 2 (800 shared + 200 unique keys each; default 40;"
                          " 0 skips trace 2)")
+    ap.add_argument("--requests3", type=int, default=100,
+                    help="requests in trace 3 (t1's shape, unique keys stored one a call; "
+                         "default 100; 0 skips trace 3)")
     ap.add_argument("--repeat", type=int, default=3,
                     help="replays of each trace per manager, alternating (default 3)")
     ap.add_argument("--capacity", type=int, default=None,
@@ -431,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
     t_begin = time.monotonic()
     deadline = t_begin + a.max_seconds
     base_kind = _baseline_kind(a.baseline == "local")
-    traces = {"t1": a.requests, "t2": a.requests2}
+    traces = {"t1": a.requests, "t2": a.requests2, "t3": a.requests3}
     traces = {t: n for t, n in traces.items() if n > 0}
     uniq = max(TRACES[t][1] * n for t, n in traces.items())
     prefix = max(TRACES[t][0] for t in traces) * N_PROMPTS
@@ -479,7 +490,8 @@ def main(argv: list[str] | None = None) -> int:
                     seg = shared.mgr.segment
                     o0 = cpu_ns(shared.owner_pid) if m is kv else 0
                     b0 = seg.counter("owner_busy_ns") if m is kv else 0
-                    runs[m.name].append(replay(m, trace, deadline, f"{t}{rep}"))
+                    runs[m.name].append(replay(m, trace, deadline, f"{t}{rep}",
+                                               STORE_BATCH.get(t)))
                     if m is kv:  # all the owner did meanwhile: publish, refill, touch, evict
                         runs[m.name][-1]["owner_cpu_ns"] = cpu_ns(shared.owner_pid) - o0
                         runs[m.name][-1]["owner_busy_ns"] = seg.counter("owner_busy_ns") - b0
