@@ -208,6 +208,7 @@ FILE_TIERS = {
     "test_manager.py": "unit",
     "test_manager_model.py": "unit",
     "test_pinning.py": "unit",
+    "test_claim_paths.py": "unit",
     "test_policy.py": "unit",
     "test_quota_takeover.py": "unit",
     "test_quota_walks.py": "unit",

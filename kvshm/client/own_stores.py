@@ -100,6 +100,15 @@ class OwnStores:
 
     def _sort(self, ids: list[int]) -> None:
         """Blocks just taken: free grants are ours at once, offers are claimed."""
+        if len(ids) == 1:  # a one-key store's: the same, without numpy
+            one = ids[0]
+            if 0 <= one < self._table.num_blocks:
+                st = offers.state_one(self._table, one)
+                if st == L.GRANTED:
+                    self.spare.append(one)
+                elif st == L.READY:
+                    self._claim_one(one)
+            return
         b = np.array(ids, np.intp)
         state = offers.states(self._table, b)
         self.spare.extend(b[state == L.GRANTED].tolist())
@@ -115,6 +124,35 @@ class OwnStores:
         never touched at all), the ones a request used since they were offered are
         ``returned``; a block that is no longer an offer to us (a later owner ended it) is
         dropped."""
+        if len(blocks) == 1:
+            self._claim_one(blocks[0])
+        else:
+            self._claim_many(blocks)
+
+    def _claim_one(self, b: int) -> None:
+        """``_claim`` of one block (a one-key store's), step for step without numpy."""
+        table, (slot, gen) = self._table, self._me
+        used = offers.used_since_offer_one(table, b) or b in self.recent
+        held = self._holds.held_one(b)  # a load or lookup under way: leave it be
+        if used or held:
+            if offers.offered_to_one(table, b, slot, gen):
+                (self.returned if used else self.declined).append(b)
+            return
+        if not offers.claim_one(table, b, slot, gen):  # EVICTING: no lookup reads it now
+            if offers.offered_to_one(table, b, slot, gen):  # caught mid-settle: later
+                self.declined.append(b)
+            return
+        crash_point("client.claim.before_check")
+        full_fence()  # our claim before our reading of the holds: readers fence the other way
+        if self._holds.held_one(b):  # a lease that raced the claim
+            offers.unclaim_one(table, b)
+            self.declined.append(b)
+        else:
+            offers.finish_one(table, b)
+            self.spare.append(b)
+
+    def _claim_many(self, blocks: list[int]) -> None:
+        """``_claim`` of several blocks, each step for all of them at once."""
         b = np.array(blocks, np.intp)
         used = offers.used_since_offer(self._table, b)
         if self.recent:

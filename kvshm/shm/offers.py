@@ -16,6 +16,7 @@ entries.
 """
 from __future__ import annotations
 
+import struct
 from collections.abc import Sequence
 
 import numpy as np
@@ -23,7 +24,19 @@ import numpy as np
 from kvshm import crashpoints
 from kvshm.shm import layout as L
 from kvshm.shm.fence import publish_fence
+from kvshm.shm.records import ENTRY_DTYPE, field_offset
 from kvshm.shm.table import BlockTable
+
+# One entry's words for the one-block versions below, read with struct (a one-key store
+# claims one block, and numpy's cost per call is most of what a claim would pay): state,
+# key length (skipped), writer and writer generation lie side by side.
+_HEAD = struct.Struct("<BxhI")
+_HEAD_OFF = field_offset(ENTRY_DTYPE, "state")
+assert [field_offset(ENTRY_DTYPE, n) - _HEAD_OFF for n in ("keylen", "writer", "writer_gen")] \
+    == [1, 2, 4]
+_U64 = struct.Struct("<Q")
+_LAST_USE_OFF = field_offset(ENTRY_DTYPE, "last_use")
+_OFFERED_AT_OFF = field_offset(ENTRY_DTYPE, "offered_at")
 
 
 def offer(table: BlockTable, blocks: Sequence[int], slot: int, gen: int,
@@ -96,3 +109,48 @@ def _set_state(table: BlockTable, b: np.ndarray, state: int, point: str | None =
             crashpoints.crash_point(point)
         table.fields["state"][b] = state
         table.close_rounds(b, seqs)
+
+
+# --- one block: what the functions above do for ``[block]``, without numpy -----------------
+def _at(table: BlockTable, block: int) -> int:
+    return table.base + block * L.ENTRY_BYTES
+
+
+def state_one(table: BlockTable, block: int) -> int:
+    """``states`` of one block."""
+    return table.buf[_at(table, block) + _HEAD_OFF]
+
+
+def used_since_offer_one(table: BlockTable, block: int) -> bool:
+    """``used_since_offer`` of one block."""
+    off = _at(table, block)
+    return _U64.unpack_from(table.buf, off + _LAST_USE_OFF)[0] > \
+        _U64.unpack_from(table.buf, off + _OFFERED_AT_OFF)[0]
+
+
+def offered_to_one(table: BlockTable, block: int, slot: int, gen: int) -> bool:
+    """``offered_to`` of one block."""
+    state, writer, writer_gen = _HEAD.unpack_from(table.buf, _at(table, block) + _HEAD_OFF)
+    return state == L.READY and writer == slot and writer_gen == gen
+
+
+def claim_one(table: BlockTable, block: int, slot: int, gen: int) -> bool:
+    """``claim`` of one block: whether it was marked EVICTING."""
+    seq = table.seq(block)
+    publish_fence()
+    ok = offered_to_one(table, block, slot, gen)
+    publish_fence()
+    if not ok or seq & 1 or table.seq(block) != seq:
+        return False
+    table.set_state(block, L.EVICTING, "table.claim.odd")
+    return True
+
+
+def finish_one(table: BlockTable, block: int) -> None:
+    """``finish`` of one block."""
+    table.set_state(block, L.CLAIMED)
+
+
+def unclaim_one(table: BlockTable, block: int) -> None:
+    """``unclaim`` of one block."""
+    table.set_state(block, L.READY)

@@ -200,9 +200,19 @@ class HoldScan:
             return np.zeros(len(blocks), bool)
         codes = np.concatenate(parts)
         if len(blocks) <= _FEW:  # a claim's usual size: compare the codes, never sort them
-            b = np.asarray(blocks, np.int64)[:, None]
+            b = np.asarray(blocks, np.int32)[:, None]  # (the codes' type: no upcast)
             return ((codes == b) | (codes == L.lease_code(b))).any(axis=1)
         return np.isin(blocks, L.held_block(codes[codes != -1]))
+
+    def held_one(self, block: int) -> bool:
+        """``held`` of one block, without building arrays."""
+        cap, h, lease = self._cap, self._holds, L.lease_code(block)
+        for s, m in enumerate(self._marks.tolist()):
+            if m:
+                part = h[s][:min(m, cap)]
+                if block in part or lease in part:
+                    return True
+        return False
 
     def close(self) -> None:
         del self._marks, self._holds

@@ -225,8 +225,11 @@ class BlockTable:
         self._w64[block * WORDS64 + STORED_NS_WORD] = stored_ns
         self._even(block, seq)
 
-    def set_state(self, block: int, state: int) -> None:
+    def set_state(self, block: int, state: int, point: str | None = None) -> None:
+        """``block``'s state, in one seqlock round (crash ``point``, if named, inside it)."""
         seq = self._odd(block)
+        if point is not None:
+            crashpoints.crash_point(point)
         self.buf[self.base + block * L.ENTRY_BYTES + STATE_OFF] = state
         self._even(block, seq)
 
