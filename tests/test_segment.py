@@ -634,4 +634,17 @@ def test_a_hold_scan_finds_every_pin_and_lease_below_each_slots_mark(make_segmen
             blocks = rng.choice(64, n, replace=False)
             got = scan.held(blocks)
             assert got.tolist() == [int(b) in want for b in blocks]
+            assert [scan.held_one(int(b)) for b in blocks] == [int(b) in want for b in blocks]
+    scan.close()
+
+
+def test_a_hold_scan_never_reads_a_code_across_two_entries(make_segment):
+    from kvshm.shm import slots
+    seg = make_segment(num_blocks=64, max_clients=4)
+    scan = slots.HoldScan(seg)
+    h = slots.holds(seg, 2)
+    h[:2] = [0x05000000, 0]  # bytes 00 00 00 05 00 00 00 00: block 5's pin code at offset 3
+    slots.hold_mark(seg, 2)[0] = 2
+    assert (scan.held_one(5), scan.held_one(0)) == (False, True)
+    assert scan.held(np.array([5, 0])).tolist() == [False, True]
     scan.close()
