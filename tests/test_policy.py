@@ -505,6 +505,19 @@ RANKED_OPS = st.lists(st.one_of(
 ), max_size=60)
 
 
+def twin_ranks(p, model):
+    """``rank_of(request, position)``: the provisional ranks the policy and the model give
+    a key of a running request, each request taking its rank from both at first use."""
+    requests: dict[int, tuple[int, int]] = {}  # request -> (policy's rank, model's rank)
+
+    def rank_of(req, pos):
+        if req not in requests:
+            requests[req] = (p.new_rank(), model.new_rank())
+        a, b = requests[req]
+        return (a, -pos), (b, -pos)
+    return rank_of
+
+
 def apply_common(p, model, op: str, args: list) -> None:
     """A remove, touch or evict, applied to the policy and its reference model alike."""
     if op == "remove":
@@ -550,13 +563,7 @@ def test_random_ops_match_reference_model(name, model_cls, ops, capacity):
 @given(ops=RANKED_OPS)
 def test_random_ranked_ops_match_the_rank_model(ops):
     p, model = make_policy("lru", 4), ListLRU(4)
-    requests: dict[int, tuple[int, int]] = {}  # request -> (policy's rank, model's rank)
-
-    def rank_of(req, pos):
-        if req not in requests:
-            requests[req] = (p.new_rank(), model.new_rank())
-        a, b = requests[req]
-        return (a, -pos), (b, -pos)
+    rank_of = twin_ranks(p, model)
 
     for op, *args in ops:
         if op in ("insert", "ranked_insert") and args[0] in model.rank:
@@ -663,13 +670,7 @@ def test_random_grouped_ops_match_the_rank_model_with_group_filters(ops):
     which knows no groups, refuses the skipped groups' keys in its test instead."""
     p, model = LRUPolicy(4), ListLRU(4)
     group: dict[bytes, object] = {}  # the model's key -> group
-    requests: dict[int, tuple[int, int]] = {}
-
-    def rank_of(req, pos):
-        if req not in requests:
-            requests[req] = (p.new_rank(), model.new_rank())
-        a, b = requests[req]
-        return (a, -pos), (b, -pos)
+    rank_of = twin_ranks(p, model)
 
     for op, *args in ops:
         if op == "insert" and args[0] not in model.rank:
