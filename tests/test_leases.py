@@ -420,3 +420,27 @@ def test_random_walks_over_loaded_prefixes_keep_every_hold_accounted_for(seg_nam
         pid = mgr.segment.owner_record()[0]
         mgr.shutdown()
         stop_owner(pid)
+
+
+def test_requests_sharing_the_head_of_a_long_prefix_soon_lease_only_what_they_ask(seg_name):
+    """A prefix loaded whole is leased ahead as far as requests asked before; requests that
+    ask for its first 40 keys only take, after one of them, those 40 and no more."""
+    mgr = connect(seg_name, TEST_LAYOUT, num_blocks=1024, ring_capacity=8192,
+                  hold_capacity=2048)
+    try:
+        prefix = [b"long-%04d" % i for i in range(512)]
+        assert procs.store(mgr, prefix) == prefix
+        assert all(mgr.key_status(k) == LookupResult.HIT for k in prefix)  # a long request
+        load_and_check(mgr, prefix)
+        mgr.release()
+        held = []
+        for _ in range(3):  # short ones
+            assert all(mgr.key_status(k) == LookupResult.HIT for k in prefix[:40])
+            held.append(mgr.held_blocks())
+            load_and_check(mgr, prefix[:40])
+            mgr.release()
+        assert held[1:] == [40, 40]
+    finally:
+        pid = mgr.segment.owner_record()[0]
+        mgr.shutdown()
+        stop_owner(pid)

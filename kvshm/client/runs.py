@@ -66,9 +66,9 @@ class Run:
     """A prefix this client loaded (keys distinct, in order) and how it leases it again.
 
     ``reach`` follows what requests ask for: it doubles when one asks past a relet's keys
-    (one relet of a long prefix, not one per ``RUN_AHEAD`` keys) and halves when most keys a
-    relet took go unasked (a request that shares only the head of a long prefix does not
-    lease, and give back, all of it)."""
+    (one relet of a long prefix, not one per ``RUN_AHEAD`` keys) and falls to what was asked
+    when half the keys a relet took or more go unasked (a request that shares only the head
+    of a long prefix does not lease, and give back, all of it)."""
 
     __slots__ = ("keys", "blocks", "codes", "seqs", "plans", "reach")
 
@@ -93,9 +93,11 @@ class Run:
         """A request asked past what one relet took."""
         self.reach = min(2 * self.reach, len(self.keys))
 
-    def shrink(self) -> None:
-        """Most of what one relet took went unasked."""
-        self.reach = max(RUN_AHEAD, self.reach // 2)
+    def shrink(self, asked: int) -> None:
+        """At least half of what one relet took went unasked: take what was ``asked`` next
+        time (a prefix shared by requests that ask for less of it, even less than
+        ``RUN_AHEAD``, is leased as far as they ask; one asking further grows it again)."""
+        self.reach = max(RUN_MIN, asked)
 
     def seqs_now(self, table: BlockTable, off: int, end: int) -> np.ndarray:
         """The entries' sequence numbers of keys ``off:end`` now: where they equal ``seqs``
@@ -140,8 +142,9 @@ class Runs:
 
     def unasked(self, n: int) -> None:
         """``n`` keys the last relet took ahead were given back unasked."""
-        if self._last is not None and 2 * n > self._last[1]:
-            self._last[0].shrink()  # most of what it took went unasked: take less next time
+        if self._last is not None and 2 * n >= self._last[1]:
+            run, taken = self._last  # half of it or more went unasked: take less next time
+            run.shrink(taken - n)
 
     def follow(self, keys: Sequence[bytes], blocks: Sequence[int]) -> None:
         """``keys`` (a prefix, in order) were just pinned at ``blocks`` and found READY:
