@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 from unittest import mock
 
+import numpy as np
 import pytest
 
 from kvshm.client import own_stores
@@ -90,3 +91,50 @@ def test_claiming_one_block_does_what_claiming_several_does_for_it(twins):
         assert t1.read(b) == t2.read(b), f"case {case}"
         assert (one.spare, one.declined, one.returned) == \
             (many.spare, many.declined, many.returned), f"case {case}"
+
+
+class LeaseToPin(np.ndarray):
+    """A slot's hold array whose holder turns its lease on ``BLOCK`` into a pin (the same
+    entry: a load of a key it had looked up) just after a comparison reads it: held all
+    along, first as a lease, then as a pin."""
+    live: np.ndarray  # the segment's hold array it stands for
+    armed = False
+    BLOCK = 5
+
+    def __eq__(self, other):
+        out = np.asarray(super().__eq__(other))
+        if LeaseToPin.armed:
+            LeaseToPin.live[0] = LeaseToPin.BLOCK
+        return out
+
+
+@pytest.mark.parametrize("path", ["one", "many"])
+def test_a_lease_turning_into_a_pin_during_the_check_keeps_the_block(make_segment, path):
+    b, reader = LeaseToPin.BLOCK, 2
+    seg = make_segment(num_blocks=BLOCKS, max_clients=4)
+    table = BlockTable(seg.buf, seg.geometry)
+    stores = OwnStores(seg, *ME, None, table)
+    try:
+        table.write(b, L.READY, b"key-5", -1, 0, 0, 99)
+        offers.offer(table, [b], *ME, [7], 100)  # offered to us, unused since
+        live = slots.holds(seg, reader)
+        live[:] = -1
+        slots.hold_mark(seg, reader)[0] = 1  # the only slot with holds
+        LeaseToPin.live, LeaseToPin.armed = live, False
+        stores._holds._holds[reader] = live.view(LeaseToPin)
+
+        def point(name: str) -> None:  # a lookup's lease races the claim, then is loaded
+            if name == "client.claim.before_check":
+                live[0] = L.lease_code(b)
+                LeaseToPin.armed = True
+
+        with mock.patch.object(own_stores, "crash_point", point):
+            if path == "one":
+                stores._claim_one(b)
+            else:
+                stores._claim_many([b, b + 1])  # (b + 1: not an offer, left alone)
+        assert b not in stores.spare and stores.declined == [b]
+        assert table.read(b).state == L.READY
+    finally:
+        stores.close()
+        table.close()

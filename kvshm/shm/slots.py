@@ -211,7 +211,9 @@ class HoldScan:
         parts = [h[s][:min(m, cap)] for s, m in enumerate(self._marks.tolist()) if m]
         if not parts:
             return False
-        codes = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        # One copy first, then two comparisons of the copy: compared in place, a holder
+        # turning its lease into a pin (the same entry) between the two could be missed.
+        codes = np.concatenate(parts)
         return bool(np.count_nonzero((codes == block) | (codes == L.lease_code(block))))
 
     def close(self) -> None:
