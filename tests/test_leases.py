@@ -444,3 +444,36 @@ def test_requests_sharing_the_head_of_a_long_prefix_soon_lease_only_what_they_as
         pid = mgr.segment.owner_record()[0]
         mgr.shutdown()
         stop_owner(pid)
+
+
+def test_one_request_asking_further_costs_later_requests_no_extra_relets(seg_name):
+    """A request asking one key past the reach relets the rest from an offset; what it asked
+    counts from the prefix's head, so the requests after it still lease in one relet."""
+    mgr = connect(seg_name, TEST_LAYOUT, num_blocks=1024, ring_capacity=8192,
+                  hold_capacity=2048)
+    try:
+        prefix = [b"long-%04d" % i for i in range(512)]
+        assert procs.store(mgr, prefix) == prefix
+        assert all(mgr.key_status(k) == LookupResult.HIT for k in prefix)
+        load_and_check(mgr, prefix)
+        mgr.release()
+        runs, relets = mgr._h.runs, []
+        real = runs.relet
+
+        def counted(h, key):
+            relets.append(key)
+            return real(h, key)
+
+        runs.relet = counted
+        per_request = []
+        for n in [64, 64, 65, 64, 64, 64, 65, 64, 65, 64, 40, 100, 100, 100]:
+            relets.clear()
+            assert all(mgr.key_status(k) == LookupResult.HIT for k in prefix[:n])
+            load_and_check(mgr, prefix[:n])
+            mgr.release()
+            per_request.append(len(relets))
+        assert max(per_request) <= 2, per_request
+    finally:
+        pid = mgr.segment.owner_record()[0]
+        mgr.shutdown()
+        stop_owner(pid)

@@ -130,7 +130,8 @@ class Runs:
         self.table = table
         self.limit = limit  # keys remembered, all runs together
         self.by_key: dict[bytes, tuple[Run, int]] = {}
-        self._last: tuple[Run, int] | None = None  # the last relet's run and key count
+        # the last relet's run, its offset into it and how many keys it took
+        self._last: tuple[Run, int, int] | None = None
 
     def clear(self) -> None:
         self.by_key.clear()
@@ -142,9 +143,9 @@ class Runs:
 
     def unasked(self, n: int) -> None:
         """``n`` keys the last relet took ahead were given back unasked."""
-        if self._last is not None and 2 * n >= self._last[1]:
-            run, taken = self._last  # half of it or more went unasked: take less next time
-            run.shrink(taken - n)
+        if self._last is not None and 2 * n >= self._last[2]:
+            run, off, taken = self._last  # half of it or more went unasked: take as far as
+            run.shrink(off + taken - n)  # the prefix was asked, from its head, next time
 
     def follow(self, keys: Sequence[bytes], blocks: Sequence[int]) -> None:
         """``keys`` (a prefix, in order) were just pinned at ``blocks`` and found READY:
@@ -193,7 +194,7 @@ class Runs:
         n = min(len(run.keys) - off, run.reach, h.room())
         if n <= 0:
             return False
-        self._last = (run, n)
+        self._last = (run, off, n)
         top = h.free[-n:]
         plan = run.plans.get(off)
         if plan is None or top != plan.idx:  # (compares identical ints: cheap)
