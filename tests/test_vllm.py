@@ -31,6 +31,7 @@ from kvshm.shm.segment import Segment
 from kvshm.transfer.factory import make_handler
 
 from conftest import unique_name
+from test_shared import wait_for
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -305,7 +306,15 @@ def test_stats_reader_reports_this_engines_deltas_and_the_segments_state(seg_nam
         # a step in which nothing moved hands vLLM nothing (it would process every sample)
         assert reader.take() == []
         other.prepare_store([b"p" * 36])  # another engine's store moves the segment: gauges
-        moved = {(n, lab): v for n, v, lab in reader.take()}
+        # ... in a step after the owner's counters moved (it adds them once its reply is
+        # out), or within the reader's interval: not necessarily in the very next step
+        moved: dict = {}
+
+        def shown() -> bool:
+            moved.update({(n, lab): v for n, v, lab in reader.take()})
+            return ("vllm:kvshm_blocks", ("writing",)) in moved
+
+        wait_for(shown, "the other engine's store to show in the gauges")
         assert moved[("vllm:kvshm_blocks", ("writing",))] == 2
         assert not any(KINDS[n] == "counter" for n, _ in moved)
     finally:
