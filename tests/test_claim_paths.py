@@ -138,3 +138,15 @@ def test_a_lease_turning_into_a_pin_during_the_check_keeps_the_block(make_segmen
     finally:
         stores.close()
         table.close()
+
+
+@pytest.mark.parametrize("ids", [[-1, 15], [16, 15], [-1], [16]])
+def test_a_block_id_outside_the_table_taken_from_the_ring_is_never_written(twins, ids):
+    """Only the owner writes the grant ring, but the slot is the client's memory: an id
+    outside the table (a scribble) is never used for a store, nor read past the table."""
+    (_, table, stores), _ = twins
+    table.write(15, L.GRANTED, b"", *ME, 0)  # a real grant beside it
+    stores.spare = []
+    stores._sort(ids)
+    assert all(0 <= b < BLOCKS for b in stores.spare)
+    assert stores.spare == ([15] if 15 in ids else [])

@@ -110,13 +110,15 @@ class OwnStores:
                     self._claim_one(one)
             return
         b = np.array(ids, np.intp)
+        b = b[(b >= 0) & (b < self._table.num_blocks)]  # (numpy would wrap a negative id)
         state = offers.states(self._table, b)
         self.spare.extend(b[state == L.GRANTED].tolist())
         offered = b[state == L.READY]
         if offered.size:
             self._claim(offered.tolist())
-        # Anything else was not handed to us as the protocol says (a damaged or hostile
-        # slot): never written; it stays taken, and our goodbye or death ends it.
+        # Anything else, an id outside the table too, was not handed to us as the protocol
+        # says (a damaged or hostile slot): never written; it stays taken, and our goodbye
+        # or death ends it.
 
     def _claim(self, blocks: list[int]) -> None:
         """Claim offered ``blocks``: the claimed ones no reader holds join ``spare``, the
