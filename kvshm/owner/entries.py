@@ -98,7 +98,7 @@ class Entries:
             self.usage[tenant] = self.usage.get(tenant, 0) + len(keys)
         if writer is not None and keys:  # no empty record: nothing would ever remove it
             self.pending.setdefault(writer, set()).update(keys)
-        group = tenant if tenant in self.grouped else None
+        group = self._group(tenant)
         if rank_of is None:
             self.policy.insert_many(keys, group)
         else:
@@ -109,7 +109,11 @@ class Entries:
     def requeue(self, key: bytes, e: Entry) -> None:
         """``key`` (cached at ``e``, out of the policy's order) is back in it, most recent, in
         its tenant's group."""
-        self.policy.insert(key, None, e.tenant if e.tenant in self.grouped else None)
+        self.policy.insert(key, None, self._group(e.tenant))
+
+    def _group(self, tenant: Client | None) -> Client | None:
+        """The policy group of ``tenant``'s keys: its own while it has a quota."""
+        return tenant if tenant in self.grouped else None
 
     def unpend(self, key: bytes, e: Entry) -> None:
         """The store of ``key`` is over (published or freed): forget its writer."""

@@ -194,11 +194,9 @@ class HoldScan:
         a claim must leave such a block to its reader. Reads each slot's mark, then its
         holds below the mark (the order the holder stores them in; a mark is its slot's own
         word, so it is clamped to the array)."""
-        cap, h = self._cap, self._holds
-        parts = [h[s][:min(m, cap)] for s, m in enumerate(self._marks.tolist()) if m]
-        if not parts:
+        codes = self._codes()
+        if codes is None:
             return np.zeros(len(blocks), bool)
-        codes = np.concatenate(parts)
         if len(blocks) <= _FEW:  # a claim's usual size: compare the codes, never sort them
             b = np.asarray(blocks, np.int32)[:, None]  # (the codes' type: no upcast)
             return ((codes == b) | (codes == L.lease_code(b))).any(axis=1)
@@ -207,14 +205,18 @@ class HoldScan:
     def held_one(self, block: int) -> bool:
         """``held`` of one block, in as few numpy operations as it takes (a one-key store's
         claim: a few microseconds however many holds and slots there are)."""
+        codes = self._codes()
+        if codes is None:
+            return False
+        return bool(np.count_nonzero((codes == block) | (codes == L.lease_code(block))))
+
+    def _codes(self) -> np.ndarray | None:
+        """A copy of every slot's holds below its mark (None: no slot holds anything). One
+        copy, then comparisons of the copy: compared in place, a holder turning its lease
+        into a pin (the same entry) between two comparisons could be missed."""
         cap, h = self._cap, self._holds
         parts = [h[s][:min(m, cap)] for s, m in enumerate(self._marks.tolist()) if m]
-        if not parts:
-            return False
-        # One copy first, then two comparisons of the copy: compared in place, a holder
-        # turning its lease into a pin (the same entry) between the two could be missed.
-        codes = np.concatenate(parts)
-        return bool(np.count_nonzero((codes == block) | (codes == L.lease_code(block))))
+        return np.concatenate(parts) if parts else None
 
     def close(self) -> None:
         del self._marks, self._holds

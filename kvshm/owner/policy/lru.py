@@ -240,17 +240,8 @@ class LRUPolicy(CachePolicy):
             for k in keys:
                 self.touch(k, True)
             return
-        keys = [k for k in keys if k in self._fresh or k in self._prov]
-        if len(set(keys)) != len(keys):  # a key twice: it ends where its last touch puts it
-            for k in keys:
-                self._freshen(k)
-            return
-        if self._prov:
-            deque(map(self._prov.pop, keys, repeat(None)), 0)
-        start = self._next + 1
-        self._next += len(keys)
-        deque(map(self._fresh.pop, keys, repeat(None)), 0)  # present ones move to the end
-        self._fresh.update(zip(keys, range(start, self._next + 1)))
+        # (cached keys move to the end, which is what insert_many does with them)
+        self.insert_many([k for k in keys if k in self._fresh or k in self._prov])
 
     def access(self, key: bytes, how: int, rank: Rank | None = None) -> None:
         if how == RANKED:
