@@ -144,9 +144,12 @@ def test_a_lease_turning_into_a_pin_during_the_check_keeps_the_block(make_segmen
 def test_a_block_id_outside_the_table_taken_from_the_ring_is_never_written(twins, ids):
     """Only the owner writes the grant ring, but the slot is the client's memory: an id
     outside the table (a scribble) is never used for a store, nor read past the table."""
-    (_, table, stores), _ = twins
+    (seg, table, stores), _ = twins
     table.write(15, L.GRANTED, b"", *ME, 0)  # a real grant beside it
-    stores.spare = []
-    stores._sort(ids)
-    assert all(0 <= b < BLOCKS for b in stores.spare)
-    assert stores.spare == ([15] if 15 in ids else [])
+    head, ring = slots.grants(seg, ME[0])
+    ring[:len(ids)] = ids
+    head["granted"] = len(ids)
+    taken = stores.take([b"k%d" % i for i in range(len(ids))])
+    head.release()
+    assert all(0 <= b < BLOCKS for b in taken)
+    assert taken == ([15] if 15 in ids else [])

@@ -87,7 +87,10 @@ class OwnStores:
             crash_point("client.store.after_take")
             publish_fence()  # ids read before the count that lets the owner reuse their places
             self.taken = gw["taken"] = t + m
-            self._sort(ids)
+            # (the ring is the slot's memory, which only the owner should write: an id
+            # outside the table is a scribble, taken and never used; numpy would wrap it)
+            nb = self._table.num_blocks
+            self._sort([b for b in ids if 0 <= b < nb])
         blocks, self.spare = spare[:n], spare[n:]
         self.inflight.update(zip(keys, blocks))
         self.recent.clear()
@@ -99,26 +102,23 @@ class OwnStores:
         self.spare[:0] = [self.inflight.pop(k) for k in keys]
 
     def _sort(self, ids: list[int]) -> None:
-        """Blocks just taken: free grants are ours at once, offers are claimed."""
+        """Blocks just taken (ids in the table): free grants are ours at once, offers are
+        claimed."""
         if len(ids) == 1:  # a one-key store's: the same, without numpy
-            one = ids[0]
-            if 0 <= one < self._table.num_blocks:
-                st = offers.state_one(self._table, one)
-                if st == L.GRANTED:
-                    self.spare.append(one)
-                elif st == L.READY:
-                    self._claim_one(one)
+            st = offers.state_one(self._table, ids[0])
+            if st == L.GRANTED:
+                self.spare.append(ids[0])
+            elif st == L.READY:
+                self._claim_one(ids[0])
             return
         b = np.array(ids, np.intp)
-        b = b[(b >= 0) & (b < self._table.num_blocks)]  # (numpy would wrap a negative id)
         state = offers.states(self._table, b)
         self.spare.extend(b[state == L.GRANTED].tolist())
         offered = b[state == L.READY]
         if offered.size:
             self._claim(offered.tolist())
-        # Anything else, an id outside the table too, was not handed to us as the protocol
-        # says (a damaged or hostile slot): never written; it stays taken, and our goodbye
-        # or death ends it.
+        # Anything else was not handed to us as the protocol says (a damaged or hostile
+        # slot): never written; it stays taken, and our goodbye or death ends it.
 
     def _claim(self, blocks: list[int]) -> None:
         """Claim offered ``blocks``: the claimed ones no reader holds join ``spare``, the
