@@ -149,12 +149,13 @@ class HoldTable:
         with one handshake (``Runs.relet``). False: ``key`` not leased, ask ``lease_key``."""
         return self.runs.relet(self, key)
 
-    def write_holds(self, ia: np.ndarray, codes: np.ndarray) -> None:
+    def write_holds(self, ia: np.ndarray, codes: np.ndarray, top: int) -> None:
         """Take the top ``len(ia)`` entries of the free stack, which are ``ia`` (the caller
-        read them off the stack), and write ``codes`` into them. The caller then fences and
-        re-checks, and gives back what does not hold (``give_back``)."""
+        read them off the stack; ``top``: 1 + the highest), and write ``codes`` into them.
+        The caller then fences and re-checks, and gives back what does not hold
+        (``give_back``)."""
         del self.free[-len(ia):]
-        self.cover(int(ia.max()) + 1)
+        self.cover(top)
         self.holds[ia] = codes
 
     def give_back(self, ia: np.ndarray) -> None:

@@ -32,7 +32,7 @@ class HoldTable(Protocol):
 
     def room(self) -> int: ...
     def drop_ahead(self) -> None: ...
-    def write_holds(self, ia: np.ndarray, codes: np.ndarray) -> None: ...
+    def write_holds(self, ia: np.ndarray, codes: np.ndarray, top: int) -> None: ...
     def give_back(self, ia: np.ndarray) -> None: ...
 
 
@@ -53,13 +53,19 @@ class Plan:
     C-level dict and set merges instead of per-key zips, which were most of a lookup's
     cost. Whether the entries are on top is checked every time, never assumed."""
 
-    __slots__ = ("idx", "ia", "leases", "ahead")
+    __slots__ = ("idx", "ia", "top", "leases", "ahead", "codes", "blocks", "seqs")
 
-    def __init__(self, part: list[bytes], idx: list[int]):
-        self.idx = idx  # hold entries, in key order (as ``Run.codes``)
+    def __init__(self, run: Run, off: int, idx: list[int]):
+        end = off + len(idx)
+        part = run.keys[off:end]
+        self.idx = idx  # hold entries, in key order (as ``codes``)
         self.ia = np.array(idx, np.intp)
+        self.top = max(idx) + 1  # what the hold mark must cover (a numpy max costs 1 us)
         self.leases = dict(zip(part, idx))  # merged into the client's leases as is
         self.ahead = frozenset(part[1:])  # leased ahead: nobody asked for them yet
+        self.codes = run.codes[off:end]  # the holds to write
+        self.blocks = run.blocks[off:end]  # whose sequence numbers to re-check
+        self.seqs = run.seqs[off:end].tobytes()  # what they were, compared as bytes
 
 
 class Run:
@@ -79,14 +85,14 @@ class Run:
         self.plans: dict[int, Plan] = {}  # offset -> how the last relet from it went
         self.reach = RUN_AHEAD
 
-    def plan(self, off: int, n: int, idx: list[int]) -> Plan:
-        """A fresh ``Plan`` of ``n`` keys from ``off`` in the hold entries ``idx``, kept for
-        the next relet from ``off`` (the oldest plans go: at most ``PLANS_KEPT``)."""
+    def plan(self, off: int, idx: list[int]) -> Plan:
+        """A fresh ``Plan`` of ``len(idx)`` keys from ``off`` in the hold entries ``idx``,
+        kept for the next relet from ``off`` (the oldest plans go: at most ``PLANS_KEPT``)."""
         plans = self.plans
         plans.pop(off, None)
         while len(plans) >= PLANS_KEPT:
             del plans[next(iter(plans))]
-        plan = plans[off] = Plan(self.keys[off:off + n], idx)
+        plan = plans[off] = Plan(self, off, idx)
         return plan
 
     def grow(self) -> None:
@@ -198,18 +204,17 @@ class Runs:
         top = h.free[-n:]
         plan = run.plans.get(off)
         if plan is None or top != plan.idx:  # (compares identical ints: cheap)
-            plan = run.plan(off, n, top)
+            plan = run.plan(off, top)
         if h.leases and not h.leases.keys().isdisjoint(plan.leases.keys()):
             return self._relet_partly(h, run, off, n)  # some leased already: never twice
-        end = off + n
-        h.write_holds(plan.ia, run.codes[off:end])
+        h.write_holds(plan.ia, plan.codes, plan.top)
         full_fence()  # our holds before our re-checks: the owner fences the other way round
-        now = run.seqs_now(self.table, off, end)
-        if now.tobytes() == run.seqs[off:end].tobytes():  # (a ufunc and .all() cost 3 us)
+        now = self.table.seqs(plan.blocks)
+        if now.tobytes() == plan.seqs:  # (a ufunc and .all() cost 3 us)
             h.leases.update(plan.leases)
             h.ahead.update(plan.ahead)
             return True
-        return self._keep_unchanged(h, key, plan, now == run.seqs[off:end])
+        return self._keep_unchanged(h, key, plan, now == run.seqs[off:off + n])
 
     def _relet_partly(self, h: HoldTable, run: Run, off: int, n: int) -> bool:
         """``relet`` up to the first key of the run that is leased already."""
@@ -217,8 +222,8 @@ class Runs:
         n = next(i for i, k in enumerate(part) if k in h.leases)
         if n == 0:
             return False
-        plan = Plan(part[:n], h.free[-n:])
-        h.write_holds(plan.ia, run.codes[off:off + n])
+        plan = Plan(run, off, h.free[-n:])
+        h.write_holds(plan.ia, plan.codes, plan.top)
         full_fence()  # our holds before our re-checks: the owner fences the other way round
         return self._keep_unchanged(h, part[0], plan, run.seqs_now(self.table, off, off + n)
                                     == run.seqs[off:off + n])
