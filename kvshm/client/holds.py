@@ -86,8 +86,9 @@ class HoldTable:
         self.seen: dict[bytes, tuple[int, int]] = {}  # key -> (block, seq) verified READY
         self._seen_limit = 4 * len(holds)
         self.runs = Runs(table, self._seen_limit)  # the prefixes this client loaded
-        # Leased keys that ``relet`` took ahead of their lookups and nobody asked for yet.
-        # Every path that answers a leased key as a hit discards it here (``asked``).
+        # Keys ``relet`` leased ahead of their lookups. One counted in ``asks`` was asked for
+        # since and is ahead no more: ``key_status`` leaves it named here, as a set discard
+        # per hit cost as much as the rest of the hit; ``drop_ahead`` skips it.
         self.ahead: set[bytes] = set()
 
     def __len__(self) -> int:
@@ -134,8 +135,8 @@ class HoldTable:
         """Give back the leases ``relet`` took ahead of lookups that never came."""
         if not self.ahead:
             return
-        pop = self.leases.pop  # (nobody asked for them: no count to drop)
-        idx = [i for i in [pop(k, -1) for k in self.ahead] if i >= 0]
+        pop, asks = self.leases.pop, self.asks  # (nobody asked for them: no count to drop)
+        idx = [i for i in [pop(k, -1) for k in self.ahead if k not in asks] if i >= 0]
         # (counted by what is given back: a key whose lease went another way, pinned or
         # forgotten, may still be named in ``ahead``; it went unasked by no one)
         self.runs.unasked(len(idx))

@@ -171,9 +171,8 @@ class SharedManager(OffloadingManager):
                 asks[key] += 1
                 self._lk_n += 1
                 return _HIT
-            if key in h.leases:  # leased ahead of its lookup (relet): asked for now
-                asks[key] = 1
-                h.ahead.discard(key)
+            if key in h.leases:  # leased ahead of its lookup (relet): asked for now (and
+                asks[key] = 1    # so no longer ahead, though still named there)
                 self._lk_n += 1
                 return _HIT
             if h.relet(key):
