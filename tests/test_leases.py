@@ -17,6 +17,7 @@ from kvshm.client.connect import connect
 from kvshm.errors import (BlockStateError, HoldsExhaustedError, InvalidArgumentError,
                           UnknownKeyError)
 from kvshm.shm import layout as L
+from kvshm.shm import slots
 from kvshm.shm.table import BlockTable
 
 import procs
@@ -494,3 +495,64 @@ def test_one_request_asking_further_costs_later_requests_no_extra_relets(seg_nam
         pid = mgr.segment.owner_record()[0]
         mgr.shutdown()
         stop_owner(pid)
+
+
+@pytest.fixture
+def roomy(seg_name):
+    """A client of a 1,024-block segment, with room to lease long prefixes (and, with few
+    clients, 64 blocks in its grant ring)."""
+    mgr = connect(seg_name, TEST_LAYOUT, num_blocks=1024, ring_capacity=8192,
+                  hold_capacity=2048, max_clients=4)
+    yield mgr
+    pid = mgr.segment.owner_record()[0]
+    mgr.shutdown()
+    stop_owner(pid)
+
+
+def store_from_grants(mgr, keys: list[bytes]) -> None:
+    """Store ``keys`` from the client's grant ring (waits until the owner stocked it: it
+    stocks the rings of clients that store), and wait until the owner published them."""
+    head, _ = slots.grants(mgr.segment, mgr.slot)
+    if head["granted"] == 0:
+        assert procs.store(mgr, [b"first-store"]) == [b"first-store"]
+    wait_for(lambda: head["granted"] - mgr._own.taken >= len(keys), "the grant ring stocked")
+    assert procs.store(mgr, keys) == keys
+    wait_for(lambda: all(mgr.index.find(k)[1] == L.READY for k in keys), "the publish")
+
+
+def test_the_first_lookup_of_a_prefix_we_stored_leases_all_of_it(roomy):
+    prefix = [b"ours-%04d" % i for i in range(32)]
+    store_from_grants(roomy, prefix)
+    assert roomy.key_status(prefix[0]) == LookupResult.HIT
+    assert roomy.held_blocks() == 32  # the rest leased ahead, by the same one handshake
+    assert all(roomy.key_status(k) == LookupResult.HIT for k in prefix)
+    load_and_check(roomy, prefix)
+    roomy.release()
+    assert roomy.held_blocks() == 0
+
+
+def test_a_prefix_we_stored_and_whose_blocks_hold_other_keys_since_is_no_hit(roomy):
+    prefix = [b"ours-%04d" % i for i in range(32)]
+    store_from_grants(roomy, prefix)
+    for i in range(0, 1024, 64):  # our own later stores evict it and reuse its blocks
+        store_from_grants(roomy, [b"later-%04d" % j for j in range(i, i + 64)])
+    assert all(roomy.index.find(k)[1] == -1 for k in prefix)
+    assert roomy.key_status(prefix[0]) == LookupResult.MISS
+    assert roomy.held_blocks() == 0
+
+
+def test_a_relet_that_took_keys_nobody_asked_for_takes_only_what_was_asked_next(roomy):
+    """A prefix leased ahead past what requests ask (ours, stored with the keys of our own
+    request after it) is leased, after one such request, only as far as they ask."""
+    prefix = [b"ours-%04d" % i for i in range(80)]
+    assert procs.store(roomy, prefix) == prefix
+    assert all(roomy.key_status(k) == LookupResult.HIT for k in prefix)
+    load_and_check(roomy, prefix)
+    roomy.release()
+    held = []
+    for _ in range(3):  # requests that share the first 64 keys
+        assert all(roomy.key_status(k) == LookupResult.HIT for k in prefix[:64])
+        held.append(roomy.held_blocks())
+        load_and_check(roomy, prefix[:64])
+        roomy.release()
+    assert held[1:] == [64, 64]

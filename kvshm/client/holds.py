@@ -50,17 +50,6 @@ from kvshm.shm.table import BlockTable
 LOADABLE = (L.READY, L.EVICTING)
 
 
-def key_array(keys: Sequence[bytes]) -> np.ndarray | None:
-    """Equal-length bytes keys as an (n, len) uint8 array for ``lease_many``; None if they
-    are not that."""
-    klen = len(keys[0])
-    joined = b"".join(keys)
-    if len(joined) != len(keys) * klen or not all(type(k) is bytes and len(k) == klen
-                                                  for k in keys):
-        return None
-    return np.frombuffer(joined, np.uint8).reshape(len(keys), klen)
-
-
 _EVICTING_SPINS = 10_000  # an owner decides an eviction in microseconds; past this it died
 
 

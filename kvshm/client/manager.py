@@ -17,7 +17,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from kvshm.client.holds import HoldTable, key_array
+from kvshm.client.holds import HoldTable
 from kvshm.client.own_stores import OwnStores
 from kvshm.client.owner_link import OwnerLink
 from kvshm.client.owner_start import start_owner
@@ -129,7 +129,7 @@ class SharedManager(OffloadingManager):
             self._h.asked(keys if held == n else keys[:held])
             self._count_lookup(held, held)
             return n if held == n else self._rest(keys, held)
-        karr = key_array(keys) if n >= 64 else None  # measured: below 64 keys the per-key
+        karr = K.key_array(keys) if n >= 64 else None  # measured: below 64 keys the per-key
         if karr is not None:                            # loop is cheaper than numpy's setup
             blocks, states = self.index.find_prefix(keys, karr)
             ready = states == L.READY
@@ -356,7 +356,8 @@ class SharedManager(OffloadingManager):
             keys = K.key_seq(keys)
         K.check_keys(keys)
         running = running and running.for_store()
-        rest = self._own.complete(keys, success, self._chunk_keys, running)
+        rest, published, blocks = self._own.complete(keys, success, self._chunk_keys, running)
+        self._h.runs.stored_by_us(published, blocks)
         for part in self._chunks(rest) if rest else ():  # a subset is a valid completion
             self._link.call([P.CompleteStore(self._link.next_req(), part, success)])
 

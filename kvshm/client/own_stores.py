@@ -180,10 +180,11 @@ class OwnStores:
             self.declined.extend(still[again].tolist())
 
     def complete(self, keys: Sequence[bytes], success: bool, chunk: int,
-                 running: Running | None = None) -> list[bytes]:
+                 running: Running | None = None
+                 ) -> tuple[list[bytes], list[bytes], list[int]]:
         """Publish (or fail) those of ``keys`` in flight, one-way, ``chunk`` keys a frame (the
         owner ranks them for ``running``). Returns the keys that are not ours (their
-        completion is a round trip)."""
+        completion is a round trip), and the keys published and their blocks, in order."""
         inflight, mine, rest = self.inflight, {}, []
         for k in keys:
             b = inflight.get(k)
@@ -202,7 +203,7 @@ class OwnStores:
                 del inflight[k]
             if success:
                 self.unconfirmed.update(dict.fromkeys(part, pos))
-        return rest
+        return (rest, ks, bs) if success else (rest, [], [])
 
     def confirm(self, key: bytes) -> bool:
         """Whether the index now shows our store of ``key``, which it did not a moment ago:

@@ -21,6 +21,7 @@ import numpy as np
 
 from kvshm.shm import layout as L
 from kvshm.shm.fence import full_fence
+from kvshm.shm.keys import key_array
 from kvshm.shm.table import BlockTable
 
 
@@ -43,6 +44,8 @@ RUN_MIN = 8
 # How many offsets of one run keep their ``Plan``: a scheduler asks a prefix from its head
 # and, while ``reach`` grows, from a few offsets after it; each plan may be ``reach`` long.
 PLANS_KEPT = 8
+# How many of our own recent stores are remembered for the first lookup of them.
+STORED_KEPT = 64
 
 
 class Plan:
@@ -73,8 +76,9 @@ class Run:
 
     ``reach`` follows what requests ask for: it doubles when one asks past a relet's keys
     (one relet of a long prefix, not one per ``RUN_AHEAD`` keys) and falls to what was asked
-    when half the keys a relet took or more go unasked (a request that shares only the head
-    of a long prefix does not lease, and give back, all of it)."""
+    when keys a relet took go unasked (a request that shares only the head of a long prefix
+    does not lease, and give back, all of it; nor does one that shares a prefix we stored
+    with the keys of our own request after it)."""
 
     __slots__ = ("keys", "blocks", "codes", "seqs", "plans", "reach")
 
@@ -100,10 +104,16 @@ class Run:
         self.reach = min(2 * self.reach, len(self.keys))
 
     def shrink(self, asked: int) -> None:
-        """At least half of what one relet took went unasked: take what was ``asked`` next
-        time (a prefix shared by requests that ask for less of it, even less than
-        ``RUN_AHEAD``, is leased as far as they ask; one asking further grows it again)."""
+        """Some of what one relet took went unasked: take what was ``asked`` next time (a
+        prefix shared by requests that ask for less of it, even less than ``RUN_AHEAD``, is
+        leased as far as they ask; one asking further grows it again)."""
         self.reach = max(RUN_MIN, asked)
+
+    def cut(self, end: int) -> None:
+        """Keep only the keys before ``end`` (and the plans within them)."""
+        self.keys, self.blocks = self.keys[:end], self.blocks[:end]
+        self.codes, self.seqs = self.codes[:end], self.seqs[:end]
+        self.plans = {o: p for o, p in self.plans.items() if o + len(p.idx) <= end}
 
     def seqs_now(self, table: BlockTable, off: int, end: int) -> np.ndarray:
         """The entries' sequence numbers of keys ``off:end`` now: where they equal ``seqs``
@@ -111,10 +121,13 @@ class Run:
         return table.seqs(self.blocks[off:end])
 
 
-def remember(keys: Sequence[bytes], blocks: Sequence[int], table: BlockTable) -> Run | None:
+def remember(keys: Sequence[bytes], blocks: Sequence[int], table: BlockTable,
+             held: bool = True) -> Run | None:
     """A ``Run`` of ``keys`` (a prefix, in order), just pinned at ``blocks`` and found READY,
     or None when there is nothing worth keeping (too short, or an entry being rewritten). A
-    key named twice is kept once: a relet would lease it twice and leak one of the holds."""
+    key named twice is kept once: a relet would lease it twice and leak one of the holds.
+    ``held=False``: nothing holds the blocks, so each entry must show its key as well, and
+    the run is the prefix of keys whose entries do."""
     if len(keys) < RUN_MIN:
         return None
     if len(set(keys)) != len(keys):
@@ -123,10 +136,17 @@ def remember(keys: Sequence[bytes], blocks: Sequence[int], table: BlockTable) ->
         if len(keys) < RUN_MIN:
             return None
     b = np.array(blocks, np.intp)
-    seqs = table.ready_seqs(b)
-    if (seqs < 0).any():
-        return None  # a rewrite in progress: no proof to keep
-    return Run(list(keys), b, seqs)
+    if held:
+        seqs = table.ready_seqs(b)
+        if (seqs < 0).any():
+            return None  # a rewrite in progress: no proof to keep
+        return Run(list(keys), b, seqs)
+    karr = key_array(keys)
+    if karr is None:
+        return None
+    seqs = table.ready_seqs(b, karr)
+    n = int(np.argmin(seqs >= 0)) if (seqs < 0).any() else len(keys)
+    return Run(list(keys[:n]), b[:n], seqs[:n]) if n >= RUN_MIN else None
 
 
 class Runs:
@@ -136,11 +156,17 @@ class Runs:
         self.table = table
         self.limit = limit  # keys remembered, all runs together
         self.by_key: dict[bytes, tuple[Run, int]] = {}
+        # The first key of one of our recent stores -> its keys and their blocks, not proven
+        # READY yet (the owner publishes them after us): the first lookup of that key proves
+        # them and leases them as a prefix loaded before (``relet``), as the engine that
+        # stored a prefix is the one most likely to ask for it next.
+        self.stored: dict[bytes, tuple[Sequence[bytes], list[int]]] = {}
         # the last relet's run, its offset into it and how many keys it took
         self._last: tuple[Run, int, int] | None = None
 
     def clear(self) -> None:
         self.by_key.clear()
+        self.stored.clear()
         self._last = None
 
     def step_over(self) -> None:
@@ -149,14 +175,28 @@ class Runs:
 
     def unasked(self, n: int) -> None:
         """``n`` keys the last relet took ahead were given back unasked."""
-        if self._last is not None and 2 * n >= self._last[2]:
-            run, off, taken = self._last  # half of it or more went unasked: take as far as
-            run.shrink(off + taken - n)  # the prefix was asked, from its head, next time
+        if self._last is not None and n > 0:
+            run, off, taken = self._last  # take as far as the prefix was asked, from its
+            run.shrink(off + taken - n)  # head, next time (and no plan rebuilt for a tail
+            # given back out of order: the free stack keeps its order when nothing is)
 
     def follow(self, keys: Sequence[bytes], blocks: Sequence[int]) -> None:
         """``keys`` (a prefix, in order) were just pinned at ``blocks`` and found READY:
         remember them with their entries' sequence numbers for ``relet``."""
-        run = remember(keys, blocks, self.table)
+        self._keep(remember(keys, blocks, self.table))
+
+    def stored_by_us(self, keys: Sequence[bytes], blocks: list[int]) -> None:
+        """Our store of ``keys`` (in order) at ``blocks`` was published: the first lookup of
+        its first key proves and leases them (the oldest of ``STORED_KEPT`` go)."""
+        if len(keys) < RUN_MIN:
+            return
+        stored = self.stored
+        stored.pop(keys[0], None)
+        if len(stored) >= STORED_KEPT:
+            del stored[next(iter(stored))]
+        stored[keys[0]] = (keys, blocks)
+
+    def _keep(self, run: Run | None) -> None:
         if run is None:
             return
         if len(self.by_key) + len(run.keys) > self.limit:
@@ -191,7 +231,13 @@ class Runs:
         prefix, changed, or no room)."""
         at = self.by_key.get(key)
         if at is None:
-            return False
+            ours = self.stored.pop(key, None) if self.stored else None
+            if ours is None:
+                return False
+            self._prove(*ours)
+            at = self.by_key.get(key)
+            if at is None:
+                return False
         h.drop_ahead()
         run, off = at
         last, self._last = self._last, None
@@ -214,7 +260,29 @@ class Runs:
             h.leases.update(plan.leases)
             h.ahead.update(plan.ahead)
             return True
-        return self._keep_unchanged(h, key, plan, now == run.seqs[off:off + n])
+        ok = now == run.seqs[off:off + n]
+        self._cut(run, off + int(np.argmin(ok)))
+        return self._keep_unchanged(h, key, plan, ok)
+
+    def _prove(self, keys: Sequence[bytes], blocks: list[int]) -> None:
+        """Remember what of our store of ``keys`` at ``blocks`` the table shows READY, as a
+        prefix loaded before; the rest, if the owner has not published it yet (it publishes a
+        long store a frame at a time), under its own first key."""
+        run = remember(keys, blocks, self.table, held=False)
+        self._keep(run)
+        m = len(run.keys) if run is not None else 0
+        if m and len(keys) - m >= RUN_MIN and run is not None and run.keys == keys[:m]:
+            self.stored[keys[m]] = (keys[m:], blocks[m:])
+
+    def _cut(self, run: Run, end: int) -> None:
+        """The entry of ``run``'s key ``end`` changed since it was proven: the keys from it on
+        are forgotten (the next lookups of them take the long way, once), so that no relet
+        re-checks a dead tail again (the unique keys after a prefix we stored, evicted)."""
+        by_key = self.by_key
+        for k in run.keys[end:]:
+            if by_key.get(k, (None, 0))[0] is run:
+                del by_key[k]
+        run.cut(end)
 
     def _relet_partly(self, h: HoldTable, run: Run, off: int, n: int) -> bool:
         """``relet`` up to the first key of the run that is leased already."""

@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from kvshm.errors import InvalidArgumentError
 from kvshm.shm.layout import MAX_KEY_BYTES
 
@@ -55,3 +57,14 @@ def key_seq(keys: Any) -> Sequence[bytes]:
             f"keys must be a sequence (list or tuple) of bytes keys; got "
             f"{type(keys).__name__}{hint}")
     return list(keys)
+
+
+def key_array(keys: Sequence[bytes]) -> np.ndarray | None:
+    """Equal-length bytes keys as an (n, len) uint8 array, for a client's vectorised lookups
+    and proofs; None if they are not that."""
+    klen = len(keys[0])
+    joined = b"".join(keys)
+    if len(joined) != len(keys) * klen or not all(type(k) is bytes and len(k) == klen
+                                                  for k in keys):
+        return None
+    return np.frombuffer(joined, np.uint8).reshape(len(keys), klen)

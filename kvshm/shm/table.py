@@ -94,21 +94,23 @@ class BlockTable:
         publish_fence()
         rows = self._rows[blocks]
         publish_fence()
-        klen = keys.shape[1]
-        same = (rows[:, KEYLEN_OFF] == klen) & \
-            (rows[:, KEY_OFF:KEY_OFF + klen] == keys).all(axis=1)
-        stable = ((seq & 1) == 0) & (self._seqs[blocks] == seq)
-        return np.where(same & stable, rows[:, STATE_OFF].astype(np.int16), -1)
+        stable = _same_keys(rows, keys) & ((seq & 1) == 0) & (self._seqs[blocks] == seq)
+        return np.where(stable, rows[:, STATE_OFF].astype(np.int16), -1)
 
-    def ready_seqs(self, blocks: np.ndarray) -> np.ndarray:
+    def ready_seqs(self, blocks: np.ndarray, keys: np.ndarray | None = None) -> np.ndarray:
         """Each block's sequence number where its entry is READY and stable (int64; -1 where
         not): with a key the caller knows the block holds (it pins it), an unchanged number
-        later proves the entry still holds that key READY."""
+        later proves the entry still holds that key READY. With ``keys`` (as for
+        ``states_if_keys``) only where the entry holds its key too: the proof for a caller
+        that holds none of the blocks."""
         seq = self._seqs[blocks]
         publish_fence()
-        state = self._rows[blocks, STATE_OFF]
+        rows = self._rows[blocks] if keys is not None else None
+        state = rows[:, STATE_OFF] if rows is not None else self._rows[blocks, STATE_OFF]
         publish_fence()
         ok = ((seq & 1) == 0) & (state == L.READY) & (self._seqs[blocks] == seq)
+        if rows is not None and keys is not None:
+            ok &= _same_keys(rows, keys)
         return np.where(ok, seq.astype(np.int64), -1)
 
     def seqs(self, blocks: np.ndarray) -> np.ndarray:
@@ -379,3 +381,9 @@ class BlockTable:
                 self.set_last_use(blk, tick)
         else:
             self._words[np.asarray(blocks, np.intp), LAST_USE_WORD] = tick
+
+
+def _same_keys(rows: np.ndarray, keys: np.ndarray) -> np.ndarray:
+    """Which entry ``rows`` (copied out of the table) hold their key of ``keys``."""
+    klen = keys.shape[1]
+    return (rows[:, KEYLEN_OFF] == klen) & (rows[:, KEY_OFF:KEY_OFF + klen] == keys).all(axis=1)
