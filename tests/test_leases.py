@@ -556,3 +556,31 @@ def test_a_relet_that_took_keys_nobody_asked_for_takes_only_what_was_asked_next(
         load_and_check(roomy, prefix[:64])
         roomy.release()
     assert held[1:] == [64, 64]
+
+
+def hold_mark(mgr) -> int:
+    return int(slots.hold_mark(mgr.segment, mgr.slot)[0])
+
+
+def test_a_client_that_holds_nothing_any_more_brings_its_hold_mark_down(roomy):
+    """Claims and evictions read every slot's holds below its mark: once a client holds
+    nothing, they read none of its entries, however many it used before."""
+    prefix = [b"mark-%04d" % i for i in range(100)]
+    assert procs.store(roomy, prefix) == prefix
+    assert roomy.lookup(prefix) == 100
+    assert hold_mark(roomy) >= 100
+    roomy.release()
+    assert hold_mark(roomy) == 0
+    assert roomy.lookup(prefix) == 100
+    load_and_check(roomy, prefix)  # the loads took every lease: nothing held after them
+    assert hold_mark(roomy) == 0
+
+
+def test_a_lease_taken_after_the_hold_mark_came_down_still_protects_its_block(cache, seg_name):
+    assert cache.lookup(KEYS[:8]) == 8
+    cache.release()
+    assert hold_mark(cache) == 0
+    assert cache.key_status(KEYS[3]) == LookupResult.HIT
+    assert hold_mark(cache) > 0
+    assert other_client_stores(seg_name, FRESH) == []  # all 8 blocks or none: one is held
+    load_and_check(cache, [KEYS[3]])

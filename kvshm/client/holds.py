@@ -41,7 +41,7 @@ import numpy as np
 
 from kvshm.client.runs import Runs
 from kvshm.shm import layout as L
-from kvshm.shm.fence import full_fence
+from kvshm.shm.fence import full_fence, publish_fence
 from kvshm.shm.keyindex import KeyIndex
 from kvshm.shm.keys import check_key
 from kvshm.shm.table import BlockTable
@@ -92,6 +92,15 @@ class HoldTable:
         """Make the hold mark cover entries below ``top`` before any of them is written."""
         if top > self.mark:
             self.mark = self._mark[0] = top
+
+    def _lower_mark(self) -> None:
+        """Nothing held: the hold mark comes down to 0, so that a claim or an eviction reads
+        none of our entries (a long prefix leased once would otherwise cost every claim a
+        copy of all the entries it used). Safe as every entry is -1 already, stored before
+        the mark; ``cover`` raises it again before an entry above is written."""
+        if self.mark and len(self.free) == len(self.holds):
+            publish_fence()  # the entries' -1 before the mark that stops covering them
+            self.mark = self._mark[0] = 0
 
     def unhold(self, i: int) -> None:
         self._hv[i] = -1
@@ -293,6 +302,7 @@ class HoldTable:
             if idx:
                 self.holds[np.array(idx, np.intp)] = -1
                 self.free.extend(idx)
+            self._lower_mark()
             return
         asks = self.asks
         for k in keys:
@@ -305,6 +315,7 @@ class HoldTable:
                 asks.pop(k, None)
                 self.unhold(i)
         self.drop_ahead()
+        self._lower_mark()
 
     def forget(self, keys: Sequence[bytes]) -> None:
         """Drop the leases of ``keys`` whatever their counts: their blocks no longer hold them
@@ -360,11 +371,14 @@ class HoldTable:
         for k, i in taken:
             self.pins.setdefault(k, []).append(i)
 
-    def unpin(self, key: bytes) -> None:
-        pins = self.pins[key]
-        self.unhold(pins.pop())
-        if not pins:
-            del self.pins[key]
+    def unpin(self, keys: Sequence[bytes]) -> None:
+        """Give back one pin of each of ``keys`` (each has one: the caller checked)."""
+        for key in keys:
+            pins = self.pins[key]
+            self.unhold(pins.pop())
+            if not pins:
+                del self.pins[key]
+        self._lower_mark()
 
     def clear(self) -> None:
         self.leases.clear()

@@ -275,8 +275,7 @@ class SharedManager(OffloadingManager):
                                           "not cached")
                 raise BlockStateError(f"complete_load of key {k.hex()[:16]}… without a "
                                       "matching prepare_load")
-        for k in keys:
-            self._h.unpin(k)
+        self._h.unpin(keys)
 
     def held_blocks(self) -> int:
         """How many holds (leases + pins) this client has."""

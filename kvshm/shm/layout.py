@@ -144,10 +144,11 @@ SLOT_COUNTERS = field_names(SLOT_COUNTERS_DTYPE)  # u64 each, client-written
 SLOT_OFF_COUNTERS = 64
 assert SLOT_DTYPE.itemsize <= SLOT_OFF_COUNTERS
 # The served record (SERVED_DTYPE): owner-written words that make requests exactly-once.
-# The slot's hold mark: u64, written only by the slot's client, 1 + the highest hold entry
-# it ever used (0: none), stored before the hold entry it first covers. Whoever reads a
-# slot's holds reads the entries below it only (a claim, an eviction): holds are taken from
-# the low end, so this is a few cache lines, not the whole array.
+# The slot's hold mark: u64, written only by the slot's client, above every hold entry in
+# use (0: none): raised before the entry it first covers is written, lowered only once the
+# entries above it are empty (-1) again. Whoever reads a slot's holds reads the entries
+# below it only (a claim, an eviction): holds are taken from the low end, so this is a few
+# cache lines, not the whole array.
 SLOT_OFF_HOLD_MARK = 120
 SLOT_OFF_SERVED = 128
 SLOT_OFF_SHARE = 184  # records.SHARE_DTYPE: the client's quota, and what the owner counts
