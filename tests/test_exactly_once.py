@@ -200,6 +200,17 @@ def test_event_subscription_survives_an_owner_death(seg):
     mgr.shutdown()
 
 
+def test_a_client_that_asks_for_events_sees_the_stores_of_clients_that_did_not(seg):
+    quiet = connect(seg.name)  # the owner records no events while nobody asked for them
+    procs.store(quiet, KEYS[:2])
+    listener = connect(seg.name, events=True)
+    procs.store(quiet, KEYS[2:4])
+    assert [e.keys for e in listener.take_events() if not e.removed] == [KEYS[2:4]]
+    assert quiet.take_events() == []  # never asked
+    listener.shutdown()
+    quiet.shutdown()
+
+
 def test_request_ids_past_32_bits_work(seg):
     mgr = connect(seg.name)
     mgr._link._req = 2**32 - 2
