@@ -154,10 +154,11 @@ class SharedManager(OffloadingManager):
 
     def _count_lookup(self, n: int = 0, hits: int = 0) -> None:
         """Store the lookup counters (kvshm-inspect's), with what key_status counted."""
-        ctr = self._ctr
-        ctr["lookups"] += hits + (hits < n) + self._lk_n  # the hits and the first miss
-        ctr["hits"] += hits + self._lk_n - self._lk_miss
-        self._lk_n = self._lk_miss = 0
+        if n or self._lk_n:  # (most stores of a step: counted already, nothing to store)
+            ctr = self._ctr
+            ctr["lookups"] += hits + (hits < n) + self._lk_n  # the hits and the first miss
+            ctr["hits"] += hits + self._lk_n - self._lk_miss
+            self._lk_n = self._lk_miss = 0
 
     def key_status(self, key: bytes) -> LookupResult:
         # The scheduler's per-key call: a leased key is a dict hit (one more lookup counted
