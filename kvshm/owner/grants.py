@@ -244,8 +244,9 @@ class Grants:
             entries.forget_many(gone)
             self.outcomes.evicted(gone)
         crash_point("owner.publish.after_forget")
-        state = offers.states(entries.table, np.asarray(blocks, np.intp))
-        bad = {b for b, s in zip(blocks, state.tolist()) if s != L.CLAIMED}
+        state = [offers.state_one(entries.table, blocks[0])] if len(blocks) == 1 else \
+            offers.states(entries.table, np.asarray(blocks, np.intp)).tolist()  # (one-key
+        bad = {b for b, s in zip(blocks, state) if s != L.CLAIMED}  # stores: without numpy)
         if bad:
             self.segment.counter_add("errors", len(bad))
         return bad
