@@ -584,3 +584,12 @@ def test_a_lease_taken_after_the_hold_mark_came_down_still_protects_its_block(ca
     assert hold_mark(cache) > 0
     assert other_client_stores(seg_name, FRESH) == []  # all 8 blocks or none: one is held
     load_and_check(cache, [KEYS[3]])
+
+
+def test_a_key_that_is_not_bytes_is_refused_by_the_first_lookup_of_a_prefix_we_stored(roomy):
+    prefix = [b"typed-%04d" % i for i in range(16)]
+    store_from_grants(roomy, prefix)
+    with pytest.raises(InvalidArgumentError):
+        roomy.key_status(memoryview(prefix[0]))  # equal to the key, but not bytes
+    assert roomy.held_blocks() == 0 and not roomy._h.asks
+    assert roomy.key_status(prefix[0]) == LookupResult.HIT

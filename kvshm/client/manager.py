@@ -176,7 +176,7 @@ class SharedManager(OffloadingManager):
                 asks[key] = 1    # so no longer ahead, though still named there)
                 self._lk_n += 1
                 return _HIT
-            if h.relet(key):
+            if type(key) is bytes and h.relet(key):  # (never lease under a caller's buffer)
                 h.asks[key] = 1
                 self._lk_n += 1
                 return _HIT
