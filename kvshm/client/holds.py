@@ -25,12 +25,12 @@ A scheduler asks for the same prefixes over and over, so the client remembers, p
 verified, the block and the entry's sequence number then (``seen``): the table's writer bumps
 it on every rewrite, so an unchanged number proves the entry still holds that key in that
 state (trusting that a u32 does not wrap back to the same value in between, 2**31 rewrites
-of one block). A prefix the client loaded is kept the same way as a whole (``runs.py``), so
-the next request's first lookup of it leases much of it with one fence (``relet``) and the
-lookups after it are dict hits. Keys leased so, ahead of their lookups, are ``ahead`` until
-asked for: nobody was told they are hits, so they count no lookup and are given back at the
-next ``relet``, ``prepare_load`` or ``release``. It never talks to the owner and never writes
-the block table.
+of one block). A prefix the client loaded or stored is kept the same way as a whole
+(``runs.py``), so the next request's first lookup of it leases much of it with one fence
+(``relet``) and the lookups after it are dict hits. Keys leased so, ahead of their lookups,
+are ``ahead`` until asked for: nobody was told they are hits, so they count no lookup and
+are given back at the next ``relet``, ``prepare_load`` or ``release``. It never talks to the
+owner and never writes the block table.
 """
 from __future__ import annotations
 

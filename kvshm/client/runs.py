@@ -1,7 +1,9 @@
-"""The prefixes a client loaded, remembered so that asking for one again is cheap.
+"""The prefixes a client loaded or stored, remembered so that asking for one again is cheap.
 
 This module owns what a client keeps of a prefix it loaded (a ``Run``: its keys, their
-blocks, lease codes and the entries' sequence numbers read while pinned), how far ahead one
+blocks, lease codes and the entries' sequence numbers read while pinned) or stored (the
+keys and blocks of its recent stores, proven READY by the first lookup of their first key,
+then kept as a ``Run`` too), how far ahead one
 ``relet`` of it leases (``reach``) and how the last relet laid its leases out in the hold
 array (``Plan``). The scheduler asks for a prefix key by key, over and over; the first lookup
 of a remembered prefix leases many of its keys with one fence (``HoldTable.relet``) and the
