@@ -144,15 +144,22 @@ def test_our_own_store_that_evicts_a_key_asked_for_twice_drops_its_lease(cache):
     cache.complete_store(out.keys_to_store, success=False)
 
 
-def test_a_key_leased_ahead_counts_only_the_lookups_that_asked_for_it(cache, seg_name):
-    # Asking for the first key of a prefix loaded before leases the rest ahead of their
-    # lookups; those count from the first lookup that asks for them, not before.
+def ask_two_of_a_prefix_loaded_before(cache) -> list[bytes]:
+    """Load KEYS[:8], release it, then ask for its first two keys: the first lookup leases
+    all 8, 7 of them ahead of their lookups, and the second asks for one of those."""
     prefix = KEYS[:8]
     assert cache.lookup(prefix) == 8
     load_and_check(cache, prefix)
     cache.release()
-    assert cache.key_status(prefix[0]) == LookupResult.HIT  # leases all 8, 7 of them ahead
+    assert cache.key_status(prefix[0]) == LookupResult.HIT
     assert cache.key_status(prefix[1]) == LookupResult.HIT
+    return prefix
+
+
+def test_a_key_leased_ahead_counts_only_the_lookups_that_asked_for_it(cache, seg_name):
+    # Asking for the first key of a prefix loaded before leases the rest ahead of their
+    # lookups; those count from the first lookup that asks for them, not before.
+    prefix = ask_two_of_a_prefix_loaded_before(cache)
     cache.release([prefix[1]])  # its one lookup given back; the keys leased ahead go too
     assert cache.held_blocks() == 1
     cache.release([prefix[0]])
@@ -161,12 +168,7 @@ def test_a_key_leased_ahead_counts_only_the_lookups_that_asked_for_it(cache, seg
 
 
 def test_a_key_asked_for_after_it_was_leased_ahead_keeps_its_lease_when_the_rest_go(cache):
-    prefix = KEYS[:8]
-    assert cache.lookup(prefix) == 8
-    load_and_check(cache, prefix)
-    cache.release()
-    assert cache.key_status(prefix[0]) == LookupResult.HIT  # leases all 8, 7 of them ahead
-    assert cache.key_status(prefix[1]) == LookupResult.HIT
+    prefix = ask_two_of_a_prefix_loaded_before(cache)
     cache.release([prefix[0]])  # gives back its lookup and the 6 keys nobody asked for
     assert set(cache._h.leases) == {prefix[1]}
     assert cache.held_blocks() == 1
