@@ -19,9 +19,13 @@ from conftest import TEST_LAYOUT, stop_owner
 from test_shared import spawn, wait_for
 
 from kvshm.client.connect import connect
+from kvshm.errors import KvshmError
+from kvshm.index.api import LookupResult
 from kvshm.inspect.snapshot import verify
 from kvshm.shm import layout as L
 from kvshm.shm import offers, slots
+from kvshm.shm.entry import STATE_OFF
+from kvshm.shm.fence import full_fence
 from kvshm.shm.table import BlockTable
 
 BLOCKS, CLIENTS = 64, 4  # a client is stocked with 4 blocks, up to 16 as its stores grow
@@ -175,6 +179,42 @@ def test_a_new_owner_keeps_a_live_clients_offers_and_claims(pair):
     assert all(b.lookup([k]) == 1 for k in still.values())
     b.release()
     assert verify(a.segment) == []
+
+
+def test_a_takeover_leaves_the_claim_round_of_a_live_client_to_that_client(pair):
+    """A client descheduled inside its claim of an offer (the entry's round open, its state
+    not stored yet) while the owner dies and a successor takes over. Had the successor closed
+    that round, the client's state store would land outside any round: a reader that proved
+    the block READY meanwhile would go on trusting the proof (an unchanged sequence number)
+    while the client claims the block and writes its own bytes into it."""
+    a, b = pair
+    blk, key = next(iter(fill_until_offered(a).items()))
+    table, planes = a.table, a.segment.planes()
+    seq = table._odd(blk)  # a's claim (offers.claim_one) opens its round and stops there
+    pid = a.segment.owner_record()[0]
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: not a.segment.owner_alive(), "the owner to die")
+    b.take_events()  # the reader's call starts a successor, which rebuilds from the table
+    assert a.segment.owner_record()[0] not in (0, pid)
+    during = b.key_status(key)
+    b.release()
+    # a goes on: its claim's state, its round closed, a fence, and nobody holds the block
+    a.segment.buf[table.base + blk * L.ENTRY_BYTES + STATE_OFF] = L.EVICTING
+    table._even(blk, seq)
+    full_fence()
+    assert not a._own._holds.held_one(blk)
+    loaded = None  # the reader asks again, before a marks the block CLAIMED and writes it
+    if b.key_status(key) == LookupResult.HIT:
+        try:
+            loaded = b.prepare_load([key])
+        except KvshmError:
+            loaded = None
+    offers.finish_one(table, blk)
+    procs.fill(planes, blk, b"the claimer's own key")
+    assert loaded is None or procs.check(planes, loaded[0], key), "the reader loaded new bytes"
+    assert during != LookupResult.HIT  # nobody leases a block while a claim round is open
+    if loaded:
+        b.complete_load([key])
 
 
 def test_a_block_written_without_a_claim_is_never_published(pair, monkeypatch):

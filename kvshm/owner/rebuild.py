@@ -45,25 +45,30 @@ def rebuild(entries: Entries, grants: Grants, writer_alive: Callable[[int, int],
     offers: list[tuple[int, bytes, tuple[int, int], int, tuple[int, int] | None]] = []
     entries.index.clear()
     for b in range(table.num_blocks):
+        e = table.read(b)  # (torn: its sequence number odd, read as it lies)
+        client = (e.writer, e.writer_gen)
+        if e.state in (L.READY, L.EVICTING, L.CLAIMED) and e.writer >= 0 and \
+                writer_alive(*client):
+            # An offer of a live client, its claim under way (EVICTING) or done: that client
+            # alone writes the entry now, so it is never freed or rewritten here. Its round
+            # is never closed here either: the client may be inside it, its state not yet
+            # stored (odd until it goes on, a miss meanwhile), and a round closed under it
+            # would let that store land outside any round, unseen by a reader that proved
+            # the entry READY at the closed sequence number. One never handed over is
+            # settled when its grant ends (``Grants.settle``). The key of an offer, or of a
+            # claim that may still be given back, is indexed again when intact.
+            if e.state != L.CLAIMED and e.key and e.key_ok:
+                offers.append((b, e.key, client, e.grant_pos, None if e.torn else e.stored_by))
+            else:
+                grants.adopt(b, client, e.grant_pos, claimed=True)
+            continue
         # A dead owner may have left an entry mid-rewrite (odd seq: readers would report
         # it torn forever). Settle it, then trust its key only if the checksum written
         # with the key still verifies: a rewrite killed halfway may have changed any of
         # the key bytes under an unchanged READY state.
         torn = table.settle(b)
-        e = table.read(b)
-        client = (e.writer, e.writer_gen)
-        if e.state in (L.READY, L.EVICTING, L.CLAIMED) and e.writer >= 0 and \
-                writer_alive(*client):
-            # An offer of a live client, its claim under way (EVICTING) or done: that client
-            # alone writes the entry now (a claim cut by our settling ends as the client
-            # decides), so it is never freed or rewritten here, whatever its sequence number
-            # said; the key of an offer, or of a claim that may still be given back, is
-            # indexed again when intact (readers see its state).
-            if e.state != L.CLAIMED and e.key and e.key_ok:
-                offers.append((b, e.key, client, e.grant_pos, None if torn else e.stored_by))
-            else:
-                grants.adopt(b, client, e.grant_pos, claimed=True)
-            continue
+        if torn:
+            e = table.read(b)
         if e.state != L.FREE and (e.torn or not e.key_ok):
             torn_keys += 1  # never published: its key is neither the old nor the new one
         elif e.state in (L.READY, L.EVICTING) and e.key:  # (a dead client's offer: cached)
