@@ -41,6 +41,7 @@ POINTS = (
     # owner: entry writes
     "table.write.odd",  # entry sequence odd, body half written
     "table.write_many.odd",  # a batch's entries all odd, half their bodies written
+    "table.offer.mid",  # offered entries odd, their ring positions stored, not the writer
     "table.offer.odd",  # offered entries odd, their writer fields stored
     "table.claim.odd",  # (a client) the entries it claims odd, their state not yet stored
     # owner: takeover

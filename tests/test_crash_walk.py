@@ -42,7 +42,7 @@ OWNER_POINTS = {
     "owner.request.after_reply": 30, "owner.evict.after_mark": 3,
     "owner.evict.after_drop": 3, "table.write.odd": 40, "owner.reclaim.mid": 1,
     "owner.goodbye.mid": 1, "owner.grant.before_count": 6, "owner.publish.mid": 5,
-    "owner.one_way.after_begin": 10, "owner.offer.after_choose": 3, "table.offer.odd": 3,
+    "owner.one_way.after_begin": 10, "owner.offer.after_choose": 3, "table.offer.mid": 3, "table.offer.odd": 3,
     "owner.publish.after_forget": 2,
 }
 CLIENT_POINTS = {

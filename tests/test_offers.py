@@ -16,6 +16,7 @@ import signal
 import procs
 import pytest
 from conftest import TEST_LAYOUT, stop_owner
+from test_exactly_once import owner_proc
 from test_shared import spawn, wait_for
 
 from kvshm.client.connect import connect
@@ -26,6 +27,7 @@ from kvshm.shm import layout as L
 from kvshm.shm import offers, slots
 from kvshm.shm.entry import STATE_OFF
 from kvshm.shm.fence import full_fence
+from kvshm.shm.segment import Segment
 from kvshm.shm.table import BlockTable
 
 BLOCKS, CLIENTS = 64, 4  # a client is stocked with 4 blocks, up to 16 as its stores grow
@@ -215,6 +217,34 @@ def test_a_takeover_leaves_the_claim_round_of_a_live_client_to_that_client(pair)
     assert during != LookupResult.HIT  # nobody leases a block while a claim round is open
     if loaded:
         b.complete_load([key])
+
+
+def test_an_owner_dying_halfway_through_an_offer_leaves_no_entry_mid_rewrite(seg_name):
+    """An offer's fields are stored one after another, its round open. An owner that dies
+    between them must leave an entry its successor can end: the block's new ring position
+    (at or above the client's granted count, so the successor ends the offer) before the
+    fields that name the client, whose offers and claims a successor leaves as they lie."""
+    seg = Segment.create(seg_name, TEST_LAYOUT, BLOCKS, max_clients=CLIENTS,
+                         ring_capacity=8192, hold_capacity=64)
+    first = owner_proc(seg_name, "table.offer.mid:4")  # a few refills in, with old positions
+    a, b = connect(seg_name), connect(seg_name)
+    try:
+        for i in range(8):
+            procs.store(b, keys(f"fill{i}", BLOCKS // 8))  # a full cache: grants are offers
+        for i in range(100):  # each store's refill offers victims: the owner dies in one
+            procs.store(a, keys(f"a{i}", 1))
+            procs.store(b, keys(f"b{i}", 1))
+            if first.poll() is not None:
+                break
+        assert first.wait(10) == -signal.SIGKILL  # died inside an offer
+        b.take_events()  # a successor rebuilds, and ends the offers never handed over
+        assert verify(seg) == []  # no entry left mid-rewrite while the client lives
+    finally:
+        pid = seg.owner_record()[0]
+        for m in (b, a):
+            m.shutdown()
+        seg.close()
+        stop_owner(pid)
 
 
 def test_a_block_written_without_a_claim_is_never_published(pair, monkeypatch):

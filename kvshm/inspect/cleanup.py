@@ -30,7 +30,8 @@ def reclaim(seg: Segment) -> dict[str, Any]:
     from kvshm.owner.manager import LocalManager  # only gc needs the manager
     g, live = seg.geometry, seg.clients_alive()
     dead_owner = seg.owner_record()  # pid 0 unless the last owner died holding the segment
-    try:  # the rebuild frees stores whose writer died (and settles torn entries)
+    try:  # the rebuild frees stores whose writer died and settles torn entries (but a live
+        # client's offers and claims, which that client or the next owner to serve it ends)
         mgr = LocalManager(seg, writer_alive=lambda i, gen: i in live and
                            slots.record(seg, i)[2] == gen)
     except OwnerUnavailableError:  # cannot happen while we hold the lock; be safe anyway

@@ -46,8 +46,15 @@ def offer(table: BlockTable, blocks: Sequence[int], slot: int, gen: int,
     b = np.asarray(blocks, np.intp)
     seqs = table.open_rounds(b)
     e = table.fields
-    e["writer"][b], e["writer_gen"][b], e["offered_at"][b] = slot, gen, tick
+    # The ring position first, the fields that name the client last: an owner dying in
+    # between leaves an entry that names no live client, or one whose position is new (at
+    # or above the client's granted count), which a successor ends as never handed over.
+    # A stale position below it would make the entry look like one the client may be
+    # claiming, which a successor leaves open (``rebuild``).
     e["writer_req"][b] = np.asarray(positions, np.uint64)
+    e["offered_at"][b] = tick
+    crashpoints.crash_point("table.offer.mid")
+    e["writer_gen"][b], e["writer"][b] = gen, slot
     crashpoints.crash_point("table.offer.odd")
     table.close_rounds(b, seqs)
 
