@@ -189,3 +189,30 @@ def test_a_launcher_that_dies_or_stalls_before_the_pid_leaves_its_owner_serving(
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split() == ["True"]
 
+
+def test_an_owner_killed_as_it_starts_sends_its_client_on_to_the_next_one(seg):
+    """The launcher dies before it names the owner, and the owner, once it took the segment,
+    is killed (as a soak's owner killer does): the client that started it starts another
+    and goes on, rather than failing its call with OwnerUnavailableError."""
+    import signal
+    import threading
+    env = {**ENV, "KVSHM_CRASH_AT": "owner.launch.before_pid", "KVSHM_CRASH_SIGNAL": "KILL"}
+    killed: list[int] = []
+
+    def kill_the_first_owner() -> None:
+        deadline = time.monotonic() + 60
+        while not killed and time.monotonic() < deadline:
+            pid = seg.owner_record()[0]
+            if pid:
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+            time.sleep(0.001)  # polling the owner record; the assertion is on the client
+
+    killer = threading.Thread(target=kill_the_first_owner)
+    killer.start()
+    out = subprocess.run([sys.executable, "-c", _CONNECT, seg.name], env=env,
+                         capture_output=True, text=True, timeout=120)
+    killer.join()
+    assert killed and out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["True"]
+    assert seg.owner_record()[0] not in (0, killed[0])

@@ -169,15 +169,16 @@ def start_owner(segment: Segment) -> OwnerProcess | None:
     assert launcher.stdin is not None and launcher.stdout is not None
     owner: OwnerProcess | None = None
     with launcher:
-        line = _pid_line(launcher, segment, deadline)
+        line = _pid_line(launcher, segment, epoch, deadline)
         if line.strip().isdigit():
             owner = OwnerProcess(int(line))
         launcher.stdin.close()
         launcher.kill()  # its work is done or failed; a fork of ours may hold its stdin open
         rc = launcher.wait()
     if owner is None:
-        if segment.owner_alive():
-            return None  # an owner serves (its launcher died or stalled): not one to watch
+        if segment.owner_alive() or segment.owner_record()[1] != epoch:
+            return None  # an owner serves, or took the segment and died already (its
+            # launcher died or stalled): none to watch, the caller notices either way
         raise failed(f"exit {rc}" if rc else f"no pid in its output: {line[:40]!r}" if line
                      else f"no pid within {OWNER_START_TIMEOUT_S:g}s")
     try:
@@ -196,14 +197,17 @@ def start_owner(segment: Segment) -> OwnerProcess | None:
     return owner
 
 
-def _pid_line(launcher: subprocess.Popen, segment: Segment, deadline: float) -> bytes:
-    """The launcher's line (the owner's pid), or b"" once an owner holds the segment or the
-    deadline passed. A launcher that a signal ended (or stopped) after its fork has started
-    an owner all the same: then only the segment tells, so it is watched too. One that
-    exited with an error (it forks only once its arguments parsed) is reported at once."""
+def _pid_line(launcher: subprocess.Popen, segment: Segment, epoch: int, deadline: float
+              ) -> bytes:
+    """The launcher's line (the owner's pid), or b"" once an owner holds the segment (or
+    took it after ``epoch`` and died already) or the deadline passed. A launcher that a
+    signal ended (or stopped) after its fork has started an owner all the same: then only
+    the segment tells, so it is watched too. One that exited with an error (it forks only
+    once its arguments parsed) is reported at once."""
     assert launcher.stdout is not None
     eof = False
-    while not segment.owner_alive() and time.monotonic() < deadline:
+    while not segment.owner_alive() and segment.owner_record()[1] == epoch and \
+            time.monotonic() < deadline:
         if eof:
             time.sleep(_WAIT_PID_S)  # the launcher is gone: only the segment can tell now
         elif _readable(launcher.stdout.fileno(), _WAIT_PID_S):
