@@ -203,6 +203,15 @@ def tp2_engine(model: str, name: str, steps: list[dict], env: dict | None = None
         python=VLLM_PY)
 
 
+def remove_vllm_shm(before: set[str]) -> None:
+    """Remove vLLM's own TP shared memory that the engines of a test left in /dev/shm (what
+    is there now and was not in ``before``): killed workers cannot remove it."""
+    for entry in set(os.listdir("/dev/shm")) - before:
+        if entry.startswith("vllm_dist_"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join("/dev/shm", entry))
+
+
 def wait_until(cond, what: str, procs=(), timeout: float = 600):
     """Poll a state (the assertions are on states), failing early if an engine died."""
     deadline = time.monotonic() + timeout
@@ -236,6 +245,7 @@ def test_tp2_engines_share_hits_and_their_workers_register_under_the_scheduler(
            {"op": "touch", "path": p_done}, {"op": "wait_file", "path": b_done, "timeout": 600}]
     two = [{"op": "wait_file", "path": p_done, "timeout": 600}, gen("P_hit"),
            gen("P_alone", skip_prefix_cache=True), {"op": "touch", "path": b_done}]
+    before = set(os.listdir("/dev/shm"))
     procs = [tp2_engine(tiny_model, name, one), tp2_engine(tiny_model, name, two)]
     try:
         wait_until(lambda: all(x.proc.poll() is not None for x in procs), "both engines",
@@ -245,6 +255,7 @@ def test_tp2_engines_share_hits_and_their_workers_register_under_the_scheduler(
         for x in procs:
             x.kill()
         remove_segment(name)
+        remove_vllm_shm(before)
     outs = {t: r["steps"][t]["outputs"][0] for r, ts in ((r1, ["P"]), (r2, ["P_hit", "P_alone"]))
             for t in ts}
     assert outs["P"]["num_cached_tokens"] == 0
@@ -309,8 +320,4 @@ def test_tp2_engine_core_sigkilled_while_both_workers_copy(tiny_model):
             if procs._proc_state(r["pid"]):  # not gone
                 os.kill(r["pid"], signal.SIGKILL)
         remove_segment(name)
-        # vLLM's own TP shared memory, which its killed workers could not remove
-        for entry in set(os.listdir("/dev/shm")) - before:
-            if entry.startswith("vllm_dist_"):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(os.path.join("/dev/shm", entry))
+        remove_vllm_shm(before)
