@@ -200,6 +200,18 @@ def test_event_subscription_survives_an_owner_death(seg):
     mgr.shutdown()
 
 
+def test_an_events_client_sees_the_stores_made_between_a_takeover_and_its_next_call(seg):
+    listener = connect(seg.name, events=True)
+    quiet = connect(seg.name)
+    procs.store(quiet, KEYS[:2])
+    assert [e.keys for e in listener.take_events() if not e.removed] == [KEYS[:2]]
+    stop_owner(seg.owner_record()[0])
+    procs.store(quiet, KEYS[2:4])  # its call starts a successor; the listener says nothing
+    assert [e.keys for e in listener.take_events() if not e.removed] == [KEYS[2:4]]
+    listener.shutdown()
+    quiet.shutdown()
+
+
 def test_a_client_that_asks_for_events_sees_the_stores_of_clients_that_did_not(seg):
     quiet = connect(seg.name)  # the owner records no events while nobody asked for them
     procs.store(quiet, KEYS[:2])

@@ -101,7 +101,7 @@ CHILD = textwrap.dedent("""
             Ring.format(seg.buf[r:r + g.ring_region], g.ring_capacity)
         Ring(seg.buf[o + g.rings_offset:o + g.rings_offset + g.ring_region]).try_put(b"x" * 100)
         L.SLOT.pack_into(seg.buf, o, L.SlotState.CLIENT, os.getpid(), spec["gen"], time.time_ns(),
-                         spec["proc"].encode())
+                         spec["proc"].encode(), 0)
     print(json.dumps(out), flush=True)
     sys.stdin.read()
 """)

@@ -52,8 +52,7 @@ class SharedManager(OffloadingManager):
 
     def __init__(self, segment: Segment, *, events: bool = False, grants: bool = True,
                  timeout: float = 30.0, quota: int = 0):
-        self.segment = segment
-        self.timeout = timeout
+        self.segment, self.timeout = segment, timeout
         self.quota = quota  # blocks it may keep cached, protected from others (0: no quota)
         self._grants = grants
         g = segment.geometry
@@ -67,7 +66,8 @@ class SharedManager(OffloadingManager):
             self._lk_n = self._lk_miss = 0  # key_status calls and non-hits, not yet in _ctr
             self._h = HoldTable(slots.holds(segment, self.slot), self.table,
                                 slots.hold_mark(segment, self.slot))
-            slots.activate(segment, self.slot, self.gen, takes_grants=grants, quota=quota)
+            slots.activate(segment, self.slot, self.gen, takes_grants=grants, quota=quota,
+                           events=events)
             self._link = OwnerLink(segment, self.slot, self.gen, timeout,
                                    self._after_failover, self._abandoned)
             self._own = OwnStores(segment, self.slot, self.gen, self._link, self.table)

@@ -39,7 +39,7 @@ def reclaim(seg: Segment) -> dict[str, Any]:
         return {**out, "reason": "an owner started meanwhile; nothing done"}
     try:
         for i in range(g.max_clients):
-            state, pid, gen, _, name = slots.record(seg, i)
+            state, pid, gen, _, name, _ = slots.record(seg, i)
             holds = int((slots.holds(seg, i) != -1).sum())
             if state != L.SlotState.FREE and i not in live and slots.clear_if_dead(seg, i, gen):
                 out["reclaimed_clients"].append({"slot": i, "pid": pid, "holds": holds, "name":

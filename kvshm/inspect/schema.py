@@ -137,6 +137,7 @@ class Client(_Doc):
         "with a quota: blocks it stored that are cached, as the owner last counted them "
         "(less any the owner offered to the client's own grants for its next stores: still "
         "cached, but going)")]
+    events: Annotated[bool, _d("it takes the cache's store and eviction events")]
     counters: Annotated[dict[str, int], _d(
         "the client's own counters: `lookups`, `hits`, `loads`, `load_blocks`, `bytes_in` "
         "(bytes it loaded), `bytes_out` (bytes it stored)")]

@@ -73,7 +73,7 @@ class _Meta:
         n = int(self.e["keylen"][b]) if keylen is None else keylen
         return bytes(self.buf[o:o + min(n, L.MAX_KEY_BYTES)])
 
-    def slot(self, i: int) -> tuple[int, int, int, int, bytes]:
+    def slot(self, i: int) -> tuple[int, int, int, int, bytes, int]:
         return L.SLOT.unpack_from(self.buf, self.g.slot_offset(i))
 
     def alive(self, i: int) -> bool:
@@ -109,7 +109,7 @@ def _ring_depths(seg: Segment, i: int) -> dict[str, int | None]:
 
 
 def _client(seg: Segment, m: _Meta, i: int, now: int) -> dict[str, Any]:
-    state, pid, gen, attached, name = m.slot(i)
+    state, pid, gen, attached, name, events = m.slot(i)
     base, codes = seg.geometry.slot_offset(i), m.holds(i)
     counters = struct.unpack_from(f"<{len(L.SLOT_COUNTERS)}Q", m.buf, base + L.SLOT_OFF_COUNTERS)
     e = m.e
@@ -124,7 +124,7 @@ def _client(seg: Segment, m: _Meta, i: int, now: int) -> dict[str, Any]:
             "state": state, "alive": m.alive(i), "generation": gen, "attached_ns": attached,
             "age_s": _age(now, attached), "holds": len(codes), "pins": int((codes >= 0).sum()),
             "leases": int((codes < -1).sum()), "stores_pending": pending, "granted": granted,
-            "stranded": stranded, "quota": quota, "cached": cached,
+            "stranded": stranded, "quota": quota, "cached": cached, "events": bool(events),
             "counters": dict(zip(L.SLOT_COUNTERS, counters)), "rings": _ring_depths(seg, i)}
 
 

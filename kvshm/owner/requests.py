@@ -29,7 +29,7 @@ class Handlers:
     def __init__(self, seg: Segment, manager: LocalManager, clients: dict[int, Client]) -> None:
         self.seg, self.manager, self.clients = seg, manager, clients
         self.epoch = manager.epoch
-        self._want_events()
+        self.want_events()
         self._by_type: dict[type, Handler] = {
             P.Hello: self._hello, P.PrepareStore: self._prepare_store,
             P.CompleteStore: self._complete_store, P.Touch: self._touch,
@@ -49,13 +49,14 @@ class Handlers:
                             f"hello names slot {m.slot} gen {m.gen} but came on slot {c.slot} "
                             f"gen {c.gen}")]
         c.events = m.events
-        self._want_events()
+        self.want_events()
         return [P.Ok(m.req, self.epoch, self.epoch)]
 
-    def _want_events(self) -> None:
-        """Record events only while a client asked for them: building and fanning out an
-        event per store and eviction that nobody takes was a tenth of a one-key Publish.
-        (A client that left keeps them recorded until the next hello: harmless.)"""
+    def want_events(self) -> None:
+        """Record events only while a client takes them (its slot record says so from its
+        activation, its hello again): building and fanning out an event per store and
+        eviction that nobody takes was a tenth of a one-key Publish. (Called at each hello
+        and adoption; a client that left keeps them recorded until then: harmless.)"""
         self.manager.outcomes.enabled = any(c.events for c in self.clients.values())
 
     def _prepare_store(self, c: Client, m: P.PrepareStore, replay: bool) -> list[P.Reply]:

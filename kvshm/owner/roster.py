@@ -77,7 +77,7 @@ class Roster:
             if rec.state not in SERVED or not self.writer_alive(slot, rec.gen):
                 continue
             try:
-                c = self.clients[slot] = Client(self.seg, slot, rec.gen, False)
+                c = self.clients[slot] = Client(self.seg, slot, rec.gen, bool(rec.events))
             except SegmentNotFoundError:  # removed: no client has a future here
                 self.removed = True
                 return

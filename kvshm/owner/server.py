@@ -71,6 +71,7 @@ class Owner:
     def _discover(self) -> None:
         self._adopt = False
         self.roster.discover(self.manager, self._newcomer)
+        self.handlers.want_events()  # an adopted client may take them
         if self.roster.removed:  # no client has a future here
             self._running = False
 

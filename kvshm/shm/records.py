@@ -199,9 +199,12 @@ SLOT_DTYPE = np.dtype([
     #                          (slot, gen) names one client (until 2**32 - 1 claims later)
     ("attached_ns", "<u8"),  # claimant: time.time_ns() at activation
     ("name", "S32"),         # claimant: its program name, NUL padded, for people
+    ("events", "<u8"),       # claimant, before the state: 1 if it takes events, so that every
+    #                          owner records them for it from adoption on (its hello says so
+    #                          again, but a successor's first frames may come before it)
 ], align=False)
-assert SLOT_DTYPE.itemsize == 56
-offsets_are(SLOT_DTYPE, state=0, pid=4, gen=8, attached_ns=16, name=24)
+assert SLOT_DTYPE.itemsize == 64
+offsets_are(SLOT_DTYPE, state=0, pid=4, gen=8, attached_ns=16, name=24, events=56)
 SLOT = struct.Struct(struct_format(SLOT_DTYPE))
 
 
@@ -221,6 +224,7 @@ class SlotRecord(NamedTuple):
     gen: int
     attached_ns: int
     name: bytes
+    events: int
 
 
 assert SlotRecord._fields == SLOT_DTYPE.names

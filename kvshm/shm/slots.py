@@ -31,7 +31,7 @@ from kvshm.shm.words import WordView
 
 def record(seg: Segment, slot: int) -> SlotRecord:
     """The record of ``slot``: ``.state`` (a ``SlotState`` value), ``.pid``, ``.gen``,
-    ``.attached_ns``, ``.name``."""
+    ``.attached_ns``, ``.name``, ``.events``."""
     return SlotRecord._make(L.SLOT.unpack_from(seg.buf, seg.geometry.slot_offset(slot)))
 
 
@@ -71,11 +71,11 @@ def _store(seg: Segment, slot: int, name: str, value: int | bytes) -> None:
 
 
 def activate(seg: Segment, slot: int, gen: int, state: int = SlotState.CLIENT,
-             takes_grants: bool = True, quota: int = 0) -> None:
+             takes_grants: bool = True, quota: int = 0, events: bool = False) -> None:
     """Reset a claimed slot (holds, counters, served record, rings) and publish its record.
     ``takes_grants=False``: no owner ever stocks its grant ring; ``quota``: the blocks it may
-    keep cached, 0 for no quota (every owner reads both when it adopts the slot, before it
-    serves any request of it)."""
+    keep cached, 0 for no quota; ``events``: it takes events (every owner reads all three
+    when it adopts the slot, before it serves any request of it)."""
     g = seg.geometry
     s = share(seg, slot)
     s["quota"], s["cached"] = quota, 0
@@ -94,6 +94,7 @@ def activate(seg: Segment, slot: int, gen: int, state: int = SlotState.CLIENT,
            .encode())
     _store(seg, slot, "pid", os.getpid())
     _store(seg, slot, "attached_ns", time.time_ns())
+    _store(seg, slot, "events", int(events))
     _store(seg, slot, "gen", gen)
     full_fence()  # everything above before the state that publishes it
     _store(seg, slot, "state", state)
