@@ -54,3 +54,21 @@ def test_soak_beside_hostile_clients_keeps_every_invariant():
     assert report["violations"] == [], diag
     assert report["hostile"]["actions"] > 0 and report["loaded_blocks"] > 0, diag
     assert out.returncode == 0 and report["ok"], diag
+
+
+def test_the_soak_reports_a_slot_left_taken_by_its_record(seg_name):
+    """What the soak says of a slot nobody gave back: read from the slot record, whatever
+    fields the record has."""
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import soak
+    from conftest import TEST_LAYOUT, stop_owner
+    from kvshm.client.connect import connect
+    mgr = connect(seg_name, TEST_LAYOUT, num_blocks=8)
+    try:
+        detail = soak.slot_detail(mgr.segment, [mgr.slot])
+        assert detail == [{"slot": mgr.slot, "state": "client", "pid": os.getpid(),
+                           "gen": mgr.gen, "name": detail[0]["name"]}]
+    finally:
+        pid = mgr.segment.owner_record()[0]
+        mgr.shutdown()
+        stop_owner(pid)

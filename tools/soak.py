@@ -247,6 +247,16 @@ def reconnector(name: str, conn, seed: int, nkeys: int, inject: str | None,
         rep.progress()
 
 
+def slot_detail(seg, taken: list[int]) -> list[dict]:
+    """What the soak reports of slots left taken: each one's record."""
+    out = []
+    for i in taken:
+        rec = slots.record(seg, i)
+        out.append(dict(slot=i, state=L.SLOT_STATE_NAMES.get(rec.state, rec.state),
+                        pid=rec.pid, gen=rec.gen, name=rec.name.rstrip(b"\0").decode()))
+    return out
+
+
 @dataclass
 class Proc:
     role: str
@@ -527,11 +537,7 @@ class Soak:
             if not leaked or time.monotonic() > deadline:
                 break
             time.sleep(0.05)  # polling the owner's reclaim, bounded by the deadline
-        leaked_detail = []
-        for i in leaked:
-            state, pid, gen, _, who = slots.record(seg, i)
-            leaked_detail.append(dict(slot=i, state=L.SLOT_STATE_NAMES.get(state, state),
-                                      pid=pid, gen=gen, name=who.rstrip(b"\0").decode()))
+        leaked_detail = slot_detail(seg, leaked)
         totals = {k: sum(s.get(k, 0) for s in self.final) for k in STATS}
         totals.pop("errors")
         acts: dict[str, int] = {}
