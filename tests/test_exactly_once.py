@@ -212,6 +212,15 @@ def test_an_events_client_sees_the_stores_made_between_a_takeover_and_its_next_c
     quiet.shutdown()
 
 
+def test_a_slot_an_events_client_gave_back_says_no_events(seg):
+    listener = connect(seg.name, events=True)
+    slot = listener.slot
+    assert slots.record(seg, slot).events == 1
+    listener.shutdown()
+    wait_for(lambda: slots.record(seg, slot).state == L.SlotState.FREE, "the slot freed")
+    assert slots.record(seg, slot).events == 0  # whoever claims it next, of any release
+
+
 def test_a_client_that_asks_for_events_sees_the_stores_of_clients_that_did_not(seg):
     quiet = connect(seg.name)  # the owner records no events while nobody asked for them
     procs.store(quiet, KEYS[:2])

@@ -125,6 +125,7 @@ def clear(seg: Segment, slot: int, gen: int) -> None:
     holds(seg, slot)[:] = -1
     _store(seg, slot, "state", SlotState.FREE)
     _store(seg, slot, "pid", 0)
+    _store(seg, slot, "events", 0)  # (a claimant of an older release would not reset it)
 
 
 def clear_if_dead(seg: Segment, slot: int, gen: int) -> bool:
