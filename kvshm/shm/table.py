@@ -105,12 +105,14 @@ class BlockTable:
         that holds none of the blocks."""
         seq = self._seqs[blocks]
         publish_fence()
-        rows = self._rows[blocks] if keys is not None else None
-        state = rows[:, STATE_OFF] if rows is not None else self._rows[blocks, STATE_OFF]
+        same: np.ndarray | bool = True
+        if keys is None:
+            state = self._rows[blocks, STATE_OFF]
+        else:  # the keys copied in the same round as the state, compared after it
+            rows = self._rows[blocks]
+            state, same = rows[:, STATE_OFF], _same_keys(rows, keys)
         publish_fence()
-        ok = ((seq & 1) == 0) & (state == L.READY) & (self._seqs[blocks] == seq)
-        if rows is not None and keys is not None:
-            ok &= _same_keys(rows, keys)
+        ok = same & ((seq & 1) == 0) & (state == L.READY) & (self._seqs[blocks] == seq)
         return np.where(ok, seq.astype(np.int64), -1)
 
     def seqs(self, blocks: np.ndarray) -> np.ndarray:
