@@ -39,8 +39,6 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-import numpy as np
-
 from kvshm.crashpoints import crash_point
 from kvshm.errors import InvalidArgumentError
 from kvshm.index.api import Running
@@ -244,9 +242,8 @@ class Grants:
             entries.forget_many(gone)
             self.outcomes.evicted(gone)
         crash_point("owner.publish.after_forget")
-        state = [offers.state_one(entries.table, blocks[0])] if len(blocks) == 1 else \
-            offers.states(entries.table, np.asarray(blocks, np.intp)).tolist()  # (one-key
-        bad = {b for b, s in zip(blocks, state) if s != L.CLAIMED}  # stores: without numpy)
+        state = offers.states_of(entries.table, blocks)
+        bad = {b for b, s in zip(blocks, state) if s != L.CLAIMED}
         if bad:
             self.segment.counter_add("errors", len(bad))
         return bad

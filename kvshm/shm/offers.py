@@ -65,6 +65,14 @@ def states(table: BlockTable, blocks: np.ndarray) -> np.ndarray:
     return table.fields["state"][blocks]
 
 
+def states_of(table: BlockTable, blocks: Sequence[int]) -> list[int]:
+    """``states`` of a list of blocks, as a list: one block (a one-key store's) without
+    numpy."""
+    if len(blocks) == 1:
+        return [state_one(table, blocks[0])]
+    return states(table, np.asarray(blocks, np.intp)).tolist()
+
+
 def used_since_offer(table: BlockTable, blocks: np.ndarray) -> np.ndarray:
     """Which offered ``blocks`` a request used after they were offered (last use past the
     offer): worth keeping, where the policy would now choose others."""
