@@ -147,7 +147,8 @@ def remember(keys: Sequence[bytes], blocks: Sequence[int], table: BlockTable,
     if karr is None:
         return None
     seqs = table.ready_seqs(b, karr)
-    n = int(np.argmin(seqs >= 0)) if (seqs < 0).any() else len(keys)
+    unproven = np.flatnonzero(seqs < 0)
+    n = int(unproven[0]) if unproven.size else len(keys)  # the prefix the table proves
     return Run(list(keys[:n]), b[:n], seqs[:n]) if n >= RUN_MIN else None
 
 
@@ -272,8 +273,9 @@ class Runs:
         long store a frame at a time), under its own first key."""
         run = remember(keys, blocks, self.table, held=False)
         self._keep(run)
-        m = len(run.keys) if run is not None else 0
-        if m and len(keys) - m >= RUN_MIN and run is not None and run.keys == keys[:m]:
+        if run is not None and len(keys) - len(run.keys) >= RUN_MIN and \
+                run.keys == keys[:len(run.keys)]:  # (no key named twice: the rest follows)
+            m = len(run.keys)
             self.stored[keys[m]] = (keys[m:], blocks[m:])
 
     def _cut(self, run: Run, end: int) -> None:
