@@ -319,6 +319,8 @@ def holds_agree(mgr, count: dict[bytes, int]) -> None:
     assert set(h.asks) <= set(leases) and set(leases) - set(h.asks) <= h.ahead
     assert h.asks == {k: n for k, n in count.items() if n}
     assert mgr.held_blocks() == len(used)
+    # claims and evictions read a slot's holds below its mark only: it covers every one
+    assert h.mark == hold_mark(mgr) and all(i < h.mark for i in used)
     holds = h.holds.tolist()
     assert all(holds[i] == -1 for i in free)
     for k, i in leases.items():
