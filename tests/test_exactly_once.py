@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -219,6 +220,48 @@ def test_a_slot_an_events_client_gave_back_says_no_events(seg):
     listener.shutdown()
     wait_for(lambda: slots.record(seg, slot).state == L.SlotState.FREE, "the slot freed")
     assert slots.record(seg, slot).events == 0  # whoever claims it next, of any release
+
+
+# A real owner that stops itself (SIGSTOP) right after it stores a slot's state FREE, as a
+# descheduled owner would: whatever of the slot it clears after that, it clears late.
+_OWNER_STOPPING_AT_FREE = """
+import os, runpy, signal, sys
+import kvshm.shm.slots as S
+store, armed = S._store, [True]
+def stopping(seg, slot, name, value):
+    store(seg, slot, name, value)
+    if armed and name == "state" and value == S.SlotState.FREE:
+        armed.clear()
+        os.kill(os.getpid(), signal.SIGSTOP)
+S._store = stopping
+sys.argv = ["kvshm.owner"] + sys.argv[1:]
+runpy.run_module("kvshm.owner", run_name="__main__")
+"""
+
+
+def test_a_slot_freed_late_never_clears_what_its_next_client_stored(seg_name):
+    """The owner frees a departed client's slot; a newcomer may claim it the moment it reads
+    FREE. An owner stalled after that store must have nothing of the slot left to clear."""
+    seg = Segment.create(seg_name, TEST_LAYOUT, 8, max_clients=1)
+    owner = subprocess.Popen([sys.executable, "-c", _OWNER_STOPPING_AT_FREE, seg_name],
+                             stdin=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: seg.owner_record()[0] == owner.pid, "the owner")
+        connect(seg_name).shutdown()  # its goodbye: the owner frees the slot, then stops
+        wait_for(lambda: procs._proc_state(owner.pid) == "T", "the owner stopped")
+        got: list = []  # the newcomer claims the one slot, FREE now, and waits for hello
+        t = threading.Thread(target=lambda: got.append(connect(seg_name, events=True)))
+        t.start()
+        wait_for(lambda: slots.record(seg, 0).state == L.SlotState.CLIENT, "the newcomer")
+        os.kill(owner.pid, signal.SIGCONT)  # the owner goes on with the goodbye, then hello
+        t.join(60)
+        rec = slots.record(seg, 0)
+        assert got and (rec.pid, rec.events) == (os.getpid(), 1)
+        got[0].shutdown()
+    finally:
+        os.kill(owner.pid, signal.SIGCONT)
+        stop_owner(owner.pid)
+        seg.close()
 
 
 def test_a_client_that_asks_for_events_sees_the_stores_of_clients_that_did_not(seg):

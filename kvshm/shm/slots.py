@@ -21,7 +21,7 @@ import numpy as np
 from kvshm.errors import ClientSlotsExhaustedError
 from kvshm.shm import layout as L
 from kvshm.shm import locks, words
-from kvshm.shm.fence import full_fence
+from kvshm.shm.fence import full_fence, publish_fence
 from kvshm.shm.layout import SlotRecord, SlotState
 from kvshm.shm.records import next_gen
 from kvshm.shm.ring import Ring
@@ -123,9 +123,13 @@ def clear(seg: Segment, slot: int, gen: int) -> None:
     """Mark ``slot`` FREE, keeping the generation count. The caller holds its lock, or is
     the owner, which alone clears client slots (it stops reading their rings first)."""
     holds(seg, slot)[:] = -1
-    _store(seg, slot, "state", SlotState.FREE)
     _store(seg, slot, "pid", 0)
     _store(seg, slot, "events", 0)  # (a claimant of an older release would not reset it)
+    # FREE last: a newcomer may claim the slot the moment it reads it (the owner clears a
+    # departed client's slot without its lock), and whatever we stored after would land
+    # on the newcomer's record
+    publish_fence()
+    _store(seg, slot, "state", SlotState.FREE)
 
 
 def clear_if_dead(seg: Segment, slot: int, gen: int) -> bool:
