@@ -50,3 +50,17 @@ def test_bench_quotas_prints_the_three_runs_and_their_ratios():
     for run in runs.values():
         assert run["keys"] == 3 * 40 * (8 + 8) and 0 < run["hit_rate"] < 1
     assert r["ratio_quotas_over_alone"] > 0 and r["ratio_flood_over_alone"] > 0
+
+
+def test_probe_host_reads_without_cupy_says_what_it_needs_and_exits_2():
+    """CI has no GPU and no CuPy: the probe must say so in one line, not crash."""
+    try:
+        import cupy  # noqa: F401
+        pytest.skip("CuPy is installed here")
+    except ImportError:
+        pass
+    p = subprocess.run([sys.executable, str(ROOT / "tools" / "probe_host_reads.py"), "--json"],
+                       capture_output=True, text=True, timeout=60, env=ENV)
+    assert p.returncode == 2
+    assert p.stdout == ""
+    assert p.stderr.strip() == "probe_host_reads needs CuPy and a CUDA GPU"
