@@ -55,6 +55,8 @@ POINTS = (
     "client.claim.before_check",  # offered blocks CLAIMED, other clients' holds not yet read
     "client.store.after_copy",  # blocks copied, complete_store not sent
     "client.load.after_pin",  # blocks pinned, not yet copied out
+    "client.load.wait_decision",  # a pinned block found mid-eviction (EVICTING): waiting
+    #                               for its evictor to decide, which must see our hold
     "client.shutdown.before_bye",  # about to say goodbye
     "owner.launch.before_pid",  # (a client's owner launcher) the owner forked, its pid not
     #                             yet written to the client

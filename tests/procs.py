@@ -75,6 +75,24 @@ def load_and_verify(name: str, conn, keys: list[bytes]) -> None:
     mgr.shutdown()
 
 
+def lease_then_load(name: str, conn, key: bytes, timeout: float = 30.0) -> None:
+    """Lease ``key`` (a lookup) and report the hits; when told, load it and report the
+    block, whether its bytes are ``key``'s, or the error."""
+    from kvshm.errors import KvshmError
+    mgr = connect(name, timeout=timeout)
+    conn.send(mgr.lookup([key]))
+    conn.recv()
+    try:
+        blocks = mgr.prepare_load([key])
+        ok = check(mgr.segment.planes(), blocks[0], key)
+        mgr.complete_load([key])
+        conn.send({"blocks": blocks, "verified": ok})
+    except KvshmError as e:
+        conn.send({"error": type(e).__name__, "message": str(e)})
+    conn.recv()  # the test lets us go
+    mgr.shutdown()
+
+
 def evict_and_store_again(name: str, conn, pinned: list[bytes], fresh: list[bytes],
                           again: bytes) -> None:
     """Pin ``pinned``, store ``fresh`` (evicting what is not pinned) and then ``again`` anew

@@ -219,6 +219,103 @@ def test_a_takeover_leaves_the_claim_round_of_a_live_client_to_that_client(pair)
         b.complete_load([key])
 
 
+class RacedClaim:
+    """Client ``a``'s claim of a block offered to it, done step by step as
+    ``OwnStores._claim_one`` does it, stalled (descheduled, SIGSTOPped) after its mark: a
+    reader process leased the block in the instant between a's first reading of the holds
+    and that mark. ``stall``: "marked" (the block EVICTING) or "mid-round" (a's round open,
+    the state not stored yet: ``table.claim.odd``)."""
+
+    def __init__(self, a, seg_name: str, stall: str):
+        self.a, self.name, self.stall = a, seg_name, stall
+        self.blk, self.key = next(iter(fill_until_offered(a).items()))
+        assert not a._own._holds.held_one(self.blk)  # a's first reading: nobody holds it
+        self.started: list = []
+        self.seq = 0
+
+    def reader(self, env: dict[str, str] | None = None, timeout: float = 30.0):
+        """The reader process: leased, then told to load while a's claim is undecided."""
+        p, conn = spawn_with_env(procs.lease_then_load, self.name, env or {}, self.key,
+                                 timeout)
+        self.started.append((p, conn))
+        assert conn.recv() == 1  # its lookup: a hit, leased
+        a, blk = self.a, self.blk
+        if self.stall == "marked":
+            assert offers.claim_one(a.table, blk, a.slot, a.gen)  # EVICTING
+        else:
+            self.seq = a.table._odd(blk)
+        conn.send("load")
+        return p, conn
+
+    def decide(self) -> None:
+        """a goes on: its state stored and round closed, a fence, its reading of the holds,
+        which finds the reader's lease: the block goes back, READY."""
+        a, blk = self.a, self.blk
+        if self.stall == "mid-round":
+            a.segment.buf[a.table.base + blk * L.ENTRY_BYTES + STATE_OFF] = L.EVICTING
+            a.table._even(blk, self.seq)
+        full_fence()
+        assert a._own._holds.held_one(blk)
+        offers.unclaim_one(a.table, blk)
+
+    def close(self) -> None:
+        for p, conn in self.started:
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGCONT)
+                conn.send("go")
+                p.join(10)
+
+
+@pytest.fixture(params=["marked", "mid-round"])
+def raced(pair, seg_name, request):
+    r = RacedClaim(pair[0], seg_name, request.param)
+    yield r
+    r.close()
+
+
+def spawn_with_env(target, name: str, env: dict[str, str], *args):
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        return spawn(target, name, *args)  # a spawned child takes os.environ as it is now
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def stopped(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] in "Tt"
+
+
+def test_a_lease_stays_loadable_while_a_claim_that_raced_it_is_undecided(raced):
+    """A reader leased a block just before another client's claim marked it, and the
+    claimer stalled before it read the holds. The reader's load must wait for the claim's
+    decision (the claimer sees the lease and gives the block back), not give up on a
+    lease that still holds: a hit stays loadable until it is pinned or released."""
+    p, conn = raced.reader({"KVSHM_CRASH_AT": "client.load.wait_decision",
+                            "KVSHM_CRASH_SIGNAL": "STOP"})
+    wait_for(lambda: stopped(p.pid) or conn.poll(), "the reader to wait, or to give up")
+    gave_up = conn.recv() if conn.poll() else None
+    assert gave_up is None, f"the reader gave up on its lease while the claim was undecided: " \
+                            f"{gave_up}"
+    raced.decide()
+    os.kill(p.pid, signal.SIGCONT)
+    assert conn.recv() == {"blocks": [raced.blk], "verified": True}
+
+
+def test_a_lease_whose_claim_stays_undecided_past_the_timeout_is_refused_as_such(raced):
+    """A claimer stalled for longer than the reader's timeout: the load is refused with
+    BlockStateError (the block is neither evicted nor safe to read yet), never held forever
+    and never reported as evicted."""
+    _, conn = raced.reader(timeout=0.3)
+    got = conn.recv()
+    assert got["error"] == "BlockStateError" and "undecided" in got["message"], got
+
+
 def test_an_owner_dying_halfway_through_an_offer_leaves_no_entry_mid_rewrite(seg_name):
     """An offer's fields are stored one after another, its round open. An owner that dies
     between them must leave an entry its successor can end: the block's new ring position

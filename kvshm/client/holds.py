@@ -34,23 +34,17 @@ owner and never writes the block table.
 """
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 import numpy as np
 
+from kvshm.client.decisions import verdict
 from kvshm.client.runs import Runs
 from kvshm.shm import layout as L
 from kvshm.shm.fence import full_fence, publish_fence
 from kvshm.shm.keyindex import KeyIndex
 from kvshm.shm.keys import check_key
 from kvshm.shm.table import BlockTable
-
-# A held block is READY, or EVICTING for the instant an eviction honours our hold.
-LOADABLE = (L.READY, L.EVICTING)
-
-
-_EVICTING_SPINS = 10_000  # an owner decides an eviction in microseconds; past this it died
 
 
 class HoldTable:
@@ -237,17 +231,6 @@ class HoldTable:
             return seen[0] == block and self.table.seq(block) == seen[1]
         return self.runs.still_ready(key, block)
 
-    def settled_ready(self, block: int, key: bytes) -> bool:
-        """Whether ``block`` holds ``key`` READY once an eviction in flight has decided
-        (EVICTING lasts while an owner, or a client claiming an offer, re-reads holds; one
-        that died there is a miss)."""
-        for _ in range(_EVICTING_SPINS):
-            state = self.table.state_if_key(block, key)
-            if state != L.EVICTING:
-                return state == L.READY
-            os.sched_yield()
-        return False
-
     def lease_many(self, keys: Sequence[bytes], karr: np.ndarray, blocks: np.ndarray,
                    hits: int) -> int:
         """Vectorised ``lease`` of the first ``hits`` keys (found READY at ``blocks``): one
@@ -361,9 +344,10 @@ class HoldTable:
 
     def revalidate(self) -> None:
         """After an owner failover: drop leases whose block no longer holds their key (a
-        replayed store cannot say what its dead owner evicted)."""
+        replayed store cannot say what its dead owner evicted). One caught mid-eviction stays:
+        its evictor sees the lease and gives the block back."""
         for k, i in list(self.leases.items()):
-            if self.table.state_if_key(self.block(i), k) not in LOADABLE:
+            if verdict(self.table, self.block(i), k) is False:
                 self.unhold(self.leases.pop(k))
                 self.asks.pop(k, None)
 

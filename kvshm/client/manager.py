@@ -17,6 +17,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from kvshm.client.decisions import decided_ready
 from kvshm.client.holds import HoldTable
 from kvshm.client.own_stores import OwnStores
 from kvshm.client.owner_link import OwnerLink
@@ -119,8 +120,7 @@ class SharedManager(OffloadingManager):
         # prepare_store drops the leases of what it evicted. A scheduler re-asks the same
         # prefixes every step, so this is the common path.
         leases = self._h.leases
-        n = len(keys)
-        held = 0
+        n, held = len(keys), 0
         for k in keys:
             if k not in leases:
                 break
@@ -220,16 +220,16 @@ class SharedManager(OffloadingManager):
                     i = self._lease_for_load(k)
                 taken.append((k, i))
                 block = h.block(i)
-                # Lease -> pin: a pin protects against our own stores too, which a lease
-                # does not. Pin, fence, re-check, as a lease is taken: an eviction of ours
-                # that read our holds before the pin shows as EVICTING (or the key gone).
+                # Lease -> pin (a pin protects against our own stores too, a lease does not)
                 h._hv[i] = block
                 blocks.append(block)
             full_fence()  # one fence for the batch: every pin is stored before any re-check
             keys = keys if type(keys) is list else list(keys)
             proven = h.runs.proven(keys, blocks)  # a prefix loaded before, unchanged: all at once
             for (k, _), block in zip(taken, blocks) if not proven else ():
-                if not h.still_ready(k, block) and not h.settled_ready(block, k):
+                # (an eviction in flight sees our hold and gives the block back: wait for it)
+                if not h.still_ready(k, block) and not decided_ready(
+                        self.table, block, k, self.timeout, self._link.ensure_owner):
                     raise UnknownKeyError(f"key {k.hex()[:16]}… is no longer cached; "
                                           "lookup() again")  # never half-written or reused
         except BaseException:
