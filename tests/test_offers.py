@@ -21,6 +21,7 @@ from test_shared import spawn, wait_for
 
 from kvshm.client.connect import connect
 from kvshm.errors import KvshmError
+from kvshm.index import protocol as P
 from kvshm.index.api import LookupResult
 from kvshm.inspect.snapshot import verify
 from kvshm.shm import layout as L
@@ -40,7 +41,7 @@ def pair(seg_name):
                 ring_capacity=8192, hold_capacity=64)
     b = connect(seg_name)
     yield a, b
-    pid = a.segment.owner_record()[0]
+    pid = next((m.segment.owner_record()[0] for m in (a, b) if m.segment is not None), 0)
     for m in (b, a):
         if m.segment is not None:
             m.shutdown()
@@ -314,6 +315,36 @@ def test_a_lease_whose_claim_stays_undecided_past_the_timeout_is_refused_as_such
     _, conn = raced.reader(timeout=0.3)
     got = conn.recv()
     assert got["error"] == "BlockStateError" and "undecided" in got["message"], got
+
+
+@pytest.mark.parametrize("takeover", [False, True])
+def test_a_client_publishing_an_offer_it_never_claimed_frees_no_block_another_holds(
+        pair, seg_name, takeover):
+    """A client that misuses only words of its own (its grant ring's taken count) and
+    publishes an offer it never claimed, while another client has that block pinned: the
+    owner serves the offer's key no more, but must not free the block while it is pinned
+    (nor must a successor, ``takeover``): an honest store would write into the block the
+    load is reading."""
+    a, b = pair
+    blk, key = next(iter(fill_until_offered(a).items()))
+    assert b.lookup([key]) == 1
+    assert b.prepare_load([key]) == [blk]
+    head, _ = slots.grants(a.segment, a.slot)
+    head["taken"] = head["granted"]  # "taken", every grant, the offer among them
+    assert a._link.wait_consumed(a._link.push(P.Publish(0, [b"unclaimed"], [blk], True)), 10)
+    assert b.lookup([key]) == 0  # the offer's key is no longer served (its bytes may not be)
+    if takeover:
+        pid = a.segment.owner_record()[0]
+        os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: not a.segment.owner_alive(), "the owner to die")
+        b.take_events()  # the call starts a successor, which rebuilds from the table
+    a.shutdown()  # its grants end: a block freed meanwhile went back to its ring
+    c = connect(seg_name, grants=False)
+    for i in range(BLOCKS // 4):  # an honest writer fills the cache again
+        procs.store(c, keys(f"c{i}", 4))
+    assert procs.check(b.segment.planes(), blk, key), "an honest store wrote a pinned block"
+    b.complete_load([key])
+    c.shutdown()
 
 
 def test_an_owner_dying_halfway_through_an_offer_leaves_no_entry_mid_rewrite(seg_name):

@@ -50,6 +50,7 @@ class Entries:
         # late writer still copying into a block freed under it (its store was failed or
         # reclaimed) then lands in the block least likely to have been granted again.
         self.free: deque[int] = deque()
+        self.parked: set[int] = set()  # freed, but a client may still read them: not reused
         self.tick = tick  # the eviction clock: +1 per touch, store or publish; in last_use
         # client (slot, gen) -> entries it stored (its share of the cache, for quotas), less
         # those offered to a grant (going, whatever quotas say by the time they are claimed);
@@ -199,3 +200,27 @@ class Entries:
         blocks = list(blocks)
         self.table.write_many(blocks, L.FREE)
         self.free.extend(blocks)
+
+    def release_unless_held(self, blocks: list[int], held: set[int]) -> None:
+        """``release``, but a block a client holds (``held``) is parked: FREE in the table,
+        nothing serves it, and off the free list until nobody holds it (``unpark``), so
+        that no store writes into a block a load may be reading."""
+        keep = [b for b in blocks if b in held]
+        if keep:
+            self.table.write_many(keep, L.FREE)
+            self.parked.update(keep)
+        self.release([b for b in blocks if b not in held])
+
+    def unpark(self, held: set[int]) -> None:
+        """Parked blocks nobody holds any more (``held`` names those still held) go on the
+        free list."""
+        back = [b for b in self.parked if b not in held]
+        self.parked.difference_update(back)
+        self.free.extend(back)
+
+    def park_held(self, held: set[int]) -> None:
+        """A takeover's free list without the blocks a client holds (a predecessor parked
+        them, or its rebuild freed them as damaged): parked until nobody does."""
+        if held.intersection(self.free):
+            self.parked.update(b for b in self.free if b in held)
+            self.free = deque(b for b in self.free if b not in held)

@@ -209,8 +209,7 @@ class Grants:
             ours.append((k, b, pos))
         offered = self.offered
         unclaimed = self._claimed([b for _, b, _ in ours if b in offered])
-        freed = [b for _, b, _ in ours if b in unclaimed]  # written without a claim: never
-        get, deferred = entries.by_key.get, self.deferred  # publish what it holds now
+        get, deferred = entries.by_key.get, self.deferred
         for k, b, pos in ours:
             if b in unclaimed:
                 continue
@@ -229,9 +228,10 @@ class Grants:
 
     def _claimed(self, blocks: list[int]) -> set[int]:
         """Offered blocks in a Publish: their old keys leave the index (an eviction each),
-        and the ones their client did not claim before writing are returned (a client that
-        never claimed a block wrote into one others could read: it is freed, never
-        published)."""
+        and the ones their client did not claim before writing are returned, never
+        published: a client that never claimed a block may have written into one others
+        read. Such a block is freed once nobody holds it (``release_unless_held``): only a
+        claim, which reads every client's holds, may take a block from a load under way."""
         if not blocks:
             return set()
         entries, old = self.entries, list(map(self.offered.pop, blocks))
@@ -246,6 +246,8 @@ class Grants:
         bad = {b for b, s in zip(blocks, state) if s != L.CLAIMED}
         if bad:
             self.segment.counter_add("errors", len(bad))
+            held = self.evictor.held(ALL_HOLDS) if self.evictor.held else set()
+            entries.release_unless_held(sorted(bad), held)
         return bad
 
     def resolve(self, key: bytes) -> None:

@@ -22,6 +22,7 @@ from kvshm.crashpoints import crash_point
 from kvshm.errors import KvshmError, RequestDroppedError
 from kvshm.index import protocol as P
 from kvshm.owner.clients import Client
+from kvshm.owner.grants import ALL_HOLDS
 from kvshm.owner.manager import LocalManager
 from kvshm.owner.requests import Handlers
 from kvshm.owner.roster import Roster
@@ -66,6 +67,7 @@ class Owner:
         # Clients attached before a failover keep working; slots of the dead are cleared.
         self._discover()
         self.roster.reclaim_unadopted(self.manager)
+        self.manager.entries.park_held(self.roster.held(ALL_HOLDS))  # loads under way
         log.info("owner of %s (epoch %d): %s", name, self.epoch, self.manager.recovered)
 
     def _discover(self) -> None:
@@ -147,6 +149,9 @@ class Owner:
         """Keep every storing client's grant ring stocked (evicting if need be), so that
         its next stores need no round trip: at twice its largest store, all clients' grants
         together within the budget."""
+        entries = self.manager.entries
+        if entries.parked:  # freed while a client held them: reused once nobody does
+            entries.unpark(self.roster.held(ALL_HOLDS))
         if not self._grant_target:
             self._count_shares()
             return
