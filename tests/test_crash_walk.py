@@ -52,8 +52,10 @@ CLIENT_POINTS = {
     "table.claim.odd": 2, "client.claim.before_check": 2,
 }
 # Walked by the tests of their own module (copy workers, batch table writes, segment
-# creation, named objects, the mover, a load waiting on an undecided eviction).
-WALKED_ELSEWHERE = {"worker.store.mid_copy", "client.load.wait_decision", "owner.launch.before_pid", "object.before_link", "mover.area.after_open",
+# creation, named objects, the mover, offers: a load waiting on an undecided eviction,
+# the freeing of an offer published without a claim).
+WALKED_ELSEWHERE = {"worker.store.mid_copy", "client.load.wait_decision",
+                    "owner.publish.unclaimed_held", "owner.launch.before_pid", "object.before_link", "mover.area.after_open",
                     "segment.create.after_open", "segment.create.after_lock", "segment.create.after_reserve",
                     "mover.fill.after_prepare", "mover.fill.after_get",
                     "mover.spill.after_pin"}

@@ -347,6 +347,43 @@ def test_a_client_publishing_an_offer_it_never_claimed_frees_no_block_another_ho
     c.shutdown()
 
 
+def test_a_load_racing_the_freeing_of_an_unclaimed_publish_never_reads_a_reused_block(
+        seg_name):
+    """As above, but the reader remembers the block's entry (it loaded it before) and
+    leases and pins it without the index while the owner frees it, the owner stopped right
+    after it read the holds. The owner's FREE must come before that reading, as an
+    eviction's mark does: then a reader either sees FREE or is seen (its pin parks the
+    block), and no honest store writes into a block a load reads."""
+    seg = Segment.create(seg_name, TEST_LAYOUT, BLOCKS, max_clients=CLIENTS,
+                         ring_capacity=8192, hold_capacity=64)
+    owner = owner_proc(seg_name, "owner.publish.unclaimed_held", "STOP")
+    a, b, c = connect(seg_name), connect(seg_name), None
+    try:
+        blk, key = next(iter(fill_until_offered(a).items()))
+        assert b.lookup([key]) == 1 and b.prepare_load([key]) == [blk]
+        b.complete_load([key])
+        b.release()  # b holds nothing, and remembers the block's entry
+        head, _ = slots.grants(a.segment, a.slot)
+        head["taken"] = head["granted"]
+        a._link.push(P.Publish(0, [b"unclaimed"], [blk], True))
+        wait_for(lambda: stopped(owner.pid), "the owner to stop after reading the holds")
+        pinned = b.lookup([key]) == 1 and b.prepare_load([key]) == [blk]
+        os.kill(owner.pid, signal.SIGCONT)
+        a.shutdown()  # its grants end: a block freed meanwhile went back to its ring
+        c = connect(seg_name, grants=False)
+        for i in range(BLOCKS // 4):
+            procs.store(c, keys(f"c{i}", 4))
+        assert not pinned or procs.check(b.segment.planes(), blk, key), \
+            "an honest store wrote into the block a load was reading"
+    finally:
+        os.kill(owner.pid, signal.SIGCONT)
+        for m in (c, b, a):
+            if m is not None and m.segment is not None:
+                m.shutdown()
+        seg.close()
+        stop_owner(owner.pid)
+
+
 def test_an_owner_dying_halfway_through_an_offer_leaves_no_entry_mid_rewrite(seg_name):
     """An offer's fields are stored one after another, its round open. An owner that dies
     between them must leave an entry its successor can end: the block's new ring position

@@ -201,15 +201,12 @@ class Entries:
         self.table.write_many(blocks, L.FREE)
         self.free.extend(blocks)
 
-    def release_unless_held(self, blocks: list[int], held: set[int]) -> None:
-        """``release``, but a block a client holds (``held``) is parked: FREE in the table,
-        nothing serves it, and off the free list until nobody holds it (``unpark``), so
-        that no store writes into a block a load may be reading."""
-        keep = [b for b in blocks if b in held]
-        if keep:
-            self.table.write_many(keep, L.FREE)
-            self.parked.update(keep)
-        self.release([b for b in blocks if b not in held])
+    def free_unless_held(self, blocks: list[int], held: set[int]) -> None:
+        """Blocks already FREE in the table onto the free list, but those a client holds
+        (``held``, read after the table said FREE) parked until nobody does (``unpark``),
+        so that no store writes into a block a load may be reading."""
+        self.parked.update(b for b in blocks if b in held)
+        self.free.extend(b for b in blocks if b not in held)
 
     def unpark(self, held: set[int]) -> None:
         """Parked blocks nobody holds any more (``held`` names those still held) go on the

@@ -48,6 +48,7 @@ from kvshm.owner.outcomes import Outcomes
 from kvshm.owner.running import RunningRanks
 from kvshm.shm import layout as L
 from kvshm.shm import offers
+from kvshm.shm.fence import full_fence
 from kvshm.shm.keyindex import tags_of
 from kvshm.shm.offers import offer
 from kvshm.shm.segment import Segment
@@ -230,7 +231,7 @@ class Grants:
         """Offered blocks in a Publish: their old keys leave the index (an eviction each),
         and the ones their client did not claim before writing are returned, never
         published: a client that never claimed a block may have written into one others
-        read. Such a block is freed once nobody holds it (``release_unless_held``): only a
+        read. Such a block is freed once nobody holds it (``free_unless_held``): only a
         claim, which reads every client's holds, may take a block from a load under way."""
         if not blocks:
             return set()
@@ -246,8 +247,14 @@ class Grants:
         bad = {b for b, s in zip(blocks, state) if s != L.CLAIMED}
         if bad:
             self.segment.counter_add("errors", len(bad))
+            freed = sorted(bad)
+            # FREE before the holds are read, as an eviction marks before it reads: a reader
+            # from now on sees the block gone, one that came earlier is seen
+            entries.table.write_many(freed, L.FREE)
+            full_fence()
             held = self.evictor.held(ALL_HOLDS) if self.evictor.held else set()
-            entries.release_unless_held(sorted(bad), held)
+            crash_point("owner.publish.unclaimed_held")
+            entries.free_unless_held(freed, held)
         return bad
 
     def resolve(self, key: bytes) -> None:

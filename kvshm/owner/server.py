@@ -79,6 +79,9 @@ class Owner:
 
     def _scan(self) -> None:
         self.roster.scan(self.manager)
+        entries = self.manager.entries
+        if entries.parked:  # freed while a client held them: reused once nobody does
+            entries.unpark(self.roster.held(ALL_HOLDS))
         if not self.roster.clients and self.idle_exit_s is not None and \
                 time.monotonic() - self.roster.last_client > self.idle_exit_s:
             log.info("no client for %gs: exiting", self.idle_exit_s)
@@ -149,9 +152,6 @@ class Owner:
         """Keep every storing client's grant ring stocked (evicting if need be), so that
         its next stores need no round trip: at twice its largest store, all clients' grants
         together within the budget."""
-        entries = self.manager.entries
-        if entries.parked:  # freed while a client held them: reused once nobody does
-            entries.unpark(self.roster.held(ALL_HOLDS))
         if not self._grant_target:
             self._count_shares()
             return
