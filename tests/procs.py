@@ -307,6 +307,34 @@ def claim_and_wait(name: str, conn) -> None:
     time.sleep(3600)  # killed by the test
 
 
+def claim_marked_and_wait(name: str, conn, layout, num_blocks: int) -> None:
+    """Fill a fresh cache until the owner offers us a victim, report (block, key, slot,
+    gen), and when told, mark our claim of it (EVICTING, the holds not read yet: a claimer
+    about to die there); report, then block until killed."""
+    from kvshm.shm import layout as L
+    from kvshm.shm import offers
+    mgr = connect(name, layout, num_blocks=num_blocks, max_clients=4, ring_capacity=8192,
+                  hold_capacity=64)
+    t = mgr.table
+
+    def offered() -> dict[int, bytes]:
+        es = [t.read(b) for b in range(t.num_blocks)]
+        return {b: e.key for b, e in enumerate(es)
+                if e.state == L.READY and (e.writer, e.writer_gen) == (mgr.slot, mgr.gen)}
+    deadline = time.monotonic() + 30
+    i = 0
+    while not offered():
+        assert time.monotonic() < deadline, "the owner never offered victims"
+        store(mgr, [b"filler-%d-%d" % (i, j) for j in range(num_blocks // 4)])
+        i += 1
+    blk, key = next(iter(offered().items()))
+    conn.send((blk, key, mgr.slot, mgr.gen))
+    conn.recv()
+    assert offers.claim_one(t, blk, mgr.slot, mgr.gen)
+    conn.send("marked")
+    time.sleep(3600)  # killed by the test
+
+
 def scribble_want_ring(name: str, conn, tail: int, done: int) -> None:
     """A hostile client: leave its own slot's want ring (in the tier area) with the words
     ``tail`` and ``done``, any u64, and no entries behind them; report the slot and go."""

@@ -25,7 +25,7 @@ from kvshm.index import protocol as P
 from kvshm.index.api import LookupResult
 from kvshm.inspect.snapshot import verify
 from kvshm.shm import layout as L
-from kvshm.shm import offers, slots
+from kvshm.shm import offers, slots, writers
 from kvshm.shm.entry import STATE_OFF
 from kvshm.shm.fence import full_fence
 from kvshm.shm.segment import Segment
@@ -382,6 +382,37 @@ def test_a_load_racing_the_freeing_of_an_unclaimed_publish_never_reads_a_reused_
                 m.shutdown()
         seg.close()
         stop_owner(owner.pid)
+
+
+def test_a_claim_its_dead_claimer_left_marked_is_settled_though_a_copier_of_it_lives(
+        seg_name):
+    """A claimer dies with its claim marked (EVICTING, the holds not read) while a process
+    registered to copy for it lives. The owner keeps the blocks that may still be written
+    into (quarantine), but nothing is ever written into an offer before its claim ends: it
+    is settled, so a reader that leased the block before the mark loads it at once rather
+    than waiting its whole timeout for a decision nobody would make."""
+    p, conn = spawn(procs.claim_marked_and_wait, seg_name, TEST_LAYOUT, BLOCKS)
+    blk, key, slot, gen = conn.recv()
+    b = connect(seg_name, timeout=3.0)
+    reg = writers.Registrations(b.segment)
+    try:
+        assert reg.admit(slot, gen)  # this process copies for the claimer's generation
+        assert b.lookup([key]) == 1
+        conn.send("claim")
+        assert conn.recv() == "marked"
+        before = b.segment.counter("reclaimed_clients")
+        os.kill(p.pid, signal.SIGKILL)
+        p.join()
+        wait_for(lambda: b.segment.counter("reclaimed_clients") > before,
+                 "the owner to reclaim the dead claimer")
+        assert b.prepare_load([key]) == [blk]
+        assert procs.check(b.segment.planes(), blk, key)
+        b.complete_load([key])
+    finally:
+        reg.close()
+        pid = b.segment.owner_record()[0]
+        b.shutdown()
+        stop_owner(pid)
 
 
 def test_an_owner_dying_halfway_through_an_offer_leaves_no_entry_mid_rewrite(seg_name):

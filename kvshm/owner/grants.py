@@ -274,6 +274,19 @@ class Grants:
         entries.adopt(b, key, None, tenant=tenant)  # in its client's share
         self.outcomes.stored([key], True, 0)
 
+    def end_unclaimed(self, writer: Client) -> int:
+        """End ``writer``'s offers it never finished claiming (READY, or EVICTING: a claim
+        marked, undecided) as ``_end`` does: cached again. Nothing is ever written into an
+        offer before its claim ends, so not even a live copier of a dead writer can land in
+        one; a reader waiting for the claim's decision gets it. Returns how many."""
+        mine, table = self.blocks.get(writer, {}), self.entries.table
+        done = [b for b in mine
+                if b in self.offered and table.read(b).state in (L.READY, L.EVICTING)]
+        for b in done:
+            del mine[b]
+        self._end(done)
+        return len(done)
+
     def free(self, writer: Client) -> int:
         """End every grant of ``writer`` (its client is gone, with its copiers): free blocks
         and claimed offers are freed, offers it never claimed are cached again."""

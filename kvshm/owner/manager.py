@@ -292,7 +292,10 @@ class LocalManager(OffloadingManager):
             self.quotas.drop(w)  # what it stored stays cached, nobody's to protect
         # Quarantine: keep the blocks while a registered copier of (slot, gen) lives
         held = len(self.entries.pending.get(w, ())) + len(self.grants.blocks.get(w, ()))
-        if held and writers.alive(self.segment, slot, gen):
+        alive = held and writers.alive(self.segment, slot, gen)
+        if alive:  # offers it never finished claiming were never written into: settled now
+            held -= self.grants.end_unclaimed(w)
+        if alive and held:
             if w not in self.quarantined:
                 self.quarantined.add(w)
                 self.segment.counter_add("quarantined_blocks", held)
