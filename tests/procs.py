@@ -307,10 +307,12 @@ def claim_and_wait(name: str, conn) -> None:
     time.sleep(3600)  # killed by the test
 
 
-def claim_marked_and_wait(name: str, conn, layout, num_blocks: int) -> None:
+def claim_marked_and_wait(name: str, conn, layout, num_blocks: int,
+                          finishing: bool = False) -> None:
     """Fill a fresh cache until the owner offers us a victim, report (block, key, slot,
     gen), and when told, mark our claim of it (EVICTING, the holds not read yet: a claimer
-    about to die there); report, then block until killed."""
+    about to die there; ``finishing``: then open the round that finishes it and store
+    CLAIMED in it, the round left open); report, then block until killed."""
     from kvshm.shm import layout as L
     from kvshm.shm import offers
     mgr = connect(name, layout, num_blocks=num_blocks, max_clients=4, ring_capacity=8192,
@@ -331,6 +333,10 @@ def claim_marked_and_wait(name: str, conn, layout, num_blocks: int) -> None:
     conn.send((blk, key, mgr.slot, mgr.gen))
     conn.recv()
     assert offers.claim_one(t, blk, mgr.slot, mgr.gen)
+    if finishing:
+        from kvshm.shm.entry import STATE_OFF
+        t._odd(blk)
+        t.buf[t.base + blk * L.ENTRY_BYTES + STATE_OFF] = L.CLAIMED
     conn.send("marked")
     time.sleep(3600)  # killed by the test
 

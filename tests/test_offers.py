@@ -415,6 +415,35 @@ def test_a_claim_its_dead_claimer_left_marked_is_settled_though_a_copier_of_it_l
         stop_owner(pid)
 
 
+def test_a_claim_round_a_dead_claimer_left_open_is_closed_though_its_copier_lives(seg_name):
+    """A claimer dies inside the round that finishes its claim (CLAIMED stored, the round
+    open) while a process registered to copy for it lives. The block may be written into
+    now, so it stays the dead claimer's until its copier goes; but its round is closed at
+    the reclaim, or every reader of the entry (a lookup of its old key) spins on it and
+    every look the owner takes costs it as much, until the copier goes."""
+    p, conn = spawn(procs.claim_marked_and_wait, seg_name, TEST_LAYOUT, BLOCKS, True)
+    blk, key, slot, gen = conn.recv()
+    b = connect(seg_name)
+    reg = writers.Registrations(b.segment)
+    try:
+        assert reg.admit(slot, gen)
+        conn.send("claim")
+        assert conn.recv() == "marked"
+        before = b.segment.counter("reclaimed_clients")
+        os.kill(p.pid, signal.SIGKILL)
+        p.join()
+        wait_for(lambda: b.segment.counter("reclaimed_clients") > before,
+                 "the owner to reclaim the dead claimer")
+        assert b.table.seq(blk) % 2 == 0, "the dead claimer's round is still open"
+        assert entries(b.segment)[blk].state == L.CLAIMED  # still its copier's to write
+        assert b.lookup([key]) == 0
+    finally:
+        reg.close()
+        pid = b.segment.owner_record()[0]
+        b.shutdown()
+        stop_owner(pid)
+
+
 def test_an_owner_dying_halfway_through_an_offer_leaves_no_entry_mid_rewrite(seg_name):
     """An offer's fields are stored one after another, its round open. An owner that dies
     between them must leave an entry its successor can end: the block's new ring position

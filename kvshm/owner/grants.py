@@ -280,8 +280,11 @@ class Grants:
         offer before its claim ends, so not even a live copier of a dead writer can land in
         one; a reader waiting for the claim's decision gets it. Returns how many."""
         mine, table = self.blocks.get(writer, {}), self.entries.table
-        done = [b for b in mine
-                if b in self.offered and table.read(b).state in (L.READY, L.EVICTING)]
+        ours = [b for b in mine if b in self.offered]
+        for b in ours:  # its client is dead: a claim round it left open is closed (a claim
+            table.settle(b)  # stores the state byte alone), or every reader would spin on it
+        done = [b for b, s in zip(ours, offers.states_of(table, ours) if ours else [])
+                if s in (L.READY, L.EVICTING)]
         for b in done:
             del mine[b]
         self._end(done)

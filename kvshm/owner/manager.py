@@ -293,8 +293,8 @@ class LocalManager(OffloadingManager):
         # Quarantine: keep the blocks while a registered copier of (slot, gen) lives
         held = len(self.entries.pending.get(w, ())) + len(self.grants.blocks.get(w, ()))
         alive = held and writers.alive(self.segment, slot, gen)
-        if alive:  # offers it never finished claiming were never written into: settled now
-            held -= self.grants.end_unclaimed(w)
+        if alive and w not in self.quarantined:  # (once: a dead claimer's offers stay put)
+            held -= self.grants.end_unclaimed(w)  # never written into: settled now
         if alive and held:
             if w not in self.quarantined:
                 self.quarantined.add(w)
