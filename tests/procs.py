@@ -341,6 +341,18 @@ def claim_marked_and_wait(name: str, conn, layout, num_blocks: int,
     time.sleep(3600)  # killed by the test
 
 
+def touch_until_told(name: str, conn) -> None:
+    """Keep the owner busy: one-way touches as fast as we can send them, until told."""
+    mgr = connect(name)
+    store(mgr, [b"busy-key"])
+    conn.send("busy")
+    while not conn.poll():
+        for _ in range(64):
+            mgr.touch([b"busy-key"])
+    conn.recv()
+    mgr.shutdown()
+
+
 def scribble_want_ring(name: str, conn, tail: int, done: int) -> None:
     """A hostile client: leave its own slot's want ring (in the tier area) with the words
     ``tail`` and ``done``, any u64, and no entries behind them; report the slot and go."""

@@ -444,6 +444,30 @@ def test_a_claim_round_a_dead_claimer_left_open_is_closed_though_its_copier_live
         stop_owner(pid)
 
 
+def test_the_dead_are_reclaimed_while_others_keep_the_owner_busy(seg_name):
+    """An owner that always finds frames waiting still reclaims a dead client (and so gets
+    back what it held, parked blocks too): its housekeeping does not wait for a quiet
+    moment that a busy cache may never have."""
+    first = connect(seg_name, TEST_LAYOUT, num_blocks=BLOCKS, max_clients=CLIENTS,
+                    ring_capacity=8192, hold_capacity=64)
+    busy, bconn = spawn(procs.touch_until_told, seg_name)
+    doomed, dconn = spawn(procs.connect_and_report, seg_name)
+    try:
+        assert bconn.recv() == "busy"
+        dconn.recv()
+        before = first.segment.counter("reclaimed_clients")
+        os.kill(doomed.pid, signal.SIGKILL)
+        doomed.join()
+        wait_for(lambda: first.segment.counter("reclaimed_clients") > before,
+                 "the owner to reclaim the dead client while busy")
+    finally:
+        bconn.send("stop")
+        busy.join(30)
+        pid = first.segment.owner_record()[0]
+        first.shutdown()
+        stop_owner(pid)
+
+
 def test_an_owner_dying_halfway_through_an_offer_leaves_no_entry_mid_rewrite(seg_name):
     """An offer's fields are stored one after another, its round open. An owner that dies
     between them must leave an entry its successor can end: the block's new ring position

@@ -343,6 +343,8 @@ class Owner:
                 if idle_since is not None:
                     spin.observe(time.monotonic() - idle_since)
                     idle_since = None
+                if time.monotonic() >= next_scan:  # busy all along: the dead still go, and
+                    next_scan = self._housekeep()  # parked blocks come back
                 continue
             if woke and len(self.roster.clients) <= adopted:
                 self.seg.counter_add("idle_wakeups")  # woken for nothing
@@ -350,12 +352,16 @@ class Owner:
             if idle_since is None:
                 idle_since = now
             if now >= next_scan:
-                self._discover()
-                self._scan()
-                self._refill()
-                next_scan = now + SCAN_INTERVAL_S
+                next_scan = self._housekeep()
             woke = self.bell.wait(min(SCAN_INTERVAL_S, max(0.0, next_scan - now)),
                                   self._pending, spin_s=spin.budget(now - idle_since))
+
+    def _housekeep(self) -> float:
+        """Adopt newcomers, reclaim the dead, refill grants; returns when to do so again."""
+        self._discover()
+        self._scan()
+        self._refill()
+        return time.monotonic() + SCAN_INTERVAL_S
 
     def stop(self) -> None:
         self._running = False
