@@ -12,7 +12,6 @@ key (``procs.fill``/``check``): no READY block may hold another key's bytes.
 from __future__ import annotations
 
 import contextlib
-import multiprocessing as mp
 import os
 import signal
 import time
@@ -21,6 +20,7 @@ import pytest
 from lazy import torch  # imported at its first use, not when the suite is collected
 
 import procs
+from test_shared import spawn
 from kvshm.shm import layout as L
 from kvshm.shm import slots
 from kvshm.shm import writers
@@ -36,7 +36,6 @@ from kvshm.engine.worker import WorkerConnector
 from conftest import SMALL_GEOMETRY
 from test_connector import BT, PAGE, layout, prompt
 
-CTX = mp.get_context("spawn")
 NUM_BLOCKS = 12
 JOB_BLOCKS = 4
 
@@ -81,22 +80,6 @@ def _worker(name: str, conn, slot: int, dev: list) -> None:
     conn.recv()
 
 
-def _spawn(target, name: str, *args, env: dict[str, str] | None = None):
-    parent, child = CTX.Pipe()
-    p = CTX.Process(target=target, args=(name, child, *args), daemon=True)
-    saved = {k: os.environ.get(k) for k in env or {}}
-    os.environ.update(env or {})
-    try:
-        p.start()  # a spawned child takes os.environ as it is now
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-    return p, parent
-
-
 # --- helpers -----------------------------------------------------------------------------
 def wait_for(cond, what: str, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
@@ -133,9 +116,9 @@ class Rig:
         self.seg = self.client.segment
         self.dev = [torch.zeros(NUM_BLOCKS, PAGE, dtype=torch.uint8).share_memory_()
                     for _ in range(2)]
-        self.sched, self.sched_pipe = _spawn(_scheduler, name, self.dev)
+        self.sched, self.sched_pipe = spawn(_scheduler, name, self.dev)
         _, slot = self.sched_pipe.recv()
-        self.worker, self.worker_pipe = _spawn(
+        self.worker, self.worker_pipe = spawn(
             _worker, name, slot, self.dev,
             env={"KVSHM_CRASH_AT": "worker.store.mid_copy", "KVSHM_CRASH_SIGNAL": "STOP"})
 

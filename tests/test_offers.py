@@ -10,6 +10,7 @@ cached.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 
@@ -236,8 +237,7 @@ class RacedClaim:
 
     def reader(self, env: dict[str, str] | None = None, timeout: float = 30.0):
         """The reader process: leased, then told to load while a's claim is undecided."""
-        p, conn = spawn_with_env(procs.lease_then_load, self.name, env or {}, self.key,
-                                 timeout)
+        p, conn = spawn(procs.lease_then_load, self.name, self.key, timeout, env=env)
         self.started.append((p, conn))
         assert conn.recv() == 1  # its lookup: a hit, leased
         a, blk = self.a, self.blk
@@ -272,19 +272,6 @@ def raced(pair, seg_name, request):
     r = RacedClaim(pair[0], seg_name, request.param)
     yield r
     r.close()
-
-
-def spawn_with_env(target, name: str, env: dict[str, str], *args):
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        return spawn(target, name, *args)  # a spawned child takes os.environ as it is now
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def stopped(pid: int) -> bool:
@@ -384,20 +371,21 @@ def test_a_load_racing_the_freeing_of_an_unclaimed_publish_never_reads_a_reused_
         stop_owner(owner.pid)
 
 
-def test_a_claim_its_dead_claimer_left_marked_is_settled_though_a_copier_of_it_lives(
-        seg_name):
-    """A claimer dies with its claim marked (EVICTING, the holds not read) while a process
-    registered to copy for it lives. The owner keeps the blocks that may still be written
-    into (quarantine), but nothing is ever written into an offer before its claim ends: it
-    is settled, so a reader that leased the block before the mark loads it at once rather
-    than waiting its whole timeout for a decision nobody would make."""
-    p, conn = spawn(procs.claim_marked_and_wait, seg_name, TEST_LAYOUT, BLOCKS)
+@contextlib.contextmanager
+def claimer_killed_at_its_claim(seg_name: str, *, finishing: bool = False, lease: bool = False,
+                                timeout: float = 30.0):
+    """A claimer process killed with its claim of an offer marked (EVICTING; ``finishing``:
+    the round that finishes it open, CLAIMED stored) while this process, registered to copy
+    for it, lives; ``lease``: a reader leased the block before the mark. Yields (the
+    reader, the block, its key) once the owner has reclaimed the claimer."""
+    p, conn = spawn(procs.claim_marked_and_wait, seg_name, TEST_LAYOUT, BLOCKS, finishing)
     blk, key, slot, gen = conn.recv()
-    b = connect(seg_name, timeout=3.0)
+    b = connect(seg_name, timeout=timeout)
     reg = writers.Registrations(b.segment)
     try:
         assert reg.admit(slot, gen)  # this process copies for the claimer's generation
-        assert b.lookup([key]) == 1
+        if lease:
+            assert b.lookup([key]) == 1
         conn.send("claim")
         assert conn.recv() == "marked"
         before = b.segment.counter("reclaimed_clients")
@@ -405,14 +393,25 @@ def test_a_claim_its_dead_claimer_left_marked_is_settled_though_a_copier_of_it_l
         p.join()
         wait_for(lambda: b.segment.counter("reclaimed_clients") > before,
                  "the owner to reclaim the dead claimer")
-        assert b.prepare_load([key]) == [blk]
-        assert procs.check(b.segment.planes(), blk, key)
-        b.complete_load([key])
+        yield b, blk, key
     finally:
         reg.close()
         pid = b.segment.owner_record()[0]
         b.shutdown()
         stop_owner(pid)
+
+
+def test_a_claim_its_dead_claimer_left_marked_is_settled_though_a_copier_of_it_lives(
+        seg_name):
+    """A claimer dies with its claim marked (EVICTING, the holds not read) while a process
+    registered to copy for it lives. The owner keeps the blocks that may still be written
+    into (quarantine), but nothing is ever written into an offer before its claim ends: it
+    is settled, so a reader that leased the block before the mark loads it at once rather
+    than waiting its whole timeout for a decision nobody would make."""
+    with claimer_killed_at_its_claim(seg_name, lease=True, timeout=3.0) as (b, blk, key):
+        assert b.prepare_load([key]) == [blk]
+        assert procs.check(b.segment.planes(), blk, key)
+        b.complete_load([key])
 
 
 def test_a_claim_round_a_dead_claimer_left_open_is_closed_though_its_copier_lives(seg_name):
@@ -421,27 +420,10 @@ def test_a_claim_round_a_dead_claimer_left_open_is_closed_though_its_copier_live
     now, so it stays the dead claimer's until its copier goes; but its round is closed at
     the reclaim, or every reader of the entry (a lookup of its old key) spins on it and
     every look the owner takes costs it as much, until the copier goes."""
-    p, conn = spawn(procs.claim_marked_and_wait, seg_name, TEST_LAYOUT, BLOCKS, True)
-    blk, key, slot, gen = conn.recv()
-    b = connect(seg_name)
-    reg = writers.Registrations(b.segment)
-    try:
-        assert reg.admit(slot, gen)
-        conn.send("claim")
-        assert conn.recv() == "marked"
-        before = b.segment.counter("reclaimed_clients")
-        os.kill(p.pid, signal.SIGKILL)
-        p.join()
-        wait_for(lambda: b.segment.counter("reclaimed_clients") > before,
-                 "the owner to reclaim the dead claimer")
+    with claimer_killed_at_its_claim(seg_name, finishing=True) as (b, blk, key):
         assert b.table.seq(blk) % 2 == 0, "the dead claimer's round is still open"
         assert entries(b.segment)[blk].state == L.CLAIMED  # still its copier's to write
         assert b.lookup([key]) == 0
-    finally:
-        reg.close()
-        pid = b.segment.owner_record()[0]
-        b.shutdown()
-        stop_owner(pid)
 
 
 def test_the_dead_are_reclaimed_while_others_keep_the_owner_busy(seg_name):

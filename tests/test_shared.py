@@ -37,11 +37,21 @@ def wait_for(cond, what: str, timeout: float = 10.0) -> None:
         time.sleep(0.01)  # polling a condition; the assertion is on the condition
 
 
-def spawn(target, name: str, *args):
-    """Start ``target(name, conn, *args)`` in a fresh interpreter; return (process, conn)."""
+def spawn(target, name: str, *args, env: dict[str, str] | None = None):
+    """Start ``target(name, conn, *args)`` in a fresh interpreter, with ``env`` added to its
+    environment (a crash point, say); return (process, conn)."""
     parent, child = CTX.Pipe()
     p = CTX.Process(target=target, args=(name, child, *args), daemon=True)
-    p.start()
+    saved = {k: os.environ.get(k) for k in env or {}}
+    os.environ.update(env or {})
+    try:
+        p.start()  # a spawned child takes os.environ as it is now
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     return p, parent
 
 

@@ -37,6 +37,9 @@ import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from proc_clock import loadavg
 
 from kvshm.units import parse_size
 
@@ -212,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     kernels = compile_kernels(cp)
     out: dict = {"tool": "probe_host_reads",
                  "gpu": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(),
-                 "load_start": " ".join(f"{x:.2f}" for x in os.getloadavg()), "sizes": {}}
+                 "load_start": loadavg(), "sizes": {}}
     for size in a.sizes.split(","):
         row = probe_size(cp, kernels, parse_size(size), a.blocks, a.reps, a.inner)
         out["sizes"][size] = row
@@ -222,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"{size:>4} {kind:5} {name:18} device {r['device_gbs']:6.1f} GB/s "
                           f"({r['device_ratio']:.1%})  job {r['job_gbs']:6.1f} GB/s "
                           f"({r['job_ratio']:.1%})", flush=True)
-    out["load_end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    out["load_end"] = loadavg()
     if a.json:
         print(json.dumps(out))
     return 0
