@@ -46,14 +46,19 @@ keys_per_s says more about the host than about the owner; keys_per_owner_cpu_s d
 KEY_BYTES = 36
 
 
-def _client(name: str, idx: int, batch: int, count_from: float, stop: Any, out: Any) -> None:
-    """Store fresh keys until ``stop``; count the keys and this process's CPU time from the
-    monotonic time ``count_from`` on (the warm-up before it is not counted)."""
+def _client(name: str, idx: int, batch: int, ready: Any, go: Any, count_from: Any, stop: Any,
+            out: Any) -> None:
+    """Connect and say ``ready``; once told to ``go``, store fresh keys until ``stop``; count
+    the keys and this process's CPU time from the monotonic time ``count_from`` on (the
+    warm-up before it is not counted)."""
     import kvshm
     mgr = kvshm.connect(name)
     prefix = f"{idx:04d}{uuid.uuid4().hex[:8]}".encode()
     n = stored = t0 = 0
     counting = False
+    ready.put(idx)
+    go.wait()
+    count_from = count_from.value
     try:
         while not stop.is_set():
             if not counting and time.monotonic() >= count_from:
@@ -95,13 +100,17 @@ def run(clients: int, blocks: int, batch: int, seconds: float, protected: float 
     owner_pid = mgr.segment.owner_record()[0]
     owner = mgr._link.owner_proc
     ctx = mp.get_context("spawn")
-    stop, out = ctx.Event(), ctx.Queue()
-    count_from = time.monotonic() + _WARMUP_S + 0.5 * clients  # (spawned children start slowly)
-    kids = [ctx.Process(target=_client, args=(name, i, batch, count_from, stop, out))
+    stop, out, ready, go = ctx.Event(), ctx.Queue(), ctx.Queue(), ctx.Event()
+    start_at = ctx.Value("d", 0.0)  # when counting starts: set once every client is connected
+    kids = [ctx.Process(target=_client, args=(name, i, batch, ready, go, start_at, stop, out))
             for i in range(clients)]
     try:
         for p in kids:
             p.start()
+        for _ in kids:  # spawned interpreters start slowly, more so on a busy host
+            ready.get(timeout=120)
+        count_from = start_at.value = time.monotonic() + _WARMUP_S
+        go.set()
         time.sleep(max(0.0, count_from - time.monotonic()))  # the warm-up runs meanwhile
         seg = mgr.segment
         c0, b0, s0 = cpu_ns(owner_pid), seg.counter("owner_busy_ns"), time.monotonic()
