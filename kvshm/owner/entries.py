@@ -205,8 +205,8 @@ class Entries:
         """Blocks already FREE in the table onto the free list, but those a client holds
         (``held``, read after the table said FREE) parked until nobody does (``unpark``),
         so that no store writes into a block a load may be reading."""
-        self.parked.update(b for b in blocks if b in held)
-        self.free.extend(b for b in blocks if b not in held)
+        self.parked.update(blocks)
+        self.unpark(held)
 
     def unpark(self, held: set[int]) -> None:
         """Parked blocks nobody holds any more (``held`` names those still held) go on the

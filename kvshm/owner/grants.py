@@ -283,7 +283,7 @@ class Grants:
         ours = [b for b in mine if b in self.offered]
         for b in ours:  # its client is dead: a claim round it left open is closed (a claim
             table.settle(b)  # stores the state byte alone), or every reader would spin on it
-        done = [b for b, s in zip(ours, offers.states_of(table, ours) if ours else [])
+        done = [b for b, s in zip(ours, offers.states_of(table, ours))
                 if s in (L.READY, L.EVICTING)]
         for b in done:
             del mine[b]
