@@ -344,7 +344,7 @@ class Owner:
                     spin.observe(time.monotonic() - idle_since)
                     idle_since = None
                 if time.monotonic() >= next_scan:  # busy all along: the dead still go, and
-                    next_scan = self._housekeep()  # parked blocks come back
+                    next_scan = self._housekeep()  # parked blocks come back (the pass refilled)
                 continue
             if woke and len(self.roster.clients) <= adopted:
                 self.seg.counter_add("idle_wakeups")  # woken for nothing
@@ -353,14 +353,14 @@ class Owner:
                 idle_since = now
             if now >= next_scan:
                 next_scan = self._housekeep()
+                self._refill()  # (a quiet owner stocks the grant rings here)
             woke = self.bell.wait(min(SCAN_INTERVAL_S, max(0.0, next_scan - now)),
                                   self._pending, spin_s=spin.budget(now - idle_since))
 
     def _housekeep(self) -> float:
-        """Adopt newcomers, reclaim the dead, refill grants; returns when to do so again."""
+        """Adopt newcomers, reclaim the dead; returns when to do so again."""
         self._discover()
         self._scan()
-        self._refill()
         return time.monotonic() + SCAN_INTERVAL_S
 
     def stop(self) -> None:
