@@ -280,30 +280,37 @@ def store_on_demand(name: str, conn, grants: bool = True) -> None:
     mgr.shutdown()
 
 
+def offered_to(mgr) -> dict[int, bytes]:
+    """Block -> key of the READY blocks offered to client ``mgr`` now (still cached)."""
+    from kvshm.shm import layout as L
+    t = mgr.table
+    es = [t.read(b) for b in range(t.num_blocks)]
+    return {b: e.key for b, e in enumerate(es)
+            if e.state == L.READY and (e.writer, e.writer_gen) == (mgr.slot, mgr.gen)}
+
+
+def store_until_offered(mgr, n: int, batch: int, tag: str) -> dict[int, bytes]:
+    """Store fresh ``batch``-key lots into ``mgr`` until the owner offers it ``n`` victims;
+    returns them (block -> key)."""
+    deadline = time.monotonic() + 30
+    i = 0
+    while len(offered := offered_to(mgr)) < n:
+        assert time.monotonic() < deadline, "the owner never offered victims"
+        store(mgr, [b"%s-%d-%d" % (tag.encode(), i, j) for j in range(batch)])
+        i += 1
+    return offered
+
+
 def claim_and_wait(name: str, conn) -> None:
     """Fill the cache until the owner offers us victims, then start (never finish) a store
     that claims one: report our slot, the blocks claimed and the offers (block -> key) we
     never took, and block."""
-    from kvshm.shm import layout as L
-    from kvshm.shm.table import BlockTable
     mgr = connect(name)
-    t = BlockTable(mgr.segment.buf, mgr.segment.geometry)
-
-    def offers() -> dict[int, bytes]:
-        es = [t.read(b) for b in range(t.num_blocks)]
-        return {b: e.key for b, e in enumerate(es)
-                if e.state == L.READY and (e.writer, e.writer_gen) == (mgr.slot, mgr.gen)}
-    deadline = time.monotonic() + 30
-    i = 0
-    while len(offers()) < 2:
-        assert time.monotonic() < deadline, "the owner never offered victims"
-        store(mgr, [b"claimer-%d-%d" % (i, j) for j in range(8)])
-        i += 1
-    before = offers()
+    before = store_until_offered(mgr, 2, 8, "claimer")
     out = mgr.prepare_store([b"claimer-last"])
     claimed = [b for b in out.block_ids if b in before]
     conn.send({"slot": mgr.slot, "claimed": claimed,
-               "offered": {b: k for b, k in offers().items() if b not in claimed}})
+               "offered": {b: k for b, k in offered_to(mgr).items() if b not in claimed}})
     time.sleep(3600)  # killed by the test
 
 
@@ -318,18 +325,7 @@ def claim_marked_and_wait(name: str, conn, layout, num_blocks: int,
     mgr = connect(name, layout, num_blocks=num_blocks, max_clients=4, ring_capacity=8192,
                   hold_capacity=64)
     t = mgr.table
-
-    def offered() -> dict[int, bytes]:
-        es = [t.read(b) for b in range(t.num_blocks)]
-        return {b: e.key for b, e in enumerate(es)
-                if e.state == L.READY and (e.writer, e.writer_gen) == (mgr.slot, mgr.gen)}
-    deadline = time.monotonic() + 30
-    i = 0
-    while not offered():
-        assert time.monotonic() < deadline, "the owner never offered victims"
-        store(mgr, [b"filler-%d-%d" % (i, j) for j in range(num_blocks // 4)])
-        i += 1
-    blk, key = next(iter(offered().items()))
+    blk, key = next(iter(store_until_offered(mgr, 1, num_blocks // 4, "filler").items()))
     conn.send((blk, key, mgr.slot, mgr.gen))
     conn.recv()
     assert offers.claim_one(t, blk, mgr.slot, mgr.gen)

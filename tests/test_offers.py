@@ -61,18 +61,12 @@ def entries(seg) -> list:
         t.close()
 
 
-def offers_to(m) -> dict[int, bytes]:
-    """Block -> key of the READY blocks offered to client ``m`` now."""
-    return {b: e.key for b, e in enumerate(entries(m.segment))
-            if e.state == L.READY and (e.writer, e.writer_gen) == (m.slot, m.gen)}
-
-
 def fill_until_offered(m, n: int = 1) -> dict[int, bytes]:
     """Store into ``m`` until the cache is full and its grant ring holds ``n`` offers."""
     for i in range(8):
         procs.store(m, keys(f"fill{i}", BLOCKS // 4))
-    wait_for(lambda: len(offers_to(m)) >= n, "the owner to offer victims to the client")
-    return offers_to(m)
+    wait_for(lambda: len(procs.offered_to(m)) >= n, "the owner to offer victims to the client")
+    return procs.offered_to(m)
 
 
 def level(m) -> int:
@@ -169,7 +163,7 @@ def test_a_new_owner_keeps_a_live_clients_offers_and_claims(pair):
     a, b = pair
     fill_until_offered(a, 2)
     out = a.prepare_store(keys("new", 1))  # claims one offer; the others stay in the ring
-    still = offers_to(a)
+    still = procs.offered_to(a)
     procs.fill_all(a.segment.planes(), out.block_ids, out.keys_to_store)
     pid = a.segment.owner_record()[0]
     os.kill(pid, signal.SIGKILL)
@@ -179,7 +173,7 @@ def test_a_new_owner_keeps_a_live_clients_offers_and_claims(pair):
     assert a.segment.owner_record()[0] != pid
     wait_for(lambda: b.lookup(out.keys_to_store) == 1, "the successor to publish the claim")
     b.release()
-    assert offers_to(a) == still  # the offers it never took are still its, still cached
+    assert procs.offered_to(a) == still  # the offers it never took are still its, still cached
     assert all(b.lookup([k]) == 1 for k in still.values())
     b.release()
     assert verify(a.segment) == []
