@@ -325,6 +325,12 @@ def test_a_client_publishing_an_offer_it_never_claimed_frees_no_block_another_ho
         procs.store(c, keys(f"c{i}", 4))
     assert procs.check(b.segment.planes(), blk, key), "an honest store wrote a pinned block"
     b.complete_load([key])
+    n = iter(range(1 << 20))  # let go of, the block comes back into use: it never leaks
+
+    def reused() -> bool:
+        procs.store(c, keys(f"again{next(n)}", 4))
+        return entries(c.segment)[blk].state == L.READY
+    wait_for(reused, "the parked block to be stored into again")
     c.shutdown()
 
 
