@@ -38,8 +38,8 @@ POINTS = (
     #                              not yet marked offered in the table
     "owner.publish.after_forget",  # a claimed block's old key gone from the index, its new
     #                                key not yet written
-    "owner.publish.unclaimed_held",  # an offer published without a claim: FREE in the
-    #                                  table, the holds read, not yet parked or freed
+    "owner.free.after_holds",  # blocks a reader may hold (READY, EVICTING) freed: FREE in
+    #                            the table, the holds read, not yet parked or on the free list
     # owner: entry writes
     "table.write.odd",  # entry sequence odd, body half written
     "table.write_many.odd",  # a batch's entries all odd, half their bodies written

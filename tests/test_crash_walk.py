@@ -55,7 +55,7 @@ CLIENT_POINTS = {
 # creation, named objects, the mover, offers: a load waiting on an undecided eviction,
 # the freeing of an offer published without a claim).
 WALKED_ELSEWHERE = {"worker.store.mid_copy", "client.load.wait_decision",
-                    "owner.publish.unclaimed_held", "owner.launch.before_pid", "object.before_link", "mover.area.after_open",
+                    "owner.free.after_holds", "owner.launch.before_pid", "object.before_link", "mover.area.after_open",
                     "segment.create.after_open", "segment.create.after_lock", "segment.create.after_reserve",
                     "mover.fill.after_prepare", "mover.fill.after_get",
                     "mover.spill.after_pin"}

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import struct
 
 import procs
 import pytest
@@ -29,6 +30,7 @@ from kvshm.shm import layout as L
 from kvshm.shm import offers, slots, writers
 from kvshm.shm.entry import STATE_OFF
 from kvshm.shm.fence import full_fence
+from kvshm.shm.records import ENTRY_DTYPE
 from kvshm.shm.segment import Segment
 from kvshm.shm.table import BlockTable
 
@@ -334,6 +336,33 @@ def test_a_client_publishing_an_offer_it_never_claimed_frees_no_block_another_ho
     c.shutdown()
 
 
+def test_an_offer_whose_key_a_dead_owner_tore_is_freed_only_once_nobody_holds_it(pair,
+                                                                                 seg_name):
+    """An owner dies halfway through rewriting an offered block another client has pinned
+    (its sequence number odd, its key checksum no longer the key's). The successor cannot
+    trust the key, so it keeps the block as its client's, claimed and indexed nowhere; when
+    that grant ends (the client leaves), the block, still READY in the table, must not go
+    back to the free list while the load holds it: an honest store would write into it."""
+    a, b = pair
+    blk, key = next(iter(fill_until_offered(a).items()))
+    assert b.lookup([key]) == 1 and b.prepare_load([key]) == [blk]
+    pid = a.segment.owner_record()[0]
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: not a.segment.owner_alive(), "the owner to die")
+    table = a.table
+    table._odd(blk)  # the dead owner's round, its key checksum half rewritten
+    at = table.base + blk * L.ENTRY_BYTES + ENTRY_DTYPE.fields["keysum"][1]
+    struct.pack_into("<I", a.segment.buf, at, struct.unpack_from("<I", a.segment.buf, at)[0] ^ 1)
+    b.take_events()  # the call starts a successor, which rebuilds from the table
+    a.shutdown()  # its grants end, the torn offer among them
+    c = connect(seg_name, grants=False)
+    for i in range(BLOCKS // 4):  # an honest writer fills the cache again
+        procs.store(c, keys(f"c{i}", 4))
+    assert procs.check(b.segment.planes(), blk, key), "an honest store wrote a pinned block"
+    b.complete_load([key])
+    c.shutdown()
+
+
 def test_a_load_racing_the_freeing_of_an_unclaimed_publish_never_reads_a_reused_block(
         seg_name):
     """As above, but the reader remembers the block's entry (it loaded it before) and
@@ -343,7 +372,7 @@ def test_a_load_racing_the_freeing_of_an_unclaimed_publish_never_reads_a_reused_
     block), and no honest store writes into a block a load reads."""
     seg = Segment.create(seg_name, TEST_LAYOUT, BLOCKS, max_clients=CLIENTS,
                          ring_capacity=8192, hold_capacity=64)
-    owner = owner_proc(seg_name, "owner.publish.unclaimed_held", "STOP")
+    owner = owner_proc(seg_name, "owner.free.after_holds", "STOP")
     a, b, c = connect(seg_name), connect(seg_name), None
     try:
         blk, key = next(iter(fill_until_offered(a).items()))

@@ -121,8 +121,8 @@ class Grants:
                 continue
             key = self.offered.pop(b)
             e = entries.get(key) if key is not None else None
-            if key is None or e is None or e.block != b:  # claimed in a past life: nothing
-                free.append(b)                             # of it indexed here
+            if key is None or e is None or e.block != b:  # claimed in a past life (or its
+                free.append(b)                # key torn): nothing of it indexed here
             elif table.read(b).state in (L.READY, L.EVICTING):  # never claimed, or the claim
                 table.reset_ready(b)  # never finished: nothing written, READY as ever
                 entries.requeue(key, e)
@@ -131,7 +131,7 @@ class Grants:
                 entries.forget(key)
                 self.outcomes.evicted([key])
                 free.append(b)
-        entries.release(free)
+        self._free(free)
 
     def grant(self, slot: int, gen: int, n: int, first: int) -> list[int]:
         """Up to ``n`` blocks for (slot, gen): free ones first (GRANTED), then victims the
@@ -230,9 +230,8 @@ class Grants:
     def _claimed(self, blocks: list[int]) -> set[int]:
         """Offered blocks in a Publish: their old keys leave the index (an eviction each),
         and the ones their client did not claim before writing are returned, never
-        published: a client that never claimed a block may have written into one others
-        read. Such a block is freed once nobody holds it (``free_unless_held``): only a
-        claim, which reads every client's holds, may take a block from a load under way."""
+        published (a client that never claimed a block may have written into one others
+        read), and freed once nobody holds them (``_free``)."""
         if not blocks:
             return set()
         entries, old = self.entries, list(map(self.offered.pop, blocks))
@@ -247,15 +246,26 @@ class Grants:
         bad = {b for b, s in zip(blocks, state) if s != L.CLAIMED}
         if bad:
             self.segment.counter_add("errors", len(bad))
-            freed = sorted(bad)
-            # FREE before the holds are read, as an eviction marks before it reads: a reader
-            # from now on sees the block gone, one that came earlier is seen
-            entries.table.write_many(freed, L.FREE)
+            self._free(sorted(bad))
+        return bad
+
+    def _free(self, blocks: list[int]) -> None:
+        """Free blocks that hold nothing any more. One a reader may still hold (READY or
+        EVICTING in the table: an offer whose key is gone, or one written without a claim)
+        goes FREE before the holds are read, as an eviction marks before it reads (a reader
+        from now on sees it gone, one that came earlier is seen), and is parked while held
+        (``free_unless_held``): only a claim, which reads every client's holds, may take a
+        block from a load under way."""
+        entries = self.entries
+        state = offers.states_of(entries.table, blocks)
+        readable = [b for b, s in zip(blocks, state) if s in (L.READY, L.EVICTING)]
+        entries.release([b for b, s in zip(blocks, state) if s not in (L.READY, L.EVICTING)])
+        if readable:
+            entries.table.write_many(readable, L.FREE)
             full_fence()
             held = self.evictor.held(ALL_HOLDS) if self.evictor.held else set()
-            crash_point("owner.publish.unclaimed_held")
-            entries.free_unless_held(freed, held)
-        return bad
+            crash_point("owner.free.after_holds")
+            entries.free_unless_held(readable, held)
 
     def resolve(self, key: bytes) -> None:
         """The unfinished store of ``key`` ended: a block deferred behind it is published if
