@@ -256,6 +256,8 @@ class Grants:
         from now on sees it gone, one that came earlier is seen), and is parked while held
         (``free_unless_held``): only a claim, which reads every client's holds, may take a
         block from a load under way."""
+        if not blocks:  # (a Publish that returned nothing: most of them)
+            return
         entries = self.entries
         state = offers.states_of(entries.table, blocks)
         readable = [b for b, s in zip(blocks, state) if s in (L.READY, L.EVICTING)]
