@@ -118,6 +118,36 @@ def test_peek_returns_a_zero_copy_view_until_advance() -> None:
     assert r.try_get() == b"second"
 
 
+def test_frames_looked_ahead_at_are_released_by_one_advance_only_once_included() -> None:
+    r, _ = make_ring(128)
+    for p in (b"one", b"two", b"three"):
+        r.try_put(p)
+    assert bytes(r.peek()) == b"one"
+    view, end = r.peek_after()
+    assert bytes(view) == b"two"
+    r.include(end)
+    view, _ = r.peek_after()
+    assert bytes(view) == b"three"  # looked at, not included: it stays
+    head = r.head()
+    r.advance()
+    assert r.head() > head and r.try_get() == b"three" and r.try_get() is None
+
+
+def test_looking_ahead_wraps_and_stops_at_the_published_tail() -> None:
+    r, _ = make_ring(64)  # 64 bytes: the third 20-byte frame wraps to offset 0
+    for i in range(2):
+        r.try_put(frame(i, 20))
+    assert r.try_get() == frame(0, 20)
+    r.try_put(frame(2, 20))
+    assert bytes(r.peek()) == frame(1, 20)
+    view, end = r.peek_after()
+    assert bytes(view) == frame(2, 20)
+    r.include(end)
+    assert r.peek_after() is None  # nothing published past it yet
+    r.advance()
+    assert r.depth() == 0 and r.try_put(frame(3, 20))
+
+
 def test_memoryview_payload_is_counted_in_bytes() -> None:
     r, _ = make_ring(256)
     words = memoryview(struct.pack("<4Q", 1, 2, 3, 4)).cast("Q")

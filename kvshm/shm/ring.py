@@ -181,15 +181,35 @@ class Ring:
     def peek(self) -> memoryview | None:
         """Zero-copy view of the next frame's payload, or None. The view aliases the ring:
         use it (e.g. msgspec.decode) before advance(), and drop or release() it after."""
-        head = self._head
+        got = self._frame_at(self._head)
+        if got is None:
+            return None
+        view, self._next_head = got
+        return view
+
+    def peek_after(self) -> tuple[memoryview, int] | None:
+        """Consumer: the frame after those the next ``advance()`` consumes, and the position
+        past it, or None if none is published yet; ``include(end)`` adds it to them. A
+        consumer takes frames queued behind each other as one this way: none of them is
+        released before all are applied."""
+        return self._frame_at(self._next_head)
+
+    def include(self, end: int) -> None:
+        """Let the next ``advance()`` consume everything up to ``end`` (from ``peek_after``)."""
+        self._next_head = end
+
+    def _frame_at(self, head: int) -> tuple[memoryview, int] | None:
+        """The view of the frame at position ``head`` (the consumer's, or past frames it
+        peeked) and the position past it, or None if no frame is published there."""
         if head == self._tail_seen:
-            self._tail_seen = self._w[_TAIL]
-            if head == self._tail_seen:
+            tail = self._w[_TAIL]
+            if tail == head:
                 return None
-            if not 0 < self._tail_seen - head <= self._cap:  # a scribbled tail: never trust it
-                raise ProtocolError(f"ring tail {self._tail_seen} is not within capacity "
-                                    f"{self._cap} of head {head}: the producer overwrote "
-                                    "the ring's header")
+            if not head < tail <= self._head + self._cap:  # a scribbled tail: never trust it
+                raise ProtocolError(f"ring tail {tail} is not within capacity {self._cap} of "
+                                    f"head {self._head}: the producer overwrote the ring's "
+                                    "header")
+            self._tail_seen = tail
             if _WEAK_ORDER:
                 memory_fence()  # tail read before the payload it covers
         pos = head % self._cap
@@ -203,8 +223,7 @@ class Ring:
             raise ProtocolError(f"ring frame at offset {pos} claims {n} bytes, more than a frame "
                                 "can hold or than its producer published: the ring was "
                                 "overwritten; re-create the segment")
-        self._next_head = end
-        return self._data[pos + 4:pos + 4 + n]
+        return self._data[pos + 4:pos + 4 + n], end
 
     def advance(self) -> None:
         """Consume the frame the last peek() returned, handing its space back to the producer."""
