@@ -34,6 +34,8 @@ POINTS = (
     "owner.grant.before_count",  # granted blocks GRANTED and their ids in the ring, count not
     #                              yet stored: the client cannot take them
     "owner.publish.mid",  # a Publish frame's blocks READY in the table, not yet indexed
+    "owner.publish.merged",  # Publish frames queued behind each other applied as one,
+    #                          none released from the ring yet
     "owner.offer.after_choose",  # victims chosen to offer (out of the policy, still READY),
     #                              not yet marked offered in the table
     "owner.publish.after_forget",  # a claimed block's old key gone from the index, its new

@@ -230,6 +230,7 @@ FILE_TIERS = {
     "test_late_writers.py": "procs",
     "test_leases.py": "procs",
     "test_offers.py": "procs",
+    "test_publish_merging.py": "procs",
     "test_quotas.py": "procs",
     "test_owner_start.py": "procs",
     "test_operable.py": "procs",

@@ -45,6 +45,10 @@ frame (``Touch``, ``Publish``) has no id and no reply: an owner records its ring
 ``MAX_ATTEMPTS`` owners (counted in ``errors``, logged). Executing one again is harmless. The
 blocks of a dropped ``Publish`` stay the client's until it goes (``stranded`` in the served
 record and in ``kvshm-inspect show``): such a frame is no list of finished blocks to trust.
+``Publish`` frames queued behind each other are executed as one and released together
+(``owner/coalesce.py``); ``one_way`` then names the first, and once an owner died in one,
+the successor serves that client's frames one at a time, so a frame that kills owners is
+dropped alone.
 
 Client (this module): it never resends a request on its own. While waiting it checks that an
 owner lives (the kernel-released owner lock) and starts one if not; the successor finds the

@@ -42,6 +42,7 @@ class Client:
         self.served = slots.served(seg, slot)  # the requests it answered (owner_link.py)
         self.grant_head, self.grant_ids = slots.grants(seg, slot)
         self.stores = False  # it stores: keep its grant ring stocked
+        self.merge = True  # its queued Publish frames are applied together (coalesce.py)
         # Its largest store so far, in keys (round trip, or grants taken between refills):
         # the owner keeps its grant ring at twice that, within the budget (``stocking.py``).
         self.largest_store = 0

@@ -21,6 +21,7 @@ import msgspec
 from kvshm.crashpoints import crash_point
 from kvshm.errors import KvshmError, RequestDroppedError
 from kvshm.index import protocol as P
+from kvshm.owner import coalesce
 from kvshm.owner.clients import Client
 from kvshm.owner.grants import ALL_HOLDS
 from kvshm.owner.manager import LocalManager
@@ -121,7 +122,8 @@ class Owner:
                 continue
             requests = c.requests
             assert requests is not None  # a client whose rings did not open is quarantined
-            for _ in range(FRAMES_PER_PASS):
+            left = FRAMES_PER_PASS  # (frames taken together count one each)
+            while left > 0:
                 try:
                     view = requests.peek()
                     if view is None:
@@ -133,13 +135,14 @@ class Owner:
                     break
                 if not n:  # the CPU clock is a system call: read it only for a busy pass
                     t0 = time.thread_time_ns()
-                n += 1
                 try:
-                    self._serve_frame(c, frame)
+                    done = self._serve_frame(c, frame, left)
                 except Exception as e:  # its words, not the owner, are at fault: never die
+                    n += 1
                     log.exception("serving client slot %d failed", c.slot)
                     self.roster.quarantine(c, f"serving it failed ({e!r})")
                     break
+                n, left = n + done, left - done
                 if clients.get(c.slot) is not c or c.quarantined or c.unsent:
                     break  # gone (goodbye), unusable, or its reply waits for room
         if n:
@@ -169,9 +172,11 @@ class Owner:
             if (c.slot, c.gen) in quotas.limits:
                 c.share["cached"] = quotas.used((c.slot, c.gen))
 
-    def _serve_frame(self, c: Client, frame: bytes) -> None:
+    def _serve_frame(self, c: Client, frame: bytes, room: int = 1) -> int:
         """One frame, exactly once: record it consumed, execute, reply, record it answered,
-        and only then release it from the request ring (see ``owner_link.py``)."""
+        and only then release it from the request ring (see ``owner_link.py``). A Publish
+        takes up to ``room`` - 1 queued behind it along (``coalesce``). Returns the frames
+        served."""
         requests = c.requests
         assert requests is not None  # a client whose rings did not open is quarantined
         try:
@@ -183,34 +188,34 @@ class Owner:
             requests.advance()
             self._reply(c, 0, [P.Error(0, self.epoch, "ProtocolError",
                                        f"undecodable request frame: {e}")])
-            return
+            return 1
         req = msg.req
         served = c.served
         if req and req <= served["answered"]:  # answered (by a dead owner): drop the copy
             requests.advance()
-            return
+            return 1
         if not req and not isinstance(msg, (P.Touch, P.Publish)):  # one-way kinds only
             self.seg.counter_add("errors")
             requests.advance()
             self._reply(c, 0, [P.Error(0, self.epoch, "ProtocolError",
                                        f"{type(msg).__name__} needs a request id")])
-            return
+            return 1
         replay = bool(req) and req == served["consumed"]
         if isinstance(msg, P.PrepareStore) and (msg.more or msg.part):
             keys, positions = c.gather(msg, self._max_keys)
             if keys is None:
                 requests.advance()
-                return  # more parts to come; nothing executed yet
+                return 1  # more parts to come; nothing executed yet
             if c.parts_refused:
                 self.seg.counter_add("errors")
                 self._answer(c, req, [P.Error(req, self.epoch, "InvalidArgumentError",
                                               c.parts_refused)])
                 c.parts_refused = ""
-                return
+                return 1
             if not replay and c.parts_lost:  # its first parts died with an owner that
                 c.parts_lost = False         # never executed it: provably safe to resend
                 self._answer(c, req, [P.Retry(req, self.epoch)])
-                return
+                return 1
             msg = msgspec.structs.replace(msg, keys=keys, positions=positions)
         if req:
             attempts = int(served["attempts"]) + 1 if replay else 1
@@ -221,21 +226,29 @@ class Owner:
                     f"request {req} was in progress when {MAX_ATTEMPTS} owners died; it was "
                     "dropped, not executed (retry it; if it fails so again, it kills owners: "
                     "report it)"))])
-                return
+                return 1
             served["epoch"], served["attempts"] = self.epoch, attempts
             served["consumed"] = req  # from here on a successor replays instead of executing
             crash_point("owner.request.after_consume")
         elif not self._begin_one_way(c, msg):
-            return
+            return 1
+        elif served["attempts"] > 1:  # a dead owner began it: from now on one at a time, so
+            c.merge = False           # that a frame killing owners is dropped alone
+        frames = 1
+        if c.merge and coalesce.plain(msg):
+            msg, frames = coalesce.merge(requests, msg, room)  # (released by one advance)
         if isinstance(msg, P.Bye):
             self._goodbye(c, msg)
-            return
+            return 1
         replies = self._execute(c, msg, replay)
+        if frames > 1:
+            crash_point("owner.publish.merged")
         crash_point("owner.request.after_execute")
         if req:
             self._answer(c, req, replies)
         else:
             requests.advance()
+        return frames
 
     def _begin_one_way(self, c: Client, msg: P.Request) -> bool:
         """Record that an owner begins the one-way frame at the head of ``c``'s request ring

@@ -1,0 +1,78 @@
+"""Publish frames queued behind each other in one client's ring, applied as one.
+
+This module owns which one-way ``Publish`` frames the owner may take together with the one at
+the head of a client's request ring, and the merged frame it applies in their place. A
+decode step stores one block per request, each a frame of one key; applied one by one every
+frame paid the publish's fixed cost (a tick, a table round, the policy and index calls),
+about three quarters of a one-key frame. Merged, frames queued behind a busy owner share it,
+so the busier the owner, the less each frame costs it.
+
+Applying the merged frame is applying its frames in ring order: a Publish's keys go in
+ring order, a key already published stays and a later block of it is freed, the sender's
+``taken`` count only grows, and a block not granted to the sender is ignored. So only
+frames that name no running request (``request`` 0: their keys take fresh ranks, as in
+order) and that succeed or fail alike are merged, and only the head frame may return
+offers (those are ended before its keys, as alone). None of the frames is released from
+the ring before the merged one is applied (``Ring.peek_after``/``include``): a successor
+replays what is left, harmlessly, as for one frame. It never decodes a frame it does not
+take, never executes anything and never writes shared memory.
+"""
+from __future__ import annotations
+
+import msgspec
+
+from kvshm.errors import KvshmError
+from kvshm.index import protocol as P
+from kvshm.shm import keys as K
+from kvshm.shm.ring import Ring
+
+MAX_KEYS = 4096  # keys merged at most: each frame's keys are applied in one batch anyway
+
+
+def plain(m: P.Request) -> bool:
+    """Whether ``m`` is a Publish that may head a merge: one-way, no running request."""
+    return type(m) is P.Publish and not m.req and not m.request
+
+
+def merge(ring: Ring, head: P.Publish, most: int) -> tuple[P.Publish, int]:
+    """``head`` (the peeked head frame of ``ring``, ``plain``) and the mergeable Publish
+    frames queued right behind it, as one Publish of at most ``most`` frames (what the
+    owner's pass still grants this client), and how many frames it stands for. The
+    ring's next ``advance()`` releases them all; a frame that cannot be merged (another
+    kind, one that fails to decode or to check, a running request, returned offers, the
+    other outcome) ends the run and stays in the ring, served on its own."""
+    keys, blocks, frames = list(head.keys), list(head.blocks), 1
+    while frames < most and len(keys) < MAX_KEYS:
+        try:
+            got = ring.peek_after()
+        except KvshmError:  # a scribbled ring: the head frame is served, the next peek fails
+            break
+        if got is None:
+            break
+        view, end = got
+        try:
+            m = P.request_decoder.decode(view)
+        except Exception:  # (as the owner's own decode: served on its own, its error its own)
+            break
+        finally:
+            view.release()
+        if not plain(m) or m.success != head.success or m.returned or \
+                len(m.keys) != len(m.blocks) or not _good_keys(m.keys):
+            break
+        keys += m.keys
+        blocks += m.blocks
+        ring.include(end)
+        frames += 1
+    if frames == 1:
+        return head, 1
+    return msgspec.structs.replace(head, keys=keys, blocks=blocks), frames
+
+
+def _good_keys(keys: list[bytes]) -> bool:
+    """Whether ``keys`` pass the Publish handler's check (a frame that fails it is refused
+    alone, never with the frames merged with it)."""
+    try:
+        K.check_keys(keys)
+    except KvshmError:
+        return False
+    return True

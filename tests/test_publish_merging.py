@@ -1,0 +1,131 @@
+"""Publish frames queued behind each other are applied as one, and exactly as one by one.
+
+A decode step stores one block per request, each a one-way Publish frame of one key; the
+frames that queue while the owner is busy are taken together (``kvshm/owner/coalesce.py``).
+Here they queue while no owner runs at all: the client kills its owner, completes one-key
+stores from its grant ring, and an owner started afterwards finds them all waiting.
+
+What the tests pin down: every key of the queued frames is published once, with its own
+bytes; a frame that may not join the others (a failed store) is still served, alone; and an
+owner that dies after applying merged frames, before releasing them from the ring, leaves a
+successor that publishes each key once and loses no block.
+"""
+from __future__ import annotations
+
+import os
+import signal
+from collections import Counter
+
+import procs
+import pytest
+from conftest import TEST_LAYOUT, stop_owner
+from test_exactly_once import owner_proc
+from test_shared import wait_for
+
+from kvshm.client.connect import connect
+from kvshm.inspect.snapshot import verify
+from kvshm.shm import layout as L
+from kvshm.shm import slots
+from kvshm.shm.segment import Segment
+from kvshm.shm.table import BlockTable
+
+BLOCKS, CLIENTS = 128, 2  # a storing client is kept stocked with 16 blocks
+QUEUED = 6  # one-key Publish frames queued for the next owner
+
+
+@pytest.fixture
+def pair(seg_name):
+    """Two clients of one segment, ``a`` stores and ``b`` reads, and the segment itself (for
+    looking at its table once they left)."""
+    a = connect(seg_name, TEST_LAYOUT, num_blocks=BLOCKS, max_clients=CLIENTS,
+                ring_capacity=8192, hold_capacity=64)
+    b = connect(seg_name)
+    seg = Segment.attach(seg_name)
+    yield a, b, seg
+    for m in (b, a):
+        if m.segment is not None:
+            m.shutdown()
+    stop_owner(seg.owner_record()[0] if seg.owner_alive() else 0)
+    seg.close()
+
+
+def queue_one_key_stores(a, tag: str, outcomes: list[bool]) -> list[bytes]:
+    """One one-key store per outcome, each from ``a``'s grant ring, written, then completed
+    (a one-way Publish frame) while no owner runs: the frames wait in ``a``'s ring."""
+    procs.store(a, [b"%s-warm-%d" % (tag.encode(), i) for i in range(8)])  # stock deeper
+    head, _ = slots.grants(a.segment, a.slot)
+    wait_for(lambda: head["granted"] - a._own.taken >= len(outcomes),
+             "the owner to stock the grant ring")
+    keys = [b"%s-%d" % (tag.encode(), i) for i in range(len(outcomes))]
+    planes = a.segment.planes()
+    for k in keys:
+        out = a.prepare_store([k])
+        assert k in a._own.inflight  # from the grant ring: its completion is one-way
+        procs.fill(planes, out.block_ids[0], k)
+    os.kill(a.segment.owner_record()[0], signal.SIGKILL)
+    wait_for(lambda: not a.segment.owner_alive(), "the owner to die")
+    for k, ok in zip(keys, outcomes):
+        a.complete_store([k], success=ok)
+    return keys
+
+
+def loads_its_own_bytes(b, keys: list[bytes]) -> bool:
+    """Whether ``b`` finds every one of ``keys`` cached with the bytes stored under it."""
+    if b.lookup(keys) != len(keys):
+        b.release()
+        return False
+    blocks = b.prepare_load(keys)
+    planes = b.segment.planes()
+    try:
+        return all(procs.check(planes, blk, k) for blk, k in zip(blocks, keys))
+    finally:
+        b.complete_load(keys)
+        b.release()
+
+
+def settled(a, b, seg) -> None:
+    """Once both clients left: no block is left mid-store, granted or claimed, no key is
+    cached twice, and the segment verifies."""
+    a.shutdown()
+    b.shutdown()
+    wait_for(lambda: all(slots.record(seg, s).state == L.SlotState.FREE
+                         for s in range(CLIENTS)), "both clients to be gone")
+    t = BlockTable(seg.buf, seg.geometry)
+    try:
+        rows = [t.read(blk) for blk in range(seg.geometry.num_blocks)]
+    finally:
+        t.close()
+    assert not [r for r in rows if r.state in (L.WRITING, L.GRANTED, L.CLAIMED)]
+    twice = [k for k, n in Counter(r.key for r in rows if r.state == L.READY).items() if n > 1]
+    assert not twice, f"keys cached in two blocks: {twice}"
+    assert verify(seg) == []
+
+
+def test_publish_frames_queued_while_no_owner_ran_are_all_published(pair):
+    a, b, seg = pair
+    keys = queue_one_key_stores(a, "queued", [True] * QUEUED)
+    owner_proc(seg.name)
+    wait_for(lambda: loads_its_own_bytes(b, keys), "every queued key to be published")
+    settled(a, b, seg)
+
+
+def test_a_failed_store_queued_among_others_is_served_alone_and_frees_its_block(pair):
+    a, b, seg = pair
+    outcomes = [True, True, False, True, True, True]
+    keys = queue_one_key_stores(a, "mixed", outcomes)
+    owner_proc(seg.name)
+    good = [k for k, ok in zip(keys, outcomes) if ok]
+    wait_for(lambda: loads_its_own_bytes(b, good), "the successful stores to be published")
+    assert b.lookup([keys[outcomes.index(False)]]) == 0  # never published
+    settled(a, b, seg)
+
+
+def test_an_owner_dying_after_applying_merged_frames_leaves_each_key_published_once(pair):
+    a, b, seg = pair
+    keys = queue_one_key_stores(a, "merged", [True] * QUEUED)
+    first = owner_proc(seg.name, "owner.publish.merged")
+    first.wait(timeout=30)
+    assert first.returncode == -signal.SIGKILL  # it took the queued frames together
+    a.take_events()  # a round trip: a's call starts a successor, which replays the frames
+    wait_for(lambda: loads_its_own_bytes(b, keys), "every queued key to be published")
+    settled(a, b, seg)
