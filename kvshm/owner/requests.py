@@ -133,6 +133,14 @@ class Handlers:
             if room < 0:
                 n = i
                 break
+        if n == 0 and c.events_log:  # one event too large for a reply (Publish frames taken
+            rm, keys = c.events_log[0]  # together make one): its keys go out in parts
+            room, cut = c.max_reply // 2 - 8, 0
+            while room >= len(keys[cut]) + 3:  # (a key is far smaller than half a reply)
+                room -= len(keys[cut]) + 3
+                cut += 1
+            c.events_log[0] = (rm, keys[cut:])
+            return [P.Events(m.req, self.epoch, [rm], [keys[:cut]])]
         log_, c.events_log = c.events_log[:n], c.events_log[n:]
         return [P.Events(m.req, self.epoch, [rm for rm, _ in log_], [k for _, k in log_])]
 
