@@ -7,15 +7,23 @@ frame paid the publish's fixed cost (a tick, a table round, the policy and index
 about three quarters of a one-key frame. Merged, frames queued behind a busy owner share it,
 so the busier the owner, the less each frame costs it.
 
-Applying the merged frame is applying its frames in ring order: a Publish's keys go in
-ring order, a key already published stays and a later block of it is freed, the sender's
-``taken`` count only grows, and a block not granted to the sender is ignored. So only
-frames that name no running request (``request`` 0: their keys take fresh ranks, as in
-order) and that succeed or fail alike are merged, and only the head frame may return
-offers (those are ended before its keys, as alone). None of the frames is released from
-the ring before the merged one is applied (``Ring.peek_after``/``include``): a successor
-replays what is left, harmlessly, as for one frame. It never decodes a frame it does not
-take, never executes anything and never writes shared memory.
+Applying the merged frame is applying its frames in ring order, as far as stores and loads
+tell: a Publish's keys are published in ring order (the policy's order, and a tick per key in
+the table, from which a successor rebuilds recency), a key already published stays and a
+later block of it is freed, the sender's ``taken`` count only grows, and a block not granted
+to the sender is ignored. So only frames that name no running request (``request`` 0: their
+keys take fresh ranks, as in order) and that succeed or fail alike are merged, and only the
+head frame may return offers (those are ended before its keys, as alone). Two differences
+remain. Event subscribers get the run's evictions (the claimed offers' old keys) before its
+stores, one event of each kind for the run. And a key published by one frame whose old block
+is an offer claimed by a later frame of the run stays cached in the new block (one by one it
+would have been found cached and that block freed): only a client that stores a key the
+index still names gets there, and ``prepare_store`` refuses that to an honest one.
+
+None of the frames is released from the ring before the merged one is applied
+(``Ring.peek_after``/``include``): a successor replays what is left, harmlessly, as for one
+frame. It never decodes a frame it does not take, never executes anything and never writes
+shared memory.
 """
 from __future__ import annotations
 

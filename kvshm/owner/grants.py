@@ -186,8 +186,12 @@ class Grants:
             entries.release(freed)
         keys, blocks = list(done), list(done.values())
         tags = tags_of(keys)  # one crc32 per key, for the table's checksums and the index
-        entries.table.write_many(blocks, L.READY, keys, -1, 0, 0, entries.tick, time.time_ns(),
-                                 tags, slot, gen)
+        # A tick per key, in order: the recency a successor rebuilds is the order the keys
+        # were published in (frames taken together included: ``coalesce.py``)
+        first, entries.tick = entries.tick, entries.tick + max(len(keys) - 1, 0)
+        uses = range(first, entries.tick + 1) if len(keys) > 1 else first
+        entries.table.write_many(blocks, L.READY, keys, -1, 0, 0, uses, time.time_ns(), tags,
+                                 slot, gen)
         if keys:
             crash_point("owner.publish.mid")
         entries.adopt_many(blocks, keys, None, rank_of, tenant=(slot, gen), tags=tags)

@@ -285,11 +285,12 @@ class BlockTable:
 
     def write_many(self, blocks: Sequence[int], state: int, keys: Sequence[bytes] | None = None,
                    writer: int = -1, writer_gen: int = 0, writer_req: int | Sequence[int] = 0,
-                   last_use: int = 0, stored_ns: int = 0,
+                   last_use: int | Sequence[int] = 0, stored_ns: int = 0,
                    tags: Sequence[int] | None = None, tenant: int = -1,
                    tenant_gen: int = 0) -> None:
         """``write`` of each of ``blocks`` (distinct ids) with its key of ``keys`` (none: empty
-        keys) and the same other fields, ``writer_req`` alone may differ per block. ``tags``:
+        keys) and the same other fields; ``writer_req`` and ``last_use`` may differ per block
+        (a sequence, one value each). ``tags``:
         the keys' crc32s, if the caller has them (``keyindex.tags_of``): their checksums
         follow from them (``entry.KEYSUM_XOR``) without a second pass over the bytes.
 
@@ -303,8 +304,9 @@ class BlockTable:
             raise ValueError(f"write_many of {n} blocks with {len(keys)} keys")
         if n < VECTOR_MIN:
             reqs = [writer_req] * n if isinstance(writer_req, int) else writer_req
+            uses = [last_use] * n if isinstance(last_use, int) else last_use
             bodies = [BODY.pack(state, len(k), writer, writer_gen, L.key_checksum(k), reqs[i],
-                                 last_use, stored_ns, 0, k, tenant + 1, b"", tenant_gen)
+                                 uses[i], stored_ns, 0, k, tenant + 1, b"", tenant_gen)
                       for i, k in enumerate(keys or [b""] * n)]
             for blk, packed in zip(blocks, bodies):
                 self._put(blk, packed)
@@ -324,13 +326,15 @@ class BlockTable:
             bkeys, sums, lens = repeat(b"", n), repeat(EMPTY_KEYSUM, n), repeat(0, n)
         req_of: Iterable[int] = repeat(writer_req, n) if isinstance(writer_req, int) else \
             writer_req
+        use_of: Iterable[int] = repeat(last_use, n) if isinstance(last_use, int) else last_use
         rows = np.frombuffer(b"".join(map(
             BODY.pack, repeat(state, n), lens, repeat(writer, n), repeat(writer_gen, n), sums,
-            req_of, repeat(last_use, n), repeat(stored_ns, n), repeat(0, n), bkeys,
+            req_of, use_of, repeat(stored_ns, n), repeat(0, n), bkeys,
             repeat(tenant + 1, n), repeat(b"", n), repeat(tenant_gen, n))),
             np.uint8).reshape(n, BODY.size)
         if len(rows) != n:
-            raise ValueError(f"write_many of {n} blocks with {len(rows)} writer_req values")
+            raise ValueError(f"write_many of {n} blocks with {len(rows)} writer_req or last_use "
+                             "values")
         b = np.asarray(blocks, np.intp)
         seqs = self.open_rounds(b)
         if crashpoints.ARMED:
