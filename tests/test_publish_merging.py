@@ -6,9 +6,11 @@ Here they queue while no owner runs at all: the client kills its owner, complete
 stores from its grant ring, and an owner started afterwards finds them all waiting.
 
 What the tests pin down: every key of the queued frames is published once, with its own
-bytes; a frame that may not join the others (a failed store) is still served, alone; and an
-owner that dies after applying merged frames, before releasing them from the ring, leaves a
-successor that publishes each key once and loses no block.
+bytes, and in ring order for a successor's rebuild; a frame that may not join the others (a
+failed store) is still served, alone; a client taking events gets every key, however many
+frames were taken together; and an owner that dies after applying merged frames, before
+releasing them from the ring, leaves a successor that publishes each key once and loses no
+block.
 """
 from __future__ import annotations
 
@@ -52,21 +54,32 @@ def pair(seg_name):
 def queue_one_key_stores(a, tag: str, outcomes: list[bool]) -> list[bytes]:
     """One one-key store per outcome, each from ``a``'s grant ring, written, then completed
     (a one-way Publish frame) while no owner runs: the frames wait in ``a``'s ring."""
+    keys = [b"%s-%d" % (tag.encode(), i) for i in range(len(outcomes))]
+    queue_stores(a, tag, [[k] for k in keys], outcomes)
+    return keys
+
+
+def queue_stores(a, tag: str, frames: list[list[bytes]], outcomes: list[bool],
+                 reverse: bool = False) -> dict[bytes, int]:
+    """Stores of ``frames`` (their keys), all from ``a``'s grant ring and written, each then
+    completed with its outcome (last frame first if ``reverse``) while no owner runs: one
+    Publish frame each waits in ``a``'s ring. Returns each key's block."""
     procs.store(a, [b"%s-warm-%d" % (tag.encode(), i) for i in range(8)])  # stock deeper
     head, _ = slots.grants(a.segment, a.slot)
-    wait_for(lambda: head["granted"] - a._own.taken >= len(outcomes),
-             "the owner to stock the grant ring")
-    keys = [b"%s-%d" % (tag.encode(), i) for i in range(len(outcomes))]
-    planes = a.segment.planes()
-    for k in keys:
-        out = a.prepare_store([k])
-        assert k in a._own.inflight  # from the grant ring: its completion is one-way
-        procs.fill(planes, out.block_ids[0], k)
+    need = sum(map(len, frames))
+    wait_for(lambda: head["granted"] - a._own.taken >= need, "the owner to stock the ring")
+    planes, blocks = a.segment.planes(), {}
+    for keys in frames:
+        out = a.prepare_store(keys)
+        assert all(k in a._own.inflight for k in keys)  # from the grant ring: one-way
+        procs.fill_all(planes, out.block_ids, out.keys_to_store)
+        blocks.update(zip(out.keys_to_store, out.block_ids))
     os.kill(a.segment.owner_record()[0], signal.SIGKILL)
     wait_for(lambda: not a.segment.owner_alive(), "the owner to die")
-    for k, ok in zip(keys, outcomes):
-        a.complete_store([k], success=ok)
-    return keys
+    order = list(zip(frames, outcomes))
+    for keys, ok in order[::-1] if reverse else order:
+        a.complete_store(keys, success=ok)
+    return blocks
 
 
 def loads_its_own_bytes(b, keys: list[bytes]) -> bool:
@@ -109,6 +122,24 @@ def test_publish_frames_queued_while_no_owner_ran_are_all_published(pair):
     settled(a, b, seg)
 
 
+
+def test_keys_of_frames_taken_together_keep_their_ring_order_for_a_successor(pair):
+    # A successor rebuilds the eviction order from the table: (last use, block). The keys
+    # of frames taken together must come back in ring order, as one frame at a time gives
+    # (here against the blocks' order: the last block taken is published first).
+    a, b, seg = pair
+    frames = [[b"order-%d" % i] for i in range(QUEUED)]
+    blocks = queue_stores(a, "order", frames, [True] * QUEUED, reverse=True)
+    owner_proc(seg.name)
+    ring = [f[0] for f in frames][::-1]
+    wait_for(lambda: loads_its_own_bytes(b, ring), "every queued key to be published")
+    t = BlockTable(seg.buf, seg.geometry)
+    try:
+        rows = {k: t.read(blocks[k]) for k in ring}
+    finally:
+        t.close()
+    assert sorted(ring, key=lambda k: (rows[k].last_use, blocks[k])) == ring
+
 def test_a_failed_store_queued_among_others_is_served_alone_and_frees_its_block(pair):
     a, b, seg = pair
     outcomes = [True, True, False, True, True, True]
@@ -129,3 +160,30 @@ def test_an_owner_dying_after_applying_merged_frames_leaves_each_key_published_o
     a.take_events()  # a round trip: a's call starts a successor, which replays the frames
     wait_for(lambda: loads_its_own_bytes(b, keys), "every queued key to be published")
     settled(a, b, seg)
+
+
+
+def test_a_client_taking_events_gets_every_key_of_frames_taken_together(seg_name):
+    # Four frames of four 64-byte keys taken together make one stored event of 16 keys,
+    # more than half of a 4 KiB ring's reply frame: it is handed out in parts, and the
+    # events after it follow.
+    a = connect(seg_name, TEST_LAYOUT, num_blocks=BLOCKS, max_clients=CLIENTS,
+                ring_capacity=4096, hold_capacity=64)
+    b = connect(seg_name, events=True)
+    seg = Segment.attach(seg_name)
+    try:
+        b.take_events()
+        keys = [(b"event-%02d-" % i).ljust(64, b"x") for i in range(16)]
+        queue_stores(a, "ev", [keys[i:i + 4] for i in range(0, 16, 4)], [True] * 4)
+        owner_proc(seg_name)
+        wait_for(lambda: loads_its_own_bytes(b, keys), "every queued key to be published")
+        procs.store(a, [b"after-0", b"after-1"])
+        got: set[bytes] = set()
+        for _ in range(20):  # each call hands out what fits one reply
+            got.update(k for e in b.take_events() if not e.removed for k in e.keys)
+        assert got >= {*keys, b"after-0", b"after-1"}, f"{len(got & set(keys))} of 16"
+    finally:
+        for m in (b, a):
+            m.shutdown()
+        stop_owner(seg.owner_record()[0] if seg.owner_alive() else 0)
+        seg.close()
