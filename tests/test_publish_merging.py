@@ -25,6 +25,7 @@ from test_exactly_once import owner_proc
 from test_shared import wait_for
 
 from kvshm.client.connect import connect
+from kvshm.index import protocol as P
 from kvshm.inspect.snapshot import verify
 from kvshm.shm import layout as L
 from kvshm.shm import slots
@@ -60,10 +61,11 @@ def queue_one_key_stores(a, tag: str, outcomes: list[bool]) -> list[bytes]:
 
 
 def queue_stores(a, tag: str, frames: list[list[bytes]], outcomes: list[bool],
-                 reverse: bool = False) -> dict[bytes, int]:
+                 reverse: bool = False, first: P.Publish | None = None) -> dict[bytes, int]:
     """Stores of ``frames`` (their keys), all from ``a``'s grant ring and written, each then
     completed with its outcome (last frame first if ``reverse``) while no owner runs: one
-    Publish frame each waits in ``a``'s ring. Returns each key's block."""
+    Publish frame each waits in ``a``'s ring, behind ``first`` if given. Returns each key's
+    block."""
     procs.store(a, [b"%s-warm-%d" % (tag.encode(), i) for i in range(8)])  # stock deeper
     head, _ = slots.grants(a.segment, a.slot)
     need = sum(map(len, frames))
@@ -76,6 +78,8 @@ def queue_stores(a, tag: str, frames: list[list[bytes]], outcomes: list[bool],
         blocks.update(zip(out.keys_to_store, out.block_ids))
     os.kill(a.segment.owner_record()[0], signal.SIGKILL)
     wait_for(lambda: not a.segment.owner_alive(), "the owner to die")
+    if first is not None:
+        a._link.push(first)
     order = list(zip(frames, outcomes))
     for keys, ok in order[::-1] if reverse else order:
         a.complete_store(keys, success=ok)
@@ -150,6 +154,18 @@ def test_a_failed_store_queued_among_others_is_served_alone_and_frees_its_block(
     assert b.lookup([keys[outcomes.index(False)]]) == 0  # never published
     settled(a, b, seg)
 
+
+
+def test_a_refused_publish_at_the_head_of_queued_frames_takes_none_of_them_along(pair):
+    # A frame whose key the owner refuses (a client bypassing its own checks) heads the
+    # queue: it is refused alone, and the frames behind it are published.
+    a, b, seg = pair
+    frames = [[b"behind-%d" % i] for i in range(QUEUED)]
+    queue_stores(a, "behind", frames, [True] * QUEUED,
+                 first=P.Publish(0, [b""], [0]))
+    owner_proc(seg.name)
+    keys = [f[0] for f in frames]
+    wait_for(lambda: loads_its_own_bytes(b, keys), "the frames behind it to be published")
 
 def test_an_owner_dying_after_applying_merged_frames_leaves_each_key_published_once(pair):
     a, b, seg = pair

@@ -38,8 +38,11 @@ MAX_KEYS = 4096  # keys merged at most: each frame's keys are applied in one bat
 
 
 def plain(m: P.Request) -> bool:
-    """Whether ``m`` is a Publish that may head a merge: one-way, no running request."""
-    return type(m) is P.Publish and not m.req and not m.request
+    """Whether ``m`` is a Publish that may be merged: one-way, no running request, and none
+    of what the Publish handler refuses (a refused frame is refused alone, never with the
+    frames merged with it)."""
+    return type(m) is P.Publish and not m.req and not m.request and \
+        len(m.keys) == len(m.blocks) and _good_keys(m.keys)
 
 
 def merge(ring: Ring, head: P.Publish, most: int) -> tuple[P.Publish, int]:
@@ -64,8 +67,7 @@ def merge(ring: Ring, head: P.Publish, most: int) -> tuple[P.Publish, int]:
             break
         finally:
             view.release()
-        if not plain(m) or m.success != head.success or m.returned or \
-                len(m.keys) != len(m.blocks) or not _good_keys(m.keys):
+        if not plain(m) or m.success != head.success or m.returned:
             break
         keys += m.keys
         blocks += m.blocks
@@ -77,8 +79,7 @@ def merge(ring: Ring, head: P.Publish, most: int) -> tuple[P.Publish, int]:
 
 
 def _good_keys(keys: list[bytes]) -> bool:
-    """Whether ``keys`` pass the Publish handler's check (a frame that fails it is refused
-    alone, never with the frames merged with it)."""
+    """Whether ``keys`` pass the Publish handler's check."""
     try:
         K.check_keys(keys)
     except KvshmError:
