@@ -22,8 +22,8 @@ index still names gets there, and ``prepare_store`` refuses that to an honest on
 
 None of the frames is released from the ring before the merged one is applied
 (``Ring.peek_after``/``include``): a successor replays what is left, harmlessly, as for one
-frame. It never decodes a frame it does not take, never executes anything and never writes
-shared memory.
+frame. It never executes anything and never writes shared memory (a frame it looked at and
+left stays in the ring, decoded again when its turn comes).
 """
 from __future__ import annotations
 
