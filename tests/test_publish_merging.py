@@ -22,6 +22,7 @@ import procs
 import pytest
 from conftest import TEST_LAYOUT, stop_owner
 from test_exactly_once import owner_proc
+from test_offers import stopped
 from test_shared import wait_for
 
 from kvshm.client.connect import connect
@@ -143,6 +144,18 @@ def test_keys_of_frames_taken_together_keep_their_ring_order_for_a_successor(pai
     finally:
         t.close()
     assert sorted(ring, key=lambda k: (rows[k].last_use, blocks[k])) == ring
+
+
+def test_each_frame_taken_together_counts_as_a_completed_store(pair):
+    a, b, seg = pair
+    keys = queue_one_key_stores(a, "counted", [True] * QUEUED)
+    before = seg.counter("stores"), seg.counter("store_blocks")
+    first = owner_proc(seg.name, "owner.publish.merged", "STOP")  # frozen once merged
+    wait_for(lambda: stopped(first.pid), "the owner to merge the frames")
+    os.kill(first.pid, signal.SIGCONT)
+    wait_for(lambda: loads_its_own_bytes(b, keys), "every queued key to be published")
+    assert (seg.counter("stores") - before[0], seg.counter("store_blocks") - before[1]) == \
+        (QUEUED, QUEUED)
 
 def test_a_failed_store_queued_among_others_is_served_alone_and_frees_its_block(pair):
     a, b, seg = pair

@@ -242,6 +242,8 @@ class Owner:
             return 1
         replies = self._execute(c, msg, replay)
         if frames > 1:
+            if msg.success:  # each frame is a completed store, as one by one
+                self.seg.counter_add("stores", frames - 1)
             crash_point("owner.publish.merged")
         crash_point("owner.request.after_execute")
         if req:
