@@ -464,3 +464,25 @@ def scribble_slot_state(name: str, conn, state: int) -> None:
                        state=state)
     conn.send({"slot": mgr.slot, "blocks": out.block_ids})
     conn.recv()  # SIGKILLed here
+
+
+def connect_and_store(name: str, conn, rounds: int) -> None:
+    """Connect (reporting the error if that fails), then store and look up ``rounds`` pairs
+    of fresh keys; report the slot taken, how many rounds were served in full and the first
+    error."""
+    from kvshm.errors import KvshmError
+    try:
+        mgr = connect(name)
+    except KvshmError as e:
+        conn.send({"error": f"{type(e).__name__}: {e}"})
+        return
+    done, error = 0, None
+    try:
+        for i in range(rounds):
+            keys = [b"newcomer-%d-%d" % (i, j) for j in range(2)]
+            done += store(mgr, keys) == keys and mgr.lookup(keys) == 2
+            mgr.release()
+    except KvshmError as e:
+        error = f"{type(e).__name__}: {e}"
+    conn.send({"slot": mgr.slot, "done": done, "error": error})
+    mgr.shutdown()

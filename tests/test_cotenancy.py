@@ -109,6 +109,47 @@ def test_a_client_holding_a_word_raised_never_wakes_the_owner_for_nothing(seg, w
         honest.shutdown()
 
 
+def test_a_client_that_marks_its_slot_free_and_dies_costs_its_slots_next_client_nothing(seg):
+    # A client that left FREE in its slot's state lets the next client claim the slot the
+    # moment it dies, before the owner noticed the death: the newcomer activates the slot
+    # (fresh rings, a cleared served record) while the owner still serves the dead client
+    # there. The owner read the newcomer's fresh ring at the dead client's positions, found
+    # it "corrupt" and quarantined the newcomer, which could never be served. A slot is now
+    # claimed only once no owner serves it (its served lock).
+    honest = connect(seg.name)
+    parent, child = CTX.Pipe()
+    bad = CTX.Process(target=procs.scribble_slot_state,
+                      args=(seg.name, child, L.SlotState.FREE), daemon=True)
+    bad.start()
+    child.close()
+    owner = seg.owner_record()[0]
+    newcomer = None
+    try:
+        parent.recv()
+        procs.store(honest, [b"before-0"])  # the owner has served the bad client by now
+        os.kill(owner, signal.SIGSTOP)  # it notices nothing from here on
+        os.kill(bad.pid, signal.SIGKILL)
+        bad.join(30)
+        told, tell = CTX.Pipe()
+        newcomer = CTX.Process(target=procs.connect_and_store, args=(seg.name, tell, 10),
+                               daemon=True)
+        newcomer.start()
+        tell.close()
+        wait_for(lambda: any(slots.record(seg, s).pid == newcomer.pid
+                             for s in range(seg.geometry.max_clients)),
+                 "the newcomer to take a slot (the dead client's is the first FREE one)")
+        os.kill(owner, signal.SIGCONT)
+        got = told.recv()
+        assert got.get("error") is None and got.get("done") == 10, got
+        assert _honest_ops(honest) == HONEST_OPS
+    finally:
+        os.kill(owner, signal.SIGCONT)
+        for p in (bad, newcomer):
+            if p is not None and p.is_alive():
+                p.kill()
+        honest.shutdown()
+
+
 @pytest.mark.parametrize("state", [0xFFFFFFFF, 7, 1])
 def test_a_dead_clients_slot_comes_back_whatever_state_it_left_in_it(seg, state):
     # The slot state is a word its client writes: a client that left garbage there and died

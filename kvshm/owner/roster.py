@@ -81,6 +81,7 @@ class Roster:
             except SegmentNotFoundError:  # removed: no client has a future here
                 self.removed = True
                 return
+            locks.try_lock(self.seg.fd, L.LOCK_SERVED_BASE + slot)  # nobody claims it now
             if c.quarantined:
                 self.quarantine(c, c.why)
             # a client a predecessor stocked keeps being stocked (not one leaving);
@@ -159,10 +160,12 @@ class Roster:
         ctr[:] = 0  # folded once, whoever retires it again
 
     def drop(self, slot: int) -> None:
-        """Stop serving ``slot`` (it left, or died): close our views of it."""
+        """Stop serving ``slot`` (it left, or died): close our views of it, then let the slot
+        be claimed again (once it is FREE)."""
         c = self.clients.pop(slot, None)
         if c is not None:
             c.close()
+            locks.unlock(self.seg.fd, L.LOCK_SERVED_BASE + slot)
         self.last_client = time.monotonic()
 
     def reclaim(self, manager: LocalManager, slot: int, gen: int) -> None:
@@ -179,6 +182,5 @@ class Roster:
         log.info("reclaimed client slot %d gen %d: %d unfinished stores freed", slot, gen, freed)
 
     def close(self) -> None:
-        for c in self.clients.values():
-            c.close()
-        self.clients.clear()
+        for slot in list(self.clients):
+            self.drop(slot)

@@ -108,6 +108,10 @@ LOCK_CLIENT_BASE = 64
 # + record: held by a registered writer (kvshm.shm.writers). Past the client slots' bytes
 # (LOCK_CLIENT_BASE + slot) and the job-channel workers' (LOCK_CLIENT_BASE + 1024 + slot).
 LOCK_WRITER_BASE = LOCK_CLIENT_BASE + 2048
+# + slot: held by the owner while it serves a client in that slot (past the writers' bytes,
+# at most 8 per slot of 1024). A slot is claimed only while nobody holds it: a client that
+# left FREE in its state and died cannot hand its slot on before the owner let go of it.
+LOCK_SERVED_BASE = LOCK_WRITER_BASE + 8 * 1024
 
 # --- header ------------------------------------------------------------------------------
 # The records' fields (names, types, offsets, who writes what) are records.py's; layout

@@ -37,10 +37,11 @@ def record(seg: Segment, slot: int) -> SlotRecord:
 
 def claim(seg: Segment, wait_for_reclaim: Callable[[], object] | None = None,
           timeout: float = 5.0) -> tuple[int, int]:
-    """Lock a FREE slot and return (slot, next generation).
+    """Lock a FREE slot that no owner serves and return (slot, next generation).
 
-    Dead clients' slots are not FREE until reclaimed; ``wait_for_reclaim`` is called (e.g.
-    to make sure an owner runs) between attempts while such slots exist.
+    Dead clients' slots are not FREE until reclaimed, nor one whose owner still serves its
+    last client (``LOCK_SERVED_BASE``); ``wait_for_reclaim`` is called (e.g. to make sure an
+    owner runs) between attempts while such slots exist.
     """
     g, fd = seg.geometry, seg.fd
     deadline = time.monotonic() + timeout
@@ -50,7 +51,8 @@ def claim(seg: Segment, wait_for_reclaim: Callable[[], object] | None = None,
             if not locks.try_lock(fd, L.LOCK_CLIENT_BASE + slot):
                 continue
             rec = record(seg, slot)
-            if rec.state == SlotState.FREE:
+            # FREE is the client's word: a slot is ours only once no owner serves it either
+            if rec.state == SlotState.FREE and not locks.is_held(fd, L.LOCK_SERVED_BASE + slot):
                 return slot, next_gen(rec.gen)
             locks.unlock(fd, L.LOCK_CLIENT_BASE + slot)
             dirty = True
