@@ -150,6 +150,41 @@ def test_a_client_that_marks_its_slot_free_and_dies_costs_its_slots_next_client_
         honest.shutdown()
 
 
+def test_a_job_channel_never_takes_a_slot_the_owner_still_serves(seg):
+    # The same race with a scheduler's job channel as the newcomer: it took the dead
+    # client's slot, and the owner, still serving the dead client there, read the channel's
+    # fresh rings as that client's and quarantined the slot (an error counted for nothing).
+    from kvshm.engine.channel import SchedulerChannel
+    honest = connect(seg.name)
+    parent, child = CTX.Pipe()
+    bad = CTX.Process(target=procs.scribble_slot_state,
+                      args=(seg.name, child, L.SlotState.FREE), daemon=True)
+    bad.start()
+    child.close()
+    owner = seg.owner_record()[0]
+    chan = None
+    try:
+        slot = parent.recv()["slot"]
+        procs.store(honest, [b"before-0"])
+        errors, reclaimed = seg.counter("errors"), seg.counter("reclaimed_clients")
+        os.kill(owner, signal.SIGSTOP)
+        os.kill(bad.pid, signal.SIGKILL)
+        bad.join(30)
+        chan = SchedulerChannel(seg.name)
+        os.kill(owner, signal.SIGCONT)
+        wait_for(lambda: seg.counter("reclaimed_clients") > reclaimed,
+                 "the owner to reclaim the dead client")
+        assert _honest_ops(honest) == HONEST_OPS
+        assert (chan.slot == slot, seg.counter("errors")) == (False, errors)
+    finally:
+        os.kill(owner, signal.SIGCONT)
+        if bad.is_alive():
+            bad.kill()
+        if chan is not None:
+            chan.close()
+        honest.shutdown()
+
+
 @pytest.mark.parametrize("state", [0xFFFFFFFF, 7, 1])
 def test_a_dead_clients_slot_comes_back_whatever_state_it_left_in_it(seg, state):
     # The slot state is a word its client writes: a client that left garbage there and died

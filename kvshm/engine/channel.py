@@ -134,12 +134,14 @@ class SchedulerChannel:
 
     def _claim(self, timeout: float) -> tuple[int, int]:
         """``slots.claim``, but skipping slots whose previous worker still holds on: it may
-        still be draining completions into that slot's rings."""
+        still be draining completions into that slot's rings (and, as ``slots.claim``, slots
+        an owner still serves)."""
         g, fd = self.seg.geometry, self.seg.fd
         deadline = time.monotonic() + timeout
         while True:
             for slot in range(g.max_clients):
                 if locks.is_held(fd, WORKER_LOCK_BASE + slot) or \
+                        locks.is_held(fd, L.LOCK_SERVED_BASE + slot) or \
                         not locks.try_lock(fd, L.LOCK_CLIENT_BASE + slot):
                     continue
                 rec = slots.record(self.seg, slot)
