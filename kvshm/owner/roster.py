@@ -73,15 +73,22 @@ class Roster:
         for slot in range(self.seg.geometry.max_clients):
             if slot in self.clients:
                 continue
+            if slots.record(self.seg, slot).state not in SERVED:
+                continue
+            # Hold the slot before reading it for good: once the lock is ours nobody can
+            # claim it, so the record read now is the client we serve until we drop it
+            if not locks.try_lock(self.seg.fd, L.LOCK_SERVED_BASE + slot):
+                continue  # (a closing predecessor still lets go of it: next time)
             rec = slots.record(self.seg, slot)
             if rec.state not in SERVED or not self.writer_alive(slot, rec.gen):
+                locks.unlock(self.seg.fd, L.LOCK_SERVED_BASE + slot)
                 continue
             try:
                 c = self.clients[slot] = Client(self.seg, slot, rec.gen, bool(rec.events))
             except SegmentNotFoundError:  # removed: no client has a future here
+                locks.unlock(self.seg.fd, L.LOCK_SERVED_BASE + slot)
                 self.removed = True
                 return
-            locks.try_lock(self.seg.fd, L.LOCK_SERVED_BASE + slot)  # nobody claims it now
             if c.quarantined:
                 self.quarantine(c, c.why)
             # a client a predecessor stocked keeps being stocked (not one leaving);

@@ -331,10 +331,11 @@ class Owner:
         return True
 
     def _goodbye(self, c: Client, m: P.Bye) -> None:
-        """Free the client's unfinished stores, answer, forget it and free its slot — in
+        """Free the client's unfinished stores, answer, free its slot and forget it — in
         that order. Recorded like any request, so a successor finishes a goodbye its
-        predecessor died in. The slot is cleared last: while the record says CLIENT nobody
-        may claim it, so the reply cannot land in a newcomer's freshly formatted ring. It
+        predecessor died in. The slot is let go of last: while we hold its served lock
+        nobody may claim it, so neither the reply nor the clearing can land in a
+        newcomer's freshly activated slot, whatever the client wrote in its state. It
         is marked LEAVING first: a copy worker that registers from then on sees the client's
         generation dead and copies nothing, so the registry read by ``reclaim_writer``
         cannot miss a worker about to copy (the same order as for a death)."""
@@ -343,8 +344,8 @@ class Owner:
         crash_point("owner.goodbye.mid")
         self.roster.retire_counters(c.slot)
         self._answer(c, m.req, [P.Ok(m.req, self.epoch)])  # if it does not fit, the client
-        self.roster.drop(c.slot)                           # times out and goes all the same
-        slots.clear(self.seg, c.slot, c.gen)
+        slots.clear(self.seg, c.slot, c.gen)               # times out and goes all the same
+        self.roster.drop(c.slot)  # only now may a newcomer claim it (its served lock)
 
     def run(self) -> None:
         next_scan = 0.0
@@ -382,8 +383,8 @@ class Owner:
         self._running = False
 
     def close(self) -> None:
+        self.roster.close()  # (its slots' served locks go before a successor can start)
         self.manager.shutdown()
-        self.roster.close()
         self.bell.close()
         self._newcomer.release()
         self.seg.close()
