@@ -13,7 +13,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 
 import pytest
 
@@ -21,7 +20,7 @@ from kvshm.shm import layout as L
 from kvshm.index import protocol as P
 from kvshm.shm import slots
 from kvshm.client.connect import connect
-from kvshm.errors import ReplyTimeoutError
+from kvshm.errors import ClientSlotsExhaustedError, ReplyTimeoutError
 from kvshm.shm.segment import Segment
 from kvshm.shm.table import BlockTable
 from kvshm.owner.stocking import grant_target
@@ -240,8 +239,9 @@ runpy.run_module("kvshm.owner", run_name="__main__")
 
 
 def test_a_slot_freed_late_never_clears_what_its_next_client_stored(seg_name):
-    """The owner frees a departed client's slot; a newcomer may claim it the moment it reads
-    FREE. An owner stalled after that store must have nothing of the slot left to clear."""
+    """The owner frees a departed client's slot, then lets go of it (its served lock): only
+    then may a newcomer claim it. An owner stalled right after it stored FREE keeps the slot
+    unclaimable, and has nothing of it left to clear when it goes on."""
     seg = Segment.create(seg_name, TEST_LAYOUT, 8, max_clients=1)
     owner = subprocess.Popen([sys.executable, "-c", _OWNER_STOPPING_AT_FREE, seg_name],
                              stdin=subprocess.DEVNULL)
@@ -249,15 +249,14 @@ def test_a_slot_freed_late_never_clears_what_its_next_client_stored(seg_name):
         wait_for(lambda: seg.owner_record()[0] == owner.pid, "the owner")
         connect(seg_name).shutdown()  # its goodbye: the owner frees the slot, then stops
         wait_for(lambda: procs._proc_state(owner.pid) == "T", "the owner stopped")
-        got: list = []  # the newcomer claims the one slot, FREE now, and waits for hello
-        t = threading.Thread(target=lambda: got.append(connect(seg_name, events=True)))
-        t.start()
-        wait_for(lambda: slots.record(seg, 0).state == L.SlotState.CLIENT, "the newcomer")
-        os.kill(owner.pid, signal.SIGCONT)  # the owner goes on with the goodbye, then hello
-        t.join(60)
+        assert slots.record(seg, 0).state == L.SlotState.FREE
+        with pytest.raises(ClientSlotsExhaustedError):
+            slots.claim(seg)  # FREE, but the owner has not let go of it yet
+        os.kill(owner.pid, signal.SIGCONT)  # the owner goes on with the goodbye
+        newcomer = connect(seg_name, events=True)
         rec = slots.record(seg, 0)
-        assert got and (rec.pid, rec.events) == (os.getpid(), 1)
-        got[0].shutdown()
+        assert (rec.pid, rec.events) == (os.getpid(), 1)
+        newcomer.shutdown()
     finally:
         os.kill(owner.pid, signal.SIGCONT)
         stop_owner(owner.pid)
