@@ -7,9 +7,11 @@ Honest clients make a fixed number of calls that must all succeed; no timing thr
 """
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import signal
+from collections.abc import Iterator
 
 import pytest
 
@@ -109,6 +111,30 @@ def test_a_client_holding_a_word_raised_never_wakes_the_owner_for_nothing(seg, w
         honest.shutdown()
 
 
+@contextlib.contextmanager
+def a_client_dead_in_a_slot_it_marked_free(seg, honest) -> Iterator[tuple[int, int]]:
+    """A client that left FREE in its slot's state, killed while the owner is frozen (so the
+    owner still serves it there): yields its slot and the frozen owner's pid, and thaws the
+    owner on the way out."""
+    parent, child = CTX.Pipe()
+    bad = CTX.Process(target=procs.scribble_slot_state,
+                      args=(seg.name, child, L.SlotState.FREE), daemon=True)
+    bad.start()
+    child.close()
+    owner = seg.owner_record()[0]
+    try:
+        slot = parent.recv()["slot"]
+        procs.store(honest, [b"before-0"])  # the owner has served the bad client by now
+        os.kill(owner, signal.SIGSTOP)  # it notices nothing from here on
+        os.kill(bad.pid, signal.SIGKILL)
+        bad.join(30)
+        yield slot, owner
+    finally:
+        os.kill(owner, signal.SIGCONT)
+        if bad.is_alive():
+            bad.kill()
+
+
 def test_a_client_that_marks_its_slot_free_and_dies_costs_its_slots_next_client_nothing(seg):
     # A client that left FREE in its slot's state lets the next client claim the slot the
     # moment it dies, before the owner noticed the death: the newcomer activates the slot
@@ -117,36 +143,24 @@ def test_a_client_that_marks_its_slot_free_and_dies_costs_its_slots_next_client_
     # it "corrupt" and quarantined the newcomer, which could never be served. A slot is now
     # claimed only once no owner serves it (its served lock).
     honest = connect(seg.name)
-    parent, child = CTX.Pipe()
-    bad = CTX.Process(target=procs.scribble_slot_state,
-                      args=(seg.name, child, L.SlotState.FREE), daemon=True)
-    bad.start()
-    child.close()
-    owner = seg.owner_record()[0]
     newcomer = None
     try:
-        parent.recv()
-        procs.store(honest, [b"before-0"])  # the owner has served the bad client by now
-        os.kill(owner, signal.SIGSTOP)  # it notices nothing from here on
-        os.kill(bad.pid, signal.SIGKILL)
-        bad.join(30)
-        told, tell = CTX.Pipe()
-        newcomer = CTX.Process(target=procs.connect_and_store, args=(seg.name, tell, 10),
-                               daemon=True)
-        newcomer.start()
-        tell.close()
-        wait_for(lambda: any(slots.record(seg, s).pid == newcomer.pid
-                             for s in range(seg.geometry.max_clients)),
-                 "the newcomer to take a slot (the dead client's is the first FREE one)")
-        os.kill(owner, signal.SIGCONT)
-        got = told.recv()
+        with a_client_dead_in_a_slot_it_marked_free(seg, honest) as (_, owner):
+            told, tell = CTX.Pipe()
+            newcomer = CTX.Process(target=procs.connect_and_store,
+                                   args=(seg.name, tell, 10), daemon=True)
+            newcomer.start()
+            tell.close()
+            wait_for(lambda: any(slots.record(seg, s).pid == newcomer.pid
+                                 for s in range(seg.geometry.max_clients)),
+                     "the newcomer to take a slot (the dead client's is the first FREE one)")
+            os.kill(owner, signal.SIGCONT)
+            got = told.recv()
         assert got.get("error") is None and got.get("done") == 10, got
         assert _honest_ops(honest) == HONEST_OPS
     finally:
-        os.kill(owner, signal.SIGCONT)
-        for p in (bad, newcomer):
-            if p is not None and p.is_alive():
-                p.kill()
+        if newcomer is not None and newcomer.is_alive():
+            newcomer.kill()
         honest.shutdown()
 
 
@@ -156,30 +170,17 @@ def test_a_job_channel_never_takes_a_slot_the_owner_still_serves(seg):
     # fresh rings as that client's and quarantined the slot (an error counted for nothing).
     from kvshm.engine.channel import SchedulerChannel
     honest = connect(seg.name)
-    parent, child = CTX.Pipe()
-    bad = CTX.Process(target=procs.scribble_slot_state,
-                      args=(seg.name, child, L.SlotState.FREE), daemon=True)
-    bad.start()
-    child.close()
-    owner = seg.owner_record()[0]
     chan = None
     try:
-        slot = parent.recv()["slot"]
-        procs.store(honest, [b"before-0"])
         errors, reclaimed = seg.counter("errors"), seg.counter("reclaimed_clients")
-        os.kill(owner, signal.SIGSTOP)
-        os.kill(bad.pid, signal.SIGKILL)
-        bad.join(30)
-        chan = SchedulerChannel(seg.name)
-        os.kill(owner, signal.SIGCONT)
-        wait_for(lambda: seg.counter("reclaimed_clients") > reclaimed,
-                 "the owner to reclaim the dead client")
+        with a_client_dead_in_a_slot_it_marked_free(seg, honest) as (slot, owner):
+            chan = SchedulerChannel(seg.name)
+            os.kill(owner, signal.SIGCONT)
+            wait_for(lambda: seg.counter("reclaimed_clients") > reclaimed,
+                     "the owner to reclaim the dead client")
         assert _honest_ops(honest) == HONEST_OPS
         assert (chan.slot == slot, seg.counter("errors")) == (False, errors)
     finally:
-        os.kill(owner, signal.SIGCONT)
-        if bad.is_alive():
-            bad.kill()
         if chan is not None:
             chan.close()
         honest.shutdown()
