@@ -188,8 +188,8 @@ class Grants:
         tags = tags_of(keys)  # one crc32 per key, for the table's checksums and the index
         # A tick per key, in order: the recency a successor rebuilds is the order the keys
         # were published in (frames taken together included: ``coalesce.py``)
-        first, entries.tick = entries.tick, entries.tick + max(len(keys) - 1, 0)
-        uses = range(first, entries.tick + 1) if len(keys) > 1 else first
+        uses = range(entries.tick, entries.tick + len(keys))
+        entries.tick += max(len(keys) - 1, 0)  # (the last key's)
         entries.table.write_many(blocks, L.READY, keys, -1, 0, 0, uses, time.time_ns(), tags,
                                  slot, gen)
         if keys:
