@@ -216,3 +216,25 @@ def test_a_client_taking_events_gets_every_key_of_frames_taken_together(seg_name
             m.shutdown()
         stop_owner(seg.owner_record()[0] if seg.owner_alive() else 0)
         seg.close()
+
+
+@pytest.mark.unit
+def test_frames_taken_together_stay_within_what_the_pass_grants_the_client():
+    # A client that floods one-key Publish frames gets no more of a pass than its share:
+    # the merge takes at most ``most`` frames (the owner passes what the pass has left).
+    import mmap
+
+    from kvshm.owner import coalesce
+    from kvshm.shm.ring import Ring
+    mm = mmap.mmap(-1, Ring.region_size(1 << 16))
+    Ring.format(memoryview(mm), 1 << 16)
+    ring = Ring(memoryview(mm))
+    for i in range(100):
+        assert ring.try_put(P.request_encoder.encode(P.Publish(0, [b"flood-%d" % i], [i])))
+    head = P.request_decoder.decode(ring.peek())
+    merged, frames = coalesce.merge(ring, head, 64)
+    assert (frames, merged.keys) == (64, [b"flood-%d" % i for i in range(64)])
+    ring.advance()
+    assert P.request_decoder.decode(ring.peek()).keys == [b"flood-64"]  # the rest wait
+    del ring
+    mm.close()
