@@ -64,3 +64,48 @@ def test_probe_host_reads_without_cupy_says_what_it_needs_and_exits_2():
     assert p.returncode == 2
     assert p.stdout == ""
     assert p.stderr.strip() == "probe_host_reads needs CuPy and a CUDA GPU"
+
+
+def _bench_transfer():
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import bench_transfer
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+    return bench_transfer
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("k", [1, 2, 3, 7])
+@pytest.mark.parametrize("rounds", [1, 2])
+def test_bench_transfer_runs_every_column_after_every_other_equally_often(k, rounds):
+    from collections import Counter
+    seq = _bench_transfer().column_sequence(k, rounds)
+    assert seq[0] == seq[-1] == 0  # the warm-up ends with column 0: the head's predecessor
+    follows = Counter(zip(seq, seq[1:]))
+    want = {(a, b) for a in range(k) for b in range(k) if a != b} or {(0, 0)}
+    assert set(follows) == want and set(follows.values()) == {rounds}
+
+
+@pytest.mark.unit
+def test_bench_transfer_times_every_column_at_least_reps_times_after_each_predecessor():
+    from collections import Counter
+    calls: list[str] = []
+    fns = {n: (lambda n=n: calls.append(n)) for n in ("a", "b", "c", "d")}
+    rates = _bench_transfer().run_interleaved(fns, reps=5, total=1)
+    assert set(rates) == set(fns)
+    warm, timed = calls[:4], calls[4:]
+    assert warm[-1] == "a" and sorted(warm) == sorted(fns)
+    # 5 reps over 3 predecessors: two rounds, 6 timings each, twice after each other column
+    assert Counter(timed) == {n: 6 for n in fns}
+    pairs = Counter(zip(calls[3:], calls[4:]))
+    assert all(pairs[(x, y)] == 2 for x in fns for y in fns if x != y)
+
+
+def test_bench_transfer_cpu_prints_every_column_as_json():
+    r = tool("bench_transfer.py", "--device", "cpu", "--sizes", "16K", "--blocks", "64",
+             "--reps", "2", "--budget", "0.05")
+    (row,) = r["results"]
+    for kind in ("store", "load"):
+        assert {"kvshm", "contiguous", "loop"} <= set(row[kind])
+        assert all(v > 0 for v in row[kind].values())

@@ -3,11 +3,13 @@
 
 For every block size, one job of N blocks (default 1,000, shuffled ids on both sides: the worst
 case, nothing coalesces) is stored (device -> segment plane) and loaded back. In the same run,
-interleaved rep by rep so that machine noise hits every column alike, it times the columns
-below. Each rep runs them in another order (``column_order``, rows of a balanced Latin square),
-so no column is always first or always runs right after the same column (the naive loop, say,
-whose thousands of small copies leave the host and the GPU in another state than one job
-does); every column, kvshm's included, gets the same treatment.
+interleaved so that machine noise hits every column alike, it times the columns below, in the
+order ``column_sequence`` gives: every column runs right after every other column equally often
+(once per round; a round times each column k-1 times for k columns, and --reps sets how many
+rounds: enough for at least that many timings). What ran just before matters: after the naive
+loop, whose thousands of small copies evict the host's caches, a job's host work can take
+several times longer, and a column with more host work pays more; so every column, kvshm's
+included, gets the same predecessors.
 
   kvshm       the transfer handler (transfer_async + wait)
   contiguous  ONE plain copy of the same number of bytes: the practical limit
@@ -72,43 +74,50 @@ def cpu_model() -> str:
         return platform.processor() or "unknown"
 
 
-def column_order(k: int, rep: int) -> list[int]:
-    """The order in which rep ``rep`` runs ``k`` columns: row ``rep`` of a balanced Latin
-    square (Williams): ``0, 1, k-1, 2, k-2, ...`` shifted by ``rep``, reversed in every other
-    block of ``k`` reps when ``k`` is odd. Over ``k`` reps each column runs once in each
-    position, and no column follows the same column more than twice (once when ``k`` is
-    even). A plain rotation would not do: it keeps every column's successor, so whichever
-    column follows the naive loop in one rep would follow it in nearly every rep."""
-    base, lo, hi = [0], 1, k - 1
-    while len(base) < k:
-        base.append(lo)
-        lo += 1
-        if len(base) < k:
-            base.append(hi)
-            hi -= 1
-    row = [(b + rep) % k for b in base]
-    return row[::-1] if k % 2 and (rep // k) % 2 else row
+def column_sequence(k: int, rounds: int = 1) -> list[int]:
+    """The order in which ``k`` columns run: ``rounds * k * (k - 1) + 1`` indices, starting and
+    ending with column 0, in which every ordered pair of two different columns follows each
+    other exactly ``rounds`` times (an Eulerian circuit of the complete directed graph). The
+    first entry is run untimed (it only sets the predecessor of the second); each column is
+    then timed ``rounds * (k - 1)`` times, once after each other column per round.
+    A Latin square would not do with fewer reps than its rows: with 7 columns and 5 reps, the
+    first column followed the heavy DMA columns in 4 of its 5 timings and another column in 2.
+    """
+    if k == 1:
+        return [0] * (rounds + 1)
+    # successors still to visit, per column; popping from the end visits b = a+1, a+2, ...
+    # first, which spreads the heavy columns out
+    todo = {a: [b % k for b in range(a + k - 1, a, -1)] * rounds for a in range(k)}
+    stack, circuit = [0], []
+    while stack:  # Hierholzer
+        v = stack[-1]
+        if todo[v]:
+            stack.append(todo[v].pop())
+        else:
+            circuit.append(stack.pop())
+    return circuit[::-1]
 
 
 def run_interleaved(fns: dict[str, Callable[[], int | None]], reps: int,
                     total: int) -> dict[str, float]:
-    """GB/s of every fn, median over ``reps`` runs after one warm-up each; every rep runs each
-    fn once, in ``column_order``.
+    """GB/s of every fn, median over its timed runs after one warm-up each; runs follow
+    ``column_sequence`` with enough rounds for at least ``reps`` timings per fn.
 
     A fn returns the bytes it moved, or None for all ``total`` bytes (the time-capped loop
     returns how far it got, so its figure is a rate over the blocks it did copy).
     """
-    for fn in fns.values():
-        fn()
-    rates: dict[str, list[float]] = {k: [] for k in fns}
     names = list(fns)
-    for rep in range(reps):
-        for i in column_order(len(names), rep):
-            name, fn = names[i], fns[names[i]]
-            t0 = time.perf_counter()
-            moved = fn()
-            rates[name].append((total if moved is None else moved) / (time.perf_counter() - t0))
-    return {k: statistics.median(v) / 1e9 for k, v in rates.items()}
+    k = len(names)
+    seq = column_sequence(k, max(1, -(-reps // max(1, k - 1))))
+    for name in names[1:] + names[:1]:  # warm-up; the sequence's untimed head runs last
+        fns[name]()
+    rates: dict[str, list[float]] = {n: [] for n in names}
+    for i in seq[1:]:
+        name, fn = names[i], fns[names[i]]
+        t0 = time.perf_counter()
+        moved = fn()
+        rates[name].append((total if moved is None else moved) / (time.perf_counter() - t0))
+    return {n: statistics.median(v) / 1e9 for n, v in rates.items()}
 
 
 def naive_loop(pairs: list[tuple[int, int]], src, dst, budget_s: float, page: int,
@@ -280,8 +289,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--blocks", type=int, default=1000,
                     help="blocks per job; memory used is 2 x blocks x size (default: %(default)s)")
     ap.add_argument("--reps", type=int, default=5,
-                    help="timed repetitions per column; the median is reported "
-                         "(default: %(default)s)")
+                    help="at least this many timed runs per column, in whole rounds (a round "
+                         "times each of k columns k-1 times, once after each other column); "
+                         "the median is reported (default: %(default)s)")
     ap.add_argument("--ids", choices=("shuffled", "sequential"), default="shuffled",
                     help="shuffled = worst case, no run coalesces; sequential = one run per job")
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
@@ -312,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
                     "blocks": args.blocks, "ids": args.ids, "reps": args.reps,
                     "threads": args.threads, "copier": args.copier,
                     "checksums": args.checksums, "results": [],
-                    "column_order": "a balanced Latin square row per rep (column_order)"}
+                    "column_order": "every column after every other equally often (column_sequence)"}
     if want_cuda:
         report["gpu"] = torch.cuda.get_device_name()
         report["cuda"] = torch.version.cuda
