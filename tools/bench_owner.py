@@ -29,6 +29,8 @@ scheduler can be and the owner is the bottleneck. The cache (--blocks, 65536) is
 and then evicts (the owner offers victims to the clients' grant rings) for the whole run.
 --protected F (0) first has one more client, with a quota of F of the cache, store that
 many keys: the oldest blocks, which no other client's store may evict (quotas).
+--running R (0) has each store name one of R running requests in turn, its keys at the
+request's next token positions, as vLLM 0.33's connector does (provisional LRU ranks).
 
 Reported, over --seconds (5) after a 1-second warm-up:
   keys_per_s            stored keys per wall-clock second, all clients together
@@ -46,13 +48,15 @@ keys_per_s says more about the host than about the owner; keys_per_owner_cpu_s d
 KEY_BYTES = 36
 
 
-def _client(name: str, idx: int, batch: int, ready: Any, go: Any, count_from: Any, stop: Any,
-            out: Any) -> None:
+def _client(name: str, idx: int, batch: int, running: int, ready: Any, go: Any,
+            count_from: Any, stop: Any, out: Any) -> None:
     """Connect and say ``ready``; once told to ``go``, store fresh keys until ``stop``; count
     the keys and this process's CPU time from the monotonic time ``count_from`` on (the
     warm-up before it is not counted)."""
     import kvshm
+    from kvshm.index.api import Running
     mgr = kvshm.connect(name)
+    tokens = [0] * running  # each running request's next token position
     prefix = f"{idx:04d}{uuid.uuid4().hex[:8]}".encode()
     n = stored = t0 = 0
     counting = False
@@ -64,10 +68,15 @@ def _client(name: str, idx: int, batch: int, ready: Any, go: Any, count_from: An
             if not counting and time.monotonic() >= count_from:
                 counting, stored, t0 = True, 0, time.process_time_ns()
             keys = [(prefix + b"%020d" % (n + i)).ljust(KEY_BYTES, b".") for i in range(batch)]
+            run = None
+            if running:
+                r = (n // batch) % running
+                run = Running(r + 1, {k: tokens[r] + 16 * i for i, k in enumerate(keys)})
+                tokens[r] += 16 * batch
             n += batch
-            got = mgr.prepare_store(keys)
+            got = mgr.prepare_store(keys, running=run)
             if got is not None:
-                mgr.complete_store(got.keys_to_store)
+                mgr.complete_store(got.keys_to_store, running=run)
                 stored += len(got.keys_to_store)
         out.put((idx, stored, time.process_time_ns() - t0, time.monotonic() - count_from))
     finally:
@@ -89,8 +98,8 @@ def _protect(name: str, fraction: float) -> Any:
     return mgr
 
 
-def run(clients: int, blocks: int, batch: int, seconds: float, protected: float = 0.0
-        ) -> dict[str, Any]:
+def run(clients: int, blocks: int, batch: int, seconds: float, protected: float = 0.0,
+        running: int = 0) -> dict[str, Any]:
     import kvshm
     from kvshm.shm.layout import Layout
     name = f"bowner{os.getpid()}x{uuid.uuid4().hex[:8]}"
@@ -102,7 +111,8 @@ def run(clients: int, blocks: int, batch: int, seconds: float, protected: float 
     ctx = mp.get_context("spawn")
     stop, out, ready, go = ctx.Event(), ctx.Queue(), ctx.Queue(), ctx.Event()
     start_at = ctx.Value("d", 0.0)  # when counting starts: set once every client is connected
-    kids = [ctx.Process(target=_client, args=(name, i, batch, ready, go, start_at, stop, out))
+    kids = [ctx.Process(target=_client, args=(name, i, batch, running, ready, go, start_at, stop,
+                                                     out))
             for i in range(clients)]
     try:
         for p in kids:
@@ -137,6 +147,7 @@ def run(clients: int, blocks: int, batch: int, seconds: float, protected: float 
     keys_in_window = sum(r[1] / r[3] for r in res if r[3] > 0) * wall
     owner_cpu = (c1 - c0) / 1e9
     return {"clients": clients, "blocks": blocks, "batch": batch, "protected": protected,
+            "running": running,
             "seconds": round(wall, 2),
             "keys_per_s": round(keys_in_window / wall),
             "owner_cpu_s": round(owner_cpu, 3),
@@ -158,17 +169,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--protected", type=float, default=0.0,
                     help="fraction of the cache a quota protects (default 0: no quotas)")
+    ap.add_argument("--running", type=int, default=0,
+                    help="running requests each client's stores name in turn (default 0: "
+                         "none)")
     ap.add_argument("--json", action="store_true", help="print ONE JSON object")
     a = ap.parse_args(argv)
     counts = [int(c) for c in a.clients.split(",") if c]
     if not counts or min(counts) < 1 or a.blocks < 64 or a.batch < 1 or a.seconds <= 0:
         ap.error("--clients, --blocks (>= 64), --batch and --seconds must be positive")
+    if a.running < 0:
+        ap.error("--running must be >= 0")
     if not 0.0 <= a.protected < 1.0:
         ap.error("--protected must be in [0, 1)")
     report: dict[str, Any] = {"tool": "bench_owner", "cpus": os.cpu_count(),
                               "load_start": loadavg(), "runs": []}
     for n in counts:
-        report["runs"].append(run(n, a.blocks, a.batch, a.seconds, a.protected))
+        report["runs"].append(run(n, a.blocks, a.batch, a.seconds, a.protected,
+                                  a.running))
     report["load_end"] = loadavg()
     if a.json:
         print(json.dumps(report))
