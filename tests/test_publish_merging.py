@@ -27,6 +27,7 @@ from test_shared import wait_for
 
 from kvshm.client.connect import connect
 from kvshm.index import protocol as P
+from kvshm.index.api import Running
 from kvshm.inspect.snapshot import verify
 from kvshm.shm import layout as L
 from kvshm.shm import slots
@@ -62,11 +63,12 @@ def queue_one_key_stores(a, tag: str, outcomes: list[bool]) -> list[bytes]:
 
 
 def queue_stores(a, tag: str, frames: list[list[bytes]], outcomes: list[bool],
-                 reverse: bool = False, first: P.Publish | None = None) -> dict[bytes, int]:
+                 reverse: bool = False, first: P.Publish | None = None,
+                 running: list[Running] | None = None) -> dict[bytes, int]:
     """Stores of ``frames`` (their keys), all from ``a``'s grant ring and written, each then
-    completed with its outcome (last frame first if ``reverse``) while no owner runs: one
-    Publish frame each waits in ``a``'s ring, behind ``first`` if given. Returns each key's
-    block."""
+    completed with its outcome (last frame first if ``reverse``; naming its ``running``
+    request, if given) while no owner runs: one Publish frame each waits in ``a``'s ring,
+    behind ``first`` if given. Returns each key's block."""
     procs.store(a, [b"%s-warm-%d" % (tag.encode(), i) for i in range(8)])  # stock deeper
     head, _ = slots.grants(a.segment, a.slot)
     need = sum(map(len, frames))
@@ -81,9 +83,9 @@ def queue_stores(a, tag: str, frames: list[list[bytes]], outcomes: list[bool],
     wait_for(lambda: not a.segment.owner_alive(), "the owner to die")
     if first is not None:
         a._link.push(first)
-    order = list(zip(frames, outcomes))
-    for keys, ok in order[::-1] if reverse else order:
-        a.complete_store(keys, success=ok)
+    order = list(zip(frames, outcomes, running or [None] * len(frames)))
+    for keys, ok, run in order[::-1] if reverse else order:
+        a.complete_store(keys, success=ok, running=run)
     return blocks
 
 
@@ -156,6 +158,21 @@ def test_each_frame_taken_together_counts_as_a_completed_store(pair):
     wait_for(lambda: loads_its_own_bytes(b, keys), "every queued key to be published")
     assert (seg.counter("stores") - before[0], seg.counter("store_blocks") - before[1]) == \
         (QUEUED, QUEUED)
+
+def test_frames_naming_running_requests_are_taken_together_and_all_published(pair):
+    # vLLM 0.33 names the running request of every store: a decode step's frames each carry
+    # one, and they still queue behind a busy owner. (Their ranks, frame by frame, are
+    # pinned down in test_running_ranks.py.)
+    a, b, seg = pair
+    keys = [b"running-%d" % i for i in range(QUEUED)]
+    queue_stores(a, "running", [[k] for k in keys], [True] * QUEUED,
+                 running=[Running(1 + i % 3, {k: 16 * (1 + i)}) for i, k in enumerate(keys)])
+    first = owner_proc(seg.name, "owner.publish.merged", "STOP")  # frozen once merged
+    wait_for(lambda: stopped(first.pid), "the owner to merge the frames")
+    os.kill(first.pid, signal.SIGCONT)
+    wait_for(lambda: loads_its_own_bytes(b, keys), "every queued key to be published")
+    settled(a, b, seg)
+
 
 def test_a_failed_store_queued_among_others_is_served_alone_and_frees_its_block(pair):
     a, b, seg = pair

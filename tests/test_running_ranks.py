@@ -214,6 +214,55 @@ def test_granted_stores_take_the_running_requests_rank_when_published(make_segme
         m.shutdown()
 
 
+def _frames_published(m: LocalManager, frames, together: bool) -> list[bytes]:
+    """Publish ``frames`` ((running, keys) each) of client (3, 9) from its grants, one by one
+    or taken together as the owner takes queued frames; returns the policy's order."""
+    procs.store(m, X[:2])
+    m.touch(X[:1], ranked(X[:1]), running=Running(8, {X[0]: 1}), client=(3, 9))
+    keys = [k for _, ks in frames for k in ks]
+    blocks = m.grants.grant(3, 9, len(keys), 0)
+    spans, at = [], 0
+    for running, ks in frames:
+        spans.append((running, ks, blocks[at:at + len(ks)]))
+        at += len(ks)
+    if together:
+        m.grants.publish(3, 9, keys, blocks, True, len(keys),
+                         frames=[(r, ks) for r, ks, _ in spans])
+    else:
+        for running, ks, bs in spans:
+            m.grants.publish(3, 9, ks, bs, True, len(keys), running)
+    return m.policy.order()
+
+
+@pytest.mark.parametrize("together", [False, True])
+def test_frames_taken_together_rank_each_key_at_its_own_frames_request(make_segment, together):
+    # Decode-phase frames of two running requests (7, and 8 which already has a rank),
+    # interleaved with a frame of no request: each key at its request's rank, tails first;
+    # the same order whether the frames come one by one or taken together.
+    m = LocalManager(make_segment(num_blocks=16, policy="lru"), "lru")
+    try:
+        frames = [(Running(7, {b"a0": 16}), [b"a0"]), (Running(8, {b"b0": 32}), [b"b0"]),
+                  (None, [b"n0"]), (Running(7, {b"a1": 32}), [b"a1"]),
+                  (Running(8, {b"b1": 48}), [b"b1"])]
+        assert _frames_published(m, frames, together) == \
+            [X[1], b"b1", b"b0", X[0], b"a1", b"a0", b"n0"]
+    finally:
+        m.shutdown()
+
+
+def test_a_bad_request_among_frames_taken_together_costs_only_its_frames_ranks(make_segment):
+    m = LocalManager(make_segment(num_blocks=16, policy="lru"), "lru")
+    try:
+        errors = m.segment.counter("errors")
+        frames = [(Running(7, {b"a0": 16}), [b"a0"]), (Running(0, {b"z0": 1}), [b"z0"]),
+                  (Running(7, {b"a1": 32}), [b"a1"])]
+        assert _frames_published(m, frames, True) == \
+            [X[1], X[0], b"a1", b"a0", b"z0"]  # request 0 is no request: z0 fresh
+        assert m.segment.counter("errors") == errors + 1
+    finally:
+        m.shutdown()
+
+
 def test_the_ranks_kept_are_bounded_and_go_with_their_client(make_segment, monkeypatch):
     monkeypatch.setattr(running_mod, "MAX_RUNNING", 4)
     m = LocalManager(make_segment(num_blocks=8, policy="lru"), "lru")

@@ -161,18 +161,26 @@ class Grants:
 
     def publish(self, slot: int, gen: int, keys: list[bytes], blocks: list[int],
                 success: bool, taken: int, running: Running | None = None,
-                returned: Sequence[int] = ()) -> None:
+                returned: Sequence[int] = (),
+                frames: Sequence[tuple[Running | None, Sequence[bytes]]] | None = None
+                ) -> None:
         """Apply a client's ``Publish``: each granted block becomes its key, READY and in the
         index (unless the key is cached already, or the store failed: then it is freed), at
-        ``running``'s provisional rank when it has one; the ``returned`` offers (taken, never
-        claimed) are cached again. Blocks not granted to the sender, or not yet taken by it
-        (position at or above its ``taken`` count), are ignored."""
+        ``running``'s provisional rank when it has one (``frames``: for several frames taken
+        together, each frame's running request and keys instead); the ``returned`` offers
+        (taken, never claimed) are cached again. Blocks not granted to the sender, or not
+        yet taken by it (position at or above its ``taken`` count), are ignored."""
         entries = self.entries
-        try:
-            rank_of = self.running.rank_of(running, (slot, gen)) if success else None
-        except InvalidArgumentError:
-            rank_of = None  # ranks are advice: a bad one never costs a store
-            self.segment.counter_add("errors")
+        rank_of, bad = None, 0  # ranks are advice: a bad one never costs a store
+        if success and frames is not None:
+            rank_of, bad = self.running.rank_of_frames(frames, (slot, gen))
+        elif success:
+            try:
+                rank_of = self.running.rank_of(running, (slot, gen))
+            except InvalidArgumentError:
+                bad = 1
+        if bad:
+            self.segment.counter_add("errors", bad)
         mine = self.blocks.get((slot, gen), {})
         back = [b for b in dict.fromkeys(returned) if mine.get(b, taken) < taken]
         for b in back:

@@ -13,7 +13,9 @@ from typing import Any
 
 from kvshm.errors import KvshmError, ProtocolError
 from kvshm.index import protocol as P
+from kvshm.index.api import Running
 from kvshm.owner.clients import Client
+from kvshm.owner.coalesce import Merged
 from kvshm.owner.manager import LocalManager
 from kvshm.shm import keys as K
 from kvshm.shm import layout as L
@@ -34,6 +36,7 @@ class Handlers:
             P.Hello: self._hello, P.PrepareStore: self._prepare_store,
             P.CompleteStore: self._complete_store, P.Touch: self._touch,
             P.Publish: self._publish, P.TakeEvents: self._take_events,
+            Merged: self._publish_merged,
         }
 
     def handle(self, c: Client, msg: P.Request, replay: bool) -> list[P.Reply]:
@@ -108,14 +111,24 @@ class Handlers:
         if len(m.keys) != len(m.blocks):
             raise ProtocolError(f"publish of {len(m.keys)} keys with {len(m.blocks)} blocks")
         K.check_keys(m.keys)
-        c.stores = c.grants
         try:
             running = P.running_of(m)
         except KvshmError:
             running = None  # ranks are advice: a bad one never costs a store
             self.seg.counter_add("errors")
+        return self._apply_publish(c, m, running)
+
+    def _publish_merged(self, c: Client, m: Merged, replay: bool) -> list[P.Reply]:
+        """Publish frames taken together (``coalesce.py``; each checked as ``_publish``
+        checks one): one Publish, each frame's keys at its own request's ranks."""
+        return self._apply_publish(c, m, None, m.runs)
+
+    def _apply_publish(self, c: Client, m: P.Publish, running: Running | None,
+                       frames: list[tuple[Running | None, list[bytes]]] | None = None
+                       ) -> list[P.Reply]:
+        c.stores = c.grants
         self.manager.grants.publish(c.slot, c.gen, m.keys, m.blocks, m.success,
-                                    int(c.grant_head["taken"]), running, m.returned)
+                                    int(c.grant_head["taken"]), running, m.returned, frames)
         self.fan_out()
         return []
 

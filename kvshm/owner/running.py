@@ -11,7 +11,7 @@ orders keys) and never blocks.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from kvshm.errors import InvalidArgumentError
 from kvshm.index.api import Running
@@ -56,6 +56,30 @@ class RunningRanks:
                     self.ranks.popitem(last=False)  # the oldest (a dict's front is slow)
             return None if p is None else (r, -p)
         return rank_of
+
+    def rank_of_frames(self, frames: Sequence[tuple[Running | None, Sequence[bytes]]],
+                       client: tuple[int, int]) -> tuple[RankOf | None, int]:
+        """``rank_of`` for the keys of several Publish frames taken together: each key at
+        its frame's request's rank, the first frame naming the key deciding (the one that
+        would publish it), so that inserting the keys in order takes the requests' rank
+        numbers as the frames one by one would. Also how many frames named a bad request
+        (``InvalidArgumentError``; their keys take fresh ranks, as such a frame alone)."""
+        of: dict[bytes, RankOf | None] = {}
+        bad = 0
+        for running, keys in frames:
+            try:
+                f = self.rank_of(running, client)
+            except InvalidArgumentError:
+                bad, f = bad + 1, None
+            for k in keys:
+                of.setdefault(k, f)
+        if not any(of.values()):
+            return None, bad
+
+        def rank_of(key: bytes | None) -> Rank | None:
+            f = None if key is None else of.get(key)
+            return None if f is None else f(key)
+        return rank_of, bad
 
     def end(self, running: Running | None, client: tuple[int, int]) -> None:
         """Forget ``running`` if it says it is done."""
