@@ -227,7 +227,7 @@ def _frames_published(m: LocalManager, frames, together: bool) -> list[bytes]:
         at += len(ks)
     if together:
         m.grants.publish(3, 9, keys, blocks, True, len(keys),
-                         frames=[(r, ks) for r, ks, _ in spans])
+                         frames=[(r, len(ks)) for r, ks, _ in spans])
     else:
         for running, ks, bs in spans:
             m.grants.publish(3, 9, ks, bs, True, len(keys), running)
@@ -246,6 +246,28 @@ def test_frames_taken_together_rank_each_key_at_its_own_frames_request(make_segm
                   (Running(8, {b"b1": 48}), [b"b1"])]
         assert _frames_published(m, frames, together) == \
             [X[1], b"b1", b"b0", X[0], b"a1", b"a0", b"n0"]
+    finally:
+        m.shutdown()
+
+
+@pytest.mark.parametrize("together", [False, True])
+def test_a_key_taken_together_is_ranked_by_the_frame_that_publishes_it(make_segment, together):
+    # The first frame naming k gives a block never granted to the client: ignored, so the
+    # next frame publishes k, and only its request (9) takes a rank, as one by one.
+    m = LocalManager(make_segment(num_blocks=16, policy="lru"), "lru")
+    try:
+        blocks = m.grants.grant(3, 9, 2, 0)
+        frames = [([b"k"], [15], Running(7, {b"k": 16})),
+                  ([b"k"], blocks[:1], Running(9, {b"k": 32})),
+                  ([b"j"], blocks[1:], Running(9, {b"j": 48}))]
+        if together:
+            m.grants.publish(3, 9, [b"k", b"k", b"j"], [15, *blocks], True, 2,
+                             frames=[(r, 1) for _, _, r in frames])
+        else:
+            for keys, bs, r in frames:
+                m.grants.publish(3, 9, keys, bs, True, 2, r)
+        assert m.policy.order() == [b"j", b"k"]
+        assert list(m.running.ranks) == [(3, 9, 9)]
     finally:
         m.shutdown()
 

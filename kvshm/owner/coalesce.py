@@ -10,7 +10,7 @@ so the busier the owner, the less each frame costs it.
 Applying the merged frame is applying its frames in ring order, as far as stores and loads
 tell: a Publish's keys are published in ring order (the policy's order, and a tick per key in
 the table, from which a successor rebuilds recency), each at its own frame's running request's
-provisional rank (the first frame naming a key decides, as the first to publish it would), a
+provisional rank (the frame whose block of it is published decides), a
 key already published stays and a later block of it is freed, the sender's ``taken`` count
 only grows, and a block not granted to the sender is ignored. So only frames that succeed or
 fail alike are merged, and only the head frame may return offers (those are ended before its
@@ -42,8 +42,8 @@ MAX_KEYS = 4096  # keys merged at most: each frame's keys are applied in one bat
 class Merged(P.Publish, frozen=True):
     """Publish frames taken together (never on the wire): their keys and blocks in ring
     order, the head frame's outcome and returned offers, and each frame's running request
-    with its keys, for the ranks (``RunningRanks.rank_of_frames``)."""
-    runs: list[tuple[Running | None, list[bytes]]] = msgspec.field(default_factory=list)
+    and key count, for the ranks (``RunningRanks.rank_of_frames``)."""
+    runs: list[tuple[Running | None, int]] = msgspec.field(default_factory=list)
 
 
 def plain(m: P.Request) -> bool:
@@ -62,7 +62,7 @@ def merge(ring: Ring, head: P.Publish, most: int) -> tuple[P.Publish, int]:
     kind, one that fails to decode or to check, returned offers, the other outcome) ends
     the run and stays in the ring, served on its own."""
     keys, blocks = list(head.keys), list(head.blocks)
-    runs = [(P.running_of(head), head.keys)]
+    runs = [(P.running_of(head), len(head.keys))]
     while len(runs) < most and len(keys) < MAX_KEYS:
         try:
             got = ring.peek_after()
@@ -81,7 +81,7 @@ def merge(ring: Ring, head: P.Publish, most: int) -> tuple[P.Publish, int]:
             break
         keys += m.keys
         blocks += m.blocks
-        runs.append((P.running_of(m), m.keys))
+        runs.append((P.running_of(m), len(m.keys)))
         ring.include(end)
     if len(runs) == 1:
         return head, 1

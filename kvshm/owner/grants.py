@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from functools import partial
 
 from kvshm.crashpoints import crash_point
 from kvshm.errors import InvalidArgumentError
@@ -45,7 +46,8 @@ from kvshm.index.api import Running
 from kvshm.owner.entries import Client, Entries
 from kvshm.owner.eviction import Evictor
 from kvshm.owner.outcomes import Outcomes
-from kvshm.owner.running import RunningRanks
+from kvshm.owner.policy import Rank
+from kvshm.owner.running import RankAt, RunningRanks
 from kvshm.shm import layout as L
 from kvshm.shm import offers
 from kvshm.shm.fence import full_fence
@@ -56,6 +58,11 @@ from kvshm.shm.segment import Segment
 # Evicting for a grant must respect every client's leases, the grantee's own too: unlike a
 # store's reply, a grant cannot tell its client which of its leases it took away.
 ALL_HOLDS = -1
+
+
+def _rank_at(rank_at: RankAt, at: dict[bytes, int], key: bytes | None) -> Rank | None:
+    """``rank_at`` of a published ``key``, named at ``at[key]`` (a ``RankOf``)."""
+    return None if key is None else rank_at(key, at[key])
 
 
 class Grants:
@@ -162,18 +169,18 @@ class Grants:
     def publish(self, slot: int, gen: int, keys: list[bytes], blocks: list[int],
                 success: bool, taken: int, running: Running | None = None,
                 returned: Sequence[int] = (),
-                frames: Sequence[tuple[Running | None, Sequence[bytes]]] | None = None
+                frames: Sequence[tuple[Running | None, int]] | None = None
                 ) -> None:
         """Apply a client's ``Publish``: each granted block becomes its key, READY and in the
         index (unless the key is cached already, or the store failed: then it is freed), at
         ``running``'s provisional rank when it has one (``frames``: for several frames taken
-        together, each frame's running request and keys instead); the ``returned`` offers
+        together, each frame's running request and key count instead); the ``returned`` offers
         (taken, never claimed) are cached again. Blocks not granted to the sender, or not
         yet taken by it (position at or above its ``taken`` count), are ignored."""
         entries = self.entries
-        rank_of, bad = None, 0  # ranks are advice: a bad one never costs a store
+        rank_of, rank_at, bad = None, None, 0  # ranks are advice: a bad one costs no store
         if success and frames is not None:
-            rank_of, bad = self.running.rank_of_frames(frames, (slot, gen))
+            rank_at, bad = self.running.rank_of_frames(frames, (slot, gen))
         elif success:
             try:
                 rank_of = self.running.rank_of(running, (slot, gen))
@@ -187,7 +194,9 @@ class Grants:
             del mine[b]
         self._end(back)
         entries.tick += 1
-        done, freed = self._sort_publish(slot, gen, keys, blocks, mine, taken, success)
+        done, freed, at = self._sort_publish(slot, gen, keys, blocks, mine, taken, success)
+        if rank_at is not None:  # each key ranked by the frame whose block of it is published
+            rank_of = partial(_rank_at, rank_at, at)
         if not mine:
             self.blocks.pop((slot, gen), None)
         if freed:
@@ -207,28 +216,30 @@ class Grants:
 
     def _sort_publish(self, slot: int, gen: int, keys: list[bytes], blocks: list[int],
                       mine: dict[int, int], taken: int, success: bool
-                      ) -> tuple[dict[bytes, int], list[int]]:
+                      ) -> tuple[dict[bytes, int], list[int], dict[bytes, int]]:
         """``publish``'s general case, a key at a time: which of the sender's taken blocks
         are published (key -> block) and which are freed; a block behind another client's
-        unfinished store of its key is deferred. Blocks sorted leave ``mine``."""
-        entries, done, freed = self.entries, {}, []
-        ours = []  # (key, block, position): granted to the sender and taken by it
+        unfinished store of its key is deferred. Blocks sorted leave ``mine``. Also where in
+        ``keys`` each published key's block was named."""
+        entries, done, freed, at = self.entries, {}, [], {}
+        ours = []  # (key, block, position, index): granted to the sender and taken by it
         pos_of = mine.get
-        for k, b in zip(keys, blocks):
+        for i, (k, b) in enumerate(zip(keys, blocks)):
             pos = pos_of(b, taken)
             if pos >= taken:
                 continue  # published already (a replayed frame), never ours, or not taken
             del mine[b]
-            ours.append((k, b, pos))
+            ours.append((k, b, pos, i))
         offered = self.offered
-        unclaimed = self._claimed([b for _, b, _ in ours if b in offered])
+        unclaimed = self._claimed([o[1] for o in ours if o[1] in offered])
         get, deferred = entries.by_key.get, self.deferred
-        for k, b, pos in ours:
+        for k, b, pos, i in ours:
             if b in unclaimed:
                 continue
             e = get(k)
             if e is None and success and k not in done:  # (the common case first)
                 done[k] = b
+                at[k] = i
             elif success and e is not None and not e.ready and k not in deferred:
                 # Another client's store of k is unfinished: wait for it, keyed in the
                 # table so that a successor owner still knows (``adopt``).
@@ -237,7 +248,7 @@ class Grants:
                 deferred[k] = b
             else:  # failed, or stored first
                 freed.append(b)
-        return done, freed
+        return done, freed, at
 
     def _claimed(self, blocks: list[int]) -> set[int]:
         """Offered blocks in a Publish: their old keys leave the index (an eviction each),

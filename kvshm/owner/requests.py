@@ -124,7 +124,7 @@ class Handlers:
         return self._apply_publish(c, m, None, m.runs)
 
     def _apply_publish(self, c: Client, m: P.Publish, running: Running | None,
-                       frames: list[tuple[Running | None, list[bytes]]] | None = None
+                       frames: list[tuple[Running | None, int]] | None = None
                        ) -> list[P.Reply]:
         c.stores = c.grants
         self.manager.grants.publish(c.slot, c.gen, m.keys, m.blocks, m.success,

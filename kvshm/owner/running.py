@@ -21,6 +21,7 @@ MAX_RUNNING = 1 << 16  # running requests remembered (all clients together)
 _U64 = 1 << 64
 
 RankOf = Callable[["bytes | None"], "Rank | None"]
+RankAt = Callable[[bytes, int], "Rank | None"]  # a key and where its block was named
 
 
 class RunningRanks:
@@ -57,29 +58,29 @@ class RunningRanks:
             return None if p is None else (r, -p)
         return rank_of
 
-    def rank_of_frames(self, frames: Sequence[tuple[Running | None, Sequence[bytes]]],
-                       client: tuple[int, int]) -> tuple[RankOf | None, int]:
-        """``rank_of`` for the keys of several Publish frames taken together: each key at
-        its frame's request's rank, the first frame naming the key deciding (the one that
-        would publish it), so that inserting the keys in order takes the requests' rank
-        numbers as the frames one by one would. Also how many frames named a bad request
-        (``InvalidArgumentError``; their keys take fresh ranks, as such a frame alone)."""
-        of: dict[bytes, RankOf | None] = {}
+    def rank_of_frames(self, frames: Sequence[tuple[Running | None, int]],
+                       client: tuple[int, int]) -> tuple[RankAt | None, int]:
+        """For several Publish frames taken together, given as each frame's running request
+        and key count in ring order: ``rank_at(key, i)``, the rank of ``key`` published from
+        position ``i`` of the frames' keys put end to end (None: a fresh rank), its frame's
+        request taking its rank number at its first key ranked, as the frames one by one
+        would; None if no frame names a request. Also how many frames named a bad request
+        (``InvalidArgumentError``: their keys take fresh ranks, as such a frame alone)."""
+        at: list[RankOf | None] = []
         bad = 0
-        for running, keys in frames:
+        for running, n in frames:
             try:
                 f = self.rank_of(running, client)
             except InvalidArgumentError:
                 bad, f = bad + 1, None
-            for k in keys:
-                of.setdefault(k, f)
-        if not any(of.values()):
+            at += [f] * n
+        if not any(at):
             return None, bad
 
-        def rank_of(key: bytes | None) -> Rank | None:
-            f = None if key is None else of.get(key)
+        def rank_at(key: bytes, i: int) -> Rank | None:
+            f = at[i]
             return None if f is None else f(key)
-        return rank_of, bad
+        return rank_at, bad
 
     def end(self, running: Running | None, client: tuple[int, int]) -> None:
         """Forget ``running`` if it says it is done."""
