@@ -197,9 +197,14 @@ def test_a_refused_publish_at_the_head_of_queued_frames_takes_none_of_them_along
     keys = [f[0] for f in frames]
     wait_for(lambda: loads_its_own_bytes(b, keys), "the frames behind it to be published")
 
-def test_an_owner_dying_after_applying_merged_frames_leaves_each_key_published_once(pair):
+@pytest.mark.parametrize("running", [False, True], ids=["plain", "running"])
+def test_an_owner_dying_after_applying_merged_frames_leaves_each_key_published_once(pair,
+                                                                                     running):
     a, b, seg = pair
-    keys = queue_one_key_stores(a, "merged", [True] * QUEUED)
+    keys = [b"merged-%d" % i for i in range(QUEUED)]
+    queue_stores(a, "merged", [[k] for k in keys], [True] * QUEUED,
+                 running=[Running(1 + i % 2, {k: 16 * (1 + i)}) for i, k in enumerate(keys)]
+                 if running else None)
     first = owner_proc(seg.name, "owner.publish.merged")
     first.wait(timeout=30)
     assert first.returncode == -signal.SIGKILL  # it took the queued frames together
