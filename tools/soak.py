@@ -3,7 +3,9 @@
 
 Two kinds of client process share one segment for a bounded time:
 
-* traffic clients (--clients) store, look up, load and verify checksummed blocks;
+* traffic clients (--clients) store, look up, load and verify checksummed blocks; half their
+  stores and some of their touches name a running request (vLLM 0.33's provisional ranks),
+  which a touch now and then ends;
 * reconnectors (--reconnectors) loop connect() -> a lookup (verifying any load) and a small
   checksummed store -> shutdown(), so slots are claimed and given back all the time;
 * hostile clients (--hostile, ``tools/soak_hostile.py``) flood the cache with unique keys, or
@@ -66,7 +68,8 @@ import soak_hostile
 
 from kvshm.client.connect import connect
 from kvshm.errors import KvshmError
-from kvshm.index.api import LookupResult
+from kvshm.index.access import RANKED, SEEN
+from kvshm.index.api import LookupResult, Running
 from kvshm.inspect.snapshot import verify
 from kvshm.logs import owner_log_path
 from kvshm.shm import layout as L
@@ -122,18 +125,20 @@ class Reporter:
                 self.send(("corrupt", k.decode(), b))
 
 
-def store(mgr, planes, keys, inject: str | None, success: bool) -> bool:
-    """prepare_store, write each granted block's checksummed content, complete_store."""
-    out = mgr.prepare_store(keys)
+def store(mgr, planes, keys, inject: str | None, success: bool,
+          running: Running | None = None) -> bool:
+    """prepare_store, write each granted block's checksummed content, complete_store (both
+    naming ``running``, if given)."""
+    out = mgr.prepare_store(keys, running=running)
     if out is None:
         return False
     if inject == "early-ready":  # the bug the soak must catch: publish, then write
-        mgr.complete_store(out.keys_to_store)
+        mgr.complete_store(out.keys_to_store, running=running)
     for k, b in zip(out.keys_to_store, out.block_ids):
         for p, plane in enumerate(planes):
             plane[b] = content(k, p, plane.shape[1])
     if inject != "early-ready":
-        mgr.complete_store(out.keys_to_store, success=success)
+        mgr.complete_store(out.keys_to_store, success=success, running=running)
     return True
 
 
@@ -189,13 +194,19 @@ def traffic(name: str, conn, seed: int, nkeys: int, inject: str | None,
         return
     planes = mgr.segment.planes()
     stats = rep.stats
+    request, tokens = 1, 0  # the running request some operations name, its next position
     while not conn.poll():
         op = rng.random()
         ks = rng.sample(keys, rng.randint(1, 6))
         stats["ops"] += 1
+        running = None
+        if rng.random() < 0.5:
+            running = Running(request, {k: tokens + 16 * i for i, k in enumerate(ks)})
+            tokens += 16 * len(ks)
         try:
             if op < 0.35:
-                if store(mgr, planes, ks, inject, success=rng.random() > 0.05):
+                if store(mgr, planes, ks, inject, success=rng.random() > 0.05,
+                         running=running):
                     stats["stores"] += 1
                 else:
                     stats["refused"] += 1
@@ -204,8 +215,12 @@ def traffic(name: str, conn, seed: int, nkeys: int, inject: str | None,
             elif op < 0.8:  # a prefix, the same keys in the same order every time
                 start = rng.randrange(0, nkeys, 8)
                 load(mgr, planes, keys[start:start + rng.randint(8, 16)], rep, per_key=True)
-            elif op < 0.9:
-                mgr.touch(ks)
+            elif op < 0.85:
+                mgr.touch(ks, bytes([RANKED]) * len(ks) if running else None,
+                          running=running)
+            elif op < 0.9:  # the request finishes: its keys take fresh ranks
+                mgr.touch(ks, bytes([SEEN]) * len(ks), running=Running(request, done=True))
+                request, tokens = request + 1, 0
             else:
                 mgr.release()
         except KvshmError as exc:
