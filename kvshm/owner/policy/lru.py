@@ -308,7 +308,6 @@ class LRUPolicy(CachePolicy):
         heap = self._heap
         victims = []
         popped: list[Entry] = []  # current heap entries taken out while scanning
-        seen: set[bytes] = set()
         pairs = self._pairs(dicts)  # not mutated before the scan ends
         f = next(pairs, None)
         while len(victims) < n and (f is not None or top is not None):
@@ -318,10 +317,7 @@ class LRUPolicy(CachePolicy):
                 assert top is not None  # the loop runs while either has a key
                 key = top[2]
                 popped.append(heapq.heappop(heap))
-                top = self._current()
-                if key in seen:
-                    continue  # a second entry of an unchanged rank
-            seen.add(key)
+                top = self._current()  # (a key has one current entry: never seen twice)
             if can_evict(key):
                 victims.append(key)
         taken = set(victims) if len(victims) == n else set()  # all-or-nothing
