@@ -212,3 +212,43 @@ def test_a_dead_clients_slot_comes_back_whatever_state_it_left_in_it(seg, state)
         if bad.is_alive():
             bad.kill()
         honest.shutdown()
+
+
+def test_a_live_client_that_scribbles_its_slot_generation_keeps_its_stores(seg):
+    # A slot's generation word is its client's to write; the owner that adopted the slot
+    # holds it (its served lock), so while the slot's kernel lock is held its client is the
+    # one adopted, whatever generation it now shows. The owner took the new word for a death
+    # and freed the live client's unfinished stores, which it then wrote into while others
+    # stored and read there.
+    a = connect(seg.name)
+    honest = connect(seg.name)
+    parent, child = CTX.Pipe()
+    other = CTX.Process(target=procs.connect_and_report, args=(seg.name, child), daemon=True)
+    table = BlockTable(seg.buf, seg.geometry)
+    try:
+        keys = [b"scribbler-0", b"scribbler-1"]
+        out = a.prepare_store(keys)
+        assert all(table.read(b).state == L.WRITING for b in out.block_ids)
+        rec = slots.record(seg, a.slot)
+        slots._store(seg, a.slot, "gen", rec.gen + 1)
+        other.start()
+        child.close()
+        gone = parent.recv()["slot"]
+        os.kill(other.pid, signal.SIGKILL)  # a death the owner must tell apart from a's word
+        other.join(30)
+        wait_for(lambda: slots.record(seg, gone).state == L.SlotState.FREE,
+                 "the dead client's slot to be reclaimed")
+        assert all(table.read(b).state == L.WRITING for b in out.block_ids)
+        procs.fill_all(a.segment.planes(), out.block_ids, out.keys_to_store)
+        a.complete_store(out.keys_to_store)
+        assert honest.lookup(keys) == 2
+        blocks = honest.prepare_load(keys)
+        assert all(procs.check(honest.segment.planes(), b, k) for b, k in zip(blocks, keys))
+        honest.complete_load(keys)
+    finally:
+        if other.is_alive():
+            other.kill()
+        table.close()
+        honest.shutdown()
+        slots._store(seg, a.slot, "gen", rec.gen)
+        a.shutdown()
