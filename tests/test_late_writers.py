@@ -240,6 +240,24 @@ def test_a_killed_worker_releases_the_quarantined_blocks(rig):
     wait_for(lambda: not rig.blocks_in(L.WRITING), "the quarantined blocks to be freed")
 
 
+def test_quarantined_blocks_come_back_when_the_worker_dies_though_a_newcomer_took_the_slot(
+        rig):
+    # A slot's kernel lock alone says whether its client lives (its generation word is the
+    # client's to write): the dead scheduler's quarantined stores must not wait for the
+    # next client of its slot to go as well.
+    job = rig.freeze_worker_mid_store()
+    rig.kill_scheduler(job["slot"])
+    newcomer = connect(rig.name)
+    try:
+        assert newcomer.slot == job["slot"]  # the first FREE slot: the dead scheduler's
+        assert set(job["blocks"]) <= rig.blocks_in(L.WRITING)
+        rig.worker.kill()
+        rig.worker.join()
+        wait_for(lambda: not rig.blocks_in(L.WRITING), "the quarantined blocks to be freed")
+    finally:
+        newcomer.shutdown()
+
+
 # --- the registry on its own -------------------------------------------------------------
 def test_a_registration_is_alive_only_for_its_generation_and_while_its_lock_is_held(
         make_segment):

@@ -307,11 +307,14 @@ class LocalManager(OffloadingManager):
 
     # The owner's periodic retry of quarantined (and rebuilt orphan) stores
     def reclaim_dead_writers(self, client_alive: Callable[[int, int], bool]) -> int:
-        """``reclaim_writer`` for every pending writer whose client is gone (quarantined ones,
-        and those a rebuild kept for a registered copier). Returns the blocks freed."""
+        """``reclaim_writer`` for every pending writer whose client is gone: quarantined ones
+        (known dead: their slot may serve a next client since), and those whose slot's
+        ``client_alive`` says so (a rebuild kept them for a registered copier). Returns the
+        blocks freed."""
         return sum(self.reclaim_writer(slot, gen)
                    for slot, gen in {*self.entries.pending, *self.grants.blocks}
-                   if slot >= 0 and not client_alive(slot, gen))
+                   if slot >= 0 and ((slot, gen) in self.quarantined
+                                     or not client_alive(slot, gen)))
 
     def _drop(self, keys: list[bytes]) -> None:
         """Forget unfinished stores of ``keys`` (failed or reclaimed) and free their blocks;
