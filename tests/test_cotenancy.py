@@ -252,3 +252,29 @@ def test_a_live_client_that_scribbles_its_slot_generation_keeps_its_stores(seg):
         honest.shutdown()
         slots._store(seg, a.slot, "gen", rec.gen)
         a.shutdown()
+
+
+def test_a_live_client_that_scribbles_its_slot_generation_keeps_its_stores_at_a_takeover(seg):
+    # The same while no owner runs: the next owner finds a live client whose record shows
+    # another generation than its unfinished stores. A slot is claimed only once FREE, and
+    # it goes FREE only after its stores were settled, so while its kernel lock is held no
+    # other client's stores can be left in the table under it: they are the holder's, kept
+    # (never handed to anyone) until it goes.
+    a = connect(seg.name)
+    honest = connect(seg.name)
+    table = BlockTable(seg.buf, seg.geometry)
+    try:
+        out = a.prepare_store([b"scribbler-0", b"scribbler-1"])
+        stop_owner(seg.owner_record()[0])
+        slots._store(seg, a.slot, "gen", slots.record(seg, a.slot).gen + 1)
+        honest.take_events()  # a round trip: starts the next owner, which meets the slot
+        assert all(table.read(b).state == L.WRITING for b in out.block_ids)
+        assert _honest_ops(honest) == HONEST_OPS  # the cache turns over around them
+        assert all(table.read(b).state == L.WRITING for b in out.block_ids)
+        a.shutdown()
+        wait_for(lambda: all(table.read(b).state == L.FREE for b in out.block_ids),
+                 "its stores to come back once it went")
+    finally:
+        table.close()
+        honest.shutdown()
+        a.shutdown()

@@ -43,15 +43,14 @@ class Roster:
 
     # --- liveness -----------------------------------------------------------------------
     def writer_alive(self, slot: int, gen: int) -> bool:
-        """Whether client ``gen`` of ``slot`` lives: the slot's kernel lock is held, and by
-        that generation. For a slot we serve, the generation is the one we adopted: nobody
-        could claim the slot since (we hold its served lock), so its lock holder is that
-        client, whatever generation its record now shows (a word the client writes)."""
-        if not 0 <= slot < self.seg.geometry.max_clients or \
-                not locks.is_held(self.seg.fd, L.LOCK_CLIENT_BASE + slot):
-            return False
-        c = self.clients.get(slot)
-        return (c.gen if c is not None else slots.record(self.seg, slot).gen) == gen
+        """Whether client ``gen`` of ``slot`` may live: the slot's kernel lock is held. The
+        generation its record shows is a word the client writes, so it decides nothing: a
+        slot is claimed only once FREE, and goes FREE only after its client's stores and
+        grants were settled (reclaimed, or quarantined for copiers that live on), so while
+        the lock is held what the table keeps under the slot is its holder's, or a dead
+        generation's kept for its copiers, which then waits for the holder to go too."""
+        return 0 <= slot < self.seg.geometry.max_clients and \
+            locks.is_held(self.seg.fd, L.LOCK_CLIENT_BASE + slot)
 
     def held(self, requester: int) -> set[int]:
         """Blocks that adopted clients hold (dead and quarantined ones too, until reclaimed):
