@@ -2,11 +2,11 @@
 
 This module owns the owner's set of adopted clients (one ``Client`` per slot generation): it
 adopts slots activated since it last looked (``discover``), decides liveness by the slot's
-kernel lock and generation (never by a pid), gives back everything a dead client held
-(its unfinished stores and grants through the manager, its counters into the segment's
-totals, its slot last), and quarantines a client whose rings or doorbell it cannot use. It
-also answers which blocks clients hold against a store (``held``). It reads no request frame
-and never blocks on a client.
+kernel lock alone (never by a pid, nor by a word the client writes), gives back everything
+a dead client held (its unfinished stores and grants through the manager, its counters into
+the segment's totals, its slot last), and quarantines a client whose rings or doorbell it
+cannot use. It also answers which blocks clients hold against a store (``held``). It reads
+no request frame and never blocks on a client.
 """
 from __future__ import annotations
 
