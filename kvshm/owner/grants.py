@@ -38,16 +38,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from functools import partial
 
 from kvshm.crashpoints import crash_point
-from kvshm.errors import InvalidArgumentError
 from kvshm.index.api import Running
 from kvshm.owner.entries import Client, Entries
 from kvshm.owner.eviction import Evictor
 from kvshm.owner.outcomes import Outcomes
 from kvshm.owner.policy import Rank
-from kvshm.owner.running import RankAt, RunningRanks
+from kvshm.owner.running import RankOf, RunningRanks
 from kvshm.shm import layout as L
 from kvshm.shm import offers
 from kvshm.shm.fence import full_fence
@@ -60,9 +58,27 @@ from kvshm.shm.segment import Segment
 ALL_HOLDS = -1
 
 
-def _rank_at(rank_at: RankAt, at: dict[bytes, int], key: bytes | None) -> Rank | None:
-    """``rank_at`` of a published ``key``, named at ``at[key]`` (a ``RankOf``)."""
-    return None if key is None else rank_at(key, at[key])
+def _by_frame(fns: list[RankOf | None], frames: Sequence[tuple[Running | None, int]],
+              blocks: list[int], done: dict[bytes, int]) -> RankOf | None:
+    """One ``RankOf`` for the keys ``done`` published (key -> block) from several frames
+    taken together: each key by ``fns`` of the frame whose block of it was published (a
+    block's first naming: a later one is ignored as no longer granted)."""
+    if not any(fns):
+        return None
+    if len(fns) == 1:
+        return fns[0]
+    frame_of: dict[int, int] = {}  # block -> its frame
+    start = 0
+    for f, (_, n) in enumerate(frames):
+        for b in blocks[start:start + n]:
+            frame_of.setdefault(b, f)
+        start += n
+    of = {k: fns[frame_of[b]] for k, b in done.items()}
+
+    def rank_of(key: bytes | None) -> Rank | None:
+        f = None if key is None else of.get(key)
+        return None if f is None else f(key)
+    return rank_of
 
 
 class Grants:
@@ -178,14 +194,10 @@ class Grants:
         (taken, never claimed) are cached again. Blocks not granted to the sender, or not
         yet taken by it (position at or above its ``taken`` count), are ignored."""
         entries = self.entries
-        rank_of, rank_at, bad = None, None, 0  # ranks are advice: a bad one costs no store
-        if success and frames is not None:
-            rank_at, bad = self.running.rank_of_frames(frames, (slot, gen))
-        elif success:
-            try:
-                rank_of = self.running.rank_of(running, (slot, gen))
-            except InvalidArgumentError:
-                bad = 1
+        if frames is None:
+            frames = [(running, len(keys))]
+        # ranks are advice: a bad one costs no store
+        fns, bad = self.running.rank_of_frames(frames, (slot, gen)) if success else ([], 0)
         if bad:
             self.segment.counter_add("errors", bad)
         mine = self.blocks.get((slot, gen), {})
@@ -194,9 +206,8 @@ class Grants:
             del mine[b]
         self._end(back)
         entries.tick += 1
-        done, freed, at = self._sort_publish(slot, gen, keys, blocks, mine, taken, success)
-        if rank_at is not None:  # each key ranked by the frame whose block of it is published
-            rank_of = partial(_rank_at, rank_at, at)
+        done, freed = self._sort_publish(slot, gen, keys, blocks, mine, taken, success)
+        rank_of = _by_frame(fns, frames, blocks, done)
         if not mine:
             self.blocks.pop((slot, gen), None)
         if freed:
@@ -216,30 +227,28 @@ class Grants:
 
     def _sort_publish(self, slot: int, gen: int, keys: list[bytes], blocks: list[int],
                       mine: dict[int, int], taken: int, success: bool
-                      ) -> tuple[dict[bytes, int], list[int], dict[bytes, int]]:
+                      ) -> tuple[dict[bytes, int], list[int]]:
         """``publish``'s general case, a key at a time: which of the sender's taken blocks
         are published (key -> block) and which are freed; a block behind another client's
-        unfinished store of its key is deferred. Blocks sorted leave ``mine``. Also where in
-        ``keys`` each published key's block was named."""
-        entries, done, freed, at = self.entries, {}, [], {}
-        ours = []  # (key, block, position, index): granted to the sender and taken by it
+        unfinished store of its key is deferred. Blocks sorted leave ``mine``."""
+        entries, done, freed = self.entries, {}, []
+        ours = []  # (key, block, position): granted to the sender and taken by it
         pos_of = mine.get
-        for i, (k, b) in enumerate(zip(keys, blocks)):
+        for k, b in zip(keys, blocks):
             pos = pos_of(b, taken)
             if pos >= taken:
                 continue  # published already (a replayed frame), never ours, or not taken
             del mine[b]
-            ours.append((k, b, pos, i))
+            ours.append((k, b, pos))
         offered = self.offered
-        unclaimed = self._claimed([o[1] for o in ours if o[1] in offered])
+        unclaimed = self._claimed([b for _, b, _ in ours if b in offered])
         get, deferred = entries.by_key.get, self.deferred
-        for k, b, pos, i in ours:
+        for k, b, pos in ours:
             if b in unclaimed:
                 continue
             e = get(k)
             if e is None and success and k not in done:  # (the common case first)
                 done[k] = b
-                at[k] = i
             elif success and e is not None and not e.ready and k not in deferred:
                 # Another client's store of k is unfinished: wait for it, keyed in the
                 # table so that a successor owner still knows (``adopt``).
@@ -248,7 +257,7 @@ class Grants:
                 deferred[k] = b
             else:  # failed, or stored first
                 freed.append(b)
-        return done, freed, at
+        return done, freed
 
     def _claimed(self, blocks: list[int]) -> set[int]:
         """Offered blocks in a Publish: their old keys leave the index (an eviction each),

@@ -21,7 +21,6 @@ MAX_RUNNING = 1 << 16  # running requests remembered (all clients together)
 _U64 = 1 << 64
 
 RankOf = Callable[["bytes | None"], "Rank | None"]
-RankAt = Callable[[bytes, int], "Rank | None"]  # a key and where its block was named
 
 
 class RunningRanks:
@@ -59,28 +58,20 @@ class RunningRanks:
         return rank_of
 
     def rank_of_frames(self, frames: Sequence[tuple[Running | None, int]],
-                       client: tuple[int, int]) -> tuple[RankAt | None, int]:
-        """For several Publish frames taken together, given as each frame's running request
-        and key count in ring order: ``rank_at(key, i)``, the rank of ``key`` published from
-        position ``i`` of the frames' keys put end to end (None: a fresh rank), its frame's
-        request taking its rank number at its first key ranked, as the frames one by one
-        would; None if no frame names a request. Also how many frames named a bad request
-        (``InvalidArgumentError``: their keys take fresh ranks, as such a frame alone)."""
-        at: list[RankOf | None] = []
+                       client: tuple[int, int]) -> tuple[list[RankOf | None], int]:
+        """``rank_of`` of each of several Publish frames taken together (given as each
+        frame's running request and key count; None: it names none, or a bad one), and how
+        many named a bad request (``InvalidArgumentError``: their keys take fresh ranks, as
+        such a frame alone)."""
+        fns: list[RankOf | None] = []
         bad = 0
-        for running, n in frames:
+        for running, _ in frames:
             try:
-                f = self.rank_of(running, client)
+                fns.append(self.rank_of(running, client))
             except InvalidArgumentError:
-                bad, f = bad + 1, None
-            at += [f] * n
-        if not any(at):
-            return None, bad
-
-        def rank_at(key: bytes, i: int) -> Rank | None:
-            f = at[i]
-            return None if f is None else f(key)
-        return rank_at, bad
+                bad += 1
+                fns.append(None)
+        return fns, bad
 
     def end(self, running: Running | None, client: tuple[int, int]) -> None:
         """Forget ``running`` if it says it is done."""
