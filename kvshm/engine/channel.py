@@ -26,7 +26,6 @@ import msgspec
 from kvshm.errors import ClientSlotsExhaustedError, InvalidArgumentError, TransferError
 from kvshm.shm import layout as L
 from kvshm.shm import locks, slots
-from kvshm.shm.records import next_gen
 from kvshm.shm.ring import Doorbell, Ring
 from kvshm.shm.segment import Segment
 from kvshm.transfer.spec import TransferResult, TransferSpec
@@ -141,12 +140,11 @@ class SchedulerChannel:
         while True:
             for slot in range(g.max_clients):
                 if locks.is_held(fd, WORKER_LOCK_BASE + slot) or \
-                        locks.is_held(fd, L.LOCK_SERVED_BASE + slot) or \
                         not locks.try_lock(fd, L.LOCK_CLIENT_BASE + slot):
                     continue
-                rec = slots.record(self.seg, slot)
-                if rec.state == L.SlotState.FREE:
-                    return slot, next_gen(rec.gen)
+                gen = slots.claimable(self.seg, slot)
+                if gen is not None:
+                    return slot, gen
                 locks.unlock(fd, L.LOCK_CLIENT_BASE + slot)
             if time.monotonic() > deadline:
                 raise ClientSlotsExhaustedError(

@@ -35,6 +35,16 @@ def record(seg: Segment, slot: int) -> SlotRecord:
     return SlotRecord._make(L.SLOT.unpack_from(seg.buf, seg.geometry.slot_offset(slot)))
 
 
+def claimable(seg: Segment, slot: int) -> int | None:
+    """With ``slot``'s client lock taken: the generation a new client of it takes, or None
+    if it may not be taken. FREE is the last client's word: a slot is free only once no
+    owner serves it either (``LOCK_SERVED_BASE``)."""
+    rec = record(seg, slot)
+    if rec.state == SlotState.FREE and not locks.is_held(seg.fd, L.LOCK_SERVED_BASE + slot):
+        return next_gen(rec.gen)
+    return None
+
+
 def claim(seg: Segment, wait_for_reclaim: Callable[[], object] | None = None,
           timeout: float = 5.0) -> tuple[int, int]:
     """Lock a FREE slot that no owner serves and return (slot, next generation).
@@ -50,10 +60,9 @@ def claim(seg: Segment, wait_for_reclaim: Callable[[], object] | None = None,
         for slot in range(g.max_clients):
             if not locks.try_lock(fd, L.LOCK_CLIENT_BASE + slot):
                 continue
-            rec = record(seg, slot)
-            # FREE is the client's word: a slot is ours only once no owner serves it either
-            if rec.state == SlotState.FREE and not locks.is_held(fd, L.LOCK_SERVED_BASE + slot):
-                return slot, next_gen(rec.gen)
+            gen = claimable(seg, slot)
+            if gen is not None:
+                return slot, gen
             locks.unlock(fd, L.LOCK_CLIENT_BASE + slot)
             dirty = True
         if not dirty or wait_for_reclaim is None or time.monotonic() > deadline:
