@@ -733,3 +733,17 @@ def test_lru_a_cached_key_inserted_again_moves_to_the_new_group_once():
     p.insert_many([k(0), k(2)], "b")  # k0 is cached already (the caller broke its promise)
     assert len(p) == 3 and p.order() == [k(1), k(0), k(2)]
     assert p.evict(3, everything) == [k(1), k(0), k(2)] and len(p) == 0
+
+
+def test_lru_evicts_provisional_keys_in_rank_order_after_its_heap_was_rebuilt():
+    # A provisional key's heap entry is current while the policy's dict holds that very
+    # entry; a rebuild of the heap (mostly stale entries) must keep the entries themselves,
+    # or no key would be current any more and none evictable by rank.
+    p = filled("lru", 0)
+    r = p.new_rank()
+    for i in range(4):
+        p.insert(k(i), (r, -i))
+    for _ in range(200):  # one key re-ranked over and over: the heap fills with stale
+        p.access(k(3), RANKED, (p.new_rank(), 0))  # entries and is rebuilt, the others kept
+    assert len(p._heap) <= 2 * len(p) + 65
+    assert p.evict(4, everything) == [k(2), k(1), k(0), k(3)]  # tails first
