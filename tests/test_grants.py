@@ -60,6 +60,15 @@ def _states(seg) -> list[int]:
         t.close()
 
 
+def _grant_marks(seg, blocks: list[int]) -> list[tuple[int, int, int, int]]:
+    """Each block's state, writer slot, generation and grant ring position."""
+    t = BlockTable(seg.buf, seg.geometry)
+    try:
+        return [(e.state, e.writer, e.writer_gen, e.writer_req) for e in map(t.read, blocks)]
+    finally:
+        t.close()
+
+
 def _blocks_of(seg, key: bytes) -> list[int]:
     t = BlockTable(seg.buf, seg.geometry)
     try:
@@ -417,11 +426,15 @@ def test_an_owner_dying_while_it_hands_grants_over_leaks_none(seg_name):
     try:
         procs.store(m, [b"rt-%d" % i for i in range(5)])  # a round trip: then it refills
         assert first.wait() == -signal.SIGKILL  # blocks GRANTED, ids in the ring, no count
-        procs.store(m, [b"rt2-%d" % i for i in range(5)])  # a successor serves (and refills)
+        m.take_events()  # a successor takes over: it hands them over, as it would have
         words, _ = slots.grants(m.segment, m.slot)
-        wait_for(lambda: int(words["granted"]) - m._own.taken >= 4, "grants")
-        level = int(words["granted"]) - m._own.taken
-        assert _states(m.segment).count(L.GRANTED) == level  # none stranded
+        assert int(words["granted"]) > 0 and m._own.taken == 0
+        procs.store(m, [b"rt2-%d" % i for i in range(5)])  # from the ring they reached
+        assert m.lookup([b"rt2-%d" % i for i in range(5)]) == 5
+
+        def stranded() -> int:  # GRANTED, and not in the ring (a refill marks them first)
+            return _states(m.segment).count(L.GRANTED) - (int(words["granted"]) - m._own.taken)
+        wait_for(lambda: stranded() == 0, "every granted block in the ring")
     finally:
         pid = m.segment.owner_record()[0]
         m.shutdown()
@@ -513,6 +526,32 @@ def test_a_scribbled_granted_count_never_frees_blocks_its_client_took(mgr):
     mgr.touch([b"start-a-successor"])  # a frame the successor serves after its takeover
     wait_for(lambda: mgr._link.requests.consumed(mgr._link.requests.tail), "the touch")
     assert [_states(mgr.segment)[b] for b in out.block_ids] == [L.GRANTED] * 3
+
+
+def test_lowered_grant_counts_never_free_blocks_their_client_took_at_a_takeover(mgr):
+    """A client that lowered both its granted and taken counts (still possible counts) must
+    not have the blocks it took freed by the next owner: they look never handed over, and
+    another store would get them while its copy still lands there. They stay granted, and
+    the client's store of them completes."""
+    _stocked(mgr, 3)
+    keys = [b"lowered-%d" % i for i in range(3)]
+    out = mgr.prepare_store(keys)
+    assert len(out.block_ids) == 3
+    before = _grant_marks(mgr.segment, out.block_ids)
+    words, _ = slots.grants(mgr.segment, mgr.slot)
+    words["granted"] = words["taken"] = int(words["taken"]) - 3  # as before the take
+    owner = mgr.segment.owner_record()[0]
+    os.kill(owner, signal.SIGKILL)
+    wait_for(lambda: not mgr.segment.owner_alive(), "the owner to die")
+    mgr._link.ensure_owner()
+    wait_for(mgr.segment.owner_alive, "a successor")
+    mgr.touch([b"start-a-successor"])  # a frame the successor serves after its takeover
+    wait_for(lambda: mgr._link.requests.consumed(mgr._link.requests.tail), "the touch")
+    assert _grant_marks(mgr.segment, out.block_ids) == before  # granted to it, in place
+    words["taken"] = mgr._own.taken  # its word mended, its store completes
+    mgr.complete_store(keys)
+    wait_for(lambda: mgr.lookup(keys) == 3, "the store to be published")
+    assert sorted(b for k in keys for b in _blocks_of(mgr.segment, k)) == sorted(out.block_ids)
 
 
 def test_grant_counts_at_the_top_of_their_range_never_take_the_owner_down(mgr):

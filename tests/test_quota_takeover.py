@@ -31,7 +31,7 @@ def tenants_disagree(m: LocalManager) -> list:
             if e.block not in m.grants.offered and e.tenant != m.table.read(e.block).stored_by]
 
 
-@pytest.mark.parametrize("ends", ["returned", "never_handed_over"])
+@pytest.mark.parametrize("ends", ["returned", "client_gone"])
 def test_an_offer_of_a_clients_own_block_stays_in_its_share_across_a_takeover(make_segment,
                                                                              ends):
     seg = make_segment(num_blocks=64, policy="lru")
@@ -48,8 +48,8 @@ def test_an_offer_of_a_clients_own_block_stays_in_its_share_across_a_takeover(ma
         m.quotas.set(A, 16)  # as it does when it adopts A
         if ends == "returned":  # a request used it since: A gives the offer back
             m.grants.publish(*A, [], [], True, 1, returned=[offered])
-        else:  # the ring's count never reached it (the owner died handing it over)
-            m.grants.settle(*A, 0, 0)
+        else:  # its client went before it claimed it
+            m.grants.free(A)
         assert tenants_disagree(m) == [] and m.entries.usage[A] == 16
         for i in range(8):  # B floods
             store(m, keys(b"c%d" % i, 8), B)

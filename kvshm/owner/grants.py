@@ -17,9 +17,10 @@ Invariants (the table says it all, so a successor rebuilds it):
   the owner publishes or frees it; nobody else gets it. An offered block is READY with its
   key and the same three fields (CLAIMED once its client took it), out of the policy (never
   chosen again) but still in the index; the owner writes nothing of it but its last use
-  until the client publishes it or dies. A successor frees the blocks whose position the
-  ring's ``granted`` count never reached (their predecessor died handing them over: the
-  client cannot have taken them; an offer just stays cached), and keeps the others;
+  until the client publishes it or dies. A successor frees no grant of a live client (its
+  counts are its own to scribble, so any grant may be one it took): it hands over the ones
+  whose position the ring's ``granted`` count never reached (their predecessor died
+  handing them over), ending only an offer left mid-rewrite, which no claim can have begun;
 * a client may publish only blocks it has taken (position below its ``taken`` count);
 * a published key that another client's unfinished round-trip store holds waits for that
   store (``deferred``, and GRANTED with its key in the table, so a successor knows): the
@@ -38,6 +39,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+
+import numpy as np
 
 from kvshm.crashpoints import crash_point
 from kvshm.index.api import Running
@@ -118,19 +121,37 @@ class Grants:
         was not claimed)."""
         self.adopt(block, writer, -1, claimed=True)
 
-    def settle(self, slot: int, gen: int, granted: int, taken: int) -> int:
-        """At takeover: free the blocks of (slot, gen) whose position its ring's ``granted``
-        count never reached (never handed over). Returns how many. Nothing when the counts
-        are impossible (the client scribbled on its slot): ``granted`` then proves nothing,
-        and a block it took may be being written; its death frees them all."""
+    def settle(self, slot: int, gen: int, granted: int, taken: int) -> list[int]:
+        """At takeover: the grants of live client (slot, gen) whose position its ring's
+        ``granted`` count never reached. A predecessor died handing them over: the ones
+        from ``granted`` on, as long as their positions run on and the ring has room, are
+        returned for the caller to hand over (ids, then the count, as a refill does); an
+        offer it left mid-rewrite (its round open, still READY: no claim of it can have
+        begun) is ended.
+        Any other stays granted, never handed over, until the client goes: only a client
+        that scribbled its counts has such grants, and it may have taken them, so freeing
+        one could let another store write where its copy still lands. Nothing when the
+        counts are impossible: they prove nothing, and its death frees everything."""
         if grant_level(granted, taken) is None:
-            return 0
+            return []
         mine = self.blocks.get((slot, gen), {})
-        lost = [b for b, pos in mine.items() if pos >= granted]
-        for b in lost:
+        beyond = sorted((pos, b) for b, pos in mine.items() if pos >= granted)
+        if not beyond:
+            return []
+        ids = np.asarray([b for _, b in beyond], np.intp)
+        # (a client's claim round is odd too, but stores EVICTING right after it opens)
+        torn = ids[(self.entries.table.seqs(ids) & 1 == 1)
+                   & (offers.states(self.entries.table, ids) == L.READY)].tolist()
+        torn = [b for b in torn if b in self.offered]
+        for b in torn:
             del mine[b]
-        self._end(lost)
-        return len(lost)
+        self._end(torn)
+        room = L.GRANT_CAPACITY - (granted - taken)
+        run: list[int] = []
+        for pos, b in beyond:
+            if b in mine and pos == granted + len(run) and len(run) < room:
+                run.append(b)
+        return run
 
     def _end(self, blocks: list[int]) -> None:
         """Blocks granted to nobody any more: a free grant, or an offer the client claimed,

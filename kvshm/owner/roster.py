@@ -17,6 +17,7 @@ import numpy as np
 
 from kvshm.crashpoints import crash_point
 from kvshm.errors import SegmentNotFoundError
+from kvshm.owner import stocking
 from kvshm.owner.clients import Client
 from kvshm.owner.manager import LocalManager
 from kvshm.shm import layout as L
@@ -96,13 +97,14 @@ class Roster:
                 return
             if c.quarantined:
                 self.quarantine(c, c.why)
-            # a client a predecessor stocked keeps being stocked (not one leaving);
-            # blocks it died handing over never reached the client: free them
+            # blocks a predecessor died handing over are handed over now; a client it
+            # stocked keeps being stocked (not one leaving)
             granted = int(c.grant_head["granted"])
+            run = manager.grants.settle(slot, rec.gen, granted, int(c.grant_head["taken"]))
+            if run:
+                granted = stocking.hand_over(c.grant_head, c.grant_ids, granted, run)
             c.stores = bool(granted) and c.grants and rec.state == L.SlotState.CLIENT
             adopted.append(c)
-            manager.grants.settle(slot, rec.gen, granted,
-                                       int(c.grant_head["taken"]))
             self.last_client = time.monotonic()
         # Quotas are first come, first served. A client an earlier owner served (it began a
         # request of it) holds the quota that owner applied: it comes before a newcomer that

@@ -73,12 +73,29 @@ def refill(grants: Grants, head: WordView, ids: np.ndarray, slot: int, gen: int,
     if level > target // 2:
         return 0
     blocks = grants.grant(slot, gen, target - level, granted)
+    _ring(ids, granted, blocks)
+    crash_point("owner.grant.before_count")
+    _count(head, granted + len(blocks))
+    return len(blocks)
+
+
+def hand_over(head: WordView, ids: np.ndarray, granted: int, blocks: list[int]) -> int:
+    """Ring ``blocks`` (granted already, at positions from ``granted`` on: what a dead
+    predecessor began to hand over, ``Grants.settle``) as a refill does. Returns the new
+    granted count."""
+    _ring(ids, granted, blocks)
+    _count(head, granted + len(blocks))
+    return granted + len(blocks)
+
+
+def _ring(ids: np.ndarray, granted: int, blocks: list[int]) -> None:
     for i, b in enumerate(blocks):
         ids[(granted + i) % L.GRANT_CAPACITY] = b
-    crash_point("owner.grant.before_count")
+
+
+def _count(head: WordView, granted: int) -> None:
     publish_fence()  # ids before the count that hands them over
-    head["granted"] = granted + len(blocks)
-    return len(blocks)
+    head["granted"] = granted
 
 
 def stock(grants: Grants, c: StockedClient, share: int, room: int) -> int | None:
