@@ -20,6 +20,7 @@ import numpy as np
 from kvshm.logs import owner_log_path
 from kvshm.shm import layout as L
 from kvshm.shm.checksums import BlockSums
+from kvshm.shm.entry import key_checksum
 from kvshm.shm.keyindex import KeyIndex
 from kvshm.shm.ring import Ring
 from kvshm.shm.segment import Segment
@@ -276,12 +277,12 @@ def _verify_once(seg: Segment, sums: BlockSums | None = None) -> list[str]:
             "state", "writer", "writer_gen", "keylen", "keysum"))):
         key, name = m.key(b, keylen), L.STATE_NAMES.get(s, f"in unknown state {s}")
         if s == L.GRANTED:  # in a client's grant ring; with a key, a completed store the
-            if keylen and L.key_checksum(key) != keysum:  # owner defers (not indexed yet)
+            if keylen and key_checksum(key) != keysum:  # owner defers (not indexed yet)
                 out.append(f"block {b} is granted with key {key.hex()[:16]}, which does not "
                            f"match the key checksum {keysum:#010x}")
         elif not 1 <= keylen <= L.MAX_KEY_BYTES:
             out.append(f"block {b} is {name} with key length {keylen}")
-        elif L.key_checksum(key) != keysum:  # the next owner frees it instead of adopting it
+        elif key_checksum(key) != keysum:  # the next owner frees it instead of adopting it
             out.append(f"block {b} is {name} but its key {key.hex()[:16]} does not match the "
                        f"key checksum {keysum:#010x} (key torn by a rewrite cut short, or "
                        "damaged)")

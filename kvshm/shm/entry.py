@@ -37,13 +37,27 @@ WORDS32 = L.ENTRY_BYTES // 4
 WORDS64 = L.ENTRY_BYTES // 8
 assert BODY_OFF == 4 and BODY_OFF + BODY.size == field_offset(ENTRY_DTYPE, "offered_at")
 assert STORED_NS_WORD == LAST_USE_WORD + 1  # publish stores them as adjacent words
-EMPTY_KEYSUM = L.key_checksum(b"")
+
+
+def key_checksum(key: bytes) -> int:
+    """The ``keysum`` of an entry holding ``key``: crc32 over the key length and the key.
+
+    It covers only what a rewrite of the same block never changes without changing the key
+    (not state, seq, clocks or pins), so word stores to those leave it valid.
+    """
+    if len(key) <= L.MAX_KEY_BYTES:
+        return zlib.crc32(key, _LENGTH_CRC[len(key)])
+    return zlib.crc32(key, zlib.crc32(bytes((len(key),))))
+
+
+_LENGTH_CRC = tuple(zlib.crc32(bytes((n,))) for n in range(L.MAX_KEY_BYTES + 1))
+EMPTY_KEYSUM = key_checksum(b"")
 # A key's checksum is its crc32 (the key index's tag) xor a constant of its length: crc32 is
 # affine, and the checksum only prefixes the length byte. A batch writer that indexes the
 # keys it writes computes one crc32 per key for both (``table.write_many``'s ``tags``).
-KEYSUM_XOR = [L.key_checksum(bytes(n)) ^ zlib.crc32(bytes(n))
+KEYSUM_XOR = [key_checksum(bytes(n)) ^ zlib.crc32(bytes(n))
                    for n in range(L.MAX_KEY_BYTES + 1)]
-assert all(L.key_checksum(k) == zlib.crc32(k) ^ KEYSUM_XOR[len(k)]
+assert all(key_checksum(k) == zlib.crc32(k) ^ KEYSUM_XOR[len(k)]
            for k in (b"\x01", b"k" * 36, bytes(range(L.MAX_KEY_BYTES))))
 
 
@@ -59,7 +73,7 @@ class Entry(NamedTuple):
     last_use: int
     stored_ns: int
     pins: int
-    keysum: int = 0  # the checksum stored with the key (layout.key_checksum)
+    keysum: int = 0  # the checksum stored with the key (``key_checksum``)
     torn: bool = False  # read() gave up: the seq stayed odd (or kept moving); do not trust
     tenant: int = -1  # client slot whose store the block holds (its quota counts it), or -1
     tenant_gen: int = 0
@@ -77,7 +91,7 @@ class Entry(NamedTuple):
     @property
     def key_ok(self) -> bool:
         """The key and its length are the ones written together with ``keysum``."""
-        return L.key_checksum(self.key) == self.keysum
+        return key_checksum(self.key) == self.keysum
 
 
 # BlockTable.write packs and decode() unpacks the body positionally, in this order: a

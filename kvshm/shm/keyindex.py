@@ -24,7 +24,7 @@ _EMPTY = 0xFFFFFFFF << 32
 
 def tags_of(keys: Sequence[bytes]) -> list[int]:
     """The index tags (crc32) of ``keys``, computed in one C-level pass. A key's table
-    checksum is its tag xor a constant of its length (``layout.keysum_of_tag``), so a batch
+    checksum is its tag xor a constant of its length (``entry.KEYSUM_XOR``), so a batch
     writer that needs both computes one crc32 per key."""
     return list(map(zlib.crc32, keys))
 

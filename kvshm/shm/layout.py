@@ -20,7 +20,6 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
-import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -189,20 +188,6 @@ ENTRY_BYTES = ENTRY_DTYPE.itemsize
 ENTRY_KEY_OFFSET = field_offset(ENTRY_DTYPE, "key")
 assert field_dtype(ENTRY_DTYPE, "key").itemsize == MAX_KEY_BYTES and ENTRY_BYTES % 8 == 0
 assert field_names(ENTRY_DTYPE)[0] == "seq"  # the seqlock word is word 0 of the entry
-
-
-def key_checksum(key: bytes) -> int:
-    """The ``keysum`` of an entry holding ``key``: crc32 over the key length and the key.
-
-    It covers only what a rewrite of the same block never changes without changing the key
-    (not state, seq, clocks or pins), so word stores to those leave it valid.
-    """
-    if len(key) <= MAX_KEY_BYTES:
-        return zlib.crc32(key, _LENGTH_CRC[len(key)])
-    return zlib.crc32(key, zlib.crc32(bytes((len(key),))))
-
-
-_LENGTH_CRC = tuple(zlib.crc32(bytes((n,))) for n in range(MAX_KEY_BYTES + 1))
 
 
 # --- writer registry ---------------------------------------------------------------------

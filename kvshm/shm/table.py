@@ -14,7 +14,7 @@ It must never store into an entry with ``struct.pack_into`` (which zero-fills it
 first, so a death mid-write would leave a key with a zeroed tail under a READY state): an
 entry body is packed aside and copied in with one slice assignment, and single words go
 through aligned memoryview casts. Every key is written together with its checksum
-(``layout.key_checksum``), so a successor can tell a torn key from an intact one.
+(``entry.key_checksum``), so a successor can tell a torn key from an intact one.
 It never decides policy (see ``owner/manager.py``).
 """
 from __future__ import annotations
@@ -44,6 +44,7 @@ from kvshm.shm.entry import (
     WRITER_OFF,
     Entry,
     decode,
+    key_checksum,
 )
 from kvshm.shm.fence import publish_fence
 from kvshm.shm.records import ENTRY_DTYPE
@@ -185,7 +186,7 @@ class BlockTable:
 
         The body is packed first, so a value out of range raises before the entry is touched.
         """
-        self._put(block, BODY.pack(state, len(key), writer, writer_gen, L.key_checksum(key),
+        self._put(block, BODY.pack(state, len(key), writer, writer_gen, key_checksum(key),
                                     writer_req, last_use, stored_ns, pins, key, tenant + 1, b"",
                                     tenant_gen))
 
@@ -305,7 +306,7 @@ class BlockTable:
         if n < VECTOR_MIN:
             reqs = [writer_req] * n if isinstance(writer_req, int) else writer_req
             uses = [last_use] * n if isinstance(last_use, int) else last_use
-            bodies = [BODY.pack(state, len(k), writer, writer_gen, L.key_checksum(k), reqs[i],
+            bodies = [BODY.pack(state, len(k), writer, writer_gen, key_checksum(k), reqs[i],
                                  uses[i], stored_ns, 0, k, tenant + 1, b"", tenant_gen)
                       for i, k in enumerate(keys or [b""] * n)]
             for blk, packed in zip(blocks, bodies):
@@ -318,7 +319,7 @@ class BlockTable:
         if keys:
             if max(map(len, keys)) > L.MAX_KEY_BYTES:  # (struct would truncate it silently)
                 raise ValueError(f"write_many of a key over {L.MAX_KEY_BYTES} bytes")
-            sums: Iterable[int] = map(L.key_checksum, keys) if tags is None else \
+            sums: Iterable[int] = map(key_checksum, keys) if tags is None else \
                 map(xor, tags, map(KEYSUM_XOR.__getitem__, map(len, keys)))
             lens: Iterable[int] = map(len, keys)
             bkeys = keys
