@@ -217,6 +217,39 @@ def test_a_takeover_leaves_the_claim_round_of_a_live_client_to_that_client(pair)
         b.complete_load([key])
 
 
+def test_a_takeover_leaves_the_claim_round_of_a_client_that_lowered_its_counts_to_it(pair):
+    """The same claim round, of a client that also lowered its grant counts to the offer's
+    position: to a successor the offer then looks like one its predecessor died writing
+    and never handed over. Had it ended the offer (closed the round, cached the key again),
+    the client would go on to claim it and write its bytes where another store gets it."""
+    a, b = pair
+    blk, key = next(iter(fill_until_offered(a).items()))
+    table = a.table
+    pos = table.read(blk).writer_req
+    seq = table._odd(blk)  # a's claim (offers.claim_one) opens its round and stops there
+    words, _ = slots.grants(a.segment, a.slot)
+    words["granted"] = words["taken"] = pos  # possible counts that never reached it
+    pid = a.segment.owner_record()[0]
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: not a.segment.owner_alive(), "the owner to die")
+    b.take_events()  # the reader's call starts a successor, which rebuilds from the table
+    assert a.segment.owner_record()[0] not in (0, pid)
+    assert table.seq(blk) == seq  # its round is still a's to close
+    e = table.read(blk)
+    assert (e.writer, e.writer_gen, e.writer_req) == (a.slot, a.gen, pos)  # still a's offer
+    a.segment.buf[table.base + blk * L.ENTRY_BYTES + STATE_OFF] = L.EVICTING
+    table._even(blk, seq)
+    full_fence()
+    offers.finish_one(table, blk)  # a's claim ends: the block is a's to write
+    stored = []
+    for i in range(BLOCKS // 4):  # the cache turns over around it
+        out = b.prepare_store(keys(f"b{i}", 4))
+        if out is not None:
+            stored += out.block_ids
+            b.complete_store(out.keys_to_store)
+    assert blk not in stored
+
+
 class RacedClaim:
     """Client ``a``'s claim of a block offered to it, done step by step as
     ``OwnStores._claim_one`` does it, stalled (descheduled, SIGSTOPped) after its mark: a

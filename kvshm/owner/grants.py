@@ -17,10 +17,10 @@ Invariants (the table says it all, so a successor rebuilds it):
   the owner publishes or frees it; nobody else gets it. An offered block is READY with its
   key and the same three fields (CLAIMED once its client took it), out of the policy (never
   chosen again) but still in the index; the owner writes nothing of it but its last use
-  until the client publishes it or dies. A successor frees no grant of a live client (its
+  until the client publishes it or dies. A successor ends no grant of a live client (its
   counts are its own to scribble, so any grant may be one it took): it hands over the ones
   whose position the ring's ``granted`` count never reached (their predecessor died
-  handing them over), ending only an offer left mid-rewrite, which no claim can have begun;
+  handing them over), and keeps any it cannot hand over until the client goes;
 * a client may publish only blocks it has taken (position below its ``taken`` count);
 * a published key that another client's unfinished round-trip store holds waits for that
   store (``deferred``, and GRANTED with its key in the table, so a successor knows): the
@@ -125,13 +125,12 @@ class Grants:
         """At takeover: the grants of live client (slot, gen) whose position its ring's
         ``granted`` count never reached. A predecessor died handing them over: the ones
         from ``granted`` on, as long as their positions run on and the ring has room, are
-        returned for the caller to hand over (ids, then the count, as a refill does); an
-        offer it left mid-rewrite (its round open, still READY: no claim of it can have
-        begun) is ended.
-        Any other stays granted, never handed over, until the client goes: only a client
-        that scribbled its counts has such grants, and it may have taken them, so freeing
-        one could let another store write where its copy still lands. Nothing when the
-        counts are impossible: they prove nothing, and its death frees everything."""
+        returned for the caller to hand over (ids, then the count, as a refill does). Any
+        other stays granted, never handed over, until the client goes, and none is ended
+        or freed: the counts are the client's to scribble, so it may have taken any of
+        them, and may be inside its claim round of an offer (odd and READY, as an offer its
+        predecessor died writing looks: that one stays so, its key a miss, until then).
+        Nothing when the counts are impossible: its death ends everything."""
         if grant_level(granted, taken) is None:
             return []
         mine = self.blocks.get((slot, gen), {})
@@ -139,18 +138,13 @@ class Grants:
         if not beyond:
             return []
         ids = np.asarray([b for _, b in beyond], np.intp)
-        # (a client's claim round is odd too, but stores EVICTING right after it opens)
-        torn = ids[(self.entries.table.seqs(ids) & 1 == 1)
-                   & (offers.states(self.entries.table, ids) == L.READY)].tolist()
-        torn = [b for b in torn if b in self.offered]
-        for b in torn:
-            del mine[b]
-        self._end(torn)
+        odd = (self.entries.table.seqs(ids) & 1).tolist()  # a claim round, maybe: kept
         room = L.GRANT_CAPACITY - (granted - taken)
         run: list[int] = []
-        for pos, b in beyond:
-            if b in mine and pos == granted + len(run) and len(run) < room:
-                run.append(b)
+        for (pos, b), o in zip(beyond, odd):
+            if o or pos != granted + len(run) or len(run) >= room:
+                break
+            run.append(b)
         return run
 
     def _end(self, blocks: list[int]) -> None:

@@ -55,7 +55,7 @@ def rebuild(entries: Entries, grants: Grants, writer_alive: Callable[[int, int],
             # stored (odd until it goes on, a miss meanwhile), and a round closed under it
             # would let that store land outside any round, unseen by a reader that proved
             # the entry READY at the closed sequence number. One never handed over is
-            # handed over at adoption, or ended if left mid-rewrite (``Grants.settle``).
+            # handed over at adoption, or kept until its client goes (``Grants.settle``).
             # The key of an offer, or of a claim that may still be given back, is indexed
             # again when intact.
             if e.state != L.CLAIMED and e.key and e.key_ok:

@@ -47,9 +47,10 @@ def offer(table: BlockTable, blocks: Sequence[int], slot: int, gen: int,
     seqs = table.open_rounds(b)
     e = table.fields
     # The ring position first, the fields that name the client last: an owner dying in
-    # between leaves an entry that names no live client, or one mid-rewrite whose position
-    # is new (at or above the client's granted count), which a successor ends as never
-    # handed over (``Grants.settle``).
+    # between leaves an entry that names no live client (a successor settles it), or one
+    # mid-rewrite whose position is new (at or above the client's granted count), which a
+    # successor keeps for the client, never handed over, until it goes: it cannot tell that
+    # round from a claim round of the client (``Grants.settle``).
     # A stale position below it would make the entry look like one the client may be
     # claiming, which a successor leaves open (``rebuild``).
     e["writer_req"][b] = np.asarray(positions, np.uint64)
