@@ -215,11 +215,10 @@ def test_a_dead_clients_slot_comes_back_whatever_state_it_left_in_it(seg, state)
 
 
 def test_a_live_client_that_scribbles_its_slot_generation_keeps_its_stores(seg):
-    # A slot's generation word is its client's to write; the owner that adopted the slot
-    # holds it (its served lock), so while the slot's kernel lock is held its client is the
-    # one adopted, whatever generation it now shows. The owner took the new word for a death
-    # and freed the live client's unfinished stores, which it then wrote into while others
-    # stored and read there.
+    # A slot's generation word is its client's to write; the kernel lock of its generation
+    # is not, and says whether the stores of that generation have a living writer. The owner
+    # took a new word for a death and freed the live client's unfinished stores, which it
+    # then wrote into while others stored and read there.
     a = connect(seg.name)
     honest = connect(seg.name)
     parent, child = CTX.Pipe()
@@ -256,11 +255,10 @@ def test_a_live_client_that_scribbles_its_slot_generation_keeps_its_stores(seg):
 
 def test_a_live_client_that_scribbles_its_slot_generation_keeps_its_stores_at_a_takeover(seg):
     # The same while no owner runs: the next owner finds a live client whose record shows
-    # another generation than its unfinished stores. A slot is claimed only once FREE, and
-    # it goes FREE only after its stores were settled, so while its kernel lock is held no
-    # other client's stores can be left in the table under it: they are the holder's, kept
-    # (never handed to anyone) until it goes.
-    a = connect(seg.name)
+    # another generation than its unfinished stores. Their generation's lock is held: they
+    # are kept (never handed to anyone) until it goes. The owner serves no client under a
+    # word whose generation nobody holds, so its goodbye goes unanswered (a short timeout).
+    a = connect(seg.name, timeout=2.0)
     honest = connect(seg.name)
     table = BlockTable(seg.buf, seg.geometry)
     try:

@@ -350,7 +350,7 @@ def test_a_client_with_a_scribbled_ring_is_quarantined_and_keeps_its_leases(seg)
     wait_for(lambda: seg.counter("errors") >= 1, "the owner to quarantine the scribbler")
     writer.shutdown()
     bad._link.close()  # it cannot say goodbye on a broken ring: it just goes
-    slots.unlock(bad.segment, bad.slot)
+    slots.unlock(bad.segment, bad.slot, bad.gen)
     wait_for(lambda: slots.record(seg, bad.slot).state == L.SlotState.FREE,
              "its slot to be reclaimed")
 

@@ -91,6 +91,8 @@ CHILD = textwrap.dedent("""
         from kvshm.shm.ring import Ring
         i = spec["slot"]
         assert locks.try_lock(seg.fd, L.LOCK_CLIENT_BASE + i)
+        from kvshm.shm.slots import gen_lock  # a client holds its generation's lock too
+        assert locks.try_lock(seg.fd, gen_lock(i, spec["gen"]))
         o = g.slot_offset(i)
         holds = (spec["holds"] + [-1] * g.hold_capacity)[:g.hold_capacity]
         struct.pack_into(f"<{g.hold_capacity}i", seg.buf, o + g.hold_offset, *holds)

@@ -258,6 +258,26 @@ def test_quarantined_blocks_come_back_when_the_worker_dies_though_a_newcomer_too
         newcomer.shutdown()
 
 
+def test_quarantined_blocks_come_back_when_the_worker_dies_though_a_newcomer_took_the_slot_and_an_owner_took_over(rig):  # noqa: E501
+    # A successor owner knows a dead generation from the slot's next one by their own
+    # kernel locks: the dead scheduler's quarantined stores must not wait for the newcomer.
+    job = rig.freeze_worker_mid_store()
+    rig.kill_scheduler(job["slot"])
+    newcomer = connect(rig.name)
+    try:
+        assert newcomer.slot == job["slot"]
+        owner = rig.seg.owner_record()[0]
+        os.kill(owner, signal.SIGKILL)
+        wait_for(lambda: not rig.seg.owner_alive(), "the owner to die")
+        newcomer.take_events()  # a successor takes over
+        assert set(job["blocks"]) <= rig.blocks_in(L.WRITING)  # the worker still copies
+        rig.worker.kill()
+        rig.worker.join()
+        wait_for(lambda: not rig.blocks_in(L.WRITING), "the quarantined blocks to be freed")
+    finally:
+        newcomer.shutdown()
+
+
 # --- the registry on its own -------------------------------------------------------------
 def test_a_registration_is_alive_only_for_its_generation_and_while_its_lock_is_held(
         make_segment):
@@ -278,10 +298,38 @@ def test_a_registration_is_alive_only_for_its_generation_and_while_its_lock_is_h
         other.close()
 
 
+def test_a_generation_lives_exactly_while_its_client_holds_its_lock(seg_name):
+    from conftest import stop_owner
+    m = connect(seg_name, layout(1), num_blocks=NUM_BLOCKS, **SMALL_GEOMETRY)
+    seg = Segment.attach(seg_name)  # another open file description: another "process"
+    try:
+        slot, gen = m.slot, m.gen
+        assert slots.generation_held(seg, slot, gen)
+        slots._store(seg, slot, "gen", gen + 1)  # its word is the client's to write
+        assert slots.generation_held(seg, slot, gen)
+        assert not slots.generation_held(seg, slot, gen + 1)
+        slots._store(seg, slot, "gen", gen)
+        m.shutdown()
+        assert not slots.generation_held(seg, slot, gen)
+        wait_for(lambda: slots.record(seg, slot).state == L.SlotState.FREE, "its slot back")
+        nxt = connect(seg_name)  # the first FREE slot: its
+        try:
+            assert nxt.slot == slot and nxt.gen != gen
+            assert slots.generation_held(seg, slot, nxt.gen)
+            assert not slots.generation_held(seg, slot, gen)  # the slot's, not the generation's
+        finally:
+            nxt.shutdown()
+    finally:
+        m.shutdown()
+        stop_owner(seg.owner_record()[0])
+        seg.close()
+
+
 def test_writer_lock_bytes_overlap_no_client_or_channel_lock():
     from kvshm.engine.channel import WORKER_LOCK_BASE
     last_client_byte = max(L.LOCK_CLIENT_BASE, WORKER_LOCK_BASE) + 1024
     assert L.LOCK_WRITER_BASE >= last_client_byte
+    assert L.LOCK_GEN_BASE >= L.LOCK_SERVED_BASE + 1024  # past every per-slot byte
 
 
 # --- kvshm-inspect gc: a temporary owner honours the registry as an owner does -------------

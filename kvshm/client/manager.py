@@ -82,7 +82,7 @@ class SharedManager(OffloadingManager):
         except BaseException:
             # Leave the slot CLIENT and unlocked: the owner (or gc) reclaims it, and it is
             # the only one that may, since it may have adopted it already.
-            slots.unlock(segment, self.slot)
+            slots.unlock(segment, self.slot, self.gen)
             self._close_views()
             raise
 
@@ -379,7 +379,7 @@ class SharedManager(OffloadingManager):
                 self._link.call([P.Bye(self._link.next_req())])
         except Exception:
             pass  # the owner reclaims a vanished client anyway
-        slots.unlock(seg, self.slot)
+        slots.unlock(seg, self.slot, self.gen)
         self._close_views()
         seg.close()
         self.segment = None  # type: ignore[assignment]

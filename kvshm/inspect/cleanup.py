@@ -32,8 +32,7 @@ def reclaim(seg: Segment) -> dict[str, Any]:
     dead_owner = seg.owner_record()  # pid 0 unless the last owner died holding the segment
     try:  # the rebuild frees stores whose writer died and settles torn entries (but a live
         # client's offers and claims, which that client or the next owner to serve it ends)
-        mgr = LocalManager(seg, writer_alive=lambda i, gen: i in live and
-                           slots.record(seg, i)[2] == gen)
+        mgr = LocalManager(seg, writer_alive=lambda i, gen: slots.generation_held(seg, i, gen))
     except OwnerUnavailableError:  # cannot happen while we hold the lock; be safe anyway
         locks.unlock(seg.fd, L.LOCK_OWNER)
         return {**out, "reason": "an owner started meanwhile; nothing done"}

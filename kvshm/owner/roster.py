@@ -44,14 +44,16 @@ class Roster:
 
     # --- liveness -----------------------------------------------------------------------
     def writer_alive(self, slot: int, gen: int) -> bool:
-        """Whether client ``gen`` of ``slot`` may live: the slot's kernel lock is held. The
-        generation its record shows is a word the client writes, so it decides nothing: a
-        slot is claimed only once FREE, and goes FREE only after its client's stores and
-        grants were settled (reclaimed, or quarantined for copiers that live on), so while
-        the lock is held what the table keeps under the slot is its holder's, or a dead
-        generation's kept for its copiers, which then waits for the holder to go too."""
-        return 0 <= slot < self.seg.geometry.max_clients and \
-            locks.is_held(self.seg.fd, L.LOCK_CLIENT_BASE + slot)
+        """Whether client ``gen`` of ``slot`` may live: its generation's kernel lock is held
+        (``slots.generation_held``). The generation its slot record shows is a word the
+        client writes: a client found under a word whose lock nobody holds is never served,
+        and a dead generation's stores kept for its copiers come back when those go, though
+        the slot's next client lives."""
+        return slots.generation_held(self.seg, slot, gen)
+
+    def slot_held(self, slot: int) -> bool:
+        """Whether someone holds ``slot`` (its kernel lock): its record and holds are theirs."""
+        return locks.is_held(self.seg.fd, L.LOCK_CLIENT_BASE + slot)
 
     def held(self, requester: int) -> set[int]:
         """Blocks that adopted clients hold (dead and quarantined ones too, until reclaimed):
@@ -161,7 +163,7 @@ class Roster:
             rec = slots.record(self.seg, slot)
             if rec.state == L.SlotState.CHANNEL:  # holds nothing of ours: it just goes FREE
                 slots.clear_if_dead(self.seg, slot, rec.gen)
-            elif rec.state != L.SlotState.FREE and not self.writer_alive(slot, rec.gen):
+            elif rec.state != L.SlotState.FREE and not self.slot_held(slot):
                 # CLIENT or LEAVING, or any word its client left there: the state is the
                 # client's to write, so a dead holder's slot goes back whatever it says
                 self.reclaim(manager, slot, rec.gen)

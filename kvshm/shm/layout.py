@@ -67,13 +67,14 @@ from kvshm.shm.records import (  # noqa: F401  (re-exported: one definition, two
 )
 
 MAGIC = b"KVSHM\x00\x00\x01"
-FORMAT_VERSION = 8  # 2: 64-bit writer_req, keysum in every table entry; 3: block grants;
+FORMAT_VERSION = 9  # 2: 64-bit writer_req, keysum in every table entry; 3: block grants;
 #                    4: grant rings of 1,024 blocks, a client's refusal of grants;
 #                    5: doorbells and the tier area named for the segment's inode;
 #                    6: offered (READY) grants claimed by their client, slot hold marks,
 #                       a client's share of the cache (quotas);
 #                    7: doorbells are futex words of the segment, no semaphores;
-#                    8: a table entry names its block's tenant (quotas survive failover)
+#                    8: a table entry names its block's tenant (quotas survive failover);
+#                    9: a client holds a lock of its generation (LOCK_GEN_BASE)
 HEADER_BYTES = 4096
 DATA_ALIGN = 2 << 20
 MAX_PLANES = 32
@@ -111,6 +112,11 @@ LOCK_WRITER_BASE = LOCK_CLIENT_BASE + 2048
 # at most 8 per slot of 1024). A slot is claimed only while nobody holds it: a client that
 # left FREE in its state and died cannot hand its slot on before the owner let go of it.
 LOCK_SERVED_BASE = LOCK_WRITER_BASE + 8 * 1024
+# + (slot << 32) + gen: held by the client of that slot and generation while it lives, beside
+# its slot's byte. The generation word of its slot record is the client's to write; this
+# lock is not: it alone says whether the stores of a (slot, gen) have a living writer, also
+# once a next client holds the slot (``slots.generation_held``).
+LOCK_GEN_BASE = 1 << 20
 
 # --- header ------------------------------------------------------------------------------
 # The records' fields (names, types, offsets, who writes what) are records.py's; layout

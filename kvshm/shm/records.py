@@ -196,7 +196,8 @@ SLOT_DTYPE = np.dtype([
     #                          or by the owner once the holder is dead
     ("pid", "<u4"),          # claimant: its pid, for people; 0 once cleared
     ("gen", "<u8"),          # claimant, before the state: ``next_gen`` of the last one, so
-    #                          (slot, gen) names one client (until 2**32 - 1 claims later)
+    #                          (slot, gen) names one client (until 2**32 - 1 claims later);
+    #                          its lock (``slots.gen_lock``), not this word, says it lives
     ("attached_ns", "<u8"),  # claimant: time.time_ns() at activation
     ("name", "S32"),         # claimant: its program name, NUL padded, for people
     ("events", "<u8"),       # claimant, before the state: 1 if it takes events, so that every

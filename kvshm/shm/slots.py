@@ -2,11 +2,12 @@
 
 This module owns the life cycle of a slot. A slot belongs to whoever holds its kernel lock
 (``LOCK_CLIENT_BASE + slot``); its record says what it is (free, a manager client, or a job
-channel between an engine's scheduler and a worker). Only slots whose record is FREE are
-claimed, so nobody reformats rings that an owner may still be reading. A client slot goes back
-to FREE only through the owner (after a goodbye, or when it sees the holder dead, adopted or
-not), or through ``kvshm-inspect gc`` while it holds the owner lock: the one process that may
-be reading a slot's rings is the one that clears it.
+channel between an engine's scheduler and a worker). A manager client also holds the lock of
+its generation (``gen_lock``): whether a generation's stores have a living writer. Only
+slots whose record is FREE are claimed, so nobody reformats rings that an owner may still be
+reading. A client slot goes back to FREE only through the owner (after a goodbye, or when it
+sees the holder dead, adopted or not), or through ``kvshm-inspect gc`` while it holds the
+owner lock: the one process that may be reading a slot's rings is the one that clears it.
 It never talks to the owner.
 """
 from __future__ import annotations
@@ -61,7 +62,7 @@ def claim(seg: Segment, wait_for_reclaim: Callable[[], object] | None = None,
             if not locks.try_lock(fd, L.LOCK_CLIENT_BASE + slot):
                 continue
             gen = claimable(seg, slot)
-            if gen is not None:
+            if gen is not None and locks.try_lock(fd, gen_lock(slot, gen)):
                 return slot, gen
             locks.unlock(fd, L.LOCK_CLIENT_BASE + slot)
             dirty = True
@@ -115,12 +116,28 @@ def activate(seg: Segment, slot: int, gen: int, state: int = SlotState.CLIENT,
 def release(seg: Segment, slot: int, gen: int) -> None:
     """Clear a slot we hold and unlock it. Only for slots no owner reads (job channels)."""
     clear(seg, slot, gen)
-    unlock(seg, slot)
+    unlock(seg, slot, gen)
 
 
-def unlock(seg: Segment, slot: int) -> None:
-    """Give up our hold of ``slot``; its record stays for the owner to reclaim."""
+def unlock(seg: Segment, slot: int, gen: int) -> None:
+    """Give up our hold of ``slot`` as its client ``gen`` (``claim``); its record stays for
+    the owner to reclaim."""
+    locks.unlock(seg.fd, gen_lock(slot, gen))  # (a no-op for a job channel: it holds none)
     locks.unlock(seg.fd, L.LOCK_CLIENT_BASE + slot)
+
+
+def gen_lock(slot: int, gen: int) -> int:
+    """The lock byte client ``gen`` of ``slot`` holds while it lives (``LOCK_GEN_BASE``)."""
+    return L.LOCK_GEN_BASE + (slot << 32) + gen
+
+
+def generation_held(seg: Segment, slot: int, gen: int) -> bool:
+    """Whether client ``gen`` of ``slot`` lives: the kernel lock of that generation is held
+    (by someone else than ``seg.fd``'s description). Its slot record's generation word
+    decides nothing: the client writes it, and a dead generation's stores may outlive it
+    in the table (kept for its copy workers) while the slot's next client lives."""
+    return 0 <= slot < seg.geometry.max_clients and 0 <= gen < 2**32 and \
+        locks.is_held(seg.fd, gen_lock(slot, gen))
 
 
 def leave(seg: Segment, slot: int) -> None:
