@@ -23,7 +23,7 @@ import procs
 from test_shared import spawn
 from kvshm.shm import layout as L
 from kvshm.shm import slots
-from kvshm.shm import writers
+from kvshm.shm import locks, writers
 from kvshm.engine.channel import SchedulerChannel, WorkerChannel
 from kvshm.client.connect import connect
 from kvshm.engine.connector import SchedulerConnector
@@ -320,6 +320,29 @@ def test_a_generation_lives_exactly_while_its_client_holds_its_lock(seg_name):
         finally:
             nxt.shutdown()
     finally:
+        m.shutdown()
+        stop_owner(seg.owner_record()[0])
+        seg.close()
+
+
+def test_a_copier_sees_a_generation_dead_once_its_lock_falls_though_its_slot_is_held(
+        seg_name):
+    # A client lets go of its generation's lock first, then of its slot's (a shutdown whose
+    # goodbye went unanswered). In between, an owner sees the generation dead and frees its
+    # stores without a copier registered: a copier must not be admitted for it then.
+    from conftest import stop_owner
+    m = connect(seg_name, layout(1), num_blocks=NUM_BLOCKS, **SMALL_GEOMETRY)
+    seg = Segment.attach(seg_name)
+    reg = writers.Registrations(seg)
+    try:
+        assert reg.admit(m.slot, m.gen)
+        reg.unregister(m.slot, m.gen)
+        locks.unlock(m.segment.fd, slots.gen_lock(m.slot, m.gen))  # the first of the two
+        assert locks.is_held(seg.fd, L.LOCK_CLIENT_BASE + m.slot)
+        assert not writers.generation_alive(seg, m.slot, m.gen)
+        assert not reg.admit(m.slot, m.gen)
+    finally:
+        reg.close()
         m.shutdown()
         stop_owner(seg.owner_record()[0])
         seg.close()

@@ -122,6 +122,8 @@ def release(seg: Segment, slot: int, gen: int) -> None:
 def unlock(seg: Segment, slot: int, gen: int) -> None:
     """Give up our hold of ``slot`` as its client ``gen`` (``claim``); its record stays for
     the owner to reclaim."""
+    # The generation's first: its copiers (``writers.generation_alive``) and an owner that
+    # adopted it see it dead from then on, one that did not (``Roster.slot_held``) later.
     locks.unlock(seg.fd, gen_lock(slot, gen))  # (a no-op for a job channel: it holds none)
     locks.unlock(seg.fd, L.LOCK_CLIENT_BASE + slot)
 

@@ -56,13 +56,14 @@ def alive(seg: Segment, slot: int, gen: int) -> bool:
 
 
 def generation_alive(seg: Segment, slot: int, gen: int) -> bool:
-    """Whether the client of ``slot`` generation ``gen`` still lives (its lock is held and the
-    slot is CLIENT under that generation: a reclaimed or re-claimed slot is not)."""
-    if not 0 <= slot < seg.geometry.max_clients:
+    """Whether the client of ``slot`` generation ``gen`` still lives, as a copier must see
+    it: its generation's lock is held (the one an owner asks, so a copier never sees alive
+    a generation whose stores an owner already freed; a client lets go of it before its
+    slot's) and its slot is CLIENT (LEAVING: its goodbye is being served)."""
+    if not 0 <= slot < seg.geometry.max_clients or not 0 <= gen < 2**32:
         return False
-    rec = slots.record(seg, slot)
-    return rec.state == L.SlotState.CLIENT and rec.gen == gen and \
-        locks.is_held(_query_fd(seg), L.LOCK_CLIENT_BASE + slot)
+    return slots.record(seg, slot).state == L.SlotState.CLIENT and \
+        locks.is_held(_query_fd(seg), slots.gen_lock(slot, gen))
 
 
 def registrations(seg: Segment) -> list[dict]:
