@@ -512,14 +512,17 @@ def test_the_dead_are_reclaimed_while_others_keep_the_owner_busy(seg_name):
         stop_owner(pid)
 
 
-def test_an_owner_dying_halfway_through_an_offer_leaves_no_entry_mid_rewrite(seg_name):
+@pytest.mark.parametrize("point", ["table.offer.mid", "table.offer.odd"])
+def test_an_owner_dying_halfway_through_an_offer_leaves_no_entry_mid_rewrite(seg_name, point):
     """An offer's fields are stored one after another, its round open. An owner that dies
-    between them must leave an entry its successor can end: the block's new ring position
-    (at or above the client's granted count, so the successor ends the offer) before the
-    fields that name the client, whose offers and claims a successor leaves as they lie."""
+    between them leaves an entry that names no live client (the successor settles it) or,
+    once the fields that name the client are stored, an offer to a live client with its
+    round open: the successor hands it over (it cannot tell that round from the client's
+    own claim round, so it never closes it) and the client's claim closes it. Either way
+    no entry stays mid-rewrite once the clients took what they were handed."""
     seg = Segment.create(seg_name, TEST_LAYOUT, BLOCKS, max_clients=CLIENTS,
                          ring_capacity=8192, hold_capacity=64)
-    first = owner_proc(seg_name, "table.offer.mid:4")  # a few refills in, with old positions
+    first = owner_proc(seg_name, f"{point}:4")  # a few refills in, with old positions
     a, b = connect(seg_name), connect(seg_name)
     try:
         for i in range(8):
@@ -530,8 +533,11 @@ def test_an_owner_dying_halfway_through_an_offer_leaves_no_entry_mid_rewrite(seg
             if first.poll() is not None:
                 break
         assert first.wait(10) == -signal.SIGKILL  # died inside an offer
-        b.take_events()  # a successor rebuilds, and ends the offers never handed over
-        assert verify(seg) == []  # no entry left mid-rewrite while the client lives
+        b.take_events()  # a successor rebuilds, and hands over what was never handed over
+        for i in range(2 * 16):  # past all each client was handed (its ring holds <= 16)
+            procs.store(a, keys(f"a-after{i}", 1))
+            procs.store(b, keys(f"b-after{i}", 1))
+        assert verify(seg) == []  # no entry left mid-rewrite while the clients live
     finally:
         pid = seg.owner_record()[0]
         for m in (b, a):

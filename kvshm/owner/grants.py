@@ -40,8 +40,6 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-import numpy as np
-
 from kvshm.crashpoints import crash_point
 from kvshm.index.api import Running
 from kvshm.owner.entries import Client, Entries
@@ -125,24 +123,20 @@ class Grants:
         """At takeover: the grants of live client (slot, gen) whose position its ring's
         ``granted`` count never reached. A predecessor died handing them over: the ones
         from ``granted`` on, as long as their positions run on and the ring has room, are
-        returned for the caller to hand over (ids, then the count, as a refill does). Any
+        returned for the caller to hand over (ids, then the count, as a refill does), an
+        offer it left mid-rewrite as it lies (the client's claim closes its round). Any
         other stays granted, never handed over, until the client goes, and none is ended
         or freed: the counts are the client's to scribble, so it may have taken any of
         them, and may be inside its claim round of an offer (odd and READY, as an offer its
-        predecessor died writing looks: that one stays so, its key a miss, until then).
-        Nothing when the counts are impossible: its death ends everything."""
+        predecessor died writing looks). Nothing when the counts are impossible: its death
+        ends everything."""
         if grant_level(granted, taken) is None:
             return []
         mine = self.blocks.get((slot, gen), {})
-        beyond = sorted((pos, b) for b, pos in mine.items() if pos >= granted)
-        if not beyond:
-            return []
-        ids = np.asarray([b for _, b in beyond], np.intp)
-        odd = (self.entries.table.seqs(ids) & 1).tolist()  # a claim round, maybe: kept
         room = L.GRANT_CAPACITY - (granted - taken)
         run: list[int] = []
-        for (pos, b), o in zip(beyond, odd):
-            if o or pos != granted + len(run) or len(run) >= room:
+        for pos, b in sorted((pos, b) for b, pos in mine.items() if pos >= granted):
+            if pos != granted + len(run) or len(run) >= room:
                 break
             run.append(b)
         return run

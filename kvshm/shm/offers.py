@@ -49,8 +49,8 @@ def offer(table: BlockTable, blocks: Sequence[int], slot: int, gen: int,
     # The ring position first, the fields that name the client last: an owner dying in
     # between leaves an entry that names no live client (a successor settles it), or one
     # mid-rewrite whose position is new (at or above the client's granted count), which a
-    # successor keeps for the client, never handed over, until it goes: it cannot tell that
-    # round from a claim round of the client (``Grants.settle``).
+    # successor hands over as it lies: it cannot tell that round from a claim round of the
+    # client, and never closes it (``Grants.settle``); the client's claim does (``claim``).
     # A stale position below it would make the entry look like one the client may be
     # claiming, which a successor leaves open (``rebuild``).
     e["writer_req"][b] = np.asarray(positions, np.uint64)
@@ -93,14 +93,16 @@ def claim(table: BlockTable, blocks: np.ndarray, slot: int, gen: int) -> np.ndar
     """Client (slot, gen): begin to claim the offered ``blocks`` (distinct) it took from its
     grant ring: each one READY and offered to it becomes EVICTING in one seqlock round (no
     lookup reads it any more; relets see its sequence number move). Returns which were
-    marked; an entry that is not an offer to us, or that is being rewritten, is left alone.
+    marked; an entry that is not an offer to us, or that changed meanwhile, is left alone.
+    An offer to us whose round is open and stays so was left so by an owner that died
+    writing it: nobody but us writes an offer we took, so our round goes on from there.
     The caller fences, reads the holds, then ``finish``es or ``unclaim``s each one."""
     b = np.asarray(blocks, np.intp)
     seq = table.seqs(b)
     publish_fence()
     ok = offered_to(table, b, slot, gen)
     publish_fence()
-    ok &= ((seq & 1) == 0) & (table.seqs(b) == seq)
+    ok &= table.seqs(b) == seq
     mine = b[ok]
     if mine.size:
         _set_state(table, mine, L.EVICTING, "table.claim.odd")
@@ -157,7 +159,7 @@ def claim_one(table: BlockTable, block: int, slot: int, gen: int) -> bool:
     publish_fence()
     ok = offered_to_one(table, block, slot, gen)
     publish_fence()
-    if not ok or seq & 1 or table.seq(block) != seq:
+    if not ok or table.seq(block) != seq:
         return False
     table.set_state(block, L.EVICTING, "table.claim.odd")
     return True
