@@ -16,6 +16,7 @@ from collections.abc import Iterator
 import pytest
 
 from kvshm.client.connect import connect
+from kvshm.errors import ClientQuarantinedError
 from kvshm.shm import layout as L
 from kvshm.shm import slots
 from kvshm.shm.table import BlockTable
@@ -257,8 +258,9 @@ def test_a_live_client_that_scribbles_its_slot_generation_keeps_its_stores_at_a_
     # The same while no owner runs: the next owner finds a live client whose record shows
     # another generation than its unfinished stores. Their generation's lock is held: they
     # are kept (never handed to anyone) until it goes. The owner serves no client under a
-    # word whose generation nobody holds, so its goodbye goes unanswered (a short timeout).
-    a = connect(seg.name, timeout=2.0)
+    # word whose generation nobody holds: it tells it so (quarantined), so that its calls
+    # fail at once instead of waiting out their timeout.
+    a = connect(seg.name, timeout=5.0)
     honest = connect(seg.name)
     table = BlockTable(seg.buf, seg.geometry)
     try:
@@ -269,6 +271,8 @@ def test_a_live_client_that_scribbles_its_slot_generation_keeps_its_stores_at_a_
         assert all(table.read(b).state == L.WRITING for b in out.block_ids)
         assert _honest_ops(honest) == HONEST_OPS  # the cache turns over around them
         assert all(table.read(b).state == L.WRITING for b in out.block_ids)
+        with pytest.raises(ClientQuarantinedError, match="quarantined"):
+            a.take_events()
         a.shutdown()
         wait_for(lambda: all(table.read(b).state == L.FREE for b in out.block_ids),
                  "its stores to come back once it went")

@@ -128,17 +128,18 @@ class OwnerLink:
         return self._req
 
     def quarantined(self) -> bool:
-        """Whether an owner stopped serving us for good (our rings or grant counts were
-        found corrupt): no call of ours will be answered."""
+        """Whether an owner stopped serving us for good (our rings, grant counts or
+        generation word were found corrupt): no call of ours will be answered."""
         return bool(self._served["quarantined"])
 
     def _check_served(self) -> None:
         if self.quarantined():
             raise ClientQuarantinedError(
                 f"the owner of {self.segment.name!r} quarantined this client (slot "
-                f"{self.slot}): it found our rings or grant counts corrupt and will not serve "
-                f"us again (its log, {owner_log_path(self.segment.name)}, says why); shut "
-                "this manager down and connect again")
+                f"{self.slot}): it found our slot's words (rings, grant counts or generation) "
+                f"corrupt and will not serve us again (its log, "
+                f"{owner_log_path(self.segment.name)}, says why); shut this manager down and "
+                "connect again")
 
     def ensure_owner(self) -> None:
         proc = start_owner(self.segment)

@@ -89,6 +89,8 @@ class Roster:
                 continue  # (a closing predecessor still lets go of it: next time)
             rec = slots.record(self.seg, slot)
             if rec.state not in SERVED or not self.writer_alive(slot, rec.gen):
+                if rec.state in SERVED and self.slot_held(slot):
+                    self._refuse(slot, rec.gen)
                 locks.unlock(self.seg.fd, L.LOCK_SERVED_BASE + slot)
                 continue
             try:
@@ -124,6 +126,21 @@ class Roster:
             log.warning("client slot %d gen %d asked for a quota of %d blocks; %d applied "
                         "(all quotas together keep at most %d of the %d blocks)", c.slot,
                         c.gen, asked, got, manager.quotas.room, manager.quotas.num_blocks)
+
+    def _refuse(self, slot: int, gen: int) -> None:
+        """A live holder of ``slot`` whose record names generation ``gen``, which nobody
+        holds: it rewrote that word (a client's record is written before the state that
+        makes it ours to adopt). Never served, it is told so once, as a quarantined client
+        is: its calls fail at once instead of waiting out their timeout."""
+        served = slots.served(self.seg, slot)
+        try:
+            if not served["quarantined"]:
+                served["quarantined"] = 1
+                self.seg.counter_add("errors")
+                log.warning("client slot %d not served: its record names generation %d, "
+                            "which it does not hold", slot, gen)
+        finally:
+            served.release()
 
     def newcomer_waits(self) -> bool:
         """Whether a slot waits to be adopted (activated, its holder alive): what a raised
