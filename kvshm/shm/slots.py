@@ -135,11 +135,12 @@ def gen_lock(slot: int, gen: int) -> int:
 
 def generation_held(seg: Segment, slot: int, gen: int) -> bool:
     """Whether client ``gen`` of ``slot`` lives: the kernel lock of that generation is held
-    (by someone else than ``seg.fd``'s description). Its slot record's generation word
-    decides nothing: the client writes it, and a dead generation's stores may outlive it
-    in the table (kept for its copy workers) while the slot's next client lives."""
+    (asked through the segment's query descriptor, so a lock this process holds through
+    ``seg.fd`` counts too). Its slot record's generation word decides nothing: the client
+    writes it, and a dead generation's stores may outlive it in the table (kept for its
+    copy workers) while the slot's next client lives."""
     return 0 <= slot < seg.geometry.max_clients and 0 <= gen < 2**32 and \
-        locks.is_held(seg.fd, gen_lock(slot, gen))
+        locks.is_held(seg._query_fd(), gen_lock(slot, gen))
 
 
 def leave(seg: Segment, slot: int) -> None:

@@ -60,10 +60,10 @@ def generation_alive(seg: Segment, slot: int, gen: int) -> bool:
     it: its generation's lock is held (the one an owner asks, so a copier never sees alive
     a generation whose stores an owner already freed; a client lets go of it before its
     slot's) and its slot is CLIENT (LEAVING: its goodbye is being served)."""
-    if not 0 <= slot < seg.geometry.max_clients or not 0 <= gen < 2**32:
-        return False
-    return slots.record(seg, slot).state == L.SlotState.CLIENT and \
-        locks.is_held(_query_fd(seg), slots.gen_lock(slot, gen))
+    # (the state first: a CLIENT read after the lock could be the slot's next client's)
+    return 0 <= slot < seg.geometry.max_clients and \
+        slots.record(seg, slot).state == L.SlotState.CLIENT and \
+        slots.generation_held(seg, slot, gen)
 
 
 def registrations(seg: Segment) -> list[dict]:
