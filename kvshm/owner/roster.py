@@ -24,6 +24,7 @@ from kvshm.shm import layout as L
 from kvshm.shm import locks, slots
 from kvshm.shm.fence import full_fence
 from kvshm.shm.segment import Segment
+from kvshm.shm.words import WordView
 
 log = logging.getLogger("kvshm.owner")
 
@@ -135,10 +136,8 @@ class Roster:
         served = slots.served(self.seg, slot)
         try:
             if not served["quarantined"]:
-                served["quarantined"] = 1
-                self.seg.counter_add("errors")
-                log.warning("client slot %d not served: its record names generation %d, "
-                            "which it does not hold", slot, gen)
+                self._tell_quarantined(served, slot, gen, "its record names a generation it "
+                                       "does not hold; never served")
         finally:
             served.release()
 
@@ -156,10 +155,13 @@ class Roster:
     def quarantine(self, c: Client, why: str) -> None:
         """Stop reading a client we cannot parse. Its holds still count while it lives."""
         c.quarantined = True
-        c.served["quarantined"] = 1  # its calls fail at once, not at their timeout
         c.unsent = []
+        self._tell_quarantined(c.served, c.slot, c.gen, why)
+
+    def _tell_quarantined(self, served: WordView, slot: int, gen: int, why: str) -> None:
+        served["quarantined"] = 1  # its calls fail at once, not at their timeout
         self.seg.counter_add("errors")
-        log.warning("client slot %d gen %d quarantined: %s", c.slot, c.gen, why)
+        log.warning("client slot %d gen %d quarantined: %s", slot, gen, why)
 
     # --- departure ----------------------------------------------------------------------
     def scan(self, manager: LocalManager) -> None:
