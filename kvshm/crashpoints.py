@@ -53,6 +53,8 @@ POINTS = (
     "owner.reclaim.mid",  # a dead client's stores freed, its slot not yet cleared
     "owner.goodbye.mid",  # a leaving client's slot LEAVING, its stores freed, no reply yet
     # client
+    "client.slot.after_lock",  # (a client taking a slot) a slot's lock taken, its
+    #                            record not yet read
     "client.connect.after_activate",  # slot CLIENT, owner has not adopted it yet
     "client.store.after_prepare",  # blocks granted, nothing copied
     "client.store.after_take",  # blocks taken from the grant ring, the count not yet stored

@@ -486,3 +486,16 @@ def connect_and_store(name: str, conn, rounds: int) -> None:
         error = f"{type(e).__name__}: {e}"
     conn.send({"slot": mgr.slot, "done": done, "error": error})
     mgr.shutdown()
+
+
+def take_over_and_report(name: str, conn) -> None:
+    """Become the segment's owner (a takeover: adopt, refuse or reclaim every slot), report
+    the errors counted and the slots left FREE, and go."""
+    from kvshm.owner.server import Owner
+    from kvshm.shm import slots
+    owner = Owner(name)
+    seg = owner.seg
+    free = [s for s in range(seg.geometry.max_clients)
+            if slots.record(seg, s).state == L.SlotState.FREE]
+    conn.send({"errors": seg.counter("errors"), "free": free})
+    owner.close()

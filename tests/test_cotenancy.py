@@ -11,6 +11,8 @@ import contextlib
 import multiprocessing as mp
 import os
 import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -23,6 +25,7 @@ from kvshm.shm.table import BlockTable
 
 import procs
 from conftest import stop_owner
+from test_offers import stopped
 from test_shared import wait_for
 
 CTX = mp.get_context("spawn")
@@ -185,6 +188,36 @@ def test_a_job_channel_never_takes_a_slot_the_owner_still_serves(seg):
         if chan is not None:
             chan.close()
         honest.shutdown()
+
+
+def test_a_newcomer_looking_past_a_dead_clients_slot_is_never_taken_for_a_scribbler(seg):
+    # A newcomer looking for a FREE slot locked each slot in turn to read it, a dead
+    # client's too. An owner that looked at that moment saw a live holder whose record names
+    # a generation nobody holds (a client that rewrote its record), counted an error, marked
+    # the slot quarantined and left the dead client's slot unreclaimed. A newcomer locks
+    # FREE slots only.
+    code = ("import sys; from kvshm.shm.segment import Segment; from kvshm.shm import slots\n"
+            "s = Segment.attach(sys.argv[1]); slot, gen = slots.claim(s)\n")
+    dead = subprocess.run([sys.executable, "-c", code + "slots.activate(s, slot, gen)\n"
+                           "print(slot)", seg.name], capture_output=True, text=True, check=True)
+    dead_slot = int(dead.stdout)  # activated, never adopted (no owner ran), its holder gone
+    env = dict(os.environ, KVSHM_CRASH_AT="client.slot.after_lock", KVSHM_CRASH_SIGNAL="STOP")
+    newcomer = subprocess.Popen([sys.executable, "-c", code + "print(slot)", seg.name],
+                                env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: stopped(newcomer.pid), "the newcomer to stop with a slot locked")
+        parent, child = CTX.Pipe()
+        owner = CTX.Process(target=procs.take_over_and_report, args=(seg.name, child))
+        owner.start()
+        child.close()
+        got = parent.recv()
+        owner.join(30)
+        assert got["errors"] == 0 and dead_slot in got["free"], got
+        assert slots.served(seg, dead_slot)["quarantined"] == 0
+    finally:
+        newcomer.send_signal(signal.SIGCONT)
+        out, _ = newcomer.communicate(timeout=30)
+    assert newcomer.returncode == 0 and out.strip().isdigit()
 
 
 @pytest.mark.parametrize("state", [0xFFFFFFFF, 7, 1])

@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from kvshm.crashpoints import crash_point
 from kvshm.errors import ClientSlotsExhaustedError
 from kvshm.shm import layout as L
 from kvshm.shm import locks, words
@@ -59,8 +60,14 @@ def claim(seg: Segment, wait_for_reclaim: Callable[[], object] | None = None,
     while True:
         dirty = False
         for slot in range(g.max_clients):
+            # Only a FREE slot is locked to be read: a dead client's slot locked even for a
+            # moment is, to an owner looking then, a live holder that rewrote its record
+            if record(seg, slot).state != SlotState.FREE:
+                dirty = dirty or not locks.is_held(seg._query_fd(), L.LOCK_CLIENT_BASE + slot)
+                continue
             if not locks.try_lock(fd, L.LOCK_CLIENT_BASE + slot):
                 continue
+            crash_point("client.slot.after_lock")
             gen = claimable(seg, slot)
             if gen is not None and locks.try_lock(fd, gen_lock(slot, gen)):
                 return slot, gen
