@@ -206,8 +206,7 @@ class SharedManager(OffloadingManager):
         self._h.release(keys)
 
     def prepare_load(self, keys: Sequence[bytes]) -> list[int]:
-        if type(keys) is not list and type(keys) is not tuple:
-            keys = K.key_seq(keys)
+        keys = K.key_seq(keys)
         h = self._h
         taken: list[tuple[bytes, int]] = []
         shared: list[bytes] = []  # pinned beside a lease that other lookups still count on
@@ -263,8 +262,7 @@ class SharedManager(OffloadingManager):
         return h.leases.pop(k)
 
     def complete_load(self, keys: Sequence[bytes]) -> None:
-        if type(keys) is not list and type(keys) is not tuple:
-            keys = K.key_seq(keys)
+        keys = K.key_seq(keys)
         pins = self._h.pins
         need: dict[bytes, int] = {}
         for k in keys:
@@ -290,8 +288,7 @@ class SharedManager(OffloadingManager):
     # --- owner round trips --------------------------------------------------------------
     def touch(self, keys: Sequence[bytes], how: bytes | None = None, *,
               running: Running | None = None) -> None:
-        if type(keys) is not list and type(keys) is not tuple:
-            keys = K.key_seq(keys)
+        keys = K.key_seq(keys)
         for k in keys:
             K.check_key(k)
         if how is not None and len(how) != len(keys):
@@ -313,8 +310,7 @@ class SharedManager(OffloadingManager):
         """See ``OffloadingManager.prepare_store``: from this client's grant ring when it holds
         enough blocks (no frame at all; ``complete_store`` ranks them), else what the ring
         holds and one atomic round trip, however many keys, for the rest."""
-        if type(keys) is not list and type(keys) is not tuple:
-            keys = K.key_seq(keys)
+        keys = K.key_seq(keys)
         K.check_keys(keys)
         running = running and running.for_store()
         own, probe, find = self._own, self.index.probe, self.index.find
@@ -352,8 +348,7 @@ class SharedManager(OffloadingManager):
         """See ``OffloadingManager.complete_store``: a one-way frame for stores served from
         the grant ring (our own lookups wait briefly for the owner to take it), else a round
         trip."""
-        if type(keys) is not list and type(keys) is not tuple:
-            keys = K.key_seq(keys)
+        keys = K.key_seq(keys)
         K.check_keys(keys)
         running = running and running.for_store()
         rest, published, blocks = self._own.complete(keys, success, self._chunk_keys, running)

@@ -41,7 +41,7 @@ def check_keys(keys: Sequence[bytes]) -> None:
 def key_seq(keys: Any) -> Sequence[bytes]:
     """The ``keys`` argument of a manager call as a list or tuple.
 
-    Callers test ``type(keys) is list or tuple`` first (the hot path costs nothing). Other
+    Hot paths test ``type(keys) is list or tuple`` first (a call saved). Other
     iterables (generators, ranges, dict views) are materialised once, so a call that walks
     the keys twice (validate, then act) sees them all. A single key, a str, None or a
     number is refused: it is a caller's mistake, not a sequence of keys. Items are checked
