@@ -182,6 +182,34 @@ def poison_request(name: str, conn, point: str) -> None:
     del os.environ["KVSHM_CRASH_AT"]
 
 
+def poison_part_granted_store(name: str, conn, point: str) -> None:
+    """A store partly served from our grant ring whose round trip for the rest meets owners
+    that all die at ``point``; report what the call said and what the same store, asked
+    again, then stores and finds."""
+    import signal
+    from kvshm.errors import KvshmError
+    mgr = connect(name, timeout=30.0)
+    store(mgr, [b"poison-0"])
+    words = mgr._own._gw  # the grant ring's counts: wait until a block is stocked for us
+    while words["granted"] <= words["taken"]:
+        time.sleep(0.001)
+    os.environ["KVSHM_CRASH_AT"] = point  # the owners we start inherit it
+    os.kill(mgr.segment.owner_record()[0], signal.SIGKILL)
+    keys = [b"mixed-0", b"mixed-1", b"mixed-2"]  # more than the ring holds: a round trip
+    try:
+        mgr.prepare_store(keys)
+        error = None
+    except KvshmError as e:
+        error = type(e).__name__
+    del os.environ["KVSHM_CRASH_AT"]
+    os.kill(mgr.segment.owner_record()[0], signal.SIGKILL)  # it would die on our next request
+    while mgr.segment.owner_alive():
+        time.sleep(0.001)
+    again = store(mgr, keys)  # as an engine does: it offers the keys again
+    conn.send({"error": error, "stored": again, "found": mgr.lookup(keys)})
+    mgr.shutdown()
+
+
 def poison_one_way(name: str, conn, kind: str, point: str, stay: bool = False) -> None:
     """Make every owner that begins our next one-way frame (``kind``: a touch, or the
     publish of a granted store) die at ``point``; then make a call behind it (it waits for an

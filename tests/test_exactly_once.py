@@ -149,6 +149,19 @@ def test_a_request_that_kills_every_owner_fails_instead_of_looping(seg_name, poi
     _serves_on(seg_name)
 
 
+def test_a_store_whose_round_trip_fails_can_be_asked_again_in_full(seg_name):
+    # A store took blocks from its grant ring and asked the owner for the rest; the round
+    # trip failed. The keys taken stayed in flight for the client's life: the same store
+    # asked again left them out (never stored, shown pending), their blocks held granted.
+    s = Segment.create(seg_name, TEST_LAYOUT, 16, max_clients=4, **SMALL_GEOMETRY)
+    assert grant_target(s.geometry) == 1  # one block in the ring: three keys need the owner
+    s.close()
+    result = _poisoned(seg_name, procs.poison_part_granted_store, "owner.request.after_consume")
+    keys = [b"mixed-0", b"mixed-1", b"mixed-2"]
+    assert result == {"error": "RequestDroppedError", "stored": keys, "found": 3}
+    _serves_on(seg_name)
+
+
 @pytest.mark.parametrize("kind", ["touch", "publish"])
 def test_a_one_way_frame_that_kills_every_owner_is_dropped_instead_of_looping(seg_name, kind):
     # A one-way frame has no request id, so no reply can fail it; what owners died beginning

@@ -326,14 +326,18 @@ class SharedManager(OffloadingManager):
         # The owner needs every offered key (none may be evicted for this store) but ours in
         # flight (it would grant them again); our earlier Publish frames are applied first.
         chunks = self._chunks([k for k in keys if k not in own.inflight])
-        req = self._link.next_req()
-        replies = self._link.call([P.PrepareStore(req, c, i + 1 < len(chunks), i,
-                                                  **P.running_fields(running, c))
-                                   for i, c in enumerate(chunks)])
+        req, taken = self._link.next_req(), new[:len(blocks)]
+        try:
+            replies = self._link.call([P.PrepareStore(req, c, i + 1 < len(chunks), i,
+                                                      **P.running_fields(running, c))
+                                       for i, c in enumerate(chunks)])
+        except BaseException:  # failed: what we took goes back, or its keys stay ours for
+            own.untake(taken)  # good (a late reply is undone by ``OwnerLink``)
+            raise
         if isinstance(replies[0], P.NoRoom):
-            own.untake(new[:len(blocks)])
+            own.untake(taken)
             return None
-        out = PrepareStoreOutput(new[:len(blocks)], blocks, [])
+        out = PrepareStoreOutput(taken, blocks, [])
         for r in replies:
             assert isinstance(r, P.Prepared)  # call() raised an Error; NoRoom returned above
             out.keys_to_store += r.keys
