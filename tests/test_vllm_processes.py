@@ -30,6 +30,7 @@ from kvshm.shm import layout as L
 from kvshm.shm import writers
 from kvshm.shm.layout import Layout
 from kvshm.shm.segment import Segment
+from kvshm.shm.table import BlockTable
 from kvshm.transfer.factory import make_handler
 
 from conftest import unique_name
@@ -180,6 +181,59 @@ def test_a_vllm_worker_copies_only_while_registered_under_its_live_scheduler(seg
         if child.poll() is None:
             child.kill()
             child.wait()
+        core.shutdown()
+        mgr.shutdown()
+        seg.close()
+
+
+_HOG_CHILD = """
+import sys
+from kvshm.shm import writers
+from kvshm.shm.segment import Segment
+seg = Segment.attach(sys.argv[1])
+reg, g = writers.Registrations(seg), seg.geometry
+print(sum(reg.register(i % g.max_clients, 1000 + i) for i in range(g.writer_records)), flush=True)
+sys.stdin.read()  # until the test ends it
+"""
+
+
+@pytest.mark.procs
+def test_a_vllm_worker_is_registered_however_many_registrations_others_hold(seg_name):
+    """Registrations were records of a fixed number: once another process held them all
+    (a leak, or registrations under made-up generations), a vLLM worker, which may not fail
+    a job, copied unregistered; when its scheduler died the owner freed the blocks it was
+    still copying into and handed them to the next store. A registration is a shared
+    kernel lock of the scheduler's generation now: nothing runs out."""
+    seg = Segment.create(seg_name, Layout((4096,), 16, "t"), 8)
+    mgr = connect(seg_name)
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    hog = subprocess.Popen([sys.executable, "-c", _HOG_CHILD, seg_name], cwd=REPO, env=env,
+                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen([sys.executable, "-c", _SCHEDULER_CHILD, seg_name], cwd=REPO,
+                             env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    dev = [torch.randint(-128, 127, (8, 4096), dtype=torch.int8)]
+    core = WorkerCore(dev, [[0]], seg.torch_planes()[0], 1, make_handler=make_handler,
+                      writers=writers.Registrations(seg))
+    try:
+        assert int(hog.stdout.readline()) == seg.geometry.writer_records  # it holds them all
+        slot, gen, *blocks = map(int, child.stdout.readline().split())
+        assert core.submit(0, "store", [1, 2, 3], [3], [0], blocks, writer=(slot, gen))
+        reclaimed = seg.counter("reclaimed_clients")
+        child.kill()  # the scheduler dies; job 0 is not yet reported: still "in flight"
+        child.wait()
+        mgr.prepare_store([b"x" * 36])  # a round trip: the owner runs its liveness checks
+        deadline = time.monotonic() + 30
+        while seg.counter("reclaimed_clients") == reclaimed:
+            assert time.monotonic() < deadline, seg.counters()
+            time.sleep(0.005)  # polling the owner's state; the assertions are on states
+        table = BlockTable(seg.buf, seg.geometry)
+        assert [table.read(b).state for b in blocks] == [L.WRITING] * 3  # kept, not reused
+        table.close()
+    finally:
+        for p in (child, hog):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
         core.shutdown()
         mgr.shutdown()
         seg.close()

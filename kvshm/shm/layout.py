@@ -67,7 +67,7 @@ from kvshm.shm.records import (  # noqa: F401  (re-exported: one definition, two
 )
 
 MAGIC = b"KVSHM\x00\x00\x01"
-FORMAT_VERSION = 9  # 2: 64-bit writer_req, keysum in every table entry; 3: block grants;
+FORMAT_VERSION = 10  # 2: 64-bit writer_req, keysum in every table entry; 3: block grants;
 #                    4: grant rings of 1,024 blocks, a client's refusal of grants;
 #                    5: doorbells and the tier area named for the segment's inode;
 #                    6: offered (READY) grants claimed by their client, slot hold marks,
@@ -75,6 +75,7 @@ FORMAT_VERSION = 9  # 2: 64-bit writer_req, keysum in every table entry; 3: bloc
 #                    7: doorbells are futex words of the segment, no semaphores;
 #                    8: a table entry names its block's tenant (quotas survive failover);
 #                    9: a client holds a lock of its generation (LOCK_GEN_BASE)
+#                   10: a copier registers with a shared lock of that generation
 HEADER_BYTES = 4096
 DATA_ALIGN = 2 << 20
 MAX_PLANES = 32
@@ -105,8 +106,9 @@ LOCK_INIT = 1
 LOCK_PIN_TURN = 2
 LOCK_CHECKSUM_FAILURES = 3  # serialises read-add-store of the checksum_failures counter
 LOCK_CLIENT_BASE = 64
-# + record: held by a registered writer (kvshm.shm.writers). Past the client slots' bytes
-# (LOCK_CLIENT_BASE + slot) and the job-channel workers' (LOCK_CLIENT_BASE + 1024 + slot).
+# + record: held by the registrant of a writer record, which only says who copies for whom
+# (kvshm.shm.writers). Past the client slots' bytes (LOCK_CLIENT_BASE + slot) and the
+# job-channel workers' (LOCK_CLIENT_BASE + 1024 + slot).
 LOCK_WRITER_BASE = LOCK_CLIENT_BASE + 2048
 # + slot: held by the owner while it serves a client in that slot (past the writers' bytes,
 # at most 8 per slot of 1024). A slot is claimed only while nobody holds it: a client that
@@ -117,6 +119,10 @@ LOCK_SERVED_BASE = LOCK_WRITER_BASE + 8 * 1024
 # lock is not: it alone says whether the stores of a (slot, gen) have a living writer, also
 # once a next client holds the slot (``slots.generation_held``).
 LOCK_GEN_BASE = 1 << 20
+# + (slot << 32) + gen: a shared (read) lock held by every process that copies for the client
+# of that slot and generation (kvshm.shm.writers). Any number hold it at once, so a copier
+# can always register; an owner keeps a dead generation's unfinished stores while it is held.
+LOCK_COPIER_BASE = 1 << 50
 
 # --- header ------------------------------------------------------------------------------
 # The records' fields (names, types, offsets, who writes what) are records.py's; layout

@@ -41,8 +41,18 @@ def query_fd(fd: int) -> int:
 
 def try_lock(fd: int, byte: int) -> bool:
     """Take the exclusive lock on ``byte`` without waiting; False if someone holds it."""
+    return _try(fd, byte, fcntl.F_WRLCK)
+
+
+def try_share(fd: int, byte: int) -> bool:
+    """Take a shared lock on ``byte`` without waiting (any number of descriptions may hold
+    one; ``is_held`` sees it); False if someone holds it exclusively."""
+    return _try(fd, byte, fcntl.F_RDLCK)
+
+
+def _try(fd: int, byte: int, kind: int) -> bool:
     try:
-        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _flock(fcntl.F_WRLCK, byte))
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _flock(kind, byte))
         return True
     except OSError as e:
         if e.errno in (errno.EAGAIN, errno.EACCES):

@@ -356,11 +356,12 @@ INDEX_SLOT_DTYPE = np.dtype([
 ], align=False)
 INDEX_SLOT = struct.Struct(struct_format(INDEX_SLOT_DTYPE))
 
-# --- writer registration (one per process copying for a scheduler's slot) -----------------
+# --- writer records (one per registration of a process copying for a scheduler's slot) ----
 # Only the registrant writes a record, and only while it holds lock byte LOCK_WRITER_BASE +
 # record; a record whose lock is free is dead whatever it says (the kernel drops the lock
-# with the process). The owner reads records to decide whether a dead client's WRITING
-# blocks may be reused.
+# with the process). Records say who copies for whom, for people and tests; they decide
+# nothing (a registration is the generation's copier lock, LOCK_COPIER_BASE), and a
+# registration that finds them all taken goes without one.
 WRITER_DTYPE = np.dtype([
     ("slot", "<i4"),      # registrant: the scheduler's manager slot; -1 once unregistered
     ("pid", "<u4"),       # registrant: its pid, for kvshm-inspect only, never liveness

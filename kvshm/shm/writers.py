@@ -7,13 +7,17 @@ blocks and be published under its key. So every process that copies for a schedu
 slot registers under that slot *and its generation* before copying, and the owner keeps a
 dead generation's WRITING blocks (quarantines them) while any such registration lives.
 
-This module owns the registry region of the segment (``records.WRITER_DTYPE`` records) and its lock
-bytes (``layout.LOCK_WRITER_BASE + record``): a registration is alive exactly while its
-kernel-released lock is held, so a registrant that dies drops it without anyone's help.
-Registration is ordered against the scheduler's death (Dekker-style): the registrant publishes
-its record, fences, then checks that the generation still lives, and the owner sees the death
-before it reads the records. So either the owner sees the record, or the registrant sees the
-death and copies nothing.
+This module owns registrations. A registration is a shared kernel-released lock of the
+generation's copier byte (``copier_lock``): it is alive exactly while held, a registrant that
+dies drops it without anyone's help, and any number of processes hold it at once, so no
+copier is ever left unregistered (a vLLM worker may not fail a job: it would copy all the
+same). Beside it, a registrant fills a record of the registry region (``records.WRITER_DTYPE``,
+locked at ``layout.LOCK_WRITER_BASE + record``) that says who copies for whom; records decide
+nothing, and a registration that finds them all taken goes without one. Registration is
+ordered against the scheduler's death (Dekker-style): the registrant takes the lock, then
+checks that the generation still lives, and the owner sees the death before it asks for the
+lock. So either the owner sees the registration, or the registrant sees the death and copies
+nothing.
 
 It never decides what to free (the manager does) and never copies data.
 """
@@ -44,15 +48,20 @@ def _query_fd(seg: Segment) -> int:
     return seg._query_fd()
 
 
+def copier_lock(slot: int, gen: int) -> int:
+    """The lock byte every process copying for client ``gen`` of ``slot`` shares."""
+    return L.LOCK_COPIER_BASE + (slot << 32) + gen
+
+
+def _valid(seg: Segment, slot: int, gen: int) -> bool:
+    return 0 <= slot < seg.geometry.max_clients and 0 <= gen < 2**32
+
+
 def alive(seg: Segment, slot: int, gen: int) -> bool:
     """Whether any live process is registered as copying for client ``slot`` generation
     ``gen``. The owner asks this after it saw that generation die."""
-    full_fence()  # read the records only after the death was observed
-    recs = _records(seg)
-    hits = np.flatnonzero((recs["slot"] == slot) & (recs["gen"] == gen))
-    fd = _query_fd(seg)
-    # A record's lock is what makes it true: a match whose lock is free is a dead record.
-    return any(locks.is_held(fd, L.LOCK_WRITER_BASE + int(i)) for i in hits)
+    full_fence()  # ask only after the death was observed
+    return _valid(seg, slot, gen) and locks.is_held(_query_fd(seg), copier_lock(slot, gen))
 
 
 def generation_alive(seg: Segment, slot: int, gen: int) -> bool:
@@ -61,7 +70,7 @@ def generation_alive(seg: Segment, slot: int, gen: int) -> bool:
     a generation whose stores an owner already freed; a client lets go of it before its
     slot's) and its slot is CLIENT (LEAVING: its goodbye is being served)."""
     # (the state first: a CLIENT read after the lock could be the slot's next client's)
-    return 0 <= slot < seg.geometry.max_clients and \
+    return _valid(seg, slot, gen) and \
         slots.record(seg, slot).state == L.SlotState.CLIENT and \
         slots.generation_held(seg, slot, gen)
 
@@ -79,7 +88,8 @@ _REGISTERING = threading.Lock()  # see Registrations.register
 
 
 class Registrations:
-    """One copying party's registrations, through its own descriptor of the segment.
+    """One copying party's registrations, through an open file description of its own (two
+    parties in one process must not share, or end, each other's locks).
 
     Not thread-safe: the caller serialises ``admit``/``retire`` against the bookkeeping of
     which jobs are in flight (WorkerConnector holds its lock around both).
@@ -87,36 +97,45 @@ class Registrations:
 
     def __init__(self, seg: Segment) -> None:
         self.seg = seg
-        self._mine: dict[tuple[int, int], int] = {}  # (slot, gen) -> record
+        self._fd = locks.query_fd(seg.fd)
+        self._mine: dict[tuple[int, int], int] = {}  # (slot, gen) -> record, -1 for none
 
     def register(self, slot: int, gen: int) -> bool:
-        """Register under (slot, gen) (once). False if the registry is full. Serialised
-        in this process: its OFD locks are shared by every thread, so two registrations
-        could otherwise both "take" one record."""
+        """Register under (slot, gen) (once). False only for a (slot, gen) that cannot be
+        a client's, or a copier lock somebody holds exclusively (no kvshm process does).
+        Serialised in this process: its OFD locks are shared by every thread, so two
+        registrations could otherwise both "take" one record."""
         with _REGISTERING:
             return self._register(slot, gen)
 
     def _register(self, slot: int, gen: int) -> bool:
         if (slot, gen) in self._mine:
             return True
-        recs, fd = _records(self.seg), self.seg.fd
+        if not _valid(self.seg, slot, gen) or not locks.try_share(self._fd,
+                                                                   copier_lock(slot, gen)):
+            log.error("kvshm: cannot register as a copier for client slot %d generation %d "
+                      "of segment %r; its store jobs are refused", slot, gen, self.seg.name)
+            return False
+        self._mine[(slot, gen)] = self._record(slot, gen)
+        full_fence()  # registered before we look at the scheduler's liveness
+        return True
+
+    def _record(self, slot: int, gen: int) -> int:
+        """Fill a free record saying who we copy for; its index, -1 if none is free."""
+        recs = _records(self.seg)
         for i in range(len(recs)):
             if recs[i]["slot"] >= 0 and locks.is_held(_query_fd(self.seg),
                                                       L.LOCK_WRITER_BASE + i):
                 continue  # cheap skip of live records; try_lock decides
-            if not locks.try_lock(fd, L.LOCK_WRITER_BASE + i):
+            if not locks.try_lock(self._fd, L.LOCK_WRITER_BASE + i):
                 continue
             off = self.seg.geometry.writers_offset + i * L.WRITER_BYTES
             # the slot last: a record names its generation before it names the slot
             words.store_fields(self.seg.buf, off, L.WRITER_DTYPE, pid=os.getpid(), gen=gen,
                                since_ns=time.time_ns())
             words.store_fields(self.seg.buf, off, L.WRITER_DTYPE, slot=slot)
-            full_fence()  # the record is visible before we look at the scheduler's liveness
-            self._mine[(slot, gen)] = i
-            return True
-        log.error("kvshm: the writer registry of segment %r is full (%d records); jobs for "
-                  "client slot %d are refused", self.seg.name, len(recs), slot)
-        return False
+            return i
+        return -1
 
     def admit(self, slot: int, gen: int) -> bool:
         """Register under (slot, gen), then say whether that generation still lives: True
@@ -127,11 +146,13 @@ class Registrations:
         i = self._mine.pop((slot, gen), None)
         if i is None:
             return
-        off = self.seg.geometry.writers_offset + i * L.WRITER_BYTES
-        words.store_fields(self.seg.buf, off, L.WRITER_DTYPE, slot=-1)  # first: unnamed
-        words.store_fields(self.seg.buf, off, L.WRITER_DTYPE, pid=0, gen=0, since_ns=0)
-        full_fence()
-        locks.unlock(self.seg.fd, L.LOCK_WRITER_BASE + i)
+        if i >= 0:
+            off = self.seg.geometry.writers_offset + i * L.WRITER_BYTES
+            words.store_fields(self.seg.buf, off, L.WRITER_DTYPE, slot=-1)  # first: unnamed
+            words.store_fields(self.seg.buf, off, L.WRITER_DTYPE, pid=0, gen=0, since_ns=0)
+            full_fence()
+            locks.unlock(self._fd, L.LOCK_WRITER_BASE + i)
+        locks.unlock(self._fd, copier_lock(slot, gen))
 
     def retire(self, busy: set[tuple[int, int]]) -> None:
         """Unregister every dead generation with no copy in flight (``busy`` are those with
@@ -147,3 +168,6 @@ class Registrations:
         """Unregister everything (the caller waited for its copies)."""
         for key in list(self._mine):
             self.unregister(*key)
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1

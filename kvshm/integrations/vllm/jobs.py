@@ -162,7 +162,9 @@ class WorkerCore:
     def _admit(self, job_id: int, writer: tuple[int, int]) -> bool:
         """Register under ``writer`` and say whether the store may copy (False: skip it)."""
         assert self._writers is not None
-        if not self._writers.register(*writer):  # full registry: logged by the registry
+        if not self._writers.register(*writer):  # (logged) only if someone holds its copier
+            # lock exclusively, which keeps the owner from reusing the blocks while it does:
+            # vLLM may not fail a job, so it copies
             logger.error("kvshm: store job %d copies unregistered", job_id)
         elif not W.generation_alive(self._writers.seg, *writer):
             logger.warning("kvshm: store job %d skipped: its scheduler (client slot %d "
