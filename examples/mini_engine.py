@@ -116,7 +116,7 @@ def _views(mm: mmap.mmap, planes: int, blocks: int, page: int) -> list[np.ndarra
             for p in range(planes)]
 
 
-def worker_main(cfg: EngineConfig, slot: int, box: list, parent: int) -> None:
+def worker_main(cfg: EngineConfig, address: tuple, box: list, parent: int) -> None:
     """The engine's worker process: serve the job channel with a transfer handler.
 
     ``box`` holds the handle of the engine's device memory; the worker takes it out, so that
@@ -133,7 +133,7 @@ def worker_main(cfg: EngineConfig, slot: int, box: list, parent: int) -> None:
         _, dupfd, planes, blocks, page = handle
         mm = mmap.mmap(dupfd.detach(), planes * blocks * page)
         tensors = [torch.from_numpy(a) for a in _views(mm, planes, blocks, page)]
-    chan = WorkerChannel(cfg.cache, slot)
+    chan = WorkerChannel(*address)
     handler = kvshm.make_handler(tensors, chan.segment.torch_planes(),
                                  block_size_factor=cfg.block_size_factor)
     try:
@@ -183,7 +183,7 @@ class _Process:
         self.chan = SchedulerChannel(cfg.cache)
         ctx = mp.get_context("spawn")
         self.proc = ctx.Process(target=worker_main, name=f"{cfg.name}-worker", daemon=True,
-                                args=(cfg, self.chan.slot, [dev.handle()], os.getpid()))
+                                args=(cfg, self.chan.address, [dev.handle()], os.getpid()))
         self.proc.start()
         self.chan.wait_worker(timeout=120, starting=self.proc.is_alive)
 

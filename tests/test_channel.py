@@ -59,9 +59,9 @@ class _Stuck(TransferHandler):
         pass
 
 
-def _serve(name: str, slot: int, dev: list, conn, stuck: bool) -> None:
+def _serve(address: tuple, dev: list, conn, stuck: bool) -> None:
     """Worker process body: serve the channel until Stop or a dead scheduler."""
-    wc = WorkerChannel(name, slot)
+    wc = WorkerChannel(*address)
     handler = _Stuck(conn) if stuck else make_handler(dev, wc.segment.torch_planes())
     WorkerConnector(handler).serve(wc)
     handler.shutdown()
@@ -71,7 +71,7 @@ def _serve(name: str, slot: int, dev: list, conn, stuck: bool) -> None:
 
 def _channel_and_die(name: str, conn) -> None:
     sc = SchedulerChannel(name)
-    conn.send(sc.slot)
+    conn.send(sc.address)
     conn.recv()  # SIGKILLed here
 
 
@@ -86,7 +86,7 @@ class Engine:
         self.dev = [torch.zeros(device_blocks, PAGE, dtype=torch.uint8).share_memory_()
                     for _ in range(2)]
         self.pipe, child = CTX.Pipe()
-        self.proc = CTX.Process(target=_serve, args=(name, self.chan.slot, self.dev, child,
+        self.proc = CTX.Process(target=_serve, args=(self.chan.address, self.dev, child,
                                                      stuck), daemon=True)
         self.proc.start()
         self.chan.wait_worker(timeout=120)
@@ -251,7 +251,7 @@ def test_dead_scheduler_channel_slot_is_reclaimed_by_the_owner(seg_name):
         parent, child = CTX.Pipe()
         p = CTX.Process(target=_channel_and_die, args=(seg_name, child), daemon=True)
         p.start()
-        slot = parent.recv()
+        slot = parent.recv()[1]
         assert slots.record(mgr.segment, slot).state == L.SlotState.CHANNEL
         p.kill()
         p.join()
@@ -266,6 +266,64 @@ def test_dead_scheduler_channel_slot_is_reclaimed_by_the_owner(seg_name):
             os.kill(owner, signal.SIGKILL)
 
 
+def test_a_worker_for_a_dead_scheduler_never_attaches_to_the_next_channel_of_its_slot(
+        seg_name):
+    # A channel's address named its segment and slot. A worker slow to start for a
+    # scheduler that died meanwhile attached to the channel the next scheduler opened in
+    # the same slot: that scheduler's store jobs were copied from the wrong engine's device
+    # memory and published under its keys, and its own worker was refused.
+    mgr = connect(seg_name, layout(1), num_blocks=8, **SMALL_GEOMETRY)
+    nxt = None
+    try:
+        parent, child = CTX.Pipe()
+        p = CTX.Process(target=_channel_and_die, args=(seg_name, child), daemon=True)
+        p.start()
+        stale = parent.recv()
+        p.kill()
+        p.join()
+        deadline = time.monotonic() + 30
+        while slots.record(mgr.segment, stale[1]).state != L.SlotState.FREE:
+            assert time.monotonic() < deadline, "the owner never reclaimed the channel slot"
+            time.sleep(0.01)  # polling the owner's scan; the assertion is on the state
+        nxt = SchedulerChannel(seg_name)
+        assert nxt.slot == stale[1]  # the first FREE slot: the dead scheduler's
+        with pytest.raises(InvalidArgumentError, match="gone"):
+            WorkerChannel(*stale)
+        assert not nxt.worker_alive()
+        w = WorkerChannel(*nxt.address)
+        assert nxt.worker_alive() and w.scheduler_alive()
+        w.close()
+    finally:
+        if nxt is not None:
+            nxt.close()
+        owner = mgr.segment.owner_record()[0]
+        mgr.shutdown()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(owner, signal.SIGKILL)
+
+
+def test_a_worker_that_dies_before_its_scheduler_looked_fails_the_jobs_it_took(seg_name):
+    # A scheduler that sent jobs without waiting for its worker saw it alive only if it
+    # happened to look while it lived: one that attached, took a job and died between two
+    # looks left the job outstanding for good (its store WRITING, its load pinned).
+    from kvshm.engine.connector import Job
+    from kvshm.transfer.spec import TransferSpec
+    Segment.create(seg_name, layout(1), 8, **SMALL_GEOMETRY).close()
+    sc = SchedulerChannel(seg_name)
+    try:
+        sc.send([Job(7, "r", TransferSpec("store", [1], [2]))])  # no worker yet: it waits
+        parent, child = CTX.Pipe()
+        dev = [torch.zeros(4, PAGE, dtype=torch.uint8).share_memory_()]
+        p = CTX.Process(target=_serve, args=(sc.address, dev, child, True), daemon=True)
+        p.start()
+        assert parent.recv() == ("stuck", 7, "store")  # it took the job; we never looked
+        p.kill()
+        p.join()
+        assert [(d.job_id, d.success) for d in sc.wait([7], timeout=60)] == [(7, False)]
+    finally:
+        sc.close()
+
+
 def test_a_channel_has_one_worker_and_only_channel_slots_attach(seg_name):
     mgr = connect(seg_name, layout(1), num_blocks=8, **SMALL_GEOMETRY)
     sc = SchedulerChannel(seg_name)
@@ -274,7 +332,7 @@ def test_a_channel_has_one_worker_and_only_channel_slots_attach(seg_name):
         with pytest.raises(InvalidArgumentError, match="already has a worker"):
             WorkerChannel(*sc.address)
         with pytest.raises(InvalidArgumentError, match="not a job channel"):
-            WorkerChannel(seg_name, mgr.slot)
+            WorkerChannel(seg_name, mgr.slot, mgr.gen)
         assert sc.worker_alive() and w.scheduler_alive()
         first = sc.slot
         sc.close()

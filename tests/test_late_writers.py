@@ -66,12 +66,12 @@ def _scheduler(name: str, conn, dev: list) -> None:
         n += 1
 
 
-def _worker(name: str, conn, slot: int, dev: list) -> None:
+def _worker(name: str, conn, address: tuple, dev: list) -> None:
     """Worker: serve the channel until its scheduler is gone, then say so."""
     # A group of its own: when the test's process group counts as orphaned, a dying member
     # makes the kernel SIGCONT the group's stopped members, and this one must stay frozen.
     os.setsid()
-    wc = WorkerChannel(name, slot)
+    wc = WorkerChannel(*address)
     handler = make_handler(dev, wc.segment.torch_planes())
     WorkerConnector(handler).serve(wc)
     handler.shutdown()
@@ -117,9 +117,9 @@ class Rig:
         self.dev = [torch.zeros(NUM_BLOCKS, PAGE, dtype=torch.uint8).share_memory_()
                     for _ in range(2)]
         self.sched, self.sched_pipe = spawn(_scheduler, name, self.dev)
-        _, slot = self.sched_pipe.recv()
+        address = self.sched_pipe.recv()
         self.worker, self.worker_pipe = spawn(
-            _worker, name, slot, self.dev,
+            _worker, name, address, self.dev,
             env={"KVSHM_CRASH_AT": "worker.store.mid_copy", "KVSHM_CRASH_SIGNAL": "STOP"})
 
     def store_job(self) -> dict:

@@ -3,12 +3,15 @@
 For engines whose scheduler and workers are separate processes and that have no channel of
 their own. The scheduler claims a client slot of the segment and marks it CHANNEL; that slot's
 ``peer_in`` ring carries jobs (scheduler produces), ``peer_out`` carries completions (worker
-produces), each with a doorbell. The worker attaches by (segment name, slot).
+produces), each with a doorbell. The worker attaches by (segment name, slot, generation): a
+worker started for a scheduler that died never attaches to the next channel of its slot.
 
 Liveness is the kernel's, as everywhere in kvshm: the scheduler holds the slot's lock, the
-worker holds ``WORKER_LOCK_BASE + slot``. Once the worker was seen alive, a free worker lock
-means it died: every job outstanding on the channel is reported failed, so the scheduler
-connector frees the stores and releases the loads. A worker whose scheduler died exits.
+worker holds ``WORKER_LOCK_BASE + slot``. A worker's first frame says it attached (naming the
+generation); once the scheduler read it, a free worker lock means the worker died: every job
+outstanding on the channel is reported failed, so the scheduler connector frees the stores
+and releases the loads, whether or not the scheduler looked while the worker lived. A worker
+whose scheduler died exits.
 Every job frame names the scheduler's manager slot and generation: the worker refuses a job
 of a generation that is dead, even one still queued here (see ``kvshm.shm.writers``).
 When the scheduler dies, the owner reclaims the slot (clears it to FREE).
@@ -75,9 +78,13 @@ class Done(_Frame, frozen=True):
     seconds: float = 0.0
 
 
+class Attached(_Frame, frozen=True):
+    gen: int  # the channel's generation the worker attached to (its first frame)
+
+
 _encoder = msgspec.msgpack.Encoder()
 _to_worker = msgspec.msgpack.Decoder(JobFrame | Flush | Stop)
-_to_scheduler = msgspec.msgpack.Decoder(Done)
+_to_scheduler = msgspec.msgpack.Decoder(Done | Attached)
 
 
 class _Ends:
@@ -128,7 +135,7 @@ class SchedulerChannel:
             raise
         self._outstanding: dict[int, str] = {}  # job id -> kind
         self._received: list[Done] = []
-        self._worker_seen = False
+        self._worker_seen = False  # its Attached frame came: a free worker lock is a death
         self._worker_lost = False
 
     def _claim(self, timeout: float) -> tuple[int, int]:
@@ -153,15 +160,16 @@ class SchedulerChannel:
             time.sleep(0.05)  # dead clients' slots go FREE when the owner reclaims them
 
     @property
-    def address(self) -> tuple[str, int]:
-        """What a worker passes to ``WorkerChannel``: (segment name, slot)."""
-        return self.seg.name, self.slot
+    def address(self) -> tuple[str, int, int]:
+        """What a worker passes to ``WorkerChannel``: (segment name, slot, generation)."""
+        return self.seg.name, self.slot, self.gen
 
     # --- liveness ----------------------------------------------------------------------
     def worker_alive(self) -> bool:
-        alive = locks.is_held(self.seg.fd, WORKER_LOCK_BASE + self.slot)
-        self._worker_seen |= alive
-        return alive
+        """Whether our worker is attached now: it said so, and it holds its lock."""
+        if not self._worker_seen:
+            self._drain()
+        return self._worker_seen and locks.is_held(self.seg.fd, WORKER_LOCK_BASE + self.slot)
 
     def wait_worker(self, timeout: float = 60.0,
                     starting: Callable[[], bool] = lambda: True) -> None:
@@ -224,7 +232,9 @@ class SchedulerChannel:
         ring = self._ends.done
         while (frame := ring.try_get()) is not None:
             d = _to_scheduler.decode(frame)
-            if self._outstanding.pop(d.job_id, None) is not None:
+            if isinstance(d, Attached):
+                self._worker_seen |= d.gen == self.gen
+            elif self._outstanding.pop(d.job_id, None) is not None:
                 self._received.append(d)
 
     def poll(self) -> list[Done]:
@@ -270,26 +280,38 @@ class SchedulerChannel:
 class WorkerChannel:
     """The worker's end: receive jobs, publish completions, notice a dead scheduler."""
 
-    def __init__(self, segment_name: str, slot: int) -> None:
+    def __init__(self, segment_name: str, slot: int, gen: int) -> None:
+        """Attach to the channel at ``SchedulerChannel.address``."""
         self.seg = Segment.attach(segment_name)
-        self.slot = slot
+        self.slot, self.gen = slot, gen
         try:
             if not 0 <= slot < self.seg.geometry.max_clients:
                 raise InvalidArgumentError(f"slot {slot} is out of range")
-            rec = slots.record(self.seg, slot)
-            state, self.gen = rec.state, rec.gen
-            if state != L.SlotState.CHANNEL:
-                raise InvalidArgumentError(
-                    f"slot {slot} of segment {segment_name!r} is not a job channel (state "
-                    f"{state}); pass the address SchedulerChannel.address gave")
+            self._check_channel()
             if not locks.try_lock(self.seg.fd, WORKER_LOCK_BASE + slot):
                 raise InvalidArgumentError(f"job channel {slot} already has a worker")
+            self._check_channel()  # again, ours now: its scheduler may have died meanwhile
             self._ends = _Ends(self.seg, slot)
+            _put(self._ends.done, _encoder.encode(Attached(gen)), self.scheduler_alive)
+            self._ends.done_bell.ring()
         except BaseException:  # its descriptor may hold the worker lock: close it
+            if "_ends" in self.__dict__:
+                self._ends.close()
             self.seg.close()
             raise
         self._ends.jobs_bell.reset()
         self._pending: dict[int, list[JobFrame]] = {}  # partial multi-frame jobs
+
+    def _check_channel(self) -> None:
+        rec = slots.record(self.seg, self.slot)
+        if rec.state != L.SlotState.CHANNEL:
+            raise InvalidArgumentError(
+                f"slot {self.slot} of segment {self.seg.name!r} is not a job channel (state "
+                f"{rec.state}); pass the address SchedulerChannel.address gave")
+        if rec.gen != self.gen:
+            raise InvalidArgumentError(
+                f"the scheduler of job channel {self.slot} generation {self.gen} is gone "
+                f"(the slot now holds generation {rec.gen}); this worker has nothing to serve")
 
     @property
     def segment(self) -> Segment:
