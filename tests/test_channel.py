@@ -69,6 +69,16 @@ def _serve(address: tuple, dev: list, conn, stuck: bool) -> None:
     conn.send("exited")
 
 
+def _receive_a_job(address: tuple, conn) -> None:
+    """Worker process body: report the ids of the first job it receives."""
+    wc = WorkerChannel(*address)
+    got: list = []
+    while not got and (frames := wc.recv(timeout=1.0)) is not None:
+        got = [m for m in frames if isinstance(m, ch.JobFrame)]
+    conn.send((got[0].device, got[0].segment) if got else None)
+    wc.close()
+
+
 def _channel_and_die(name: str, conn) -> None:
     sc = SchedulerChannel(name)
     conn.send(sc.address)
@@ -415,3 +425,23 @@ def test_frames_carry_the_whole_spec_across_several_frames(seg_name, monkeypatch
         mgr.shutdown()
         with contextlib.suppress(ProcessLookupError):
             os.kill(owner, signal.SIGKILL)
+
+
+def test_a_job_of_many_blocks_travels_over_the_smallest_rings(seg_name):
+    # A frame carried up to 2,048 ids whatever the ring: over the smallest rings a segment
+    # may have (4,096 bytes), a job of a few hundred blocks could not be sent at all.
+    from kvshm.engine.connector import Job
+    from kvshm.transfer.spec import TransferSpec
+    Segment.create(seg_name, layout(1), 8, ring_capacity=4096, hold_capacity=64).close()
+    sc = SchedulerChannel(seg_name)
+    try:
+        parent, child = CTX.Pipe()
+        p = CTX.Process(target=_receive_a_job, args=(sc.address, child), daemon=True)
+        p.start()
+        sc.wait_worker(timeout=120, starting=p.is_alive)
+        ids = list(range(1000, 1600))
+        sc.send([Job(1, "r", TransferSpec("store", ids, ids[::-1]))])
+        assert parent.recv() == (ids, ids[::-1])
+        p.join(30)
+    finally:
+        sc.close()

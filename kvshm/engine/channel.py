@@ -37,7 +37,9 @@ if TYPE_CHECKING:  # (the connector imports this module)
     from kvshm.engine.connector import Job
 
 WORKER_LOCK_BASE = L.LOCK_CLIENT_BASE + 1024  # + slot: held by the channel's worker
-MAX_IDS_PER_FRAME = 2048  # bigger jobs travel in several frames (a frame must fit the ring)
+MAX_IDS_PER_FRAME = 2048  # bigger jobs travel in several frames, fewer where rings are small
+# A JobFrame's bytes besides its ids, and the most an id takes (msgpack: a 64-bit int)
+FRAME_OVERHEAD, ID_BYTES = 128, 9
 
 
 # Frozen, and every subclass says so again: type checkers do not inherit the option.
@@ -197,14 +199,17 @@ class SchedulerChannel:
     # --- sending -------------------------------------------------------------------------
     def send(self, jobs: Iterable) -> None:
         """Send ``Job``s (from the scheduler connector); after the worker died they fail."""
+        # ids a frame may carry: both lists of them must fit the ring's largest frame
+        room = (Ring.max_payload(self._ends.jobs.capacity) - FRAME_OVERHEAD) // (2 * ID_BYTES)
+        n = max(1, min(MAX_IDS_PER_FRAME, room))
         for job in jobs:
             spec: TransferSpec = job.spec
             dev, seg = list(spec.device_block_ids), list(spec.segment_block_ids)
             self._outstanding[job.job_id] = spec.kind
             wslot, wgen = getattr(job, "writer", None) or (-1, 0)
-            parts = max(1, -(-max(len(dev), len(seg)) // MAX_IDS_PER_FRAME))
+            parts = max(1, -(-max(len(dev), len(seg)) // n))
             for i in range(parts):
-                sl = slice(i * MAX_IDS_PER_FRAME, (i + 1) * MAX_IDS_PER_FRAME)
+                sl = slice(i * n, (i + 1) * n)
                 if not self._send(JobFrame(job.job_id, spec.kind, dev[sl], seg[sl],
                                            i == parts - 1, spec.skip, wslot, wgen)):
                     break  # the worker is gone: the job is already reported failed
