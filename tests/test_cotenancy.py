@@ -220,6 +220,29 @@ def test_a_newcomer_looking_past_a_dead_clients_slot_is_never_taken_for_a_scribb
     assert newcomer.returncode == 0 and out.strip().isdigit()
 
 
+_FORGED_PARTS = """
+import sys
+from kvshm.client.connect import connect
+from kvshm.errors import KvshmError
+from kvshm.index import protocol as P
+mgr = connect(sys.argv[1], timeout=2.0)
+try:  # the last part of a request whose first never came: the owner asks for it again
+    mgr._link.call([P.PrepareStore(mgr._link.next_req(), [b"forged-0"], False, 5)])
+except KvshmError as e:
+    print(type(e).__name__)
+mgr.shutdown()
+"""
+
+
+def test_a_call_the_owner_always_asks_to_resend_ends_at_its_timeout(seg):
+    # The owner answers Retry to a request whose first parts it never saw (they died with
+    # an owner), and the client resends it under a new id, the deadline never checked: a
+    # client that forged such parts spun for good, the owner answering it all along.
+    out = subprocess.run([sys.executable, "-c", _FORGED_PARTS, seg.name], timeout=120,
+                         capture_output=True, text=True)
+    assert out.stdout.split() == ["ReplyTimeoutError"], out.stderr
+
+
 @pytest.mark.parametrize("state", [0xFFFFFFFF, 7, 1])
 def test_a_dead_clients_slot_comes_back_whatever_state_it_left_in_it(seg, state):
     # The slot state is a word its client writes: a client that left garbage there and died

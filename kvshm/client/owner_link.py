@@ -159,6 +159,11 @@ class OwnerLink:
                 replies = self._exchange(parts, deadline)
                 if not isinstance(replies[-1], P.Retry):
                     break
+                if time.monotonic() > deadline:  # asked again and again (forged parts)
+                    raise ReplyTimeoutError(
+                        f"the owner of {self.segment.name!r} asked for request {parts[0].req} "
+                        f"again until the {self.timeout:g}s timeout (its first parts never "
+                        "reached it); send it again")
                 req = self.next_req()  # provably never executed: send it again, new id
                 parts = [type(p)(**{**_fields(p), "req": req}) for p in parts]
             if isinstance(replies[-1], P.Error):
