@@ -28,7 +28,7 @@ from kvshm.index.api import LookupResult
 from kvshm.inspect.snapshot import verify
 from kvshm.shm import layout as L
 from kvshm.shm import offers, slots, writers
-from kvshm.shm.entry import STATE_OFF
+from kvshm.shm.entry import STATE_OFF, WRITER_OFF
 from kvshm.shm.fence import full_fence
 from kvshm.shm.records import ENTRY_DTYPE
 from kvshm.shm.segment import Segment
@@ -394,6 +394,45 @@ def test_an_offer_whose_key_a_dead_owner_tore_is_freed_only_once_nobody_holds_it
     assert procs.check(b.segment.planes(), blk, key), "an honest store wrote a pinned block"
     b.complete_load([key])
     c.shutdown()
+
+
+@pytest.mark.parametrize("ending", ["publishes", "leaves"])
+@pytest.mark.parametrize("writer", ["kept", "cleared"])
+def test_a_claimed_block_whose_publish_a_dead_owner_began_is_never_served_as_its_old_key(
+        pair, writer, ending):
+    """A claimed offer holds its old key in the table while its client writes the new
+    key's bytes. An owner killed as it began the publish (its body copy, which may store
+    any subset of its bytes) left the entry odd and READY, the old key and its checksum
+    intact, the writer field changed or not. The successor trusted the key because its
+    checksum verified, and served the old key from the new key's bytes."""
+    a, b = pair
+    offered = fill_until_offered(a)
+    out = a.prepare_store(keys("new", level(a)))
+    blk, old = next((x, offered[x]) for x in out.block_ids if x in offered)
+    procs.fill_all(a.segment.planes(), out.block_ids, out.keys_to_store)
+    pid = a.segment.owner_record()[0]
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: not a.segment.owner_alive(), "the owner to die")
+    table, at = a.table, a.table.base + blk * L.ENTRY_BYTES
+    table._odd(blk)  # the dead owner's round, its copy stopped past the state byte
+    a.segment.buf[at + STATE_OFF] = L.READY
+    if writer == "cleared":
+        a.segment.buf[at + WRITER_OFF:at + WRITER_OFF + 2] = b"\xff\xff"
+    b.take_events()  # the call starts a successor, which rebuilds from the table
+    assert b.lookup([old]) == 0  # its bytes are the new key's
+    if ending == "leaves":  # the offer's grant ends without the publish
+        a.shutdown()
+        assert b.lookup([old]) == 0
+        assert verify(b.segment) == []
+        return
+    a.complete_store(out.keys_to_store)
+    a.take_events()  # (after the Publish)
+    for k in out.keys_to_store:
+        if b.lookup([k]):
+            assert procs.check(b.segment.planes(), b.prepare_load([k])[0], k)
+            b.complete_load([k])
+        b.release()
+    assert verify(a.segment) == []
 
 
 def test_a_load_racing_the_freeing_of_an_unclaimed_publish_never_reads_a_reused_block(

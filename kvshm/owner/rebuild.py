@@ -1,11 +1,12 @@
 """Takeover: an owner rebuilds the index from the block table a predecessor left.
 
-This module owns what a new owner trusts of the table: READY entries whose key checksum
-verifies are adopted (oldest use first, so recency survives a failover), the unfinished
-stores of live writers stay pending, blocks granted to live clients stay granted (an offer
-still cached and indexed, a claimed one not), completed stores a dead owner deferred are
-remembered, and everything else (torn keys, dead writers' stores and claims) is freed; a
-dead client's unclaimed offer is simply cached again. It fills a fresh ``Entries`` and
+This module owns what a new owner trusts of the table: READY entries whose round is closed
+and whose key checksum verifies are adopted (oldest use first, so recency survives a
+failover), the unfinished stores of live writers stay pending, blocks granted to live
+clients stay granted (an offer still cached and indexed, a claimed one not), completed
+stores a dead owner deferred are remembered, and everything else (entries a dead owner left
+mid-rewrite, torn keys, dead writers' stores and claims) is freed; a dead client's unclaimed
+offer is simply cached again. It fills a fresh ``Entries`` and
 ``Grants``; it never rewrites a key it keeps and never copies block data.
 
 A key that two entries hold can only come from damage, and either copy may be the damaged
@@ -56,21 +57,26 @@ def rebuild(entries: Entries, grants: Grants, writer_alive: Callable[[int, int],
             # would let that store land outside any round, unseen by a reader that proved
             # the entry READY at the closed sequence number. One never handed over is
             # handed over at adoption, or kept until its client goes (``Grants.settle``).
-            # The key of an offer, or of a claim that may still be given back, is indexed
-            # again when intact.
-            if e.state != L.CLAIMED and e.key and e.key_ok:
+            # The key of an offer is indexed again when intact and its round closed. One
+            # left odd is kept as a claim, indexed nowhere: the round may be the client's
+            # claim, or a dead owner's publish of its claim, a copy killed after the state
+            # byte (any subset of a copy's bytes may land), the old key and its checksum
+            # intact over the new key's bytes.
+            if e.state != L.CLAIMED and e.key and e.key_ok and not e.torn:
                 offers.append((b, e.key, client, e.grant_pos, None if e.torn else e.stored_by))
             else:
                 grants.adopt(b, client, e.grant_pos, claimed=True)
             continue
         # A dead owner may have left an entry mid-rewrite (odd seq: readers would report
-        # it torn forever). Settle it, then trust its key only if the checksum written
-        # with the key still verifies: a rewrite killed halfway may have changed any of
-        # the key bytes under an unchanged READY state.
+        # it torn forever). Settle it, and never trust its key: a copy killed halfway may
+        # have stored any subset of its bytes, a key half rewritten under an unchanged
+        # READY state (the checksum tells) or a new READY state over an intact old key and
+        # checksum (nothing tells: a claimed block's publish, over the new key's bytes).
+        # Nor a key whose checksum fails (damage).
         torn = table.settle(b)
         if torn:
             e = table.read(b)
-        if e.state != L.FREE and (e.torn or not e.key_ok):
+        if e.state != L.FREE and (torn or not e.key_ok):
             torn_keys += 1  # never published: its key is neither the old nor the new one
         elif e.state in (L.READY, L.EVICTING) and e.key:  # (a dead client's offer: cached)
             ready.append((e.last_use, b, e.key, e, None if torn else e.stored_by))
