@@ -334,6 +334,34 @@ def test_a_worker_that_dies_before_its_scheduler_looked_fails_the_jobs_it_took(s
         sc.close()
 
 
+def test_a_channel_whose_worker_died_takes_no_other_worker(seg_name):
+    # The jobs a dead worker held, and those it never read, are failed at its death: their
+    # stores freed, their loads' device blocks reused. A second worker attaching to the same
+    # channel read those frames and ran them: a store copied its device memory into a block
+    # another client had been granted since, and published.
+    from kvshm.engine.connector import Job
+    from kvshm.transfer.spec import TransferSpec
+    Segment.create(seg_name, layout(1), 8, **SMALL_GEOMETRY).close()
+    sc = SchedulerChannel(seg_name)
+    try:
+        parent, child = CTX.Pipe()
+        dev = [torch.zeros(4, PAGE, dtype=torch.uint8).share_memory_()]
+        p = CTX.Process(target=_serve, args=(sc.address, dev, child, True), daemon=True)
+        p.start()
+        sc.send([Job(1, "r", TransferSpec("store", [1], [2]))])
+        assert parent.recv() == ("stuck", 1, "store")
+        sc.send([Job(2, "r", TransferSpec("store", [2], [3]))])  # never read
+        p.kill()
+        p.join()
+        assert sorted((d.job_id, d.success) for d in sc.wait([1, 2], timeout=60)) == [
+            (1, False), (2, False)]
+        with pytest.raises(InvalidArgumentError, match="had a worker"):
+            WorkerChannel(*sc.address)
+        assert not sc.worker_alive()
+    finally:
+        sc.close()
+
+
 def test_a_channel_has_one_worker_and_only_channel_slots_attach(seg_name):
     mgr = connect(seg_name, layout(1), num_blocks=8, **SMALL_GEOMETRY)
     sc = SchedulerChannel(seg_name)

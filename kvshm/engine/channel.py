@@ -168,10 +168,12 @@ class SchedulerChannel:
 
     # --- liveness ----------------------------------------------------------------------
     def worker_alive(self) -> bool:
-        """Whether our worker is attached now: it said so, and it holds its lock."""
+        """Whether our worker is attached now: it said so, and it holds its lock (never
+        again once it was lost: a channel has one worker)."""
         if not self._worker_seen:
             self._drain()
-        return self._worker_seen and locks.is_held(self.seg.fd, WORKER_LOCK_BASE + self.slot)
+        return self._worker_seen and not self._worker_lost and \
+            locks.is_held(self.seg.fd, WORKER_LOCK_BASE + self.slot)
 
     def wait_worker(self, timeout: float = 60.0,
                     starting: Callable[[], bool] = lambda: True) -> None:
@@ -197,11 +199,14 @@ class SchedulerChannel:
         return False
 
     # --- sending -------------------------------------------------------------------------
+    def _ids_per_frame(self) -> int:
+        """Ids a frame may carry: two lists of them must fit the ring's largest frame."""
+        room = (Ring.max_payload(self._ends.jobs.capacity) - FRAME_OVERHEAD) // (2 * ID_BYTES)
+        return max(1, min(MAX_IDS_PER_FRAME, room))
+
     def send(self, jobs: Iterable) -> None:
         """Send ``Job``s (from the scheduler connector); after the worker died they fail."""
-        # ids a frame may carry: both lists of them must fit the ring's largest frame
-        room = (Ring.max_payload(self._ends.jobs.capacity) - FRAME_OVERHEAD) // (2 * ID_BYTES)
-        n = max(1, min(MAX_IDS_PER_FRAME, room))
+        n = self._ids_per_frame()
         for job in jobs:
             spec: TransferSpec = job.spec
             dev, seg = list(spec.device_block_ids), list(spec.segment_block_ids)
@@ -297,6 +302,10 @@ class WorkerChannel:
                 raise InvalidArgumentError(f"job channel {slot} already has a worker")
             self._check_channel()  # again, ours now: its scheduler may have died meanwhile
             self._ends = _Ends(self.seg, slot)
+            if self._ends.done.tail:  # a worker attached before us (its first frame): the
+                raise InvalidArgumentError(  # jobs it left were failed, their blocks reused
+                    f"job channel {slot} generation {gen} had a worker already, which is "
+                    "gone; its scheduler failed the jobs it left: open a new channel")
             _put(self._ends.done, _encoder.encode(Attached(gen)), self.scheduler_alive)
             self._ends.done_bell.ring()
         except BaseException:  # its descriptor may hold the worker lock: close it
