@@ -190,7 +190,9 @@ def test_a_job_channel_never_takes_a_slot_the_owner_still_serves(seg):
         honest.shutdown()
 
 
-def test_a_newcomer_looking_past_a_dead_clients_slot_is_never_taken_for_a_scribbler(seg):
+@pytest.mark.parametrize("newcomer", ["client", "channel"])
+def test_a_newcomer_looking_past_a_dead_clients_slot_is_never_taken_for_a_scribbler(
+        seg, newcomer):
     # A newcomer looking for a FREE slot locked each slot in turn to read it, a dead
     # client's too. An owner that looked at that moment saw a live holder whose record names
     # a generation nobody holds (a client that rewrote its record), counted an error, marked
@@ -202,7 +204,10 @@ def test_a_newcomer_looking_past_a_dead_clients_slot_is_never_taken_for_a_scribb
                            "print(slot)", seg.name], capture_output=True, text=True, check=True)
     dead_slot = int(dead.stdout)  # activated, never adopted (no owner ran), its holder gone
     env = dict(os.environ, KVSHM_CRASH_AT="client.slot.after_lock", KVSHM_CRASH_SIGNAL="STOP")
-    newcomer = subprocess.Popen([sys.executable, "-c", code + "print(slot)", seg.name],
+    take = code + "print(slot)" if newcomer == "client" else (  # a scheduler's job channel
+        "import sys; from kvshm.engine.channel import SchedulerChannel\n"
+        "print(SchedulerChannel(sys.argv[1]).slot)")
+    newcomer = subprocess.Popen([sys.executable, "-c", take, seg.name],
                                 env=env, stdout=subprocess.PIPE, text=True)
     try:
         wait_for(lambda: stopped(newcomer.pid), "the newcomer to stop with a slot locked")

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Literal, cast
 
 import msgspec
 
+from kvshm.crashpoints import crash_point
 from kvshm.errors import ClientSlotsExhaustedError, InvalidArgumentError, TransferError
 from kvshm.shm import layout as L
 from kvshm.shm import locks, slots
@@ -148,9 +149,12 @@ class SchedulerChannel:
         deadline = time.monotonic() + timeout
         while True:
             for slot in range(g.max_clients):
-                if locks.is_held(fd, WORKER_LOCK_BASE + slot) or \
+                # (a FREE one only: see ``slots.claim``)
+                if slots.record(self.seg, slot).state != L.SlotState.FREE or \
+                        locks.is_held(fd, WORKER_LOCK_BASE + slot) or \
                         not locks.try_lock(fd, L.LOCK_CLIENT_BASE + slot):
                     continue
+                crash_point("client.slot.after_lock")
                 gen = slots.claimable(self.seg, slot)
                 if gen is not None:
                     return slot, gen
