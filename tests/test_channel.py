@@ -455,6 +455,25 @@ def test_frames_carry_the_whole_spec_across_several_frames(seg_name, monkeypatch
             os.kill(owner, signal.SIGKILL)
 
 
+def test_a_flush_of_many_jobs_travels_over_the_smallest_rings(seg_name):
+    from kvshm.engine.connector import Job
+    from kvshm.transfer.spec import TransferSpec
+    Segment.create(seg_name, layout(1), 8, ring_capacity=4096, hold_capacity=64).close()
+    sc = SchedulerChannel(seg_name)
+    w = WorkerChannel(*sc.address)
+    try:
+        ids = list(range(100_000, 100_500))
+        sc._outstanding.update((j, "store") for j in ids)  # as if sent and not yet done
+        sc.flush(ids)
+        got: list = []
+        while (frames := w.recv(timeout=1.0)):
+            got += [j for m in frames if isinstance(m, ch.Flush) for j in m.job_ids]
+        assert got == ids
+    finally:
+        w.close()
+        sc.close()
+
+
 def test_a_job_of_many_blocks_travels_over_the_smallest_rings(seg_name):
     # A frame carried up to 2,048 ids whatever the ring: over the smallest rings a segment
     # may have (4,096 bytes), a job of a few hundred blocks could not be sent at all.

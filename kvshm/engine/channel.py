@@ -225,9 +225,10 @@ class SchedulerChannel:
 
     def flush(self, job_ids: Iterable[int]) -> None:
         """Ask the worker to finish these jobs before it takes any later one."""
-        ids = [j for j in job_ids if j in self._outstanding]
-        if ids:
-            self._send(Flush(ids))
+        ids, n = [j for j in job_ids if j in self._outstanding], self._ids_per_frame()
+        for i in range(0, len(ids), n):  # (the worker waits for each part's jobs in turn)
+            if not self._send(Flush(ids[i:i + n])):
+                break
 
     def stop(self) -> None:
         """Tell the worker to finish what it has and exit."""
