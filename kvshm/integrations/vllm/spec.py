@@ -241,6 +241,7 @@ class KvshmOffloadingSpec(V.OffloadingSpec):
             from kvshm.transfer.factory import make_handler
             seg = open_segment(self.options, self.layout)
             pin: Any = None
+            regs: writers.Registrations | None = None
             try:
                 plane = seg.torch_planes()[self.config.parallel.rank]
                 tensors = [t.tensor for t in kv_caches.tensors]
@@ -255,10 +256,12 @@ class KvshmOffloadingSpec(V.OffloadingSpec):
                     pin = pin_in_background(plane.data_ptr(), plane.numel(),
                                             turn=seg.pin_turn, progress=PinProgress(seg.buf))
                     options["pin"] = pin
+                regs = writers.Registrations(seg)  # (a descriptor of its own)
                 core = WorkerCore(tensors, groups, plane, self.blocks_per_chunk,
-                                  make_handler=make_handler,
-                                  writers=writers.Registrations(seg), **options)
+                                  make_handler=make_handler, writers=regs, **options)
             except BaseException:
+                if regs is not None:
+                    regs.close()
                 if pin is not None:
                     pin.unregister()
                 seg.close()
