@@ -34,6 +34,7 @@ from procs import check, store
 from tier_fake import FakeStore, FakeTier
 
 KEYS = [b"tier-key-%03d" % i for i in range(8)]
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture
@@ -191,6 +192,31 @@ def test_one_mover_per_segment(hosts):
     b, mb = hosts(fake)
     with pytest.raises(MoverRunningError):
         Mover(b.segment.name, FakeTier(fake))
+
+
+@pytest.mark.parametrize("batch", ["0", "-3"])
+def test_kvshm_mover_refuses_a_batch_below_one_saying_what_to_pass(batch):
+    p = subprocess.run([sys.executable, "-m", "kvshm.cli", "mover", unique_name(), "--master",
+                        "127.0.0.1:1", "--metadata", "http://127.0.0.1:1/metadata",
+                        "--batch", batch], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "PYTHONPATH": ROOT})
+    assert p.returncode == 2, p.stderr
+    last = p.stderr.strip().splitlines()[-1]
+    assert last.startswith("kvshm mover: error: argument --batch:"), p.stderr
+    assert "at least 1" in last and batch in last, last
+
+
+@pytest.mark.parametrize("batch", [0, -1])
+def test_a_mover_refuses_a_batch_below_one_and_leaves_the_segment_to_the_next(make_segment,
+                                                                              batch):
+    from kvshm.errors import InvalidArgumentError
+    seg = make_segment()
+    try:
+        with pytest.raises(InvalidArgumentError, match="batch"):
+            Mover(seg.name, FakeTier(FakeStore()), batch=batch)
+        Mover(seg.name, FakeTier(FakeStore())).close()  # nothing was left locked
+    finally:
+        stop_owner(seg.owner_record()[0])
 
 
 def test_a_mover_that_cannot_become_a_client_leaves_the_segment_to_the_next(make_segment):

@@ -38,7 +38,7 @@ import numpy as np
 from kvshm import commands, signals
 from kvshm.client.manager import SharedManager
 from kvshm.crashpoints import crash_point
-from kvshm.errors import KvshmError, MoverRunningError, SegmentNotFoundError
+from kvshm.errors import InvalidArgumentError, KvshmError, MoverRunningError, SegmentNotFoundError
 from kvshm.index.api import LookupResult
 from kvshm.shm.checksums import BlockSums
 from kvshm.shm.segment import Segment
@@ -61,6 +61,10 @@ class Mover:
 
     def __init__(self, name: str, tier: LowerTier, *, spill: bool = True, batch: int = 64,
                  poll_s: float = 0.005) -> None:
+        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+            # Refused before anything is taken: a batch of 0 would fail the first store.
+            raise InvalidArgumentError(f"batch must be an int of at least 1 (blocks per "
+                                       f"put/get call), got {batch!r}")
         self.seg = Segment.attach(name)
         try:
             self.area = TierArea.create(self.seg)
@@ -344,8 +348,20 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--devices", default="", help="RDMA devices for --protocol rdma")
     ap.add_argument("--no-spill", action="store_true",
                     help="fetch on miss only; never write the segment's blocks below")
-    ap.add_argument("--batch", type=int, default=64, help="blocks per put/get call (default 64)")
+    ap.add_argument("--batch", type=_batch, default=64,
+                    help="blocks per put/get call, at least 1 (default 64)")
     commands.add_log_level(ap, "stderr")
+
+
+def _batch(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:  # argparse says it in one line, before the mover takes anything
+        raise argparse.ArgumentTypeError(f"pass a whole number of blocks, at least 1 (such as "
+                                         f"the default 64), not {text!r}")
+    return n
 
 
 def run_from_args(a: argparse.Namespace) -> int:
