@@ -48,7 +48,7 @@ def hosts(make_segment):
         mover = Mover(seg.name, FakeTier(fake), spill=spill, batch=4)
         eng = TieredManager(connect(seg.name), max_wait=60.0)
         made.append((seg, mover, eng))
-        return eng, mover
+        return eng, connected(mover)
 
     yield host
     for seg, mover, eng in made:
@@ -57,6 +57,13 @@ def hosts(make_segment):
         pid = seg.owner_record()[0]
         if pid:
             stop_owner(pid)
+
+
+def connected(mover: Mover) -> Mover:
+    """``mover`` once it has connected to its tier (in a thread of its own: rounds go on)."""
+    assert poll_until(lambda: (mover.step(), mover.area.connected())[1], 30), \
+        mover.area.snapshot()
+    return mover
 
 
 def spill_all(mover: Mover, fake: FakeStore, n: int) -> None:
@@ -161,11 +168,14 @@ def test_a_store_that_is_down_is_a_miss_and_recovers_by_itself(hosts):
     store(a, KEYS[4:])  # host a's spills while down are dropped, counted
     assert poll_until(lambda: (ma.step(), counters(ma)["put_dropped"] +
                                counters(ma)["put_failed"] >= 4)[1], 30)
+    asked = b.not_yet
+    assert b.lookup([b"while-down"]) == 0 and b.not_yet == asked  # no tier: a miss at once
     fake.down = False
     b._asked.clear()
-    # It comes back by itself once its backoff ends; engines only ever saw misses meanwhile.
-    assert poll_until(lambda: fill(b, mb, KEYS[:4]) == 4 or b._asked.clear(), 60)
-    assert mb.area.snapshot()["state"] == "connected"
+    # It comes back by itself once its backoff ends (its probe); engines only ever saw
+    # misses meanwhile.
+    connected(mb)
+    assert fill(b, mb, KEYS[:4]) == 4
 
 
 def test_puts_refused_for_space_are_counted_not_raised(hosts):
@@ -520,7 +530,7 @@ def test_a_want_ring_its_last_client_scribbled_never_fails_nor_spins(hosts, make
     store(a, KEYS)
     spill_all(ma, fake, len(KEYS))
     seg = make_segment(max_clients=2)  # the mover's slot and one more: the engine gets it
-    mover = Mover(seg.name, FakeTier(fake), batch=4)
+    mover = connected(Mover(seg.name, FakeTier(fake), batch=4))
     pid = seg.owner_record()[0]
     eng = None
     try:
@@ -548,7 +558,7 @@ def test_a_client_checks_that_the_mover_lives_at_most_once_per_interval(make_seg
                                                                         monkeypatch):
     from kvshm.tier import client
     seg = make_segment()
-    mover = Mover(seg.name, FakeTier(FakeStore()))
+    mover = connected(Mover(seg.name, FakeTier(FakeStore())))
     eng = TieredManager(connect(seg.name))
     checks = []
     alive = TierArea.mover_alive
@@ -561,7 +571,8 @@ def test_a_client_checks_that_the_mover_lives_at_most_once_per_interval(make_seg
         eng.complete_store([])
         assert len(checks) == 1
         mover.close()
-        assert eng.lookup([b"after"]) is None  # not looked again yet: one more "not yet"
+        assert eng.lookup([b"after"]) == 0  # it said "stopped": a miss, the lock not looked at
+        assert len(checks) == 1
         clock[0] += client._ALIVE_EVERY_S
         assert eng.lookup([b"after-2"]) == 0  # looked again: no mover, a plain miss
         assert len(checks) == 2

@@ -78,7 +78,9 @@ class Host:
                                         "--local-buffer", "16M", "--log-level", "INFO")
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-        assert poll_until(lambda: self.tier()["state"] == "connected" or
+        # This mover's state: a mover killed before left its own "connected" behind.
+        assert poll_until(lambda: (self.tier()["state"] == "connected" and
+                                   self.tier()["mover_pid"] == self.proc.pid) or
                           self.proc.poll() is not None, 90), self.log()
         assert self.proc.poll() is None, self.log()
 
@@ -259,6 +261,75 @@ def test_a_mover_killed_with_blocks_pinned_for_a_put(master, hosts):
     assert poll_until(lambda: verify(h1.seg) == [], 60), verify(h1.seg)
     h1.start_mover()
     write_through_fresh(h1, "unpinned")
+
+
+@pytest.fixture
+def unreachable(make_segment, tmp_path):
+    """A segment whose mover process is pointed at a master and a metadata server nobody
+    listens for (closed loopback ports), once that mover lives; yields (segment, process)."""
+    from kvshm.tier.area import TierArea
+    from kvshm.tier.mooncake import free_port
+    seg = make_segment(unique_name(), num_blocks=64)
+    log_path = tmp_path / "mover.log"
+    cmd = [sys.executable, "-m", "kvshm.cli", "mover", seg.name, "--master",
+           f"127.0.0.1:{free_port()}", "--metadata", f"http://127.0.0.1:{free_port()}/metadata",
+           "--global-segment", "64M", "--local-buffer", "16M", "--log-level", "INFO"]
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHONPATH": ROOT})
+    areas = []
+
+    def alive() -> bool:
+        if not areas and (a := TierArea.attach(seg)) is not None:
+            areas.append(a)
+        return bool(areas) and areas[0].mover_alive()
+
+    try:
+        assert poll_until(lambda: alive() or proc.poll() is not None, 60), log_path.read_text()
+        assert proc.poll() is None, log_path.read_text()
+        yield seg, proc
+    finally:
+        for a in areas:
+            a.close()
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        stop_owner(seg.owner_record()[0])
+
+
+def test_a_lookup_while_the_master_is_unreachable_is_a_miss_at_once(unreachable):
+    from kvshm.index.api import LookupResult
+    seg, _ = unreachable
+    eng = TieredManager(connect(seg.name), max_wait=60.0)
+    try:
+        assert eng.lookup(keys_of("unreachable")) == 0
+        assert eng.key_status(b"unreachable-key") is LookupResult.MISS
+        assert eng.not_yet == 0  # never "not yet": no tier is as good as no mover
+    finally:
+        eng.shutdown()
+
+
+def test_a_mover_whose_master_is_unreachable_answers_wants_as_misses(unreachable):
+    from kvshm.tier.area import TierArea
+    seg, _ = unreachable
+    mgr = connect(seg.name)
+    area = TierArea.attach(seg)
+    try:
+        seq = area.want(mgr.slot, keys_of("wanted"))  # as an engine that asked just before
+        assert poll_until(lambda: area.answered(mgr.slot, seq), 30)
+        assert all(mgr.index.find(k)[0] < 0 for k in keys_of("wanted"))
+    finally:
+        area.close()
+        mgr.shutdown()
+
+
+def test_a_mover_whose_master_is_unreachable_stops_on_sigterm(unreachable):
+    seg, proc = unreachable
+    # Once it has tried the master (its loop runs, the tier shows down), not before.
+    assert poll_until(lambda: tier_snapshot(seg)["state"] == "down", 30), tier_snapshot(seg)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0
+    assert tier_snapshot(seg)["state"] == "stopped"
 
 
 def _listening(pid: int) -> set[tuple[str, int]]:

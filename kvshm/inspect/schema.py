@@ -161,8 +161,9 @@ class Tier(_Doc):
     mover_pid: Annotated[int, _d("pid of the last mover (0: none yet)")]
     mover_alive: Annotated[bool, _d("whether a mover process holds the mover lock")]
     state: Annotated[Literal["stopped", "connecting", "connected", "down"], _d(
-        "`connected`: the lower tier answers; `down`: it failed and the mover backs off (every "
-        "want is a miss meanwhile); `stopped`: no mover alive")]
+        "`connecting`: the mover has not joined its lower tier yet; `connected`: the lower tier "
+        "answers; `down`: it failed, or could not be reached, and the mover backs off; until "
+        "`connected` every want is a miss and engines see no tier; `stopped`: no mover alive")]
     backend: Annotated[str, _d("what the mover talks to (e.g. `mooncake master HOST:PORT (tcp)`)")]
     since_ns: Annotated[int, _d("when the last mover started")]
     last_error: Annotated[int, _d(

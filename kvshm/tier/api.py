@@ -56,6 +56,8 @@ class LowerTier(ABC):
     @abstractmethod
     def connect(self) -> bool:
         """Join the store. False (logged) when it cannot be reached now; the mover retries.
+        Runs in the mover's connect thread: for a store that cannot be reached it answers
+        soon, and never holds the GIL while it waits (the mover's loop must go on).
         Raises ``LowerTierUnavailableError`` when it can never work (missing package)."""
 
     @abstractmethod

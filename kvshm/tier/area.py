@@ -68,6 +68,7 @@ SEQ_LIMIT = 1 << 62  # want seqs stay below: a word at or past it was scribbled
 LOCK_MOVER = 0
 
 STATES = ("stopped", "connecting", "connected", "down")
+_CONNECTED = STATES.index("connected")
 COUNTERS = (
     "wants",            # keys engines asked the mover to fetch
     "wants_dropped",    # wants overwritten before the mover read them (a miss)
@@ -238,6 +239,10 @@ class TierArea:
         self.head["since_ns"] = time.time_ns()
         raw = description.encode()[:127]
         self.buf[_DESC:_DESC + 128] = raw + bytes(128 - len(raw))
+
+    def connected(self) -> bool:
+        """Whether the mover last said its lower tier is connected (not whether it lives)."""
+        return self.head["mover_state"] == _CONNECTED
 
     def set_state(self, state: str) -> None:
         self.head["mover_state"] = STATES.index(state)

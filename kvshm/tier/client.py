@@ -23,8 +23,10 @@ When a lookup answers "not yet", and for how long (per first missing key):
   PENDING, as from the SharedManager.)
 * asked and answered, still absent — the lower tier does not have it: a plain miss, and the
   key is not asked for again within ``retry_after`` s.
-* no mover alive (or no tier area) — plain SharedManager semantics. Whether the mover lives
-  (its kernel lock, a system call) is checked at most every ``_ALIVE_EVERY_S`` seconds.
+* no mover alive (or no tier area), or a mover not connected to its lower tier (connecting,
+  or down for a backoff: it would only answer misses) — plain SharedManager semantics, at
+  once. Whether the mover lives (its kernel lock, a system call) is checked at most every
+  ``_ALIVE_EVERY_S`` seconds; the state it shows (a word of shared memory) on every call.
 
 So a key absent everywhere costs one "not yet" and then misses; a key below costs one fetch.
 A None answer gives back its lookup of the hits before it (``release``: a later lookup leases
@@ -71,15 +73,18 @@ class TieredManager(OffloadingManager):
 
     # --- the lookup that may hit below ---------------------------------------------------
     def _tier(self) -> TierArea | None:
-        """The tier area if its mover lives (as last checked: at most every _ALIVE_EVERY_S)."""
+        """The tier area if its mover lives (as last checked: at most every _ALIVE_EVERY_S)
+        and says it is connected to its lower tier: asking a mover that is not would only
+        cost "not yet" rounds before the same miss."""
         now = _now()
-        if now < self._next_check:
-            return self._live
-        if self._area is None:
-            self._area = TierArea.attach(self.segment)
-        self._next_check = now + (_ALIVE_EVERY_S if self._area is not None else _ATTACH_EVERY_S)
-        self._live = self._area if self._area is not None and self._area.mover_alive() else None
-        return self._live
+        if now >= self._next_check:
+            if self._area is None:
+                self._area = TierArea.attach(self.segment)
+            self._next_check = now + (_ALIVE_EVERY_S if self._area is not None
+                                      else _ATTACH_EVERY_S)
+            self._live = (self._area if self._area is not None and self._area.mover_alive()
+                          else None)
+        return self._live if self._live is not None and self._live.connected() else None
 
     def lookup(self, keys: Sequence[bytes]) -> int | None:  # type: ignore[override]
         """Prefix length of ready blocks, or None: retry later, a fetch may bring more."""

@@ -1,16 +1,22 @@
-"""The mover's link to the lower tier: connected, down for a backoff, probed back.
+"""The mover's link to the lower tier: connecting off the loop, connected, down for a
+backoff, probed back.
 
-This module owns the lower tier's health as the mover sees it. The first use connects and
-registers the memory the transfers read and write (the segment's data region, the mover's
-header buffer). A call answered with an RPC failure marks the tier *down* for a backoff (1 s
-doubling to 8 s), during which the mover answers wants at once (misses) and drops store events
-(counted); then the next real call, or a probe once the backoff ends, tells whether it is
-back. The state is shown in the tier area (``kvshm-inspect show``) and a change of it is one
-log line. It never moves a block (``mover.py`` does).
+This module owns the lower tier's health as the mover sees it. Connecting (joining the store,
+then registering the memory the transfers read and write: the segment's data region, the
+mover's header buffer) runs in a thread of its own, so the mover's loop never waits for it
+and a stop request is seen at once. Until a connect succeeds the tier is not usable: the
+mover answers wants at once (misses) and drops store events (counted), and a failed connect
+is tried again after a backoff. A call answered with an RPC failure marks the tier *down* for
+a backoff (1 s doubling to 8 s), with the same effect; then the next real call, or a probe
+once the backoff ends, tells whether it is back. Engines see a tier that is not connected as
+no tier (``client.py``). The state is shown in the tier area (``kvshm-inspect show``) and a
+change of it is one log line. It never moves a block (``mover.py`` does), and never lets two
+threads call the tier at once: the connect thread's calls end before the loop's begin.
 """
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Sequence
 
@@ -24,7 +30,7 @@ _BACKOFF_S, _BACKOFF_MAX_S = 1.0, 8.0
 
 class TierLink:
     """The connection of one mover to ``tier``; ``regions`` are the (address, length) spans
-    to register on every connect, in order."""
+    to register on every connect, in order. ``tend`` once a round drives it."""
 
     def __init__(self, tier: LowerTier, area: TierArea,
                  regions: Sequence[tuple[int, int]]) -> None:
@@ -35,26 +41,66 @@ class TierLink:
         self._down_until = 0.0  # monotonic time before which no call is tried
         self._is_down = False
         self._backoff = _BACKOFF_S
+        # The connect thread's: whether it runs, and what came of it ("" or why it failed;
+        # None: nothing to take). The loop reads them only once ``_running`` is False, and
+        # ``_lock`` orders the end of a connect against ``close``.
+        self._running = False
+        self._outcome: str | BaseException | None = None
+        self._lock = threading.Lock()
+        self._closing = False
 
     def usable(self) -> bool:
-        """Whether the tier may be called now: connected (connecting if needed) and not in
-        a backoff."""
-        now = time.monotonic()
-        if now < self._down_until:
-            return False
-        if not self.connected:
+        """Whether the tier may be called now: connected and not in a backoff."""
+        return self.connected and time.monotonic() >= self._down_until
+
+    def tend(self) -> None:
+        """Once a round: start a connect when one is due, take its outcome once it ended,
+        or probe a tier that is down once its backoff ends. Raises what a connect raised
+        (``LowerTierUnavailableError``: the backend can never work here)."""
+        if self.connected:
+            self.probe()
+        elif self._running:
+            return
+        elif self._outcome is not None:
+            why, self._outcome = self._outcome, None
+            if isinstance(why, BaseException):
+                raise why
+            if why:
+                self._down(None, why)
+            else:
+                self.connected, self._is_down, self._backoff = True, False, _BACKOFF_S
+                self.area.add("reconnects")
+                self.area.set_state("connected")
+                log.info("connected to %s", self.tier.description)
+        elif time.monotonic() >= self._down_until:
+            self._running = True
+            threading.Thread(target=self._connect, name="kvshm-mover-connect",
+                             daemon=True).start()  # a stopping mover never waits for it
+
+    def _connect(self) -> None:
+        """The connect thread. A store that cannot be reached answers False (the backend
+        makes sure of that without waiting long), and the loop backs off."""
+        why: str | BaseException = ""
+        try:
             if not self.tier.connect():
-                self._down(None, "cannot connect")
-                return False
-            if not all(self.tier.register(addr, n) for addr, n in self._regions):
+                why = "cannot connect"
+            elif not all(self.tier.register(addr, n) for addr, n in self._regions):
                 self.tier.close()
-                self._down(None, "cannot register the segment's memory")
-                return False
-            self.connected, self._is_down, self._backoff = True, False, _BACKOFF_S
-            self.area.add("reconnects")
-            self.area.set_state("connected")
-            log.info("connected to %s", self.tier.description)
-        return True
+                why = "cannot register the segment's memory"
+        except BaseException as e:  # for the loop to raise
+            why = e
+        with self._lock:
+            if self._closing and not why:  # the mover stopped meanwhile, leaving it to us
+                self.tier.close()
+            self._outcome = why
+            self._running = False
+
+    def close(self) -> bool:
+        """The mover stops: whether it may close the tier itself (False: a connect still
+        runs, and closes what it opened when it ends)."""
+        with self._lock:
+            self._closing = True
+            return not self._running
 
     def probe(self) -> None:
         """After a backoff, one cheap call tells whether the tier is back, so recovery (and

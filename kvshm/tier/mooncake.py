@@ -13,6 +13,10 @@ Facts it relies on (mooncake-transfer-engine-non-cuda 0.3.13.post1, checked by t
 * ``register_buffer`` works on a POSIX shm mapping: the segment's data region is registered
   once and blocks move straight between it and the store (``batch_put_from_multi_buffers``,
   ``batch_get_into_multi_buffers``: header + one page per plane, no staging copy).
+* ``setup`` with an unreachable master retries ~20 times, ~4.5 s apart, holding the GIL all
+  along (no other thread of the process runs, signal handlers included); so ``connect``
+  first opens a TCP connection to the master and to an HTTP metadata server, and calls
+  ``setup`` only when both accept one.
 * Calls return negative codes instead of raising; with the master down a call blocks ~4 s
   before -900, and after a master restart the client re-registers by itself within ~3 s (the
   store's content is gone). So nothing here reconnects: the mover backs off instead.
@@ -31,6 +35,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 from kvshm.errors import LowerTierUnavailableError
 from kvshm.tier.api import Code, LowerTier
@@ -38,6 +43,7 @@ from kvshm.tier.api import Code, LowerTier
 log = logging.getLogger(__name__)
 
 PINNED = "mooncake-transfer-engine-non-cuda==0.3.13.post1"  # setup.cfg's [mooncake] extra
+_REACH_S = 2.0  # a TCP connect to the master or metadata server not answered by then: unreachable
 _INSTALL = ("pip install 'kvshm[mooncake]' (it pins " + PINNED + "), and on Debian/Ubuntu "
             "apt-get install libibverbs1 (the wheel loads it but does not declare it)")
 
@@ -55,7 +61,8 @@ class MooncakeConfig:
 
 
 class MooncakeTier(LowerTier):
-    """A ``MooncakeDistributedStore`` client. Not thread-safe: one mover thread uses it."""
+    """A ``MooncakeDistributedStore`` client. Not thread-safe: one thread at a time uses it
+    (the mover's connect thread, then its loop)."""
 
     def __init__(self, cfg: MooncakeConfig) -> None:
         for what, v in (("global_segment_bytes", cfg.global_segment_bytes),
@@ -76,6 +83,9 @@ class MooncakeTier(LowerTier):
         except ImportError as e:  # the package, or libibverbs.so.1 it loads
             raise LowerTierUnavailableError(f"cannot load Mooncake ({e}); {_INSTALL}") from None
         c = self.cfg
+        if (why := self._unreachable()) is not None:
+            log.warning("Mooncake %s; retrying later", why)
+            return False
         store = MooncakeDistributedStore()
         rc = store.setup(c.local_host, c.metadata, c.global_segment_bytes,
                          c.local_buffer_bytes, c.protocol, c.devices, c.master)
@@ -89,6 +99,25 @@ class MooncakeTier(LowerTier):
             return False
         self._store = store
         return True
+
+    def _unreachable(self) -> str | None:
+        """Why the master or the HTTP metadata server takes no TCP connection now (None:
+        both do). A socket waits without the GIL, unlike ``setup``."""
+        where = [("master", self.cfg.master)]
+        meta = urlsplit(self.cfg.metadata)
+        if meta.scheme in ("http", "https") and meta.hostname:  # (etcd and others: setup's)
+            try:
+                port = meta.port or (443 if meta.scheme == "https" else 80)
+            except ValueError as e:
+                return f"metadata URL {self.cfg.metadata!r}: {e}"
+            where.append(("metadata server", f"{meta.hostname}:{port}"))
+        for what, addr in where:
+            host, _, port_text = addr.rpartition(":")
+            try:
+                socket.create_connection((host.strip("[]"), int(port_text)), _REACH_S).close()
+            except (OSError, ValueError) as e:
+                return f"{what} {addr} unreachable ({e})"
+        return None
 
     def register(self, address: int, length: int) -> bool:
         rc = self._store.register_buffer(address, length)

@@ -14,8 +14,9 @@ This module owns the mover's loop. The mover is an ordinary kvshm client of the 
   (``key_status`` + ``prepare_load``), writes their headers, puts header + pages straight from
   the segment, and unpins. Keys the mover fetched itself are not put back.
 
-Faults never reach an engine: while the lower tier is down (``link.py``: an RPC failure, then
-a backoff) wants are answered at once (misses) and store events are dropped (counted). Every
+Faults never reach an engine: while the lower tier is not connected (``link.py``: connecting
+in a thread of its own, or down after an RPC failure, for a backoff) wants are answered at
+once (misses) and store events are dropped (counted). Every
 outcome is a counter in the tier area (``kvshm-inspect show``). The mover never waits for an
 engine and never holds a pin across rounds.
 """
@@ -75,6 +76,8 @@ class Mover:
             self.area.close()
             self.seg.close()
             raise MoverRunningError(f"another mover serves segment {name!r}")
+        # At once, and before our pid: engines must not trust a dead mover's "connected".
+        self.area.set_state("connecting")
         # The mover lock goes with the area: on failure the next mover may start.
         try:
             # No grants: a fill must show as WRITING in the index while it runs, so that
@@ -114,11 +117,12 @@ class Mover:
                              [self.seg.data_address(), (self._haddr, len(self._hbuf))])
         self._next_events = 0.0
         self.area.set_mover(os.getpid(), tier.description)
-        self.area.set_state("connecting")
 
     # --- one round ------------------------------------------------------------------------
     def step(self) -> int:
-        """Fill the wants, then spill one batch. Returns how many keys it handled."""
+        """Tend the link, fill the wants, then spill one batch. Returns how many keys it
+        handled."""
+        self.link.tend()  # outside the try: a backend that can never work ends the mover
         try:
             return self._fill() + self._spill()
         except KvshmError as e:  # the owner's answer to a bad state: log, go on
@@ -298,9 +302,6 @@ class Mover:
             log.info("segment %r was removed; the mover exits", name)
             return
         while not stop.is_set():
-            if not self.link.connected:
-                self.link.usable()  # join at once (and retry after backoffs), not on first use
-            self.link.probe()
             if self.step():
                 continue
             if self.seg.removed():  # (a segment created since under its name has its own)
@@ -317,7 +318,8 @@ class Mover:
         self.area.set_state("stopped")
         self.area.skip_all()
         try:
-            self.tier.close()
+            if self.link.close():  # else a connect in flight closes what it opened
+                self.tier.close()
         finally:
             self.mgr.shutdown()
             self._hview.release()
