@@ -2,7 +2,9 @@
 
 ``kvshm serve``, ``kvshm mover``, ``python -m kvshm.owner`` (what clients start) and
 ``kvshm-inspect`` end the same way and log the same way, and their ``--help`` says so with
-``EXIT_STATUS``. This module owns those numbers and words; it imports nothing of kvshm.
+``EXIT_STATUS``. This module owns those numbers and words, and ``printable``: what a command
+prints that another process wrote (a client's name, a file name in /dev/shm) never acts on
+the operator's terminal. It imports nothing of kvshm.
 """
 from __future__ import annotations
 
@@ -31,10 +33,20 @@ def add_log_level(parser: argparse.ArgumentParser, where: str) -> None:
                         f"{DEFAULT_LOG_LEVEL}); the log goes to {where}")
 
 
+def printable(text: str) -> str:
+    """``text`` with every character that is not printable shown as its Python escape
+    (``\\x1b``, ``\\u202e``, ``\\n``): a string another process wrote may hold terminal
+    control sequences (clear the screen, retitle the window, forge lines) or characters that
+    reorder or hide what follows. Printable text, any script's, is kept as it is."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def one_line(e: BaseException) -> str:
     """An exception's message on one line, as a command prints it: kvshm's own errors say
     what to do as they are; anything else is named, since its message alone may not say."""
-    msg = " ".join(str(e).split())
+    msg = printable(" ".join(str(e).split()))
     return msg if type(e).__module__.startswith("kvshm") and msg else \
         f"{type(e).__name__}: {msg}".rstrip(": ")
 

@@ -533,6 +533,56 @@ def test_torn_entry_reported_and_repaired_by_gc(name, capsys):
     assert run(capsys, "verify", name)[0] == 0
 
 
+# --- what processes wrote reaches an operator's terminal escaped ----------------------------
+# Terminal control: clear the screen, retitle the window, colour, reorder the line (U+202E).
+EVIL = "\x1b[2J\x1b]0;pwned\x07\x1b[31mROOT\u202e"
+EVIL_SHOWN = r"\x1b[2J\x1b]0;pwned\x07\x1b[31mROOT\u202e"
+
+
+def assert_printable(text: str) -> None:
+    bad = sorted({c for c in text if not c.isprintable() and c != "\n"})
+    assert not bad, f"raw {bad} in the text output"
+
+
+@pytest.mark.parametrize("argv", [("show",), ("watch", "--count", "1")])
+def test_text_output_escapes_what_a_client_wrote_in_its_name(procs, name, argv):
+    create(name).close()
+    procs.start(role="client", name=name, slot=1, gen=1, holds=[], proc=EVIL, counters={})
+    p = cli(argv[0], name, *argv[1:])
+    assert p.returncode == 0, p.stderr
+    assert_printable(p.stdout)
+    assert EVIL_SHOWN in p.stdout
+
+
+def test_json_output_keeps_what_a_client_wrote_in_its_name_exact(procs, name):
+    create(name).close()
+    procs.start(role="client", name=name, slot=1, gen=1, holds=[], proc=EVIL, counters={})
+    p = cli("show", name, "--json")
+    assert p.returncode == 0, p.stderr
+    assert [c["name"] for c in json.loads(p.stdout)["clients"]] == [EVIL]
+
+
+def test_show_escapes_what_a_creator_wrote_as_the_model(name):
+    Segment.create(name, Layout((4096, 2048), 16, EVIL), 32, max_clients=4,
+                   ring_capacity=4096, hold_capacity=16).close()
+    p = cli("show", name)
+    assert p.returncode == 0, p.stderr
+    assert_printable(p.stdout)
+    assert f"model {EVIL_SHOWN}" in p.stdout
+
+
+def test_ls_escapes_what_another_process_named_an_object():
+    path = Path(f"/dev/shm/kvshm-{unique_name()}{EVIL}")
+    path.write_bytes(b"")
+    try:
+        p = cli("ls")
+        assert p.returncode == 0, p.stderr
+        assert_printable(p.stdout)
+        assert f"{path.name[len('kvshm-'):-len(EVIL)]}{EVIL_SHOWN}" in p.stdout
+    finally:
+        path.unlink(missing_ok=True)
+
+
 # --- bad input -----------------------------------------------------------------------------
 def assert_one_line_error(rc: int, out: str, err: str, *needles: str) -> None:
     assert rc == 2 and not out and "Traceback" not in err

@@ -1,7 +1,8 @@
 """``kvshm-inspect``: look into the kvshm segments of this host, check them, clean up crashes.
 
-This module owns the command line (stdlib argparse), its human and ``--json`` output (encoded
-through the Structs of ``kvshm.inspect.schema``), and the only two commands that write to a
+This module owns the command line (stdlib argparse), its human output (rendered, escaped, by
+``kvshm.inspect.render``) and ``--json`` output (encoded through the Structs of
+``kvshm.inspect.schema``), and the only two commands that write to a
 segment: ``gc`` (reclaims what dead clients and a dead owner left, only while no owner runs)
 and ``rm`` (unlinks), whose work is ``kvshm.inspect.cleanup``'s. Everything else reads through
 ``kvshm.inspect.snapshot``. It must never write to a segment outside ``gc``/``rm`` and never
@@ -24,6 +25,7 @@ from kvshm.errors import SegmentNotFoundError
 from kvshm.index.launch import OWNER_IDLE_EXIT_S
 from kvshm.inspect.cleanup import reclaim, users
 from kvshm.inspect.metrics import metric_samples, prometheus
+from kvshm.inspect.render import dur, render_show, size, table, text
 from kvshm.inspect.schema import encode
 from kvshm.inspect.snapshot import block_rows, snapshot, verify
 from kvshm.shm import layout as L
@@ -34,82 +36,8 @@ PROG = "kvshm-inspect"
 Args = argparse.Namespace
 
 
-def _dur(s: float | None) -> str:
-    for big, small, n, m in (("d", "h", 86400, 3600), ("h", "m", 3600, 60), ("m", "s", 60, 1)):
-        if s is not None and s >= n:
-            return f"{int(s // n)}{big}{int(s % n // m)}{small}"
-    return "-" if s is None else f"{s:.1f}s"
-
-
-def _size(n: float | None) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n is None or n < 1024 or unit == "TiB":
-            return "-" if n is None else f"{n:.0f} B" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return ""
-
-
-def _table(head: list[str], rows: list[list[Any]], indent: str = "  ") -> list[str]:
-    cells = [head, *[["-" if x is None else str(x) for x in r] for r in rows]]
-    width = [max(len(r[i]) for r in cells) for i in range(len(head))]
-    return [indent + "  ".join(c.ljust(w) for c, w in zip(r, width)).rstrip() for r in cells]
-
-
 def _emit(args: Args, data: dict[str, Any], human: Callable[[], str]) -> None:
-    print(encode(data) if args.json else human(), flush=True)
-
-
-def render_show(s: dict[str, Any]) -> str:
-    """The human form of a ``snapshot()``."""
-    h, g, b, o = s["header"], s["geometry"], s["blocks"], s["owner"]
-    owner = ("none has run yet" if not o["epoch"] else
-             f"pid {o['pid']}  alive  epoch {o['epoch']}  since {_dur(o['age_s'])}  tick "
-             f"{o['tick']}" if o["alive"] else f"none alive (last: pid {o['pid'] or '-'}, epoch "
-             f"{o['epoch']}; the next client to attach starts one)")
-    out = [f"segment   {s['name']}  ({SHM_DIR}/{PREFIX}{s['name']}, {_size(h['total_bytes'])}, "
-           f"format {h['format_version']}, age {_dur(h['age_s'])})",
-           f"layout    model {h['layout']['model'] or '-'}  tokens/block {g['tokens_per_block']}"
-           f"  page bytes {g['page_bytes']}  policy {h['policy']}  fingerprint "
-           f"{h['fingerprint'][:16]}",
-           f"geometry  {g['num_blocks']} blocks x {_size(g['block_bytes'])} = "
-           f"{_size(g['data_bytes'])}  {g['max_clients']} client slots  rings of "
-           f"{_size(g['ring_capacity'])}  {g['hold_capacity']} holds/client",
-           f"blocks    free {b['free']}  writing {b['writing']}  ready {b['ready']}  evicting "
-           f"{b['evicting']}  granted {b['granted']}  claimed {b['claimed']}  pinned "
-           f"{b['pinned']}  leased "
-           f"{b['leased']}  ({b['usage']:.1%} used)"
-           + (f"  INVALID {b['invalid']}" if b["invalid"] else ""),
-           f"owner     {owner}",
-           f"owner log {o['log']}  (an auto-started owner's; 'kvshm serve' logs to its stderr)",
-           f"clients   {s['clients_alive']} alive, {s['clients_dead']} dead"]
-    if s["clients"]:
-        out += _table(["SLOT", "PID", "NAME", "ALIVE", "GEN", "PINS", "LEASES", "PENDING",
-                       "STRANDED", "QUOTA", *(r.upper() for r in L.RING_NAMES), "AGE"], [
-            [c["slot"], c["pid"], c["name"], "yes" if c["alive"] else "DEAD", c["generation"],
-             c["pins"], c["leases"], c["stores_pending"], c["stranded"],
-             f"{c['cached']}/{c['quota']}" if c["quota"] else "-", *c["rings"].values(),
-             _dur(c["age_s"])] for c in s["clients"]])
-    if s["pinners"]:
-        out += ["pin progress"] + _table(["PID", "STATE", "DONE", "TOTAL", "ALIVE"], [
-            [p["pid"], p["state"], _size(p["done_bytes"]), _size(p["total_bytes"]),
-             "yes" if p["alive"] else "no"] for p in s["pinners"]])
-    items = [f"{k} {v}" for k, v in s["counters"].items()]
-    return "\n".join(out + ["counters"] + ["  " + "  ".join(items[i:i + 7])
-                                           for i in range(0, len(items), 7)] + _tier_lines(s))
-
-
-def _tier_lines(s: dict[str, Any]) -> list[str]:
-    t = s.get("tier")
-    if t is None:
-        return []
-    c = t["counters"]
-    who = (f"mover pid {t['mover_pid']}  {t['state']}" if t["mover_alive"] else
-           f"no mover alive (last: pid {t['mover_pid'] or '-'})")
-    items = [f"{k} {v}" for k, v in c.items()]
-    return [f"tier      {who}  {t['backend'] or '-'}  wants queued {t['wants_queued']}"
-            + (f"  last error {t['last_error']}" if t["last_error"] else ""),
-            f"          put {_size(c['put_bytes'])}  got {_size(c['get_bytes'])}"] + [
-        "  " + "  ".join(items[i:i + 6]) for i in range(0, len(items), 6)]
+    print(encode(data) if args.json else text(human()), flush=True)
 
 
 def _ls_row(name: str) -> dict[str, Any]:
@@ -138,12 +66,12 @@ def _ls_row(name: str) -> dict[str, Any]:
 
 def cmd_ls(args: Args) -> int:
     rows = [_ls_row(n) for n in list_segments()]
-    _emit(args, {"schema": "kvshm.ls/1", "segments": rows}, lambda: "\n".join(_table(
+    _emit(args, {"schema": "kvshm.ls/1", "segments": rows}, lambda: "\n".join(table(
         ["NAME", "SIZE", "BLOCKS", "CLIENTS", "OWNER", "FORMAT", "AGE", "ERROR"], [
-            [r["name"], _size(r["size_bytes"]), r["blocks_total"] and
+            [r["name"], size(r["size_bytes"]), r["blocks_total"] and
              f"{r['blocks_used']}/{r['blocks_total']}", r["clients_alive"],
              {True: "alive", False: "none", None: None}[r["owner_alive"]],
-             r["format_version"], _dur(r["age_s"]), r["error"]] for r in rows], "")
+             r["format_version"], dur(r["age_s"]), r["error"]] for r in rows], "")
         if rows else [f"no kvshm segments in {SHM_DIR}"]))
     return 0
 
@@ -160,7 +88,7 @@ def cmd_blocks(args: Args) -> int:
     with Segment.attach(args.name) as seg:
         matching, rows = block_rows(seg, states, args.limit)
     _emit(args, {"schema": "kvshm.blocks/1", "name": args.name, "states": sorted(states),
-                 "matching": matching, "rows": rows}, lambda: "\n".join(_table(
+                 "matching": matching, "rows": rows}, lambda: "\n".join(table(
         ["BLOCK", "STATE", "KEY", "PINS", "HELD_BY", "LAST_USE", "WRITER"], [
             [r["block"], r["state"], r["key"][:16] + "…" * (len(r["key"]) > 16), r["pins"],
              " ".join([f"{i}:pin" for i in r["pinned_by"]] + [f"{i}:lease" for i in
@@ -280,8 +208,8 @@ def _removed(args: Args, out: dict[str, Any]) -> int:
     for entry in out["refused"]:
         with contextlib.suppress(OSError):
             entry += f" (uid {os.stat(os.path.join(SHM_DIR, entry)).st_uid})"
-        print(f"{PROG}: could not remove {entry} in {SHM_DIR}: another user's; run "
-              f"'{PROG} rm {name}' as that user or as root", file=sys.stderr)
+        print(f"{PROG}: could not remove {commands.printable(entry)} in {SHM_DIR}: another "
+              f"user's; run '{PROG} rm {name}' as that user or as root", file=sys.stderr)
     return 1 if out["refused"] else 0
 
 
