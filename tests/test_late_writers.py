@@ -425,3 +425,38 @@ def test_gc_keeps_the_stores_a_live_copier_may_still_write(seg_name):
             m.shutdown()
             stop_owner(pid)
         seg.close()
+
+
+# --- kvshm-inspect verify: a quarantine is no leak ----------------------------------------
+def test_verify_reports_no_leak_while_a_live_copier_keeps_a_dead_schedulers_store(seg_name):
+    """The scheduler dies mid-store, its copier lives on: the owner keeps the store's blocks
+    WRITING on purpose (quarantined), and kvshm-inspect verify must not call them leaked."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    from conftest import TEST_LAYOUT, stop_owner
+    Segment.create(seg_name, TEST_LAYOUT, 32, max_clients=4, ring_capacity=8192).close()
+    seg = Segment.attach(seg_name)
+    sched = _popen(_GC_SCHED, seg_name)
+    slot, gen, *blocks = map(int, sched.stdout.readline().split())
+    copier = _popen(_GC_COPIER, seg_name, slot, gen, *blocks)
+    try:
+        assert copier.stdout.readline().strip() == "1"  # registered under (slot, gen)
+        sched.kill()
+        sched.wait()
+        wait_for(lambda: slots.record(seg, slot).state == L.SlotState.FREE,
+                 "the owner to reclaim the dead scheduler's slot")
+        assert all(table(seg)[b].state == L.WRITING for b in blocks)  # quarantined
+        env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+        p = subprocess.run([sys.executable, "-m", "kvshm.inspect.cli", "verify", seg_name],
+                           capture_output=True, text=True, timeout=60, env=env)
+        assert (p.returncode, p.stdout, p.stderr) == (0, f"{seg_name}: ok, no violations\n", ""), \
+            p.stdout
+        assert copier.poll() is None
+        assert all(table(seg)[b].state == L.WRITING for b in blocks)  # still quarantined
+    finally:
+        for p in (sched, copier):
+            p.kill()
+            p.wait()
+        stop_owner(seg.owner_record()[0])
+        seg.close()

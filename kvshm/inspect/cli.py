@@ -233,7 +233,8 @@ _COMMANDS: dict[str, tuple[Callable[[Args], int], str, str]] = {
                "Header; no entry left mid-rewrite; every used entry's key matches its key\n"
                "checksum (a torn key); key index vs block table; pins only on ready blocks;\n"
                "live clients hold only ready blocks; no block held or being written by a dead\n"
-               "process.\n"
+               "process (but a dead scheduler's stores stay while a copier registered for it\n"
+               "lives: quarantined by the owner, not leaked).\n"
                "--data: also every ready block's planes against their block checksums\n"
                "(a segment created with Layout(checksums=True)).\n\n"
                "example: kvshm-inspect verify llama8b || kvshm-inspect gc llama8b"),

@@ -19,6 +19,7 @@ import numpy as np
 
 from kvshm.logs import owner_log_path
 from kvshm.shm import layout as L
+from kvshm.shm import writers
 from kvshm.shm.checksums import BlockSums
 from kvshm.shm.entry import key_checksum
 from kvshm.shm.keyindex import KeyIndex
@@ -237,6 +238,21 @@ def _data_violations(m: _Meta, sums: BlockSums) -> list[str]:
             for b, i in sorted(sums.bad(ready, list(range(sums.sums.shape[1]))))]
 
 
+# What an owner keeps of a dead client generation while a copier of it lives: a copy may land
+# in its stores and in any grant it took (its offers it ends at once: nothing is copied into one).
+_QUARANTINED = (L.WRITING, L.GRANTED, L.CLAIMED)
+
+
+def _copier_alive(seg: Segment, slot: int, gen: int,
+                  known: dict[tuple[int, int], bool]) -> bool:
+    """Whether a live process registered to copy for client ``slot`` generation ``gen``: a
+    dead scheduler's stores and grants are then kept on purpose (quarantined), since its
+    late copy would land in whoever got the blocks next. A kernel lock query, once each."""
+    if (slot, gen) not in known:
+        known[slot, gen] = writers.alive(seg, slot, gen)
+    return known[slot, gen]
+
+
 def _verify_once(seg: Segment, sums: BlockSums | None = None) -> list[str]:
     m, g, lay, out = _Meta(seg), seg.geometry, seg.layout, []
     if sums is not None:
@@ -272,6 +288,7 @@ def _verify_once(seg: Segment, sums: BlockSums | None = None) -> list[str]:
             out.append(f"block {b} appears in index slots {seen[b]} and {j}")
         seen.setdefault(b, j)
     owners: dict[bytes, int] = {}
+    copiers: dict[tuple[int, int], bool] = {}  # (slot, gen) -> a live registered copier
     used = np.nonzero(st != L.FREE)[0]
     for b, s, w, gen, keylen, keysum in zip(used.tolist(), *(m.e[k][used].tolist() for k in (
             "state", "writer", "writer_gen", "keylen", "keysum"))):
@@ -303,6 +320,8 @@ def _verify_once(seg: Segment, sums: BlockSums | None = None) -> list[str]:
             else f"client slot {w}, which is dead" if not m.alive(w)
             else f"client slot {w} generation {gen}, but the slot now has generation "
                  f"{m.slot(w)[2]}" if m.slot(w)[2] != gen else "")
+        if why and w >= 0 and s in _QUARANTINED and _copier_alive(seg, w, gen, copiers):
+            why = ""  # quarantined: the owner keeps them until the copier is gone
         if why:
             what = {L.WRITING: "store", L.CLAIMED: "claim", L.EVICTING: "claim",
                     L.READY: "offer"}.get(s, "grant")
