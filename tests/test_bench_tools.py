@@ -66,6 +66,20 @@ def test_probe_host_reads_without_cupy_says_what_it_needs_and_exits_2():
     assert p.stderr.strip() == "probe_host_reads needs CuPy and a CUDA GPU"
 
 
+@pytest.mark.parametrize("name, why", [
+    ("sweep_triton_copy.py", "sweep_triton_copy needs torch with CUDA, Triton and a CUDA GPU"),
+    ("bench_gather.py", "bench_gather needs torch with CUDA and a CUDA GPU (--host-stub "
+                        "runs without one)")], ids=["sweep_triton_copy", "bench_gather"])
+def test_cuda_tools_without_cuda_say_what_they_need_and_exit_2(name, why):
+    """As probe_host_reads: on a host without CUDA, one line on stderr, not a traceback."""
+    from lazy import torch
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    p = subprocess.run([sys.executable, str(ROOT / "tools" / name), "--json"],
+                       capture_output=True, text=True, timeout=120, env=ENV)
+    assert (p.returncode, p.stdout, p.stderr) == (2, "", why + "\n")
+
+
 def _bench_transfer():
     sys.path.insert(0, str(ROOT / "tools"))
     try:

@@ -369,7 +369,15 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"{s:>5} {kind:5} host us/job: "
                           + "  ".join(f"{k}={x}" for k, x in v.items()))
         return 0
-    import torch
+    try:
+        import torch
+        cuda = torch.cuda.is_available()
+    except ImportError:
+        cuda = False
+    if not cuda:  # one line, as every tool says what it needs, never a traceback
+        print("bench_gather needs torch with CUDA and a CUDA GPU (--host-stub runs without one)",
+              file=sys.stderr)
+        return 2
     report: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                     "blocks": args.blocks, "loadavg_start": os.getloadavg(), "device": {}}
     for s in args.sizes.split(","):

@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import sys
+from types import ModuleType
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -22,6 +23,18 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 VARIANTS = [(1024, 4096, 4), (2048, 4096, 4), (4096, 4096, 4), (4096, 4096, 8),
             (2048, 4096, 8), (1024, 4096, 8), (1024, 2048, 4), (1024, 1024, 4),
             (2048, 2048, 8), (4096, 8192, 8), (8192, 8192, 8), (4096, 4096, 16)]
+
+
+def cuda_torch() -> ModuleType | None:
+    """torch, if it can run the sweep here: built with CUDA, a GPU seen, Triton installed."""
+    import importlib.util
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available() or importlib.util.find_spec("triton") is None:
+        return None
+    return torch
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,9 +45,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=5, help="timed runs per column (default 5)")
     ap.add_argument("--json", action="store_true", help="print ONE JSON object")
     a = ap.parse_args(argv)
+    torch = cuda_torch()
+    if torch is None:  # one line, as every tool says what it needs, never a traceback
+        print("sweep_triton_copy needs torch with CUDA, Triton and a CUDA GPU", file=sys.stderr)
+        return 2
     import bench_transfer as B
     import numpy as np
-    import torch
 
     from kvshm.transfer import triton_copy as tc
     from kvshm.transfer.factory import make_handler
