@@ -620,6 +620,18 @@ def test_foreign_object(name, capsys):
     assert run(capsys, "rm", name)[:2] == (0, f"removed {name}\n")
 
 
+@pytest.mark.parametrize("argv", [("ls",), ("show",), ("blocks",), ("verify",), ("metrics",),
+                                  ("watch", "--count", "1")])
+def test_read_commands_remove_a_dead_creators_leftover_and_say_so(name, argv):
+    """What docs/inspect.md promises the read commands may remove: an object with no header
+    (zero where the magic goes) whose creation lock nobody holds, as every attacher does."""
+    path = Path(f"/dev/shm/kvshm-{name}")
+    path.write_bytes(bytes(4096))
+    p = cli(*argv[:1], *([] if argv == ("ls",) else [name]), *argv[1:])
+    assert "a creator died half-way; its leftover was removed" in p.stdout + p.stderr
+    assert not path.exists()
+
+
 @pytest.mark.unit
 def test_rm_of_a_removed_segment_removes_what_a_killed_process_left(name, capsys):
     # A process killed between opening a doorbell and seeing its segment removed leaves it:
