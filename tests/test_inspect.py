@@ -571,6 +571,18 @@ def test_show_escapes_what_a_creator_wrote_as_the_model(name):
     assert f"model {EVIL_SHOWN}" in p.stdout
 
 
+def test_show_prints_no_line_break_a_creator_wrote_in_the_model(name):
+    # Lines were escaped one by one after being joined: a line break inside the model
+    # started a line of the creator's own, a forged client row.
+    forged = "  99     4242  root-shell  yes"
+    Segment.create(name, Layout((4096, 2048), 16, "llama\n" + forged), 32, max_clients=4,
+                   ring_capacity=4096, hold_capacity=16).close()
+    p = cli("show", name)
+    assert p.returncode == 0, p.stderr
+    assert forged not in p.stdout.splitlines()
+    assert "model llama\\n" + forged in p.stdout
+
+
 def test_ls_escapes_what_another_process_named_an_object():
     path = Path(f"/dev/shm/kvshm-{unique_name()}{EVIL}")
     path.write_bytes(b"")

@@ -3,8 +3,8 @@
 This module owns how the documents of ``kvshm.inspect.snapshot`` read on a terminal, and that
 nothing another process wrote reaches it raw: a client names its own slot record, a creator
 writes the layout's model, a mover its backend's description, any local user names files in
-/dev/shm. So every line goes through ``text`` (``commands.printable``: non-printable
-characters shown escaped) on its way out; ``--json`` output is encoded exactly instead
+/dev/shm. So every line is escaped on its own (``lines``, ``text``: ``commands.printable``
+shows non-printable characters escaped) on its way out; ``--json`` output is encoded exactly instead
 (``kvshm.inspect.schema``), since JSON escapes control characters itself. It must never read
 a segment, print, or import anything heavier than the standard library.
 """
@@ -20,6 +20,12 @@ from kvshm.shm.names import PREFIX, SHM_DIR
 def text(s: str) -> str:
     """``s`` with every line made printable (the line breaks themselves are kept)."""
     return "\n".join(printable(line) for line in s.split("\n"))
+
+
+def lines(out: list[str]) -> str:
+    """Lines made printable one by one, then joined: a line break inside one (a field
+    another process wrote) is shown escaped, never a line of that process's own."""
+    return "\n".join(map(printable, out))
 
 
 def dur(s: float | None) -> str:
@@ -48,7 +54,7 @@ def table(head: list[str], rows: list[list[Any]], indent: str = "  ") -> list[st
 
 
 def render_show(s: dict[str, Any]) -> str:
-    """The human form of a ``snapshot()``, printable (``text``)."""
+    """The human form of a ``snapshot()``, printable (``lines``)."""
     h, g, b, o = s["header"], s["geometry"], s["blocks"], s["owner"]
     owner = ("none has run yet" if not o["epoch"] else
              f"pid {o['pid']}  alive  epoch {o['epoch']}  since {dur(o['age_s'])}  tick "
@@ -82,9 +88,8 @@ def render_show(s: dict[str, Any]) -> str:
             [p["pid"], p["state"], size(p["done_bytes"]), size(p["total_bytes"]),
              "yes" if p["alive"] else "no"] for p in s["pinners"]])
     items = [f"{k} {v}" for k, v in s["counters"].items()]
-    return text("\n".join(out + ["counters"] + ["  " + "  ".join(items[i:i + 7])
-                                                for i in range(0, len(items), 7)]
-                           + _tier_lines(s)))
+    return lines(out + ["counters"] + ["  " + "  ".join(items[i:i + 7])
+                                       for i in range(0, len(items), 7)] + _tier_lines(s))
 
 
 def _tier_lines(s: dict[str, Any]) -> list[str]:
