@@ -583,6 +583,27 @@ def test_show_prints_no_line_break_a_creator_wrote_in_the_model(name):
     assert "model llama\\n" + forged in p.stdout
 
 
+def test_show_keeps_its_columns_for_wide_and_combining_characters(procs, name):
+    create(name).close()
+    wide, combining = "\uff37\uff29\uff24\uff25.py", "e\u0301\u0301\u0301.py"
+    for slot, proc in enumerate((wide, combining, "plain.py")):
+        procs.start(role="client", name=name, slot=slot, gen=1, holds=[], proc=proc,
+                    counters={})
+    p = cli("show", name)
+    assert p.returncode == 0, p.stderr
+    rows = [line for line in p.stdout.splitlines() if line.endswith(".py") or ".py " in line]
+    cols = {_display_col(r, " yes ") for r in rows}
+    assert len(rows) == 3 and len(cols) == 1, rows  # ALIVE lines up on a terminal
+
+
+def _display_col(line: str, needle: str) -> int:
+    """The terminal column at which ``needle`` starts in ``line``."""
+    import unicodedata
+    head = line[:line.index(needle)]
+    return sum(0 if unicodedata.combining(c) else
+               2 if unicodedata.east_asian_width(c) in "WF" else 1 for c in head)
+
+
 def test_ls_escapes_what_another_process_named_an_object():
     path = Path(f"/dev/shm/kvshm-{unique_name()}{EVIL}")
     path.write_bytes(b"")

@@ -4,12 +4,14 @@ This module owns how the documents of ``kvshm.inspect.snapshot`` read on a termi
 nothing another process wrote reaches it raw: a client names its own slot record, a creator
 writes the layout's model, a mover its backend's description, any local user names files in
 /dev/shm. So every line is escaped on its own (``lines``, ``text``: ``commands.printable``
-shows non-printable characters escaped) on its way out; ``--json`` output is encoded exactly instead
+shows non-printable characters escaped) on its way out, and columns are measured as a
+terminal shows them; ``--json`` output is encoded exactly instead
 (``kvshm.inspect.schema``), since JSON escapes control characters itself. It must never read
 a segment, print, or import anything heavier than the standard library.
 """
 from __future__ import annotations
 
+import unicodedata
 from typing import Any
 
 from kvshm.commands import printable
@@ -26,6 +28,15 @@ def lines(out: list[str]) -> str:
     """Lines made printable one by one, then joined: a line break inside one (a field
     another process wrote) is shown escaped, never a line of that process's own."""
     return "\n".join(map(printable, out))
+
+
+def width(s: str) -> int:
+    """The terminal columns ``s`` takes: two for a wide character, none for a combining
+    mark (a client names its own slot in any script)."""
+    if s.isascii():
+        return len(s)
+    return sum(0 if unicodedata.combining(c) else
+               2 if unicodedata.east_asian_width(c) in "WF" else 1 for c in s)
 
 
 def dur(s: float | None) -> str:
@@ -49,8 +60,9 @@ def table(head: list[str], rows: list[list[Any]], indent: str = "  ") -> list[st
     """Aligned columns; None shows as ``-``. Cells are escaped here, before they are measured,
     so that a cell another process wrote keeps the columns straight too."""
     cells = [head, *[["-" if x is None else printable(str(x)) for x in r] for r in rows]]
-    width = [max(len(r[i]) for r in cells) for i in range(len(head))]
-    return [indent + "  ".join(c.ljust(w) for c, w in zip(r, width)).rstrip() for r in cells]
+    cols = [max(width(r[i]) for r in cells) for i in range(len(head))]
+    return [indent + "  ".join(c + " " * (w - width(c)) for c, w in zip(r, cols)).rstrip()
+            for r in cells]
 
 
 def render_show(s: dict[str, Any]) -> str:
