@@ -814,10 +814,13 @@ def test_local_rebuild_settles_entries_a_dead_owner_left_mid_rewrite(local_seg):
     # the rebuild runs in a child so that a regression (spinning on the odd seq) fails
     # the test instead of hanging the suite
     got = in_child(_child_rebuild, local_seg.name, local_seg.test_policy, {(3, 7)})
-    assert got["status"] == {A: "hit", B: "hit", C: "miss", D: "pending"}
-    assert got["contents"][A] == (a, L.READY)
-    assert got["recovered"] == {"ready": 2, "pending": 1, "freed": 1, "torn": 0}
-    assert got["free"] == 1
+    # Both are settled and freed: a copy cut short may have left any of an entry's bytes
+    # old or new, a READY state over a key it no longer holds included (a miss, never a
+    # key over other bytes).
+    assert got["status"] == {A: "miss", B: "hit", C: "miss", D: "pending"}
+    assert A not in got["contents"]
+    assert got["recovered"] == {"ready": 1, "pending": 1, "freed": 2, "torn": 2}
+    assert got["free"] == 2
 
 
 @pytest.mark.procs
