@@ -31,6 +31,14 @@ class StopSignals:
         if self.received:
             stop()
 
+    def to_kernel(self, on: bool) -> None:
+        """While ``on``, SIGTERM and SIGINT take their default actions again: the kernel ends
+        the process at once, even while another thread holds the GIL in a call that never lets
+        go of it (a handler of ours would never run then). Off: this object's handler again.
+        Main thread only, like ``signal.signal``; a signal that came before ``on`` is kept."""
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_DFL if on else self._handler)
+
     def report(self, log: logging.Logger, what: str = "") -> None:
         """One line, if a signal stopped the process: which one (and ``what``)."""
         if self.received:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import signal
 import shutil
+import socket
 import subprocess
 import sys
 
@@ -263,6 +264,16 @@ def test_a_mover_killed_with_blocks_pinned_for_a_put(master, hosts):
     write_through_fresh(h1, "unpinned")
 
 
+def _mover_process(seg, master: str, metadata: str, log_path) -> subprocess.Popen:
+    """A real ``kvshm mover`` of ``seg`` pointed at ``master`` and ``metadata``."""
+    cmd = [sys.executable, "-m", "kvshm.cli", "mover", seg.name, "--master", master,
+           "--metadata", metadata, "--global-segment", "64M", "--local-buffer", "16M",
+           "--log-level", "INFO"]
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHONPATH": ROOT})
+
+
 @pytest.fixture
 def unreachable(make_segment, tmp_path):
     """A segment whose mover process is pointed at a master and a metadata server nobody
@@ -271,12 +282,8 @@ def unreachable(make_segment, tmp_path):
     from kvshm.tier.mooncake import free_port
     seg = make_segment(unique_name(), num_blocks=64)
     log_path = tmp_path / "mover.log"
-    cmd = [sys.executable, "-m", "kvshm.cli", "mover", seg.name, "--master",
-           f"127.0.0.1:{free_port()}", "--metadata", f"http://127.0.0.1:{free_port()}/metadata",
-           "--global-segment", "64M", "--local-buffer", "16M", "--log-level", "INFO"]
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, "PYTHONPATH": ROOT})
+    proc = _mover_process(seg, f"127.0.0.1:{free_port()}",
+                          f"http://127.0.0.1:{free_port()}/metadata", log_path)
     areas = []
 
     def alive() -> bool:
@@ -330,6 +337,57 @@ def test_a_mover_whose_master_is_unreachable_stops_on_sigterm(unreachable):
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 0
     assert tier_snapshot(seg)["state"] == "stopped"
+
+
+@pytest.fixture
+def silent_master():
+    """A loopback port that takes TCP connections and never answers on them, as a stopped
+    or overloaded master (or a proxy in front of one) does; yields (host:port, a function
+    that accepts what came and says how many connections came so far)."""
+    lsock = socket.create_server(("127.0.0.1", 0))
+    lsock.setblocking(False)
+    conns: list[socket.socket] = []  # held open: the peer waits for an answer, not an EOF
+
+    def accepted() -> int:
+        while True:
+            try:
+                conns.append(lsock.accept()[0])
+            except BlockingIOError:
+                return len(conns)
+
+    try:
+        yield f"127.0.0.1:{lsock.getsockname()[1]}", accepted
+    finally:
+        for c in conns:
+            c.close()
+        lsock.close()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_mover_stuck_in_mooncake_setup_ends_on_a_signal(sig, silent_master, make_segment,
+                                                         tmp_path):
+    addr, accepted = silent_master
+    seg = make_segment(unique_name(), num_blocks=64)
+    log_path = tmp_path / "mover.log"
+    proc = _mover_process(seg, addr, f"http://{addr}/metadata", log_path)
+    try:
+        # The reachability check opens one connection to the master and one to the metadata
+        # server (both this port): one more is Mooncake's setup, which holds the GIL while it
+        # waits for answers (minutes), so no Python signal handler runs meanwhile.
+        assert poll_until(lambda: accepted() > 2 or proc.poll() is not None, 60), \
+            log_path.read_text()
+        assert proc.poll() is None, log_path.read_text()
+        proc.send_signal(sig)
+        try:
+            rc = proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"still running 30 s after {sig.name}\n{log_path.read_text()[-3000:]}")
+        assert rc == -sig, log_path.read_text()  # the kernel's default action ended it
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        stop_owner(seg.owner_record()[0])
 
 
 def _listening(pid: int) -> set[tuple[str, int]]:

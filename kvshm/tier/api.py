@@ -56,8 +56,11 @@ class LowerTier(ABC):
     @abstractmethod
     def connect(self) -> bool:
         """Join the store. False (logged) when it cannot be reached now; the mover retries.
-        Runs in the mover's connect thread: for a store that cannot be reached it answers
-        soon, and never holds the GIL while it waits (the mover's loop must go on).
+        Runs in the mover's connect thread, so the loop goes on while it waits without the
+        GIL; for a store that cannot be reached it should answer soon. A wait that holds the
+        GIL stops the loop too (Mooncake's setup with a master that takes connections but
+        does not answer: up to ~10 min); a stop signal then ends the mover at once, as the
+        kernel's default action (``link.py``).
         Raises ``LowerTierUnavailableError`` when it can never work (missing package)."""
 
     @abstractmethod

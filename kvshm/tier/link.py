@@ -3,8 +3,11 @@ backoff, probed back.
 
 This module owns the lower tier's health as the mover sees it. Connecting (joining the store,
 then registering the memory the transfers read and write: the segment's data region, the
-mover's header buffer) runs in a thread of its own, so the mover's loop never waits for it
-and a stop request is seen at once. Until a connect succeeds the tier is not usable: the
+mover's header buffer) runs in a thread of its own, so the mover's loop goes on while it
+waits without the GIL. A backend may hold the GIL while it waits (Mooncake's setup, with a
+master that takes connections but does not answer, for minutes): the loop and the stop
+handlers stop with it, so while a connect runs SIGTERM and SIGINT are left to the kernel and
+end the process at once. Until a connect succeeds the tier is not usable: the
 mover answers wants at once (misses) and drops store events (counted), and a failed connect
 is tried again after a backoff. A call answered with an RPC failure marks the tier *down* for
 a backoff (1 s doubling to 8 s), with the same effect; then the next real call, or a probe
@@ -20,6 +23,7 @@ import threading
 import time
 from collections.abc import Sequence
 
+from kvshm.signals import StopSignals
 from kvshm.tier.api import Code, LowerTier
 from kvshm.tier.area import TierArea
 
@@ -30,13 +34,15 @@ _BACKOFF_S, _BACKOFF_MAX_S = 1.0, 8.0
 
 class TierLink:
     """The connection of one mover to ``tier``; ``regions`` are the (address, length) spans
-    to register on every connect, in order. ``tend`` once a round drives it."""
+    to register on every connect, in order; ``stops``: the process's stop signals, handed to
+    the kernel while a connect runs. ``tend`` once a round drives it."""
 
-    def __init__(self, tier: LowerTier, area: TierArea,
-                 regions: Sequence[tuple[int, int]]) -> None:
+    def __init__(self, tier: LowerTier, area: TierArea, regions: Sequence[tuple[int, int]],
+                 stops: StopSignals | None = None) -> None:
         self.tier = tier
         self.area = area
         self._regions = regions
+        self._stops = stops
         self.connected = False
         self._down_until = 0.0  # monotonic time before which no call is tried
         self._is_down = False
@@ -62,6 +68,7 @@ class TierLink:
         elif self._running:
             return
         elif self._outcome is not None:
+            self._kernel_stops(False)
             why, self._outcome = self._outcome, None
             if isinstance(why, BaseException):
                 raise why
@@ -72,10 +79,25 @@ class TierLink:
                 self.area.add("reconnects")
                 self.area.set_state("connected")
                 log.info("connected to %s", self.tier.description)
-        elif time.monotonic() >= self._down_until:
+        elif time.monotonic() >= self._down_until and self._kernel_stops(True):
             self._running = True
             threading.Thread(target=self._connect, name="kvshm-mover-connect",
                              daemon=True).start()  # a stopping mover never waits for it
+
+    def _kernel_stops(self, on: bool) -> bool:
+        """While a connect runs, SIGTERM and SIGINT end the process by the kernel's default
+        action: Mooncake's setup may hold the GIL for minutes (a master that takes connections
+        but does not answer), and then no handler of ours runs. Dying then is safe: engines
+        trust no tier that is not connected, the mover's lock falls with the process, and no
+        block is half-moved. Only the main thread may (a mover run elsewhere keeps its
+        signals). False: a stop came before, so no connect starts and the loop stops."""
+        if self._stops is None or threading.current_thread() is not threading.main_thread():
+            return True
+        self._stops.to_kernel(on)  # (runs a handler still pending first)
+        if on and self._stops.received:
+            self._stops.to_kernel(False)
+            return False
+        return True
 
     def _connect(self) -> None:
         """The connect thread. A store that cannot be reached answers False (the backend

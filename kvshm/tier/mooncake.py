@@ -16,7 +16,10 @@ Facts it relies on (mooncake-transfer-engine-non-cuda 0.3.13.post1, checked by t
 * ``setup`` with an unreachable master retries ~20 times, ~4.5 s apart, holding the GIL all
   along (no other thread of the process runs, signal handlers included); so ``connect``
   first opens a TCP connection to the master and to an HTTP metadata server, and calls
-  ``setup`` only when both accept one.
+  ``setup`` only when both accept one. A master that takes connections but does not answer
+  (stopped, overloaded, a proxy in front) passes that check, and ``setup`` then holds the
+  GIL for up to ~10 min (20 tries of a 30 s RPC timeout): the mover leaves its stop signals
+  to the kernel while it connects (``link.py``).
 * Calls return negative codes instead of raising; with the master down a call blocks ~4 s
   before -900, and after a master restart the client re-registers by itself within ~3 s (the
   store's content is gone). So nothing here reconnects: the mover backs off instead.

@@ -61,7 +61,7 @@ class Mover:
     """Serve segment ``name`` against ``tier``. ``step()`` does one round; ``run()`` loops."""
 
     def __init__(self, name: str, tier: LowerTier, *, spill: bool = True, batch: int = 64,
-                 poll_s: float = 0.005) -> None:
+                 poll_s: float = 0.005, stops: signals.StopSignals | None = None) -> None:
         if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
             # Refused before anything is taken: a batch of 0 would fail the first store.
             raise InvalidArgumentError(f"batch must be an int of at least 1 (blocks per "
@@ -89,13 +89,14 @@ class Mover:
             self.area.close()
             raise
         try:
-            self._start(tier, spill, batch, poll_s)
+            self._start(tier, spill, batch, poll_s, stops)
         except BaseException:
             self.mgr.shutdown()  # and the segment's mapping with it
             self.area.close()
             raise
 
-    def _start(self, tier: LowerTier, spill: bool, batch: int, poll_s: float) -> None:
+    def _start(self, tier: LowerTier, spill: bool, batch: int, poll_s: float,
+               stops: signals.StopSignals | None) -> None:
         self.tier, self.spill, self.batch, self.poll_s = tier, spill, batch, poll_s
         g = self.seg.geometry
         self.fp = self.seg.layout.fingerprint()
@@ -114,7 +115,7 @@ class Mover:
         self._queue: dict[bytes, None] = {}  # store events waiting for their put, in order
         self._skip: OrderedDict[bytes, None] = OrderedDict()  # fetched or put: not again
         self.link = TierLink(tier, self.area,
-                             [self.seg.data_address(), (self._haddr, len(self._hbuf))])
+                             [self.seg.data_address(), (self._haddr, len(self._hbuf))], stops)
         self._next_events = 0.0
         self.area.set_mover(os.getpid(), tier.description)
 
@@ -374,7 +375,7 @@ def run_from_args(a: argparse.Namespace) -> int:
     try:
         tier = MooncakeTier(MooncakeConfig(a.master, a.metadata, a.local_host, a.global_segment,
                                            a.local_buffer, a.protocol, a.devices))
-        mover = Mover(a.name, tier, spill=not a.no_spill, batch=a.batch)
+        mover = Mover(a.name, tier, spill=not a.no_spill, batch=a.batch, stops=stops)
     except MoverRunningError as e:
         log.info("%s; exiting", e)
         return commands.EXIT_OK
