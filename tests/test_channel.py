@@ -148,6 +148,14 @@ def engine(seg_name):
         e.close()
 
 
+def _shut_down_with_owner(mgr) -> None:
+    """Shut ``mgr`` down, and the owner it started."""
+    owner = mgr.segment.owner_record()[0]
+    mgr.shutdown()
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(owner, signal.SIGKILL)
+
+
 def states(seg) -> list[int]:
     t = BlockTable(seg.buf, seg.geometry)
     out = [t.read(b).state for b in range(seg.geometry.num_blocks)]
@@ -270,10 +278,7 @@ def test_dead_scheduler_channel_slot_is_reclaimed_by_the_owner(seg_name):
             assert time.monotonic() < deadline, "the owner never reclaimed the channel slot"
             time.sleep(0.01)  # polling the owner's scan; the assertion is on the state
     finally:
-        owner = mgr.segment.owner_record()[0]
-        mgr.shutdown()
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(owner, signal.SIGKILL)
+        _shut_down_with_owner(mgr)
 
 
 def test_a_worker_for_a_dead_scheduler_never_attaches_to_the_next_channel_of_its_slot(
@@ -306,10 +311,7 @@ def test_a_worker_for_a_dead_scheduler_never_attaches_to_the_next_channel_of_its
     finally:
         if nxt is not None:
             nxt.close()
-        owner = mgr.segment.owner_record()[0]
-        mgr.shutdown()
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(owner, signal.SIGKILL)
+        _shut_down_with_owner(mgr)
 
 
 def test_a_worker_that_dies_before_its_scheduler_looked_fails_the_jobs_it_took(seg_name):
@@ -382,10 +384,7 @@ def test_a_channel_has_one_worker_and_only_channel_slots_attach(seg_name):
         assert not sc.worker_alive()
     finally:
         sc.close()
-        owner = mgr.segment.owner_record()[0]
-        mgr.shutdown()
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(owner, signal.SIGKILL)
+        _shut_down_with_owner(mgr)
 
 
 def _descriptors_of(name: str) -> list[str]:
@@ -449,10 +448,7 @@ def test_frames_carry_the_whole_spec_across_several_frames(seg_name, monkeypatch
     finally:
         w.close()
         sc.close()
-        owner = mgr.segment.owner_record()[0]
-        mgr.shutdown()
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(owner, signal.SIGKILL)
+        _shut_down_with_owner(mgr)
 
 
 def test_a_flush_of_many_jobs_travels_over_the_smallest_rings(seg_name):
