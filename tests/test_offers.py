@@ -435,6 +435,43 @@ def test_a_claimed_block_whose_publish_a_dead_owner_began_is_never_served_as_its
     assert verify(a.segment) == []
 
 
+def test_an_offer_given_back_across_a_takeover_is_no_damage_once_its_key_is_stored_again(
+        pair):
+    """A client inside the round that gives a claim back (a lease raced its claim) when
+    the owner died: the successor, which trusts no open round, kept the block as that
+    client's claim and indexed it nowhere. Given back, it is an offer again, its old key
+    intact, and the key, a miss meanwhile, was stored again elsewhere. The next takeover
+    took the two copies for a damaged table: it dropped the good one and counted it, and
+    verify reported both. ``a``'s claim is driven step by step, as ``RacedClaim`` does."""
+    a, b = pair
+    blk, key = next(iter(fill_until_offered(a).items()))
+    assert b.lookup([key]) == 1 and b.prepare_load([key]) == [blk]  # the racing lease
+    assert offers.claim_one(a.table, blk, a.slot, a.gen)  # EVICTING; then a sees the pin
+    seq = a.table._odd(blk)  # and gives the block back: READY stored, the round open
+    a.segment.buf[a.table.base + blk * L.ENTRY_BYTES + STATE_OFF] = L.READY
+    for takeover in range(2):  # one inside a's round, one after the key was stored again
+        pid = b.segment.owner_record()[0]
+        os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: not b.segment.owner_alive(), "the owner to die")
+        b.take_events()  # the call starts a successor, which rebuilds from the table
+        if takeover == 0:
+            a.table._even(blk, seq)  # a's round closes: an offer again, indexed nowhere
+            assert procs.check(b.segment.planes(), blk, key)
+            b.complete_load([key])
+            b.release()
+            assert procs.store(b, [key]) == [key]  # a miss: stored again
+            wait_for(lambda: b.lookup([key]) == 1, "the store to be published")
+            b.release()
+    c = connect(b.segment.name)  # a client that never leased it asks
+    try:
+        assert c.lookup([key]) == 1
+        assert procs.check(c.segment.planes(), c.prepare_load([key])[0], key)
+        c.complete_load([key])
+    finally:
+        c.shutdown()
+    assert b.segment.counter("duplicate_keys") == 0 and verify(b.segment) == []
+
+
 def test_a_load_racing_the_freeing_of_an_unclaimed_publish_never_reads_a_reused_block(
         seg_name):
     """As above, but the reader remembers the block's entry (it loaded it before) and

@@ -303,15 +303,17 @@ def _verify_once(seg: Segment, sums: BlockSums | None = None) -> list[str]:
             out.append(f"block {b} is {name} but its key {key.hex()[:16]} does not match the "
                        f"key checksum {keysum:#010x} (key torn by a rewrite cut short, or "
                        "damaged)")
-        elif s == L.CLAIMED:  # its old key, on its way out (a successor unindexes it): the
-            pass              # key may already be stored again elsewhere
+        elif s == L.CLAIMED or (s in (L.READY, L.EVICTING) and w >= 0 and
+                                m.find(key)[0] != b):
+            pass  # its old key, on its way out: a claim, or an offer a successor kept as
+            #       one, unindexed (its round was open); the key may be stored again
         elif key in owners:
             out.append(f"blocks {owners[key]} and {b} both hold key {key.hex()[:16]}")
         elif m.find(key)[0] != b:
             out.append(f"block {b} ({name}, key {key.hex()[:16]}) is not reachable through "
                        "the key index")
-        if s not in (L.GRANTED, L.CLAIMED):  # a deferred store's key is also its rival's
-            owners.setdefault(key, b)
+        if s not in (L.GRANTED, L.CLAIMED) and not (w >= 0 and m.find(key)[0] != b):
+            owners.setdefault(key, b)  # (a deferred store's key is also its rival's)
         held_for = s == L.WRITING or s == L.CLAIMED or (s == L.GRANTED and not keylen) or \
             (s in (L.READY, L.EVICTING) and w >= 0)  # a store, a claim, a grant, an offer
         why = "" if not held_for else (

@@ -9,11 +9,14 @@ mid-rewrite, torn keys, dead writers' stores and claims) is freed; a dead client
 offer is simply cached again. It fills a fresh ``Entries`` and
 ``Grants``; it never rewrites a key it keeps and never copies block data.
 
-A key that two entries hold can only come from damage, and either copy may be the damaged
-one (its key, length and key checksum copied from the other verify all the same): no copy is
-trusted. Its ready blocks are freed, an offered copy stays its client's without a key, a
-store's copy stays pending only when it is the one store of the key (its writer writes that
-block and no other), and copies of two stores are held for their writers, indexed nowhere.
+A live client's offer whose key another entry holds too is one a predecessor kept as that
+client's claim, unindexed, while its round was open; the key was stored again meanwhile: the
+other copy is kept, the offer stays a claim. Any other key that two entries hold can only
+come from damage, and either copy may be the damaged one (its key, length and key checksum
+copied from the other verify all the same): no copy is trusted. Its ready blocks are
+freed, an offered copy stays its client's without a key, a store's copy stays pending only
+when it is the one store of the key (its writer writes that block and no other), and copies
+of two stores are held for their writers, indexed nowhere.
 The key is then a miss, the ``duplicate_keys`` header counter counts it and the owner's log
 names it, so the evidence outlives the rebuild.
 """
@@ -99,6 +102,13 @@ def rebuild(entries: Entries, grants: Grants, writer_alive: Callable[[int, int],
             freed += e.state != L.FREE
         free.append(b)
     stores = Counter(key for _, key, _ in writing)
+    # An offer whose key a READY entry or a store holds too is no damage: a predecessor
+    # kept it as its client's claim, unindexed, while its round was open (above), the
+    # client gave it back, and the key, a miss meanwhile, was stored again. The other copy
+    # is the cache's; the offer stays its client's claim.
+    held = {key for _, _, key, _, _ in ready} | stores.keys()
+    stale = [o for o in offers if o[1] in held]
+    offers = [o for o in offers if o[1] not in held]
     twice = _held_twice(grants, [key for _, _, key, _, _ in ready], stores,
                         [key for _, key, *_ in offers])
     # oldest first: recency survives failover (a torn entry's tenant is nobody: its key
@@ -120,6 +130,8 @@ def rebuild(entries: Entries, grants: Grants, writer_alive: Callable[[int, int],
             continue
         entries.adopt(b, key, writer)
         kept += 1
+    for b, _, client, pos, _ in stale:
+        grants.adopt(b, client, pos, claimed=True)
     for b, key, client, pos, tenant in offers:  # cached and indexed, out of the policy's
         if key in twice:  # order; the client may claim it: it stays theirs, unindexed
             grants.adopt(b, client, pos, claimed=True)
