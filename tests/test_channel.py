@@ -24,7 +24,7 @@ from kvshm.shm import slots
 from kvshm.engine.channel import SchedulerChannel, WorkerChannel
 from kvshm.client.connect import connect
 from kvshm.engine.connector import SchedulerConnector
-from kvshm.errors import InvalidArgumentError, ProtocolError
+from kvshm.errors import InvalidArgumentError, ProtocolError, TransferError
 from kvshm.engine.hashing import block_hashes, offload_key
 from kvshm.shm.segment import Segment
 from kvshm.shm.table import BlockTable
@@ -360,6 +360,19 @@ def test_a_channel_whose_worker_died_takes_no_other_worker(seg_name):
         with pytest.raises(InvalidArgumentError, match="had a worker"):
             WorkerChannel(*sc.address)
         assert not sc.worker_alive()
+    finally:
+        sc.close()
+
+
+def test_waiting_for_the_worker_of_a_channel_that_lost_it_fails_at_once(seg_name):
+    # A channel takes one worker, ever: once it was lost, waiting for one waited out the
+    # whole timeout and then said none had attached.
+    Segment.create(seg_name, layout(1), 8, **SMALL_GEOMETRY).close()
+    sc = SchedulerChannel(seg_name)
+    try:
+        WorkerChannel(*sc.address).close()  # attached, then gone
+        with pytest.raises(TransferError, match="lost"):
+            sc.wait_worker(timeout=600)
     finally:
         sc.close()
 

@@ -182,9 +182,14 @@ class SchedulerChannel:
     def wait_worker(self, timeout: float = 60.0,
                     starting: Callable[[], bool] = lambda: True) -> None:
         """Return once a worker attached. Raises TransferError after ``timeout``, or as soon
-        as ``starting()`` (e.g. the worker process's ``is_alive``) turns False."""
+        as ``starting()`` (e.g. the worker process's ``is_alive``) turns False, or the
+        channel's worker is lost (none other ever attaches)."""
         deadline = time.monotonic() + timeout
         while not self.worker_alive():
+            if self._worker_seen:  # attached, and gone
+                self._check_worker()  # (its jobs fail)
+                raise TransferError(f"the worker of job channel {self.address} was lost; "
+                                    "a channel takes one worker: open a new channel")
             if not starting() or time.monotonic() > deadline:
                 raise TransferError(f"no worker attached to job channel {self.address} "
                                     f"({'it exited' if not starting() else f'{timeout:g}s'}); "
