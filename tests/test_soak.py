@@ -16,6 +16,7 @@ def test_soak_with_kills_freezes_and_reconnects_keeps_every_invariant():
         [sys.executable, os.path.join(ROOT, "tools", "soak.py"), "--seconds", seconds,
          "--kill-owner", "--reconnectors", "1", "--max-freeze", "1.5", "--json"],
         capture_output=True, text=True, timeout=300)
+    assert out.stdout, f"the soak printed no report (exit {out.returncode}):\n{out.stderr[-4000:]}"
     report = json.loads(out.stdout)
     diag = json.dumps({k: report[k] for k in ("wedge_detail", "leaked_slot_detail",
                                               "corrupt_detail", "error_samples")},
@@ -43,6 +44,7 @@ def test_soak_beside_hostile_clients_keeps_every_invariant():
         [sys.executable, os.path.join(ROOT, "tools", "soak.py"), "--seconds", seconds,
          "--kill-owner", "--hostile", "2", "--json"],
         capture_output=True, text=True, timeout=300)
+    assert out.stdout, f"the soak printed no report (exit {out.returncode}):\n{out.stderr[-4000:]}"
     report = json.loads(out.stdout)
     diag = json.dumps(report, indent=1) + "\n" + out.stderr[-4000:]
     assert report["corrupt_loads"] == 0, diag
