@@ -435,8 +435,9 @@ def test_a_claimed_block_whose_publish_a_dead_owner_began_is_never_served_as_its
     assert verify(a.segment) == []
 
 
+@pytest.mark.parametrize("copy", ["ready", "offered"])
 def test_an_offer_given_back_across_a_takeover_is_no_damage_once_its_key_is_stored_again(
-        pair):
+        pair, copy):
     """A client inside the round that gives a claim back (a lease raced its claim) when
     the owner died: the successor, which trusts no open round, kept the block as that
     client's claim and indexed it nowhere. Given back, it is an offer again, its old key
@@ -462,6 +463,11 @@ def test_an_offer_given_back_across_a_takeover_is_no_damage_once_its_key_is_stor
             assert procs.store(b, [key]) == [key]  # a miss: stored again
             wait_for(lambda: b.lookup([key]) == 1, "the store to be published")
             b.release()
+            for i in range(BLOCKS * 4 if copy == "offered" else 0):  # the cache turns over
+                if key in procs.offered_to(b).values():  # until the new copy is offered
+                    break
+                procs.store(b, keys(f"turn{i}", 1))
+            assert copy == "ready" or key in procs.offered_to(b).values()
     c = connect(b.segment.name)  # a client that never leased it asks
     try:
         assert c.lookup([key]) == 1
@@ -470,6 +476,31 @@ def test_an_offer_given_back_across_a_takeover_is_no_damage_once_its_key_is_stor
     finally:
         c.shutdown()
     assert b.segment.counter("duplicate_keys") == 0 and verify(b.segment) == []
+
+
+def test_a_ready_row_damaged_into_a_served_offers_key_is_trusted_no_more_than_the_offer(
+        pair):
+    """Damage (a row rewritten from another's key, length and checksum, all of which
+    verify) makes two entries hold a key, and either may be the damaged one. A live
+    client's offer the owner served is one of them here: the successor trusts neither,
+    counts the key and serves it from no block."""
+    a, b = pair
+    blk, key = next(iter(fill_until_offered(a).items()))
+    t = a.table
+    other = next(x for x in range(BLOCKS) if x != blk and t.read(x).state == L.READY
+                 and t.read(x).writer == -1)
+    pid = a.segment.owner_record()[0]
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: not a.segment.owner_alive(), "the owner to die")
+    src, dst = t.base + blk * L.ENTRY_BYTES, t.base + other * L.ENTRY_BYTES
+    seq = t._odd(other)
+    for field in ("keylen", "keysum", "key"):
+        off, size = ENTRY_DTYPE.fields[field][1], ENTRY_DTYPE.fields[field][0].itemsize
+        a.segment.buf[dst + off:dst + off + size] = a.segment.buf[src + off:src + off + size]
+    t._even(other, seq)
+    b.take_events()  # the call starts a successor, which rebuilds from the table
+    assert b.segment.counter("duplicate_keys") == 1
+    assert b.lookup([key]) == 0
 
 
 def test_a_load_racing_the_freeing_of_an_unclaimed_publish_never_reads_a_reused_block(

@@ -9,15 +9,14 @@ mid-rewrite, torn keys, dead writers' stores and claims) is freed; a dead client
 offer is simply cached again. It fills a fresh ``Entries`` and
 ``Grants``; it never rewrites a key it keeps and never copies block data.
 
-A live client's offer whose key another entry holds too is one a predecessor kept as that
-client's claim, unindexed, while its round was open; the key was stored again meanwhile: the
-other copy is kept, the offer stays a claim. Any other key that two entries hold can only
-come from damage, and either copy may be the damaged one (its key, length and key checksum
-copied from the other verify all the same): no copy is trusted. Its ready blocks are
-freed, an offered copy stays its client's without a key, a store's copy stays pending only
-when it is the one store of the key (its writer writes that block and no other), and copies
-of two stores are held for their writers, indexed nowhere.
-The key is then a miss, the ``duplicate_keys`` header counter counts it and the owner's log
+A key that two entries hold can only come from damage (a live client's offer counts only
+when the predecessor's index named it: one no index names is a claim a predecessor kept,
+its key perhaps stored again since), and either copy may be the damaged one (its key,
+length and key checksum copied from the other verify all the same): no copy is trusted. Its
+ready blocks are freed, an offered copy stays its client's without a key, a store's copy
+stays pending only when it is the one store of the key (its writer writes that block and no
+other), and copies of two stores are held for their writers, indexed nowhere. The key is
+then a miss, the ``duplicate_keys`` header counter counts it and the owner's log
 names it, so the evidence outlives the rebuild.
 """
 from __future__ import annotations
@@ -47,7 +46,7 @@ def rebuild(entries: Entries, grants: Grants, writer_alive: Callable[[int, int],
     ready, kept, freed, torn_keys, free = [], 0, 0, 0, []
     writing: list[tuple[int, bytes, tuple[int, int]]] = []
     offers: list[tuple[int, bytes, tuple[int, int], int, tuple[int, int] | None]] = []
-    entries.index.clear()
+    index = entries.index  # the predecessor's until cleared below: the offers it served
     for b in range(table.num_blocks):
         e = table.read(b)  # (torn: its sequence number odd, read as it lies)
         client = (e.writer, e.writer_gen)
@@ -60,12 +59,15 @@ def rebuild(entries: Entries, grants: Grants, writer_alive: Callable[[int, int],
             # would let that store land outside any round, unseen by a reader that proved
             # the entry READY at the closed sequence number. One never handed over is
             # handed over at adoption, or kept until its client goes (``Grants.settle``).
-            # The key of an offer is indexed again when intact and its round closed. One
-            # left odd is kept as a claim, indexed nowhere: the round may be the client's
-            # claim, or a dead owner's publish of its claim, a copy killed after the state
-            # byte (any subset of a copy's bytes may land), the old key and its checksum
-            # intact over the new key's bytes.
-            if e.state != L.CLAIMED and e.key and e.key_ok and not e.torn:
+            # The key of an offer the predecessor served (its index names the block) is
+            # indexed again, its round closed and its key intact. Any other is kept as a
+            # claim, indexed nowhere: one left odd may be the client's claim round or a dead
+            # owner's publish of its claim, a copy killed after the state byte (any subset
+            # of a copy's bytes may land: the old key and checksum over the new key's
+            # bytes); one no index names is a claim kept so by a predecessor, given back
+            # since by its client, its key perhaps stored again elsewhere meanwhile.
+            if e.state != L.CLAIMED and e.key and e.key_ok and not e.torn and \
+                    index.find(e.key)[0] == b:
                 offers.append((b, e.key, client, e.grant_pos, None if e.torn else e.stored_by))
             else:
                 grants.adopt(b, client, e.grant_pos, claimed=True)
@@ -101,14 +103,8 @@ def rebuild(entries: Entries, grants: Grants, writer_alive: Callable[[int, int],
             table.write(b, L.FREE, b"")
             freed += e.state != L.FREE
         free.append(b)
+    index.clear()
     stores = Counter(key for _, key, _ in writing)
-    # An offer whose key a READY entry or a store holds too is no damage: a predecessor
-    # kept it as its client's claim, unindexed, while its round was open (above), the
-    # client gave it back, and the key, a miss meanwhile, was stored again. The other copy
-    # is the cache's; the offer stays its client's claim.
-    held = {key for _, _, key, _, _ in ready} | stores.keys()
-    stale = [o for o in offers if o[1] in held]
-    offers = [o for o in offers if o[1] not in held]
     twice = _held_twice(grants, [key for _, _, key, _, _ in ready], stores,
                         [key for _, key, *_ in offers])
     # oldest first: recency survives failover (a torn entry's tenant is nobody: its key
@@ -130,8 +126,6 @@ def rebuild(entries: Entries, grants: Grants, writer_alive: Callable[[int, int],
             continue
         entries.adopt(b, key, writer)
         kept += 1
-    for b, _, client, pos, _ in stale:
-        grants.adopt(b, client, pos, claimed=True)
     for b, key, client, pos, tenant in offers:  # cached and indexed, out of the policy's
         if key in twice:  # order; the client may claim it: it stays theirs, unindexed
             grants.adopt(b, client, pos, claimed=True)
