@@ -293,6 +293,7 @@ def _verify_once(seg: Segment, sums: BlockSums | None = None) -> list[str]:
     for b, s, w, gen, keylen, keysum in zip(used.tolist(), *(m.e[k][used].tolist() for k in (
             "state", "writer", "writer_gen", "keylen", "keysum"))):
         key, name = m.key(b, keylen), L.STATE_NAMES.get(s, f"in unknown state {s}")
+        claim = s == L.CLAIMED
         if s == L.GRANTED:  # in a client's grant ring; with a key, a completed store the
             if keylen and key_checksum(key) != keysum:  # owner defers (not indexed yet)
                 out.append(f"block {b} is granted with key {key.hex()[:16]}, which does not "
@@ -303,16 +304,20 @@ def _verify_once(seg: Segment, sums: BlockSums | None = None) -> list[str]:
             out.append(f"block {b} is {name} but its key {key.hex()[:16]} does not match the "
                        f"key checksum {keysum:#010x} (key torn by a rewrite cut short, or "
                        "damaged)")
-        elif s == L.CLAIMED or (s in (L.READY, L.EVICTING) and w >= 0 and
-                                m.find(key)[0] != b):
-            pass  # its old key, on its way out: a claim, or an offer a successor kept as
-            #       one, unindexed (its round was open); the key may be stored again
-        elif key in owners:
-            out.append(f"blocks {owners[key]} and {b} both hold key {key.hex()[:16]}")
-        elif m.find(key)[0] != b:
-            out.append(f"block {b} ({name}, key {key.hex()[:16]}) is not reachable through "
-                       "the key index")
-        if s not in (L.GRANTED, L.CLAIMED) and not (w >= 0 and m.find(key)[0] != b):
+        else:
+            indexed = not claim and m.find(key)[0] == b
+            # A claim holds its old key on its way out, and so does an offer a successor kept
+            # as its client's claim, unindexed (its round was open): the key may be stored
+            # again elsewhere
+            claim = claim or (s in (L.READY, L.EVICTING) and w >= 0 and not indexed)
+            if claim:
+                pass
+            elif key in owners:
+                out.append(f"blocks {owners[key]} and {b} both hold key {key.hex()[:16]}")
+            elif not indexed:
+                out.append(f"block {b} ({name}, key {key.hex()[:16]}) is not reachable "
+                           "through the key index")
+        if s != L.GRANTED and not claim:
             owners.setdefault(key, b)  # (a deferred store's key is also its rival's)
         held_for = s == L.WRITING or s == L.CLAIMED or (s == L.GRANTED and not keylen) or \
             (s in (L.READY, L.EVICTING) and w >= 0)  # a store, a claim, a grant, an offer
