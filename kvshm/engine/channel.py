@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING, Literal, cast
 
 import msgspec
 
-from kvshm.crashpoints import crash_point
 from kvshm.errors import ClientSlotsExhaustedError, InvalidArgumentError, TransferError
 from kvshm.shm import layout as L
 from kvshm.shm import locks, slots
@@ -149,16 +148,11 @@ class SchedulerChannel:
         deadline = time.monotonic() + timeout
         while True:
             for slot in range(g.max_clients):
-                # (a FREE one only: see ``slots.claim``)
-                if slots.record(self.seg, slot).state != L.SlotState.FREE or \
-                        locks.is_held(fd, WORKER_LOCK_BASE + slot) or \
-                        not locks.try_lock(fd, L.LOCK_CLIENT_BASE + slot):
+                if locks.is_held(fd, WORKER_LOCK_BASE + slot):
                     continue
-                crash_point("client.slot.after_lock")
-                gen = slots.claimable(self.seg, slot)
+                gen = slots.lock_free(self.seg, slot)
                 if gen is not None:
                     return slot, gen
-                locks.unlock(fd, L.LOCK_CLIENT_BASE + slot)
             if time.monotonic() > deadline:
                 raise ClientSlotsExhaustedError(
                     f"no free client slot in segment {self.seg.name!r} for a job channel; "

@@ -47,6 +47,21 @@ def claimable(seg: Segment, slot: int) -> int | None:
     return None
 
 
+def lock_free(seg: Segment, slot: int) -> int | None:
+    """Lock ``slot`` if it is FREE and no owner serves it: the generation its next client
+    takes, its client lock held; else None, nothing held. Only a FREE slot is locked to be
+    read: a dead client's slot locked even for a moment is, to an owner looking then, a live
+    holder that rewrote its record."""
+    if record(seg, slot).state != SlotState.FREE or \
+            not locks.try_lock(seg.fd, L.LOCK_CLIENT_BASE + slot):
+        return None
+    crash_point("client.slot.after_lock")
+    gen = claimable(seg, slot)
+    if gen is None:
+        locks.unlock(seg.fd, L.LOCK_CLIENT_BASE + slot)
+    return gen
+
+
 def claim(seg: Segment, wait_for_reclaim: Callable[[], object] | None = None,
           timeout: float = 5.0) -> tuple[int, int]:
     """Lock a FREE slot that no owner serves and return (slot, next generation).
@@ -60,19 +75,13 @@ def claim(seg: Segment, wait_for_reclaim: Callable[[], object] | None = None,
     while True:
         dirty = False
         for slot in range(g.max_clients):
-            # Only a FREE slot is locked to be read: a dead client's slot locked even for a
-            # moment is, to an owner looking then, a live holder that rewrote its record
-            if record(seg, slot).state != SlotState.FREE:
-                dirty = dirty or not locks.is_held(seg._query_fd(), L.LOCK_CLIENT_BASE + slot)
-                continue
-            if not locks.try_lock(fd, L.LOCK_CLIENT_BASE + slot):
-                continue
-            crash_point("client.slot.after_lock")
-            gen = claimable(seg, slot)
-            if gen is not None and locks.try_lock(fd, gen_lock(slot, gen)):
-                return slot, gen
-            locks.unlock(fd, L.LOCK_CLIENT_BASE + slot)
-            dirty = True
+            gen = lock_free(seg, slot)
+            if gen is not None:
+                if locks.try_lock(fd, gen_lock(slot, gen)):
+                    return slot, gen
+                locks.unlock(fd, L.LOCK_CLIENT_BASE + slot)
+            # a slot nobody holds that we could not take waits for the owner's reclaim
+            dirty = dirty or not locks.is_held(seg._query_fd(), L.LOCK_CLIENT_BASE + slot)
         if not dirty or wait_for_reclaim is None or time.monotonic() > deadline:
             raise ClientSlotsExhaustedError(
                 f"all {g.max_clients} client slots of segment {seg.name!r} are in use"
