@@ -149,14 +149,19 @@ def gen_lock(slot: int, gen: int) -> int:
     return L.LOCK_GEN_BASE + (slot << 32) + gen
 
 
+def is_client(seg: Segment, slot: int, gen: int) -> bool:
+    """Whether (``slot``, ``gen``) can name a client of ``seg`` at all (both in range): the
+    lock bytes derived from them stay within their own ranges."""
+    return 0 <= slot < seg.geometry.max_clients and 0 <= gen < 2**32
+
+
 def generation_held(seg: Segment, slot: int, gen: int) -> bool:
     """Whether client ``gen`` of ``slot`` lives: the kernel lock of that generation is held
     (asked through the segment's query descriptor, so a lock this process holds through
     ``seg.fd`` counts too). Its slot record's generation word decides nothing: the client
     writes it, and a dead generation's stores may outlive it in the table (kept for its
     copy workers) while the slot's next client lives."""
-    return 0 <= slot < seg.geometry.max_clients and 0 <= gen < 2**32 and \
-        locks.is_held(seg._query_fd(), gen_lock(slot, gen))
+    return is_client(seg, slot, gen) and locks.is_held(seg._query_fd(), gen_lock(slot, gen))
 
 
 def leave(seg: Segment, slot: int) -> None:

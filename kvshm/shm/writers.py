@@ -53,15 +53,11 @@ def copier_lock(slot: int, gen: int) -> int:
     return L.LOCK_COPIER_BASE + (slot << 32) + gen
 
 
-def _valid(seg: Segment, slot: int, gen: int) -> bool:
-    return 0 <= slot < seg.geometry.max_clients and 0 <= gen < 2**32
-
-
 def alive(seg: Segment, slot: int, gen: int) -> bool:
     """Whether any live process is registered as copying for client ``slot`` generation
     ``gen``. The owner asks this after it saw that generation die."""
     full_fence()  # ask only after the death was observed
-    return _valid(seg, slot, gen) and locks.is_held(_query_fd(seg), copier_lock(slot, gen))
+    return slots.is_client(seg, slot, gen) and locks.is_held(_query_fd(seg), copier_lock(slot, gen))
 
 
 def generation_alive(seg: Segment, slot: int, gen: int) -> bool:
@@ -70,7 +66,7 @@ def generation_alive(seg: Segment, slot: int, gen: int) -> bool:
     a generation whose stores an owner already freed; a client lets go of it before its
     slot's) and its slot is CLIENT (LEAVING: its goodbye is being served)."""
     # (the state first: a CLIENT read after the lock could be the slot's next client's)
-    return _valid(seg, slot, gen) and \
+    return slots.is_client(seg, slot, gen) and \
         slots.record(seg, slot).state == L.SlotState.CLIENT and \
         slots.generation_held(seg, slot, gen)
 
@@ -111,7 +107,7 @@ class Registrations:
     def _register(self, slot: int, gen: int) -> bool:
         if (slot, gen) in self._mine:
             return True
-        if not _valid(self.seg, slot, gen) or not locks.try_share(self._fd,
+        if not slots.is_client(self.seg, slot, gen) or not locks.try_share(self._fd,
                                                                    copier_lock(slot, gen)):
             log.error("kvshm: cannot register as a copier for client slot %d generation %d "
                       "of segment %r; its store jobs are refused", slot, gen, self.seg.name)
