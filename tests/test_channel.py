@@ -148,6 +148,25 @@ def engine(seg_name):
         e.close()
 
 
+@pytest.fixture
+def channel(seg_name):
+    """A scheduler's job channel on a fresh segment no owner serves."""
+    Segment.create(seg_name, layout(1), 8, **SMALL_GEOMETRY).close()
+    sc = SchedulerChannel(seg_name)
+    yield sc
+    sc.close()
+
+
+def _stuck_worker(sc: SchedulerChannel):
+    """A worker process on ``sc`` that takes its first job and never finishes it; it says
+    which job on the returned pipe."""
+    parent, child = CTX.Pipe()
+    dev = [torch.zeros(4, PAGE, dtype=torch.uint8).share_memory_()]
+    p = CTX.Process(target=_serve, args=(sc.address, dev, child, True), daemon=True)
+    p.start()
+    return p, parent
+
+
 def _shut_down_with_owner(mgr) -> None:
     """Shut ``mgr`` down, and the owner it started."""
     owner = mgr.segment.owner_record()[0]
@@ -314,67 +333,46 @@ def test_a_worker_for_a_dead_scheduler_never_attaches_to_the_next_channel_of_its
         _shut_down_with_owner(mgr)
 
 
-def test_a_worker_that_dies_before_its_scheduler_looked_fails_the_jobs_it_took(seg_name):
+def test_a_worker_that_dies_before_its_scheduler_looked_fails_the_jobs_it_took(channel):
     # A scheduler that sent jobs without waiting for its worker saw it alive only if it
     # happened to look while it lived: one that attached, took a job and died between two
     # looks left the job outstanding for good (its store WRITING, its load pinned).
     from kvshm.engine.connector import Job
     from kvshm.transfer.spec import TransferSpec
-    Segment.create(seg_name, layout(1), 8, **SMALL_GEOMETRY).close()
-    sc = SchedulerChannel(seg_name)
-    try:
-        sc.send([Job(7, "r", TransferSpec("store", [1], [2]))])  # no worker yet: it waits
-        parent, child = CTX.Pipe()
-        dev = [torch.zeros(4, PAGE, dtype=torch.uint8).share_memory_()]
-        p = CTX.Process(target=_serve, args=(sc.address, dev, child, True), daemon=True)
-        p.start()
-        assert parent.recv() == ("stuck", 7, "store")  # it took the job; we never looked
-        p.kill()
-        p.join()
-        assert [(d.job_id, d.success) for d in sc.wait([7], timeout=60)] == [(7, False)]
-    finally:
-        sc.close()
+    channel.send([Job(7, "r", TransferSpec("store", [1], [2]))])  # no worker yet: it waits
+    p, told = _stuck_worker(channel)
+    assert told.recv() == ("stuck", 7, "store")  # it took the job; we never looked
+    p.kill()
+    p.join()
+    assert [(d.job_id, d.success) for d in channel.wait([7], timeout=60)] == [(7, False)]
 
 
-def test_a_channel_whose_worker_died_takes_no_other_worker(seg_name):
+def test_a_channel_whose_worker_died_takes_no_other_worker(channel):
     # The jobs a dead worker held, and those it never read, are failed at its death: their
     # stores freed, their loads' device blocks reused. A second worker attaching to the same
     # channel read those frames and ran them: a store copied its device memory into a block
     # another client had been granted since, and published.
     from kvshm.engine.connector import Job
     from kvshm.transfer.spec import TransferSpec
-    Segment.create(seg_name, layout(1), 8, **SMALL_GEOMETRY).close()
-    sc = SchedulerChannel(seg_name)
-    try:
-        parent, child = CTX.Pipe()
-        dev = [torch.zeros(4, PAGE, dtype=torch.uint8).share_memory_()]
-        p = CTX.Process(target=_serve, args=(sc.address, dev, child, True), daemon=True)
-        p.start()
-        sc.send([Job(1, "r", TransferSpec("store", [1], [2]))])
-        assert parent.recv() == ("stuck", 1, "store")
-        sc.send([Job(2, "r", TransferSpec("store", [2], [3]))])  # never read
-        p.kill()
-        p.join()
-        assert sorted((d.job_id, d.success) for d in sc.wait([1, 2], timeout=60)) == [
-            (1, False), (2, False)]
-        with pytest.raises(InvalidArgumentError, match="had a worker"):
-            WorkerChannel(*sc.address)
-        assert not sc.worker_alive()
-    finally:
-        sc.close()
+    p, told = _stuck_worker(channel)
+    channel.send([Job(1, "r", TransferSpec("store", [1], [2]))])
+    assert told.recv() == ("stuck", 1, "store")
+    channel.send([Job(2, "r", TransferSpec("store", [2], [3]))])  # never read
+    p.kill()
+    p.join()
+    assert sorted((d.job_id, d.success) for d in channel.wait([1, 2], timeout=60)) == [
+        (1, False), (2, False)]
+    with pytest.raises(InvalidArgumentError, match="had a worker"):
+        WorkerChannel(*channel.address)
+    assert not channel.worker_alive()
 
 
-def test_waiting_for_the_worker_of_a_channel_that_lost_it_fails_at_once(seg_name):
+def test_waiting_for_the_worker_of_a_channel_that_lost_it_fails_at_once(channel):
     # A channel takes one worker, ever: once it was lost, waiting for one waited out the
     # whole timeout and then said none had attached.
-    Segment.create(seg_name, layout(1), 8, **SMALL_GEOMETRY).close()
-    sc = SchedulerChannel(seg_name)
-    try:
-        WorkerChannel(*sc.address).close()  # attached, then gone
-        with pytest.raises(TransferError, match="lost"):
-            sc.wait_worker(timeout=600)
-    finally:
-        sc.close()
+    WorkerChannel(*channel.address).close()  # attached, then gone
+    with pytest.raises(TransferError, match="lost"):
+        channel.wait_worker(timeout=600)
 
 
 def test_a_channel_has_one_worker_and_only_channel_slots_attach(seg_name):
