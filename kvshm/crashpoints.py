@@ -50,6 +50,7 @@ POINTS = (
     "table.claim.odd",  # (a client) the entries it claims odd, their state not yet stored
     # owner: takeover
     "owner.rebuild.mid",  # half the table adopted
+    "owner.rebuild.torn",  # an entry a dead owner left mid-rewrite found, not yet freed
     "owner.reclaim.mid",  # a dead client's stores freed, its slot not yet cleared
     "owner.goodbye.mid",  # a leaving client's slot LEAVING, its stores freed, no reply yet
     # client

@@ -14,6 +14,8 @@ import contextlib
 import os
 import signal
 import struct
+import subprocess
+import sys
 
 import procs
 import pytest
@@ -433,6 +435,31 @@ def test_a_claimed_block_whose_publish_a_dead_owner_began_is_never_served_as_its
             b.complete_load([k])
         b.release()
     assert verify(a.segment) == []
+
+
+def test_a_successor_dying_as_it_frees_what_a_dead_owner_left_mid_rewrite_leaves_it_torn(pair):
+    """A successor found the entry of a claimed block whose publish a dead owner began
+    (READY over the old key and checksum, the new key's bytes in the block), closed its
+    round, and died before it freed it: the next owner found an intact READY entry and
+    served the old key from the new key's bytes. An entry stays odd until it is freed."""
+    a, b = pair
+    offered = fill_until_offered(a)
+    out = a.prepare_store(keys("new", level(a)))
+    blk, old = next((x, offered[x]) for x in out.block_ids if x in offered)
+    procs.fill_all(a.segment.planes(), out.block_ids, out.keys_to_store)
+    pid = a.segment.owner_record()[0]
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: not a.segment.owner_alive(), "the owner to die")
+    table, at = a.table, a.table.base + blk * L.ENTRY_BYTES
+    table._odd(blk)  # the dead owner's round, its copy stopped past the state and writer
+    a.segment.buf[at + STATE_OFF] = L.READY
+    a.segment.buf[at + WRITER_OFF:at + WRITER_OFF + 2] = b"\xff\xff"
+    env = dict(os.environ, KVSHM_CRASH_AT="owner.rebuild.torn")
+    successor = subprocess.Popen([sys.executable, "-m", "kvshm.owner", a.segment.name],
+                                 env=env, stdin=subprocess.DEVNULL)
+    assert successor.wait(timeout=60) == -signal.SIGKILL  # dead at the point
+    b.take_events()  # the call starts the next owner, which rebuilds from the table
+    assert b.lookup([old]) == 0  # its bytes are the new key's
 
 
 @pytest.mark.parametrize("copy", ["ready", "offered"])

@@ -68,29 +68,30 @@ def rebuild(entries: Entries, grants: Grants, writer_alive: Callable[[int, int],
             # since by its client, its key perhaps stored again elsewhere meanwhile.
             if e.state != L.CLAIMED and e.key and e.key_ok and not e.torn and \
                     index.find(e.key)[0] == b:
-                offers.append((b, e.key, client, e.grant_pos, None if e.torn else e.stored_by))
+                offers.append((b, e.key, client, e.grant_pos, e.stored_by))
             else:
                 grants.adopt(b, client, e.grant_pos, claimed=True)
             continue
         # A dead owner may have left an entry mid-rewrite (odd seq: readers would report
-        # it torn forever). Settle it, and never trust its key: a copy killed halfway may
-        # have stored any subset of its bytes, a key half rewritten under an unchanged
-        # READY state (the checksum tells) or a new READY state over an intact old key and
-        # checksum (nothing tells: a claimed block's publish, over the new key's bytes).
-        # Nor a key whose checksum fails (damage).
-        torn = table.settle(b)
+        # it torn forever). Never trust its key: a copy killed halfway may have stored any
+        # subset of its bytes, a key half rewritten under an unchanged READY state (the
+        # checksum tells) or a new READY state over an intact old key and checksum (nothing
+        # tells: a claimed block's publish, over the new key's bytes). Nor a key whose
+        # checksum fails (damage). Its round stays open until the FREE write below ends it
+        # (a write goes on from an odd sequence number): settled first, it would look
+        # intact to the next owner if this one died in between.
+        torn = e.torn
         if torn:
-            e = table.read(b)
+            crash_point("owner.rebuild.torn")
         if e.state != L.FREE and (torn or not e.key_ok):
             torn_keys += 1  # never published: its key is neither the old nor the new one
         elif e.state in (L.READY, L.EVICTING) and e.key:  # (a dead client's offer: cached)
-            ready.append((e.last_use, b, e.key, e, None if torn else e.stored_by))
+            ready.append((e.last_use, b, e.key, e, e.stored_by))
             continue
-        elif e.state == L.GRANTED and e.key and not torn and \
-                e.key not in grants.deferred:
+        elif e.state == L.GRANTED and e.key and e.key not in grants.deferred:
             grants.deferred[e.key] = b  # a completed store a dead owner deferred
             continue
-        elif e.state in (L.WRITING, L.GRANTED) and not torn and e.writer >= 0 and \
+        elif e.state in (L.WRITING, L.GRANTED) and e.writer >= 0 and \
                 not (e.state == L.GRANTED and e.key) and writer_alive(e.writer, e.writer_gen):
             if e.state == L.GRANTED:
                 grants.adopt(b, (e.writer, e.writer_gen), e.grant_pos)
@@ -107,8 +108,7 @@ def rebuild(entries: Entries, grants: Grants, writer_alive: Callable[[int, int],
     stores = Counter(key for _, key, _ in writing)
     twice = _held_twice(grants, [key for _, _, key, _, _ in ready], stores,
                         [key for _, key, *_ in offers])
-    # oldest first: recency survives failover (a torn entry's tenant is nobody: its key
-    # verified, but a tenant half rewritten could name anyone)
+    # oldest first: recency survives failover
     for last_use, b, key, e, tenant in sorted(ready, key=lambda r: r[:2]):
         if key in twice:
             table.write(b, L.FREE, b"")
