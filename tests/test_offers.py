@@ -398,6 +398,26 @@ def test_an_offer_whose_key_a_dead_owner_tore_is_freed_only_once_nobody_holds_it
     c.shutdown()
 
 
+def publish_torn_over_a_claim(a, clear_writer: bool) -> tuple[int, bytes, list[bytes]]:
+    """``a`` claims an offer and writes a new key's bytes into it; its owner dies as it
+    begins the publish, its body copy stopped past the state byte (and the writer field,
+    with ``clear_writer``): the entry odd, READY over the old key and its checksum. Returns
+    the block, its old key and the keys ``a`` stores."""
+    offered = fill_until_offered(a)
+    out = a.prepare_store(keys("new", level(a)))
+    blk, old = next((x, offered[x]) for x in out.block_ids if x in offered)
+    procs.fill_all(a.segment.planes(), out.block_ids, out.keys_to_store)
+    pid = a.segment.owner_record()[0]
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: not a.segment.owner_alive(), "the owner to die")
+    at = a.table.base + blk * L.ENTRY_BYTES
+    a.table._odd(blk)
+    a.segment.buf[at + STATE_OFF] = L.READY
+    if clear_writer:
+        a.segment.buf[at + WRITER_OFF:at + WRITER_OFF + 2] = b"\xff\xff"
+    return blk, old, out.keys_to_store
+
+
 @pytest.mark.parametrize("ending", ["publishes", "leaves"])
 @pytest.mark.parametrize("writer", ["kept", "cleared"])
 def test_a_claimed_block_whose_publish_a_dead_owner_began_is_never_served_as_its_old_key(
@@ -408,18 +428,7 @@ def test_a_claimed_block_whose_publish_a_dead_owner_began_is_never_served_as_its
     intact, the writer field changed or not. The successor trusted the key because its
     checksum verified, and served the old key from the new key's bytes."""
     a, b = pair
-    offered = fill_until_offered(a)
-    out = a.prepare_store(keys("new", level(a)))
-    blk, old = next((x, offered[x]) for x in out.block_ids if x in offered)
-    procs.fill_all(a.segment.planes(), out.block_ids, out.keys_to_store)
-    pid = a.segment.owner_record()[0]
-    os.kill(pid, signal.SIGKILL)
-    wait_for(lambda: not a.segment.owner_alive(), "the owner to die")
-    table, at = a.table, a.table.base + blk * L.ENTRY_BYTES
-    table._odd(blk)  # the dead owner's round, its copy stopped past the state byte
-    a.segment.buf[at + STATE_OFF] = L.READY
-    if writer == "cleared":
-        a.segment.buf[at + WRITER_OFF:at + WRITER_OFF + 2] = b"\xff\xff"
+    _, old, stored = publish_torn_over_a_claim(a, writer == "cleared")
     b.take_events()  # the call starts a successor, which rebuilds from the table
     assert b.lookup([old]) == 0  # its bytes are the new key's
     if ending == "leaves":  # the offer's grant ends without the publish
@@ -427,9 +436,9 @@ def test_a_claimed_block_whose_publish_a_dead_owner_began_is_never_served_as_its
         assert b.lookup([old]) == 0
         assert verify(b.segment) == []
         return
-    a.complete_store(out.keys_to_store)
+    a.complete_store(stored)
     a.take_events()  # (after the Publish)
-    for k in out.keys_to_store:
+    for k in stored:
         if b.lookup([k]):
             assert procs.check(b.segment.planes(), b.prepare_load([k])[0], k)
             b.complete_load([k])
@@ -443,17 +452,7 @@ def test_a_successor_dying_as_it_frees_what_a_dead_owner_left_mid_rewrite_leaves
     round, and died before it freed it: the next owner found an intact READY entry and
     served the old key from the new key's bytes. An entry stays odd until it is freed."""
     a, b = pair
-    offered = fill_until_offered(a)
-    out = a.prepare_store(keys("new", level(a)))
-    blk, old = next((x, offered[x]) for x in out.block_ids if x in offered)
-    procs.fill_all(a.segment.planes(), out.block_ids, out.keys_to_store)
-    pid = a.segment.owner_record()[0]
-    os.kill(pid, signal.SIGKILL)
-    wait_for(lambda: not a.segment.owner_alive(), "the owner to die")
-    table, at = a.table, a.table.base + blk * L.ENTRY_BYTES
-    table._odd(blk)  # the dead owner's round, its copy stopped past the state and writer
-    a.segment.buf[at + STATE_OFF] = L.READY
-    a.segment.buf[at + WRITER_OFF:at + WRITER_OFF + 2] = b"\xff\xff"
+    _, old, _ = publish_torn_over_a_claim(a, clear_writer=True)
     env = dict(os.environ, KVSHM_CRASH_AT="owner.rebuild.torn")
     successor = subprocess.Popen([sys.executable, "-m", "kvshm.owner", a.segment.name],
                                  env=env, stdin=subprocess.DEVNULL)
