@@ -113,13 +113,13 @@ def test_a_named_method_is_kept_at_every_size_where_it_can_run():
 # --- the launcher -----------------------------------------------------------------------------
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
 def test_the_cached_launch_is_taken_only_while_no_launch_hook_listens():
-    from kvshm.transfer.triton_copy import _quiet
+    from kvshm.transfer.triton_copy import _hooked
 
     class Chain:  # Triton 3.4+ always has a hook chain; an empty one calls nothing
         def __init__(self, calls):
             self.calls = calls
-    assert _quiet(None) and _quiet(Chain([]))
-    assert not _quiet(Chain([print])) and not _quiet(print)
+    assert not _hooked(None, None) and not _hooked(Chain([]), Chain([]))
+    assert _hooked(Chain([print]), None) and _hooked(None, print) and _hooked(Chain([]), print)
 
 
 # --- the CUDA handler's host path, CUDA stubbed -------------------------------------------------

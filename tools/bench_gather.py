@@ -234,7 +234,7 @@ def _noop(*a: Any, **k: Any) -> None:
 
 class _Event:
     """A CUDA event that is always complete; every call is a no-op."""
-    __init__ = record = synchronize = _noop
+    __init__ = record = synchronize = wait = _noop
 
     def query(self) -> bool:
         return True

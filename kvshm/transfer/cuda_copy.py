@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import inspect
 import logging
 import threading
 from collections import deque
@@ -55,6 +56,20 @@ from kvshm.transfer.spec import (
 logger = logging.getLogger(__name__)
 
 
+def _event_calls(cls: type) -> tuple[Any, Any, Any, Any]:
+    """(record, wait, synchronize, elapsed_time) of ``cls`` as functions of the event: the C
+    methods of torch's event base class, which skip ``torch.cuda.Event``'s Python wrappers (a
+    frame each; a job makes six such calls, and each costs several us when the host's caches
+    are cold, as they are between an engine's steps). ``cls``'s own methods otherwise."""
+    names = ("record", "wait", "synchronize", "elapsed_time")
+    for base in cls.__mro__[1:-1]:
+        found = [getattr(base, n, None) for n in names]
+        if all(f is not None and not inspect.isfunction(f) for f in found):
+            return found[0], found[1], found[2], found[3]
+    own = [getattr(cls, n) for n in names]
+    return own[0], own[1], own[2], own[3]
+
+
 @dataclass
 class _Job:
     job_id: int
@@ -70,11 +85,11 @@ class _Job:
     def done(self) -> bool:
         return self.reported or self.synced or self.end is None or bool(self.end.query())
 
-    def result(self) -> TransferResult:
+    def result(self, elapsed: Any) -> TransferResult:
         secs = 0.0
         if not self.failed:
             try:
-                secs = self.start.elapsed_time(self.end) / 1e3
+                secs = elapsed(self.start, self.end) / 1e3
             except Exception:  # timing is informative only
                 pass
         return TransferResult(self.job_id, not self.failed, 0 if self.failed else self.nbytes,
@@ -119,6 +134,7 @@ class CudaTransferHandler(TransferHandler):
                          "expedited": torch.cuda.Stream(self._dev, priority=-100)}
         # one reusable event per lane to order it after the caller's stream (no new event per job)
         self._order = {k: torch.cuda.Event() for k in LANES}
+        self._record, self._wait_on, self._sync, self._elapsed = _event_calls(torch.cuda.Event)
         self._inflight: dict[str, deque[_Job]] = {k: deque() for k in LANES}
         self._jobs: dict[int, _Job] = {}
         self._lock = threading.Lock()
@@ -153,41 +169,46 @@ class CudaTransferHandler(TransferHandler):
     # --- interface -----------------------------------------------------------------------
     def transfer_async(self, job_id: int, spec: TransferSpec) -> bool:
         plan = plan_transfer(spec, self._geo)  # raises before anything is issued
-        method = self._choose(plan)
+        method = self._memo.get(plan.kind) if plan.n else None
+        if method is None:
+            method = self._choose(plan)
         # DMA needs coalesced byte runs; a kernel copies page by page and needs none
         runs = job_runs(plan, self._geo) if method in ("copy", "batch", "dma") else None
+        # Everything up to the copy's launch delays the copy; the bookkeeping after it runs
+        # while the copy does. So the path to the launch is kept to the calls it needs.
         with self._lock:
             if self._closed:
                 raise TransferError("transfer handler is shut down; create a new one")
             if job_id in self._jobs:
                 raise InvalidArgumentError(f"job {job_id} is still in flight; job ids must be "
                                            f"unique among unfinished jobs")
-            lane = spec.lane
-            job = _Job(job_id, spec.kind, plan.n * self._block_bytes)
+            lane = "expedited" if spec.expedited else plan.kind
             stream = self._streams[lane]
+            keep, failed, start, end = None, False, None, None
             try:
-                job.start, job.end = self._events.pop() if self._events else (
+                start, end = self._events.pop() if self._events else (
                     torch.cuda.Event(enable_timing=True),
                     torch.cuda.Event(enable_timing=True, blocking=self._blocking))
                 order = self._order[lane]
-                order.record(self._caller_stream())
-                stream.wait_event(order)
-                job.start.record(stream)
+                self._record(order, self._caller_stream())
+                self._wait_on(order, stream)
+                self._record(start, stream)
                 if self._one_gpu:  # the usual process: no device switch to enter and leave
-                    job.keep = self._copy(plan, method, runs, stream)
+                    keep = self._copy(plan, method, runs, stream)
                 else:
                     with self._on_device():
-                        job.keep = self._copy(plan, method, runs, stream)
+                        keep = self._copy(plan, method, runs, stream)
             except Exception:  # reported as success=False, in FIFO order
                 logger.exception("kvshm: %s job %d failed", spec.kind, job_id)
-                job.failed = True
+                failed = True
+            job = _Job(job_id, plan.kind, plan.n * self._block_bytes, start, end, failed, keep)
             try:
-                job.end.record(stream)  # also after a failure: the result keeps its place
+                self._record(end, stream)  # also after a failure: the result keeps its place
             except Exception:
                 job.end = None
                 stream.synchronize()  # nothing may still read what the job keeps
-            if isinstance(job.keep, IndexBuffer) and self._gather is not None:
-                self._gather.hold(job.keep, job.done)
+            if isinstance(keep, IndexBuffer) and self._gather is not None:
+                self._gather.hold(keep, job.done)
             self._inflight[lane].append(job)
             self._jobs[job_id] = job
         return True
@@ -200,7 +221,7 @@ class CudaTransferHandler(TransferHandler):
                 while q and q[0].done():  # in order: a later job never overtakes
                     job = q.popleft()
                     del self._jobs[job.job_id]
-                    out.append(job.result())
+                    out.append(job.result(self._elapsed))
                     job.reported = True
                     if job.end is not None and len(self._events) < 64:
                         self._events.append((job.start, job.end))  # creating them costs more
@@ -212,7 +233,7 @@ class CudaTransferHandler(TransferHandler):
         for job in jobs:
             # once reported, a job's events may already time a later job: never wait on them
             if not job.reported and job.end is not None:
-                job.end.synchronize()  # releases the GIL
+                self._sync(job.end)  # releases the GIL
                 job.synced = True  # get_finished need not ask the driver again
 
     def shutdown(self) -> None:

@@ -147,29 +147,30 @@ class Gather:
 
     # --- triton ------------------------------------------------------------------------
     def copy_triton(self, plan: BlockPlan, stream: torch.cuda.Stream) -> IndexBuffer:
-        """Queue the job's ONE kernel on ``stream``; returns the buffer it reads."""
+        """Queue the job's ONE kernel on ``stream``; returns the buffer it reads.
+
+        This is on the path from a job's submission to its copy's start, so it makes only
+        the calls it needs (each costs several us when the host's caches are cold)."""
         has_sub = self._geo.factor > 1
         buf, n = self._ids(plan, has_sub)
         try:
-            self._launch(buf, n, plan.kind == "store", has_sub, stream)
+            fast = self._fast.get((plan.kind == "store", has_sub))
+            if fast is not None:
+                fast(n, buf.device, stream.cuda_stream)
+            else:  # first launch: Triton binds, specialises and compiles
+                self._first_launch(buf, n, plan.kind == "store", has_sub, stream)
         except BaseException:
             self._pool.give_back(buf)
             raise
         return buf
 
-    def _launch(self, buf: IndexBuffer, n: int, store: bool, has_sub: bool,
-                stream: torch.cuda.Stream) -> None:
-        key = (store, has_sub)
-        fast = self._fast.get(key)
-        pairs = len(self._geo.pairs)
-        if fast is None:  # first launch: Triton binds, specialises and compiles
-            from kvshm.transfer import triton_copy as tc
-            with torch.cuda.stream(stream):
-                self._fast[key] = tc.launch(self._base, buf.device, self._table, n, pairs,
-                                            self._max_page, store=store, has_sub=has_sub,
-                                            align=self._align)
-        else:
-            fast(n, buf.device, stream.cuda_stream)
+    def _first_launch(self, buf: IndexBuffer, n: int, store: bool, has_sub: bool,
+                      stream: torch.cuda.Stream) -> None:
+        from kvshm.transfer import triton_copy as tc
+        with torch.cuda.stream(stream):
+            self._fast[(store, has_sub)] = tc.launch(
+                self._base, buf.device, self._table, n, len(self._geo.pairs), self._max_page,
+                store=store, has_sub=has_sub, align=self._align)
 
     # --- torch indexing ------------------------------------------------------------------
     def copy_torch(self, plan: BlockPlan, stream: torch.cuda.Stream) -> IndexBuffer:

@@ -233,8 +233,13 @@ class BlockPlan:
         return int(self.device_ids.shape[0])
 
 
+_I64, _U64 = np.dtype(np.int64), np.dtype(np.uint64)
+
+
 def _ids(values: Sequence[int], what: str) -> np.ndarray:
     arr = np.asarray(values)
+    if arr.dtype is _I64 and arr.ndim == 1:  # the usual job: nothing to convert or check
+        return arr
     if arr.size == 0:
         return np.zeros(0, dtype=np.int64)
     if arr.ndim != 1 or arr.dtype.kind not in "iu":
@@ -259,7 +264,7 @@ def _zeros(n: int) -> np.ndarray:
 
 def _check_range(ids: np.ndarray, limit: int, what: str) -> None:
     # One pass: a negative id is a huge unsigned one. The detailed search runs on failure only.
-    if not ids.size or _max(ids.view(np.uint64)) < limit:
+    if not ids.size or _max(ids.view(_U64)) < limit:
         return
     bad = np.flatnonzero((ids < 0) | (ids >= limit))
     i = int(bad[0])

@@ -96,7 +96,7 @@ def launch(base: Any, idx: Any, table: Any, n: int, n_pairs: int, max_page_words
         return lambda n, idx, stream: slow(n, idx, stream)
 
     def fast(n: int, idx: Any, stream: int) -> None:
-        if not (_quiet(rt.launch_enter_hook) and _quiet(rt.launch_exit_hook)):
+        if _hooked(rt.launch_enter_hook, rt.launch_exit_hook):
             import torch  # a profiler is listening: let Triton call its hooks
             with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
                 slow(n, idx, stream)
@@ -107,6 +107,10 @@ def launch(base: Any, idx: Any, table: Any, n: int, n_pairs: int, max_page_words
     return fast
 
 
-def _quiet(hook: Any) -> bool:
-    """No launch hook to call: None, or an empty HookChain (Triton 3.4+ keeps one always)."""
-    return hook is None or (isinstance(getattr(hook, "calls", None), list) and not hook.calls)
+def _hooked(enter: Any, leave: Any) -> bool:
+    """Some launch hook would be called: not None, and not an empty HookChain (Triton 3.4+
+    keeps one always). One plain call for both hooks: this runs once per job."""
+    for h in (enter, leave):
+        if h is not None and not (isinstance(getattr(h, "calls", None), list) and not h.calls):
+            return True
+    return False
