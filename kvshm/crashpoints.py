@@ -42,6 +42,8 @@ POINTS = (
     #                                key not yet written
     "owner.free.after_holds",  # blocks a reader may hold (READY, EVICTING) freed: FREE in
     #                            the table, the holds read, not yet parked or on the free list
+    "owner.unclaimed.settled",  # a dead client's offers settled (its copier lives), not yet
+    #                             ended (cached again, or freed)
     # owner: entry writes
     "table.write.odd",  # entry sequence odd, body half written
     "table.write_many.odd",  # a batch's entries all odd, half their bodies written

@@ -365,6 +365,24 @@ def claim_marked_and_wait(name: str, conn, layout, num_blocks: int,
     time.sleep(3600)  # killed by the test
 
 
+def claim_written_and_wait(name: str, conn, layout, num_blocks: int) -> None:
+    """Fill a fresh cache until the owner offers us a victim, then prepare a store that
+    claims it (with the rest of our grant ring) and write the new keys' bytes, never
+    completing it; report (the claimed offer's block, its old key, slot, gen) and block
+    until killed."""
+    from kvshm.shm import slots
+    mgr = connect(name, layout, num_blocks=num_blocks, max_clients=4, ring_capacity=8192,
+                  hold_capacity=64)
+    offered = store_until_offered(mgr, 1, num_blocks // 4, "filler")
+    head, _ = slots.grants(mgr.segment, mgr.slot)
+    level = head["granted"] - mgr._own.taken
+    out = mgr.prepare_store([b"claimer-new-%d" % i for i in range(level)])
+    blk = next(b for b in out.block_ids if b in offered)
+    fill_all(mgr.segment.planes(), out.block_ids, out.keys_to_store)
+    conn.send((blk, offered[blk], mgr.slot, mgr.gen))
+    time.sleep(3600)  # killed by the test
+
+
 def touch_until_told(name: str, conn) -> None:
     """Keep the owner busy: one-way touches as fast as we can send them, until told."""
     mgr = connect(name)

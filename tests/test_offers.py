@@ -621,6 +621,50 @@ def test_a_claim_round_a_dead_claimer_left_open_is_closed_though_its_copier_live
         assert b.lookup([key]) == 0
 
 
+def test_an_owner_dying_as_it_ends_a_dead_clients_torn_claim_never_serves_its_old_key(
+        seg_name):
+    """A claimed offer whose publish a dead owner began (odd, READY over the old key and its
+    checksum, the new key's bytes in the block) is kept by the successor as its live
+    client's claim, indexed nowhere. The client dies while a process registered to copy for
+    it lives, and the owner ends its unclaimed offers: had it closed that entry's round
+    before its FREE write, an owner dying in between (and the copier going) would leave an
+    intact READY entry, and the next owner would serve the old key from the new key's
+    bytes."""
+    p, conn = spawn(procs.claim_written_and_wait, seg_name, TEST_LAYOUT, BLOCKS)
+    blk, old, slot, gen = conn.recv()  # its claim written, never completed
+    b = connect(seg_name)
+    reg = writers.Registrations(b.segment)
+    successor = None
+    try:
+        assert reg.admit(slot, gen)  # this process copies for the claimer's generation
+        pid = b.segment.owner_record()[0]
+        os.kill(pid, signal.SIGKILL)  # as it began the claim's publish
+        wait_for(lambda: not b.segment.owner_alive(), "the owner to die")
+        at = b.table.base + blk * L.ENTRY_BYTES
+        b.table._odd(blk)  # its body copy stopped past the state byte
+        b.segment.buf[at + STATE_OFF] = L.READY
+        successor = owner_proc(seg_name, "owner.unclaimed.settled")
+        assert b.table.seq(blk) % 2 == 1  # kept as the claimer's, indexed nowhere
+        os.kill(p.pid, signal.SIGKILL)
+        p.join()
+        assert successor.wait(timeout=30) == -signal.SIGKILL  # dead ending the claimer's offers
+        reg.close()  # and the copier goes
+        b.take_events()  # the call starts the next owner, which rebuilds from the table
+        assert b.lookup([old]) == 0  # its bytes are the new key's
+        b.release()
+        assert verify(b.segment) == []
+    finally:
+        if p.is_alive():
+            os.kill(p.pid, signal.SIGKILL)
+        reg.close()
+        pid = b.segment.owner_record()[0]
+        b.shutdown()
+        stop_owner(pid)
+        if successor is not None and successor.poll() is None:
+            successor.kill()
+            successor.wait()
+
+
 def test_the_dead_are_reclaimed_while_others_keep_the_owner_busy(seg_name):
     """An owner that always finds frames waiting still reclaims a dead client (and so gets
     back what it held, parked blocks too): its housekeeping does not wait for a quiet

@@ -329,15 +329,27 @@ class Grants:
 
     def end_unclaimed(self, writer: Client) -> int:
         """End ``writer``'s offers it never finished claiming (READY, or EVICTING: a claim
-        marked, undecided) as ``_end`` does: cached again. Nothing is ever written into an
-        offer before its claim ends, so not even a live copier of a dead writer can land in
-        one; a reader waiting for the claim's decision gets it. Returns how many."""
+        marked, undecided) as ``_end`` does: cached again, or freed if no index names it (a
+        claim a rebuild kept, READY again: given back, or a dead owner began its publish,
+        its copies over). Nothing is ever written into an offer before its claim ends, so
+        not even a live copier of a dead writer can land in one; a reader waiting for the
+        claim's decision gets it (every round left open is closed: settled, or by the FREE
+        write). Returns how many."""
         mine, table = self.blocks.get(writer, {}), self.entries.table
         ours = [b for b in mine if b in self.offered]
-        for b in ours:  # its client is dead: a claim round it left open is closed (a claim
-            table.settle(b)  # stores the state byte alone), or every reader would spin on it
-        done = [b for b, s in zip(ours, offers.states_of(table, ours))
-                if s in (L.READY, L.EVICTING)]
+        state = offers.states_of(table, ours)  # (the state bytes: nobody rewrites them now)
+        # Its client is dead: a claim round it left open is closed (a claim stores the state
+        # byte alone), or every reader would spin on it. Not the round of a readable offer no
+        # index names: one a rebuild kept odd may be a dead owner's publish of its claim
+        # (READY over the old key and checksum, the new key's bytes in the block). Its round
+        # stays open until the FREE write in ``_end`` ends it (a write goes on from an odd
+        # sequence number): settled first, it would look intact to the next owner if this
+        # one died in between.
+        for b, s in zip(ours, state):
+            if self.offered[b] is not None or s not in (L.READY, L.EVICTING):
+                table.settle(b)
+        crash_point("owner.unclaimed.settled")
+        done = [b for b, s in zip(ours, state) if s in (L.READY, L.EVICTING)]
         for b in done:
             del mine[b]
         self._end(done)

@@ -294,7 +294,7 @@ class LocalManager(OffloadingManager):
         held = len(self.entries.pending.get(w, ())) + len(self.grants.blocks.get(w, ()))
         alive = held and writers.alive(self.segment, slot, gen)
         if alive and w not in self.quarantined:  # (once: a dead claimer's offers stay put)
-            held -= self.grants.end_unclaimed(w)  # never written into: settled now
+            held -= self.grants.end_unclaimed(w)  # never written into: ended now
         if alive and held:
             if w not in self.quarantined:
                 self.quarantined.add(w)
