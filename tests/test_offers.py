@@ -493,6 +493,9 @@ def test_an_offer_given_back_across_a_takeover_is_no_damage_once_its_key_is_stor
                 if key in procs.offered_to(b).values():  # until the new copy is offered
                     break
                 procs.store(b, keys(f"turn{i}", 1))
+                if not _held_elsewhere(b, key, blk):  # offered after the check above, and
+                    assert procs.store(b, [key]) == [key]  # claimed by that very store:
+                    wait_for(lambda: _held_elsewhere(b, key, blk), "the key to be stored")
             assert copy == "ready" or key in procs.offered_to(b).values()
     c = connect(b.segment.name)  # a client that never leased it asks
     try:
@@ -502,6 +505,14 @@ def test_an_offer_given_back_across_a_takeover_is_no_damage_once_its_key_is_stor
     finally:
         c.shutdown()
     assert b.segment.counter("duplicate_keys") == 0 and verify(b.segment) == []
+
+
+def _held_elsewhere(mgr, key: bytes, blk: int) -> bool:
+    """Whether a READY block other than ``blk`` holds ``key`` (read from the table: a lookup
+    would make the key recent, and the cache would never offer it)."""
+    t = mgr.table
+    return any(x != blk and (e := t.read(x)).state == L.READY and e.key == key
+               for x in range(t.num_blocks))
 
 
 def test_a_ready_row_damaged_into_a_served_offers_key_is_trusted_no_more_than_the_offer(
