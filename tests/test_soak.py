@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -74,3 +75,21 @@ def test_the_soak_reports_a_slot_left_taken_by_its_record(seg_name):
         pid = mgr.segment.owner_record()[0]
         mgr.shutdown()
         stop_owner(pid)
+
+
+def test_a_frozen_client_that_died_meanwhile_is_thawed_without_ending_the_soak():
+    """A hostile client may leave on its own just as it is frozen; starting the next client
+    process reaps it (multiprocessing reaps finished children then), and the SIGCONT that
+    ends its freeze found no process: the soak died printing no report."""
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import soak
+    s = soak.Soak(soak.parser().parse_args([]))
+    gone = s.ctx.Process(target=int)  # exits at once
+    gone.start()
+    gone.join()  # reaped: its pid names nobody now
+    parent, child = s.ctx.Pipe()
+    child.close()
+    s.procs[0] = soak.Proc("hostile", gone, parent, time.monotonic(), frozen_until=0.0)
+    s.thaw(time.monotonic())
+    assert s.procs[0].frozen_until is None
+    parent.close()

@@ -402,7 +402,10 @@ class Soak:
             if pr.kill_when_thawed and not everyone:
                 self.kill_and_restart(idx, frozen=True)
             else:
-                os.kill(pr.process.pid, signal.SIGCONT)
+                try:
+                    os.kill(pr.process.pid, signal.SIGCONT)
+                except ProcessLookupError:  # it left on its own as it was frozen, and
+                    pass  # starting a client reaped it: respawn (hostile) or the checks see it
                 pr.progress_at, pr.stalled = time.monotonic(), False
 
     def respawn(self) -> None:
@@ -610,7 +613,8 @@ def _actions(text: str) -> list[str]:
     return names
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The command line: every option of a soak run, with its default."""
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seconds", type=float, default=60.0,
@@ -646,7 +650,11 @@ def main(argv: list[str] | None = None) -> int:
                          f"{','.join(soak_hostile.ACTIONS)})")
     ap.add_argument("--json", action="store_true",
                     help="print only one JSON report on stdout (diagnostics go to stderr)")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     report = Soak(args).run()
     if args.json:
         print(json.dumps(report))
