@@ -794,3 +794,103 @@ def test_docs_embed_the_generated_schema():
     for cmd, doc_type in DOCUMENTS.items():
         if cmd != "watch":
             assert f"kvshm.{cmd}/1" in msgspec.json.encode(msgspec.json.schema(doc_type)).decode()
+
+
+# --- gc preempted right after it gave the owner lock back ----------------------------------
+# gc leaves the dead owner's pid in the owner record (the next real owner counts that death).
+# Written after the unlock, it overwrote the record of an owner a client started meanwhile. A
+# SIGSTOP right after the unlock stands for any scheduler delay there.
+_GC_PREEMPTED = """
+import os, signal, sys
+from kvshm.shm import layout as L, locks
+unlock = locks.unlock
+def preempted(fd, byte):
+    unlock(fd, byte)
+    if byte == L.LOCK_OWNER:
+        os.kill(os.getpid(), signal.SIGSTOP)  # preempted right after it gave the lock back
+locks.unlock = preempted
+from kvshm.inspect.cli import main
+sys.exit(main(["gc", sys.argv[1]]))
+"""
+
+
+def _gc_preempted_while_an_owner_starts(name: str, **connect_kw):
+    """O1 dies; gc runs, stops right after its unlock; a client connects (starting O2); gc
+    goes on. Returns (first client, second client, O2's record, pids to kill)."""
+    from kvshm.client.connect import connect
+    from conftest import TEST_LAYOUT
+    Segment.create(name, TEST_LAYOUT, 4, max_clients=4, ring_capacity=8192).close()
+    seg = Segment.attach(name)
+    m1 = connect(name)
+    o1 = seg.owner_record().pid
+    os.kill(o1, signal.SIGKILL)
+    wait_for(lambda: not seg.owner_alive(), "the owner to die")
+    gc = subprocess.Popen([sys.executable, "-c", _GC_PREEMPTED, name], env=ENV,
+                          stdout=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: _proc_state(gc.pid) == "T", "gc to stop after its unlock", 30)
+        m2 = connect(name, **connect_kw)  # starts O2 (gc gave the lock back)
+        os.environ.pop("KVSHM_CRASH_AT", None)
+        o2 = seg.owner_record()
+        os.kill(gc.pid, signal.SIGCONT)
+        assert gc.wait() == 0
+    finally:
+        gc.kill()
+        gc.wait()
+    return seg, m1, m2, o2, {o1, o2.pid}
+
+
+def test_gc_preempted_after_its_unlock_leaves_the_next_owners_record_alone(name):
+    from conftest import stop_owner
+    seg, m1, m2, o2, pids = _gc_preempted_while_an_owner_starts(name)
+    try:
+        assert seg.owner_alive()
+        # the record of the live owner, not that of the owner that died before gc
+        assert seg.owner_record()[:2] == o2[:2]
+        os.kill(o2.pid, signal.SIGKILL)
+        wait_for(lambda: not seg.owner_alive(), "O2 to die")
+        from kvshm.client.connect import connect
+        m3 = connect(name)  # starts O3
+        pids.add(seg.owner_record().pid)
+        # consecutive owners never share an epoch (records.next_epoch)
+        assert seg.owner_record().epoch != o2.epoch
+        m3.shutdown()
+    finally:
+        pids.add(seg.owner_record().pid)
+        for m in (m1, m2):
+            m.shutdown()
+        for p in pids:
+            stop_owner(p)
+        seg.close()
+
+
+def test_gc_preempted_after_its_unlock_costs_no_client_a_failover(name):
+    """The owner after O2 took O2's epoch, so a client misses that failover: it keeps the
+    lease of a key the dead O2 evicted for its own store (a replay cannot list evictions) and
+    lookup() says hit for a key that is gone."""
+    from conftest import stop_owner
+    from procs import fill
+    # O2 dies after executing its 4th frame: Hello, PrepareStore, CompleteStore, PrepareStore
+    os.environ["KVSHM_CRASH_AT"] = "owner.request.after_execute:4"
+    try:
+        seg, m1, m2, o2, pids = _gc_preempted_while_an_owner_starts(name, grants=False)
+    finally:
+        os.environ.pop("KVSHM_CRASH_AT", None)
+    try:
+        keys = [b"K%d" % i for i in range(4)]  # fill the 4 blocks, lease them all
+        out = m2.prepare_store(keys)
+        for k, b in zip(out.keys_to_store, out.block_ids):
+            fill(m2.segment.planes(), b, k)
+        m2.complete_store(out.keys_to_store)
+        assert m2.lookup(keys) == 4
+        m2.prepare_store([b"N0"])  # evicts K0 (our own lease); O2 dies, O3 replays
+        pids.add(seg.owner_record().pid)
+        assert seg.owner_record().pid != o2.pid
+        assert m2.lookup([b"K0"]) == 0  # evicted: a miss, not a lease kept across the failover
+    finally:
+        pids.add(seg.owner_record().pid)
+        for m in (m1, m2):
+            m.shutdown()
+        for p in pids:
+            stop_owner(p)
+        seg.close()

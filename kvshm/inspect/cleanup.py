@@ -48,9 +48,7 @@ def reclaim(seg: Segment) -> dict[str, Any]:
     finally:
         if dead_owner[0]:  # gc is no failover: the next real owner counts that death
             seg.counter_add("failovers", -1)
-        mgr.shutdown()
-        if dead_owner[0]:
-            seg.write_owner_record(dead_owner[0], mgr.epoch, *seg.owner_record()[2:])
+        mgr.shutdown(dead_pid=dead_owner[0])
     return {**out, "acted": True, "freed_blocks": mgr.recovered["freed"],
             "kept_ready": mgr.recovered["ready"], "kept_pending": mgr.recovered["pending"],
             "reason": "no owner alive: reclaimed as a temporary owner"}

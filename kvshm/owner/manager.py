@@ -329,10 +329,13 @@ class LocalManager(OffloadingManager):
     def take_events(self) -> list[OffloadingEvent]:
         return self.outcomes.take()
 
-    def shutdown(self) -> None:
-        """Give up ownership; the table keeps the cache for the next owner."""
+    def shutdown(self, dead_pid: int = 0) -> None:
+        """Give up ownership; the table keeps the cache for the next owner. ``dead_pid``: an
+        owner that died before us, left in the record for the next owner to count (a
+        temporary owner such as ``kvshm-inspect gc`` is no failover). The record is written
+        before the lock is given back: an owner starting after that writes its own."""
         if self.segment is None:
             return
-        self.segment.write_owner_record(0, self.epoch, time.time_ns(), self.tick)
+        self.segment.write_owner_record(dead_pid, self.epoch, time.time_ns(), self.tick)
         locks.unlock(self.segment.fd, L.LOCK_OWNER)
         self.segment = None  # type: ignore[assignment]
