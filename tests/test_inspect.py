@@ -894,3 +894,22 @@ def test_gc_preempted_after_its_unlock_costs_no_client_a_failover(name):
         for p in pids:
             stop_owner(p)
         seg.close()
+
+
+def test_rm_names_no_pid_for_a_client_still_taking_its_slot(name):
+    """A client that holds a slot's lock but has not written its record yet is in use, and
+    rm refuses; its pid is not known yet, and rm must not name pid 0 (``kill 0`` would signal
+    the operator's own process group)."""
+    Segment.create(name, LAYOUT, 8, max_clients=4, ring_capacity=8192).close()
+    env = {**ENV, "KVSHM_CRASH_AT": "client.slot.after_lock", "KVSHM_CRASH_SIGNAL": "STOP"}
+    c = subprocess.Popen([sys.executable, "-c", "import sys; from kvshm.client.connect import "
+                          "connect; connect(sys.argv[1]).shutdown()", name], env=env)
+    try:
+        wait_for(lambda: _proc_state(c.pid) == "T", "the client to stop holding a slot lock")
+        p = cli("rm", name, "--wait", "0")
+        assert p.returncode == 1 and "refusing" in p.stderr, p.stderr
+        assert "pid 0" not in p.stderr and "slot 0 (pid not yet known)" in p.stderr, p.stderr
+    finally:
+        c.kill()
+        c.wait()
+        Segment.unlink(name)

@@ -185,7 +185,9 @@ def cmd_rm(args: Args) -> int:
         return _removed(args, out)
     out.update(owner_alive=owner, live_clients=clients)
     if (clients or owner) and not args.force:
-        who = [f"slot {c['slot']} pid {c['pid']}" for c in clients] + ["the owner"] * owner
+        # pid 0: a client that holds its slot's lock but has not written its record yet
+        who = [f"slot {c['slot']} " + (f"pid {c['pid']}" if c["pid"] else "(pid not yet known)")
+               for c in clients] + ["the owner"] * owner
         print(f"{PROG}: refusing to remove {args.name!r}: in use by {', '.join(who)}; stop "
               "them first (an auto-started owner exits within "
               f"{OWNER_IDLE_EXIT_S:g}s of its last client), or pass --force (they keep "
