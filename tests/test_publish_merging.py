@@ -70,6 +70,10 @@ def queue_stores(a, tag: str, frames: list[list[bytes]], outcomes: list[bool],
     request, if given) while no owner runs: one Publish frame each waits in ``a``'s ring,
     behind ``first`` if given. Returns each key's block."""
     procs.store(a, [b"%s-warm-%d" % (tag.encode(), i) for i in range(8)])  # stock deeper
+    # Its Publish taken off the ring before the owner is killed: one applied but not yet
+    # released would be replayed by the next owner and counted twice (counters are not
+    # exactly-once across an owner's death), which the counting tests would read as ours.
+    wait_for(lambda: not a._link.requests.pending(), "the owner to take the warm Publish")
     head, _ = slots.grants(a.segment, a.slot)
     need = sum(map(len, frames))
     wait_for(lambda: head["granted"] - a._own.taken >= need, "the owner to stock the ring")
