@@ -840,8 +840,18 @@ def _gc_preempted_while_an_owner_starts(name: str, **connect_kw):
     return seg, m1, m2, o2, {o1, o2.pid}
 
 
-def test_gc_preempted_after_its_unlock_leaves_the_next_owners_record_alone(name):
+def _leave(seg: Segment, clients, pids: set[int]) -> None:
+    """The clients leave, every owner of the test is stopped, the segment closed."""
     from conftest import stop_owner
+    pids.add(seg.owner_record().pid)
+    for m in clients:
+        m.shutdown()
+    for p in pids:
+        stop_owner(p)
+    seg.close()
+
+
+def test_gc_preempted_after_its_unlock_leaves_the_next_owners_record_alone(name):
     seg, m1, m2, o2, pids = _gc_preempted_while_an_owner_starts(name)
     try:
         assert seg.owner_alive()
@@ -856,19 +866,13 @@ def test_gc_preempted_after_its_unlock_leaves_the_next_owners_record_alone(name)
         assert seg.owner_record().epoch != o2.epoch
         m3.shutdown()
     finally:
-        pids.add(seg.owner_record().pid)
-        for m in (m1, m2):
-            m.shutdown()
-        for p in pids:
-            stop_owner(p)
-        seg.close()
+        _leave(seg, (m1, m2), pids)
 
 
 def test_gc_preempted_after_its_unlock_costs_no_client_a_failover(name):
     """The owner after O2 took O2's epoch, so a client misses that failover: it keeps the
     lease of a key the dead O2 evicted for its own store (a replay cannot list evictions) and
     lookup() says hit for a key that is gone."""
-    from conftest import stop_owner
     from procs import fill
     # O2 dies after executing its 4th frame: Hello, PrepareStore, CompleteStore, PrepareStore
     os.environ["KVSHM_CRASH_AT"] = "owner.request.after_execute:4"
@@ -888,12 +892,7 @@ def test_gc_preempted_after_its_unlock_costs_no_client_a_failover(name):
         assert seg.owner_record().pid != o2.pid
         assert m2.lookup([b"K0"]) == 0  # evicted: a miss, not a lease kept across the failover
     finally:
-        pids.add(seg.owner_record().pid)
-        for m in (m1, m2):
-            m.shutdown()
-        for p in pids:
-            stop_owner(p)
-        seg.close()
+        _leave(seg, (m1, m2), pids)
 
 
 def test_rm_names_no_pid_for_a_client_still_taking_its_slot(name):
