@@ -271,9 +271,7 @@ class CudaTransferHandler(TransferHandler):
         return self._seen_pinned
 
     def _choose(self, plan: BlockPlan) -> str:
-        known = self._memo.get(plan.kind) if plan.n else None
-        if known is not None:
-            return known
+        """The job's method when none is memoised for its kind (``transfer_async`` looks)."""
         pinned = self._method != "copy" and plan.n > 0 and self._pinned()
         # A pin still in progress (an engine's first steps) is no news; one that ended
         # unpinned, or memory nobody pins, is: copies stay slow for good.
