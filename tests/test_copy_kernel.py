@@ -122,6 +122,23 @@ def test_the_cached_launch_is_taken_only_while_no_launch_hook_listens():
     assert _hooked(Chain([print]), None) and _hooked(None, print) and _hooked(Chain([]), print)
 
 
+# --- the event calls the handler makes --------------------------------------------------------
+def test_event_calls_are_the_base_classs_c_methods_in_record_wait_sync_elapsed_order():
+    """The handler calls torch's event base-class methods directly, skipping the Python
+    wrappers of ``torch.cuda.Event``; a base whose methods are Python functions (or a class
+    with no such base) gives the class's own. Callables that are not functions stand for C
+    methods here."""
+    import functools
+    pytest.importorskip("torch")
+    from kvshm.transfer.cuda_copy import _event_calls
+    names = ("record", "wait", "synchronize", "elapsed_time")
+    c_base = type("CBase", (), {n: functools.partial(str, n) for n in names})
+    wrapped = type("Event", (c_base,), {n: (lambda self, *a: None) for n in names})
+    assert [f() for f in _event_calls(wrapped)] == list(names)
+    plain = type("Plain", (), {n: (lambda self, *a: None) for n in names})
+    assert _event_calls(type("Sub", (plain,), {})) == tuple(getattr(plain, n) for n in names)
+
+
 # --- the CUDA handler's host path, CUDA stubbed -------------------------------------------------
 def _bench_gather():
     path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools",
