@@ -407,15 +407,21 @@ def publish_torn_over_a_claim(a, clear_writer: bool) -> tuple[int, bytes, list[b
     out = a.prepare_store(keys("new", level(a)))
     blk, old = next((x, offered[x]) for x in out.block_ids if x in offered)
     procs.fill_all(a.segment.planes(), out.block_ids, out.keys_to_store)
-    pid = a.segment.owner_record()[0]
-    os.kill(pid, signal.SIGKILL)
-    wait_for(lambda: not a.segment.owner_alive(), "the owner to die")
-    at = a.table.base + blk * L.ENTRY_BYTES
-    a.table._odd(blk)
-    a.segment.buf[at + STATE_OFF] = L.READY
-    if clear_writer:
-        a.segment.buf[at + WRITER_OFF:at + WRITER_OFF + 2] = b"\xff\xff"
+    tear_a_publish(a, blk, clear_writer)
     return blk, old, out.keys_to_store
+
+
+def tear_a_publish(m, blk: int, clear_writer: bool = False) -> None:
+    """The owner dies as it begins publishing claimed block ``blk``, its body copy stopped
+    past the state byte (and the writer field, with ``clear_writer``): the entry odd, READY
+    over the old key and its checksum (``m``: any client of the segment)."""
+    os.kill(m.segment.owner_record()[0], signal.SIGKILL)
+    wait_for(lambda: not m.segment.owner_alive(), "the owner to die")
+    at = m.table.base + blk * L.ENTRY_BYTES
+    m.table._odd(blk)
+    m.segment.buf[at + STATE_OFF] = L.READY
+    if clear_writer:
+        m.segment.buf[at + WRITER_OFF:at + WRITER_OFF + 2] = b"\xff\xff"
 
 
 @pytest.mark.parametrize("ending", ["publishes", "leaves"])
@@ -648,12 +654,7 @@ def test_an_owner_dying_as_it_ends_a_dead_clients_torn_claim_never_serves_its_ol
     successor = None
     try:
         assert reg.admit(slot, gen)  # this process copies for the claimer's generation
-        pid = b.segment.owner_record()[0]
-        os.kill(pid, signal.SIGKILL)  # as it began the claim's publish
-        wait_for(lambda: not b.segment.owner_alive(), "the owner to die")
-        at = b.table.base + blk * L.ENTRY_BYTES
-        b.table._odd(blk)  # its body copy stopped past the state byte
-        b.segment.buf[at + STATE_OFF] = L.READY
+        tear_a_publish(b, blk)  # the claim's publish
         successor = owner_proc(seg_name, "owner.unclaimed.settled")
         assert b.table.seq(blk) % 2 == 1  # kept as the claimer's, indexed nowhere
         os.kill(p.pid, signal.SIGKILL)
