@@ -767,3 +767,23 @@ def test_a_claim_never_touches_a_block_held_before_it(pair):
     assert procs.check(b.segment.planes(), b.prepare_load([key])[0], key)
     b.complete_load([key])
     b.release()
+
+
+def test_a_takeover_survives_an_index_slot_naming_a_block_out_of_range(pair):
+    """The successor reads its predecessor's key index to tell which offers it served. A
+    slot damaged to name a block past the table made that read fail, and every owner after
+    it (and gc) died starting: the segment was wedged. Such a slot names nothing."""
+    import zlib
+    a, b = pair
+    blk, key = next(iter(fill_until_offered(a).items()))
+    os.kill(a.segment.owner_record()[0], signal.SIGKILL)
+    wait_for(lambda: not a.segment.owner_alive(), "the owner to die")
+    idx = a.index
+    i = zlib.crc32(key) & idx.mask
+    while idx._words[2 * i + 1] != blk:  # the offer's slot
+        i = (i + 1) & idx.mask
+    idx._words[2 * i + 1] = a.table.num_blocks + 10_000_000
+    b.take_events()  # the call starts a successor, which rebuilds from the table
+    assert b.lookup([key]) == 0  # named by no slot now: a miss, never a failure
+    b.release()
+    assert verify(b.segment) == []

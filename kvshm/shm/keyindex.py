@@ -62,7 +62,8 @@ class KeyIndex:
         tags = np.fromiter((crc(k) for k in keys), np.uint32, len(keys))
         slots = self._slots[(tags & self.mask).astype(np.intp)]
         blocks = slots[:, 1].copy()
-        home = (slots[:, 0].view(np.uint32) == tags) & (blocks >= 0)
+        home = (slots[:, 0].view(np.uint32) == tags) & (blocks >= 0) & \
+            (blocks < self.table.num_blocks)
         states = np.full(len(keys), -1, np.int16)
         if home.any():
             states[home] = self.table.states_if_keys(blocks[home], karr[home])
@@ -94,7 +95,8 @@ class KeyIndex:
             block = w[2 * i + 1]
             if block < 0:
                 return -1, -1
-            if u[2 * i] == tag:
+            # a block past the table (a slot damaged) names nothing: a miss, never a fault
+            if u[2 * i] == tag and block < self.table.num_blocks:
                 state = self.table.state_if_key(block, key)
                 if state >= 0:
                     return block, state
