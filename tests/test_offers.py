@@ -787,3 +787,23 @@ def test_a_takeover_survives_an_index_slot_naming_a_block_out_of_range(pair):
     assert b.lookup([key]) == 0  # named by no slot now: a miss, never a failure
     b.release()
     assert verify(b.segment) == []
+
+
+def test_a_lookup_misses_a_key_whose_index_slot_names_a_block_out_of_range(pair):
+    """A reader's first candidate for a key is the block of the first slot carrying its
+    tag. A slot damaged to name a block past the table is no candidate: the lookup is a
+    miss, never a failure, and the owner goes on serving."""
+    import zlib
+    a, b = pair
+    stored = keys("damaged", 2)
+    procs.store(a, stored)
+    key = stored[0]
+    idx = a.index
+    i = zlib.crc32(key) & idx.mask
+    while idx._uwords[2 * i] != zlib.crc32(key):  # the key's slot
+        i = (i + 1) & idx.mask
+    idx._words[2 * i + 1] = a.table.num_blocks + 10_000_000
+    assert b.lookup([key]) == 0
+    assert b.lookup([stored[1]]) == 1  # the others are served as before
+    b.release()
+    assert a.segment.owner_alive()

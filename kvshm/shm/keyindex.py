@@ -75,13 +75,16 @@ class KeyIndex:
 
     def probe(self, key: bytes) -> int:
         """The block of the first slot whose tag is ``key``'s, or -1: a candidate only, which
-        the caller verifies against the entry (``find`` does the whole search)."""
-        w, u, mask = self._words, self._uwords, self.mask
+        the caller verifies against the entry (``find`` does the whole search). A slot
+        naming a block past the table (damaged) is no candidate."""
+        w, u, mask, n = self._words, self._uwords, self.mask, self.table.num_blocks
         tag = zlib.crc32(key)
         i = tag & mask
         for _ in range(mask + 1):
             block = w[2 * i + 1]
-            if block < 0 or u[2 * i] == tag:
+            if block < 0:
+                return -1
+            if u[2 * i] == tag and block < n:
                 return block
             i = (i + 1) & mask
         return -1
