@@ -807,3 +807,25 @@ def test_a_lookup_misses_a_key_whose_index_slot_names_a_block_out_of_range(pair)
     assert b.lookup([stored[1]]) == 1  # the others are served as before
     b.release()
     assert a.segment.owner_alive()
+
+
+def test_an_owner_dying_mid_rebuild_leaves_a_live_clients_offers_cached(pair):
+    """A successor that died halfway through adopting the ready blocks had cleared the key
+    index and not yet indexed again the offers of a live client. The owner after it took
+    the index as the record of which offers were served: none were, so it kept every offer
+    as a claim, indexed nowhere, and their keys, still cached, were misses."""
+    a, b = pair
+    offered = fill_until_offered(a)
+    os.kill(a.segment.owner_record()[0], signal.SIGKILL)
+    wait_for(lambda: not a.segment.owner_alive(), "the owner to die")
+    env = dict(os.environ, KVSHM_CRASH_AT="owner.rebuild.mid")
+    successor = subprocess.Popen([sys.executable, "-m", "kvshm.owner", a.segment.name],
+                                 env=env, stdin=subprocess.DEVNULL)
+    assert successor.wait(timeout=60) == -signal.SIGKILL  # dead at the point
+    b.take_events()  # the call starts the next owner, which rebuilds from the table
+    for blk, key in offered.items():
+        assert b.lookup([key]) == 1
+        assert procs.check(b.segment.planes(), b.prepare_load([key])[0], key)
+        b.complete_load([key])
+    b.release()
+    assert verify(b.segment) == []

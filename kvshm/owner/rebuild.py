@@ -108,15 +108,25 @@ def rebuild(entries: Entries, grants: Grants, writer_alive: Callable[[int, int],
     stores = Counter(key for _, key, _ in writing)
     twice = _held_twice(grants, [key for _, _, key, _, _ in ready], stores,
                         [key for _, key, *_ in offers])
+    # Served offers first: the index just cleared is what tells the next owner which offers
+    # were served, so they are in it again before any crash point of the rest.
+    for b, key, client, pos, tenant in offers:  # cached and indexed, out of the policy's
+        if key in twice:  # order; the client may claim it: it stays theirs, unindexed
+            grants.adopt(b, client, pos, claimed=True)
+            continue
+        entries.adopt(b, key, None, tenant)  # its tenant's again if the offer ends unclaimed:
+        entries.offered(by_key[key])  # out of its share meanwhile, as any offer
+        entries.policy.remove(key)
+        grants.adopt(b, client, pos, offered=key)
     # oldest first: recency survives failover
-    for last_use, b, key, e, tenant in sorted(ready, key=lambda r: r[:2]):
+    for i, (last_use, b, key, e, tenant) in enumerate(sorted(ready, key=lambda r: r[:2])):
         if key in twice:
             table.write(b, L.FREE, b"")
             free.append(b)
             continue
         if e.state != L.READY or e.writer != -1 or e.pins:
             table.reset_ready(b)
-        if len(by_key) == len(ready) // 2:
+        if i == len(ready) // 2:
             crash_point("owner.rebuild.mid")
         entries.adopt(b, key, None, tenant)  # in its client's share, as before
         entries.tick = max(entries.tick, last_use)
@@ -126,14 +136,6 @@ def rebuild(entries: Entries, grants: Grants, writer_alive: Callable[[int, int],
             continue
         entries.adopt(b, key, writer)
         kept += 1
-    for b, key, client, pos, tenant in offers:  # cached and indexed, out of the policy's
-        if key in twice:  # order; the client may claim it: it stays theirs, unindexed
-            grants.adopt(b, client, pos, claimed=True)
-            continue
-        entries.adopt(b, key, None, tenant)  # its tenant's again if the offer ends unclaimed:
-        entries.offered(by_key[key])  # out of its share meanwhile, as any offer
-        entries.policy.remove(key)
-        grants.adopt(b, client, pos, offered=key)
     entries.free = deque(sorted(free))  # low block ids first, like vLLM's CPU backend
     for key in list(grants.deferred):  # deferred behind a store that is over now
         behind = by_key.get(key)
