@@ -829,3 +829,40 @@ def test_an_owner_dying_mid_rebuild_leaves_a_live_clients_offers_cached(pair):
         b.complete_load([key])
     b.release()
     assert verify(b.segment) == []
+
+
+def test_an_offer_given_back_by_a_client_that_died_in_a_takeover_is_no_damage(pair, seg_name):
+    """A client gave a claim back inside a takeover (its round open when the owner died),
+    so the successor kept the block as its claim, indexed nowhere; the key, a miss, was
+    stored again elsewhere. The client and the owner then died together: the next owner
+    took the given-back block for a dead client's offer, still cached, and with the key's
+    new copy for a damaged table. It dropped both copies and counted the damage."""
+    _, b = pair
+    p, conn = spawn(procs.claim_marked_and_wait, seg_name, TEST_LAYOUT, BLOCKS)
+    blk, key, _slot, _gen = conn.recv()
+    conn.send("go")
+    assert conn.recv() == "marked"  # EVICTING: the client's claim
+    seq = b.table._odd(blk)  # its give-back (a lease raced it): READY stored, round open
+    b.segment.buf[b.table.base + blk * L.ENTRY_BYTES + STATE_OFF] = L.READY
+    _kill_owner(b)
+    b.take_events()  # the successor keeps the block as the live client's claim
+    b.table._even(blk, seq)  # the give-back ends: its old key intact, indexed nowhere
+    assert b.lookup([key]) == 0
+    assert procs.store(b, [key]) == [key]
+    wait_for(lambda: _held_elsewhere(b, key, blk), "the key to be stored again")
+    _kill_owner(b)
+    p.kill()
+    p.join()
+    c = connect(b.segment.name)  # the call starts the next owner, which rebuilds
+    try:
+        assert c.lookup([key]) == 1
+        assert procs.check(c.segment.planes(), c.prepare_load([key])[0], key)
+        c.complete_load([key])
+    finally:
+        c.shutdown()
+    assert b.segment.counter("duplicate_keys") == 0 and verify(b.segment) == []
+
+
+def _kill_owner(mgr) -> None:
+    os.kill(mgr.segment.owner_record()[0], signal.SIGKILL)
+    wait_for(lambda: not mgr.segment.owner_alive(), "the owner to die")

@@ -85,7 +85,10 @@ def rebuild(entries: Entries, grants: Grants, writer_alive: Callable[[int, int],
             crash_point("owner.rebuild.torn")
         if e.state != L.FREE and (torn or not e.key_ok):
             torn_keys += 1  # never published: its key is neither the old nor the new one
-        elif e.state in (L.READY, L.EVICTING) and e.key:  # (a dead client's offer: cached)
+        elif e.state in (L.READY, L.EVICTING) and e.key and \
+                (e.writer < 0 or index.find(e.key)[0] == b):
+            if e.writer >= 0:  # a dead client's offer, served: cached, and a plain ready
+                table.reset_ready(b)  # block from now on, whatever dies before adoption
             ready.append((e.last_use, b, e.key, e, e.stored_by))
             continue
         elif e.state == L.GRANTED and e.key and e.key not in grants.deferred:
@@ -99,7 +102,8 @@ def rebuild(entries: Entries, grants: Grants, writer_alive: Callable[[int, int],
                 writing.append((b, e.key, (e.writer, e.writer_gen)))
             continue
         # a torn WRITING entry's store was never answered, a dead writer's (or claim's) never
-        # ends
+        # ends; a dead client's offer no index names was a claim a predecessor kept, never
+        # served since (given back, its key perhaps stored again elsewhere)
         if e.state != L.FREE or torn:
             table.write(b, L.FREE, b"")
             freed += e.state != L.FREE
