@@ -3,10 +3,13 @@
 The unit tests run everywhere. The end-to-end tests run a real vLLM 0.32 engine (tiny random
 Llama built at test time, CPU, single-process CI mode) in a subprocess with the vLLM venv's
 interpreter (``$KVSHM_VLLM_PYTHON``, else ``$KVSHM_VLLM_VENV/bin/python``, else
-``.venv-vllm/bin/python``); they skip only when that interpreter does not exist.
+``.venv-vllm/bin/python``); they skip only when that interpreter does not exist. So do the
+spec's failure paths, each a spec call that fails in a process of that interpreter
+(``vllm_support/spec_failures.py``), which the test looks at from outside.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -27,6 +30,7 @@ from kvshm.integrations.vllm.config import KvshmOptions, layout_for, open_segmen
 from kvshm.integrations.vllm.core import ManagerCore
 from kvshm.integrations.vllm.jobs import WorkerCore, split_job
 from kvshm.shm.layout import Layout
+from kvshm.shm.names import SHM_DIR, shm_name
 from kvshm.shm.segment import Segment
 from kvshm.transfer.factory import make_handler
 
@@ -611,6 +615,78 @@ def test_bench_vllm_json_prints_one_json_object_on_stdout():
     result = json.loads(proc.stdout)  # the whole of stdout: one object, nothing else
     assert result["configs"]["kvshm"]["requests"] == 1
     assert "INFO" in proc.stderr  # vLLM's logging went there
+
+
+# --- the spec's failure paths, in a vLLM process of their own --------------------------------
+@contextlib.contextmanager
+def failed_spec_call(case: str, name: str, log: Path):
+    """Run ``vllm_support/spec_failures.py CASE NAME`` (a spec call that fails); yield the
+    process and what it reported while it waits, after the failure, for a line on stdin."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(REPO)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    with open(log, "w") as err:
+        proc = subprocess.Popen([VLLM_PY, str(REPO / "tests/vllm_support/spec_failures.py"),
+                                 case, name], cwd=REPO, env=env, text=True, stderr=err,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        yield proc, next_report(proc, log)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        proc.stdin.close()
+        proc.stdout.close()
+
+
+def next_report(proc: subprocess.Popen, log: Path) -> dict:
+    """The next JSON line the process prints (vLLM may log to stdout too)."""
+    for line in proc.stdout:
+        if line.startswith("{"):
+            return json.loads(line)
+    raise AssertionError(f"exited with {proc.wait()}:\n{log.read_text()[-4000:]}")
+
+
+def segment_handles(pid: int, name: str) -> list[str]:
+    """What process ``pid`` holds of segment ``name`` (and its objects) in /dev/shm: its open
+    descriptors and its mappings."""
+    path = SHM_DIR + shm_name(name)
+    held = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):  # (a descriptor closed meanwhile)
+            if (target := os.readlink(f"/proc/{pid}/fd/{fd}")).startswith(path):
+                held.append(f"fd {fd}: {target}")
+    with open(f"/proc/{pid}/maps") as f:
+        held += [f"mapped: {line.split()[-1]}" for line in f if path in line]
+    return held
+
+
+@pytest.mark.e2e
+@needs_vllm
+@pytest.mark.parametrize("case", ["worker_core", "worker_plane"],
+                         ids=["kv_tensors_refused", "rank_without_plane"])
+def test_a_failed_get_worker_leaves_nothing_of_the_segment_open(case, seg_name, tmp_path):
+    """A ``get_worker`` that fails after it opened the segment (``WorkerCore`` refuses the KV
+    tensors, or the segment has no plane for this rank) closes the segment and the writer
+    registrations' descriptor before it raises; otherwise both stay open in the engine
+    process until it exits."""
+    with failed_spec_call(case, seg_name, tmp_path / "log") as (proc, report):
+        assert report["raised"].startswith(
+            "InvalidArgumentError" if case == "worker_core" else "IndexError"), report
+        assert segment_handles(proc.pid, seg_name) == []
+
+
+@pytest.mark.e2e
+@needs_vllm
+def test_a_spec_whose_get_worker_failed_builds_its_worker_when_asked_again(seg_name, tmp_path):
+    """After a failed ``get_worker`` the same spec builds a worker for KV tensors that fit,
+    and that worker copies a block into the segment and back: the failure left no half-built
+    worker behind, nor anything that keeps a new one from opening the segment."""
+    with failed_spec_call("worker_again", seg_name, tmp_path / "log") as (proc, report):
+        assert report["raised"].startswith("InvalidArgumentError"), report
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        assert next_report(proc, tmp_path / "log") == {"built": True}
+        assert proc.wait() == 0
 
 
 # --- differential: the same connector calls through vLLM's own manager and kvshm's ----------
