@@ -24,6 +24,7 @@ from lazy import torch  # imported at its first use, not when the suite is colle
 
 from kvshm.shm import slots
 from kvshm.index.api import LookupResult
+from kvshm.inspect.snapshot import snapshot
 from kvshm.client.connect import connect
 from kvshm.errors import InvalidArgumentError, KvshmError, LayoutMismatchError
 from kvshm.integrations.vllm.config import KvshmOptions, layout_for, open_segment, quota_arg
@@ -687,6 +688,27 @@ def test_a_spec_whose_get_worker_failed_builds_its_worker_when_asked_again(seg_n
         proc.stdin.flush()
         assert next_report(proc, tmp_path / "log") == {"built": True}
         assert proc.wait() == 0
+
+
+@pytest.mark.e2e
+@needs_vllm
+def test_a_failed_get_manager_gives_its_client_slot_back(tmp_path):
+    """A ``get_manager`` that fails after ``connect`` returned (here its ``TieredManager``
+    raises) shuts that client down before it raises: its client slot is free again and
+    nothing of the segment stays open. Otherwise the engine process held a client slot of
+    the segment (and the owner's resources for it) until it exited."""
+    name = unique_name()
+    try:
+        with failed_spec_call("manager", name, tmp_path / "log") as (proc, report):
+            assert report["raised"] == "RuntimeError: injected: building the tiered manager " \
+                                       "failed", report
+            with Segment.attach(name) as seg:
+                mine = [(c["slot"], c["state"], c["alive"]) for c in snapshot(seg)["clients"]
+                        if c["pid"] == proc.pid]
+            assert mine == []  # (slot, state, alive) of each client slot it holds
+            assert segment_handles(proc.pid, name) == []
+    finally:
+        remove_segment(name)
 
 
 # --- differential: the same connector calls through vLLM's own manager and kvshm's ----------

@@ -4,7 +4,7 @@ Run as ``python spec_failures.py CASE SEGMENT``: it builds a spec of segment ``S
 vLLM ``OffloadingConfig`` (tiny: 2 KV tensors of 256-byte pages, 64 blocks), makes one call
 fail, and prints one JSON line, ``{"pid": ..., "raised": "ErrorType: message"}``. Then it waits
 for a line on stdin, so that the test can look at this process from outside while the failed
-call's leftovers (descriptors, mappings) would still be alive; with CASE
+call's leftovers (descriptors, mappings, a client slot) would still be alive; with CASE
 ``worker_again`` it then asks the same spec for its worker again, with KV tensors that fit, and
 prints ``{"built": true}`` once that worker has copied a block into the segment and back.
 
@@ -13,7 +13,9 @@ The cases:
 * ``worker_core``: ``get_worker`` with KV tensors wider than the layout's pages
   (``WorkerCore`` refuses them, after the segment and the writer registrations were opened);
 * ``worker_plane``: ``get_worker`` of a rank the segment has no plane for (rank 1 of 1);
-* ``worker_again``: ``worker_core``, then ``get_worker`` again.
+* ``worker_again``: ``worker_core``, then ``get_worker`` again;
+* ``manager``: ``get_manager`` (``kvshm_tier``) whose ``TieredManager`` raises, after
+  ``connect`` returned a live client of the owner it started.
 """
 from __future__ import annotations
 
@@ -35,7 +37,8 @@ def main(case: str, segment: str) -> None:
     config = C.OffloadingConfig(
         groups=(C.OffloadingGroupConfig(32, ("l0", "l1"), 0),),
         worker_kv_bytes_per_block=2 * PAGE, enable_kv_cache_events=False,
-        extra_config={"kvshm_segment": segment, "cpu_bytes_to_use": 64 * 2 * PAGE},
+        extra_config={"kvshm_segment": segment, "cpu_bytes_to_use": 64 * 2 * PAGE,
+                      "kvshm_tier": case == "manager"},
         engine_id="e", model=C.OffloadingModelConfig("tiny", "float32"),
         cache=C.OffloadingCacheConfig(tokens_per_hash=32, blocks_per_chunk=1),
         parallel=C.OffloadingParallelConfig(rank, 1, 1, 1, 1, 1, 0, 1, 0, False))
@@ -47,8 +50,15 @@ def main(case: str, segment: str) -> None:
             tensors=[B.CanonicalKVCacheTensor(t, page) for t in tensors],
             group_data_refs=[[B.CanonicalKVCacheRef(0, page), B.CanonicalKVCacheRef(1, page)]])
 
+    def broken() -> None:
+        raise RuntimeError("injected: building the tiered manager failed")
+
     try:
-        spec.get_worker(caches(2 * PAGE if case != "worker_plane" else PAGE))
+        if case == "manager":
+            S.TieredManager = lambda shared: broken()  # type: ignore[assignment,misc]
+            spec.get_manager()
+        else:
+            spec.get_worker(caches(2 * PAGE if case != "worker_plane" else PAGE))
     except Exception as e:
         raised = f"{type(e).__name__}: {e}"
         del e  # (its traceback holds the failed call's frame)

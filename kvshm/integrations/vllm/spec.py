@@ -227,10 +227,14 @@ class KvshmOffloadingSpec(V.OffloadingSpec):
                                  quota=quota_arg(o.quota))
             except LayoutMismatchError as e:
                 raise explain_mismatch(e, o.segment) from None
-            g = shared.segment.geometry
-            mgr = TieredManager(shared) if o.tier else shared
-            self._manager = KvshmOffloadingManager(mgr, events, dict(zip(CONFIG_INFO_KEYS, (
-                o.segment, shared.segment.policy, g.num_blocks, self.layout.block_bytes))))
+            try:
+                g = shared.segment.geometry
+                mgr = TieredManager(shared) if o.tier else shared
+                self._manager = KvshmOffloadingManager(mgr, events, dict(zip(CONFIG_INFO_KEYS, (
+                    o.segment, shared.segment.policy, g.num_blocks, self.layout.block_bytes))))
+            except BaseException:
+                shared.shutdown()  # its client slot back: this process may well live on
+                raise
             logger.info("kvshm: scheduler attached to segment %r (%d blocks of %d bytes%s)",
                         o.segment, g.num_blocks, self.layout.block_bytes,
                         "; misses are looked up below" if o.tier else "")
