@@ -4,6 +4,7 @@
 #
 #   KVSHM_VLLM_VENV   venv path (default: <repo>/.venv-vllm; .venv* is git-ignored)
 #   KVSHM_PYTHON      interpreter used to create the venv (default: python3)
+#   KVSHM_VLLM_LOCK_HELD  set by a caller that holds <venv>.lock for this run (.ci/run)
 #
 # Idempotent: an existing venv that already has vllm 0.32.0 + torch 2.13.0+cpu and no
 # torchvision/torchaudio/torchcodec is left alone (only the editable kvshm install is refreshed).
@@ -16,6 +17,14 @@ VENV="${KVSHM_VLLM_VENV:-$REPO/.venv-vllm}"
 PY="${KVSHM_PYTHON:-python3}"
 VLLM_VERSION="0.32.0"
 TORCH_VERSION="2.13.0+cpu"
+
+# While this runs it holds <venv>.lock: the tests that need the venv wait for it to end
+# before they look for the venv (CI runs them while this installs). A caller that holds the
+# lock already (an open descriptor we inherit, as .ci/run passes one) says so.
+if [ -z "${KVSHM_VLLM_LOCK_HELD:-}" ]; then
+    exec 9>"$VENV.lock"
+    flock 9
+fi
 
 t0=$(date +%s)
 log() { printf '[install_vllm %4ds] %s\n' "$(( $(date +%s) - t0 ))" "$*"; }

@@ -16,6 +16,7 @@ append its name to ``MANAGER_KINDS`` and teach ``make_manager`` to build it.
 from __future__ import annotations
 
 import _posixsubprocess
+import fcntl
 import os
 import select
 import subprocess
@@ -188,6 +189,59 @@ def seg(seg_name):
     s.close()
     if pid:
         stop_owner(pid)
+
+
+# --- the vLLM venv ------------------------------------------------------------------------
+# End-to-end tests with vLLM run its code in a venv of its own (``.ci/install_vllm.sh``).
+REPO = Path(__file__).resolve().parents[1]
+
+
+def vllm_venv_dir() -> str:
+    return os.environ.get("KVSHM_VLLM_VENV") or str(REPO / ".venv-vllm")
+
+
+def vllm_python() -> str:
+    """The vLLM venv's interpreter: ``$KVSHM_VLLM_PYTHON``, else the venv's (it may not
+    exist: the ``vllm_venv`` fixture says whether it does)."""
+    return os.environ.get("KVSHM_VLLM_PYTHON") or os.path.join(vllm_venv_dir(), "bin", "python")
+
+
+def _wait_for_vllm_install() -> None:
+    """Wait while ``.ci/install_vllm.sh`` runs (it holds ``<venv>.lock``): CI installs the
+    venv while the tests before the ones that need it run."""
+    try:
+        fd = os.open(vllm_venv_dir() + ".lock", os.O_RDONLY)
+    except FileNotFoundError:
+        return  # no install ever ran here
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)  # granted once no installer holds it
+    finally:
+        os.close(fd)
+
+
+@pytest.fixture(scope="session")
+def vllm_venv() -> str:
+    """The vLLM venv's interpreter, once an install in progress is over; the test is skipped
+    if there is none (``needs_vllm`` in ``test_vllm.py`` asks for this)."""
+    _wait_for_vllm_install()
+    py = vllm_python()
+    if not os.path.exists(py):
+        pytest.skip(f"vLLM venv not found ({py}): run .ci/install_vllm.sh")
+    return py
+
+
+@pytest.fixture(scope="session")
+def vllm033_wheel() -> str:
+    """vLLM 0.33.0's wheel (``$KVSHM_VLLM033_WHEEL``, else the one ``.ci/install_vllm.sh``
+    downloads to ``.cache-vllm033/``), once an install in progress is over; the test is
+    skipped if there is none."""
+    _wait_for_vllm_install()
+    wheel = os.environ.get("KVSHM_VLLM033_WHEEL") or next(
+        iter(sorted((REPO / ".cache-vllm033").glob("vllm-0.33.0-*.whl"), reverse=True)), None)
+    if wheel is None or not os.path.exists(wheel):
+        pytest.skip("vLLM 0.33.0 wheel not found (set KVSHM_VLLM033_WHEEL or run "
+                    ".ci/install_vllm.sh, which downloads it to .cache-vllm033/)")
+    return str(wheel)
 
 
 # --- tiers -------------------------------------------------------------------------------

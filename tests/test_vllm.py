@@ -3,7 +3,8 @@
 The unit tests run everywhere. The end-to-end tests run a real vLLM 0.32 engine (tiny random
 Llama built at test time, CPU, single-process CI mode) in a subprocess with the vLLM venv's
 interpreter (``$KVSHM_VLLM_PYTHON``, else ``$KVSHM_VLLM_VENV/bin/python``, else
-``.venv-vllm/bin/python``); they skip only when that interpreter does not exist. So do the
+``.venv-vllm/bin/python``); they skip only when that interpreter does not exist, after
+waiting for an install of the venv in progress (``conftest.vllm_venv``). So do the
 spec's failure paths, each a spec call that fails in a process of that interpreter
 (``vllm_support/spec_failures.py``), which the test looks at from outside.
 """
@@ -35,7 +36,7 @@ from kvshm.shm.names import SHM_DIR, shm_name
 from kvshm.shm.segment import Segment
 from kvshm.transfer.factory import make_handler
 
-from conftest import unique_name
+from conftest import unique_name, vllm_python
 from test_shared import wait_for
 
 REPO = Path(__file__).resolve().parents[1]
@@ -397,17 +398,8 @@ def test_without_vllm_the_compat_module_names_the_supported_version():
 
 
 # --- end to end with real vLLM engines ------------------------------------------------------
-def vllm_python() -> str:
-    if os.environ.get("KVSHM_VLLM_PYTHON"):
-        return os.environ["KVSHM_VLLM_PYTHON"]
-    venv = os.environ.get("KVSHM_VLLM_VENV") or str(REPO / ".venv-vllm")
-    return os.path.join(venv, "bin", "python")
-
-
 VLLM_PY = vllm_python()
-needs_vllm = pytest.mark.skipif(
-    not os.path.exists(VLLM_PY),
-    reason=f"vLLM venv not found ({VLLM_PY}): run .ci/install_vllm.sh")
+needs_vllm = pytest.mark.usefixtures("vllm_venv")  # (waits for an install in progress)
 
 from vllm_support import engine as E  # noqa: E402  (imports no vLLM)
 

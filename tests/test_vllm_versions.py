@@ -4,7 +4,8 @@ signal included), its manager's eviction order, and expedited loads.
 The 0.33 checks run ``tests/vllm_support/vllm033.py`` and ``recency_diff.py`` in the vLLM
 venv's interpreter (see ``test_vllm.py``) on the vLLM 0.33.0 wheel: ``$KVSHM_VLLM033_WHEEL``, else
 ``.cache-vllm033/vllm-0.33.0-*.whl`` (``.ci/install_vllm.sh`` downloads it there). It skips,
-naming what is missing, when either is absent. The other tests need neither.
+naming what is missing, when either is absent once an install in progress is over
+(``conftest.vllm033_wheel``). The other tests need neither.
 """
 from __future__ import annotations
 
@@ -26,28 +27,11 @@ from test_vllm import VLLM_PY, needs_vllm, recency_diff
 REPO = Path(__file__).resolve().parents[1]
 
 
-def wheel_033() -> str | None:
-    if os.environ.get("KVSHM_VLLM033_WHEEL"):
-        return os.environ["KVSHM_VLLM033_WHEEL"]
-    found = sorted((REPO / ".cache-vllm033").glob("vllm-0.33.0-*.whl"))
-    return str(found[-1]) if found else None
-
-
-WHEEL = wheel_033()
-
-
-needs_wheel = pytest.mark.skipif(
-    WHEEL is None or not os.path.exists(WHEEL),
-    reason="vLLM 0.33.0 wheel not found (set KVSHM_VLLM033_WHEEL or run .ci/install_vllm.sh, "
-           "which downloads it to .cache-vllm033/)")
-
-
 @needs_vllm
-@needs_wheel
-def test_vllm_033_api_and_connector_calls_are_implemented(seg_name):
+def test_vllm_033_api_and_connector_calls_are_implemented(seg_name, vllm033_wheel):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(REPO)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
-    proc = subprocess.run([VLLM_PY, str(REPO / "tests/vllm_support/vllm033.py"), WHEEL,
+    proc = subprocess.run([VLLM_PY, str(REPO / "tests/vllm_support/vllm033.py"), vllm033_wheel,
                            seg_name], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -65,13 +49,12 @@ def test_vllm_033_api_and_connector_calls_are_implemented(seg_name):
 
 
 @needs_vllm
-@needs_wheel
-def test_eviction_order_matches_vllm_033s_own_manager():
+def test_eviction_order_matches_vllm_033s_own_manager(vllm033_wheel):
     """The differential test of ``test_vllm.py`` against 0.33's ``CPUOffloadingManager`` and
     cache policies (from the wheel): LRU's provisional rank for running requests and the
     metadata-only removal of a failed store's keys included. Without the provisional ranks,
     26 of the 60 LRU sequences differed."""
-    recency_diff(WHEEL)
+    recency_diff(vllm033_wheel)
 
 
 @pytest.mark.unit
