@@ -6,8 +6,9 @@ failover), the unfinished stores of live writers stay pending, blocks granted to
 clients stay granted (an offer still cached and indexed, a claimed one not), completed
 stores a dead owner deferred are remembered, and everything else (entries a dead owner left
 mid-rewrite, torn keys, dead writers' stores and claims) is freed; a dead client's unclaimed
-offer is simply cached again. It fills a fresh ``Entries`` and
-``Grants``; it never rewrites a key it keeps and never copies block data.
+offer is cached again if the predecessor's index names it (served), else freed. It fills a
+fresh ``Entries`` and ``Grants``; it never rewrites a key it keeps and never copies block
+data.
 
 A key that two entries hold can only come from damage (a live client's offer counts only
 when the predecessor's index named it: one no index names is a claim a predecessor kept,
