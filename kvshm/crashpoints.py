@@ -53,6 +53,8 @@ POINTS = (
     # owner: takeover
     "owner.rebuild.mid",  # half the table adopted
     "owner.rebuild.torn",  # an entry a dead owner left mid-rewrite found, not yet freed
+    "owner.rebuild.index",  # the predecessor's key index cut down to what is kept of it,
+    #                         nothing indexed again yet
     "owner.reclaim.mid",  # a dead client's stores freed, its slot not yet cleared
     "owner.goodbye.mid",  # a leaving client's slot LEAVING, its stores freed, no reply yet
     # client

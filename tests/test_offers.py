@@ -831,6 +831,40 @@ def test_an_owner_dying_mid_rebuild_leaves_a_live_clients_offers_cached(pair):
     assert verify(b.segment) == []
 
 
+@pytest.mark.parametrize("client", ["lives", "dies"])
+def test_an_owner_dying_as_it_rewrites_the_index_leaves_a_clients_offers_cached(
+        pair, seg_name, client):
+    """The key index is the record of which offers of a client its owner served. A
+    successor that cleared it and died before it indexed those offers again (killed
+    anywhere in between: it counts duplicate keys over the whole table there) left them
+    named by no slot: the owner after it kept each one as a claim, indexed nowhere, and
+    their keys, still cached, were misses; and had their client died meanwhile, freed
+    them."""
+    _, b = pair
+    p, conn = spawn(procs.claim_and_wait, seg_name)
+    try:
+        offered = conn.recv()["offered"]  # offers it never took, still cached
+        assert offered
+        _kill_owner(b)
+        env = dict(os.environ, KVSHM_CRASH_AT="owner.rebuild.index")
+        successor = subprocess.Popen([sys.executable, "-m", "kvshm.owner", seg_name],
+                                     env=env, stdin=subprocess.DEVNULL)
+        assert successor.wait(timeout=60) == -signal.SIGKILL  # dead at the point
+        if client == "dies":
+            p.kill()
+            p.join()
+        b.take_events()  # the call starts the next owner, which rebuilds from the table
+        for key in offered.values():
+            assert b.lookup([key]) == 1
+            assert procs.check(b.segment.planes(), b.prepare_load([key])[0], key)
+            b.complete_load([key])
+        b.release()
+        assert verify(b.segment) == []
+    finally:
+        p.kill()
+        p.join()
+
+
 def test_an_offer_given_back_by_a_client_that_died_in_a_takeover_is_no_damage(pair, seg_name):
     """A client gave a claim back inside a takeover (its round open when the owner died),
     so the successor kept the block as its claim, indexed nowhere; the key, a miss, was

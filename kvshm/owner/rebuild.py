@@ -110,6 +110,7 @@ def rebuild(entries: Entries, grants: Grants, writer_alive: Callable[[int, int],
             freed += e.state != L.FREE
         free.append(b)
     index.clear()
+    crash_point("owner.rebuild.index")
     stores = Counter(key for _, key, _ in writing)
     twice = _held_twice(grants, [key for _, _, key, _, _ in ready], stores,
                         [key for _, key, *_ in offers])
