@@ -78,20 +78,22 @@ class Entries:
         return e
 
     def adopt(self, block: int, key: bytes, writer: Client | None,
-              tenant: Client | None = None) -> None:
+              tenant: Client | None = None, indexed: bool = False) -> None:
         """Enter ``key`` at ``block``, most recent: ready without a writer, else pending for
-        ``writer``; stored by ``tenant`` (the writer, when there is one)."""
-        self.adopt_many([block], [key], writer, tenant=tenant)
+        ``writer``; stored by ``tenant`` (the writer, when there is one). ``indexed``: the
+        key index names it there already (a takeover kept its slot)."""
+        self.adopt_many([block], [key], writer, tenant=tenant, indexed=indexed)
 
     def adopt_many(self, blocks: list[int], keys: list[bytes], writer: Client | None,
                    rank_of: RankOf | None = None, tenant: Client | None = None,
-                   tags: list[int] | None = None) -> None:
+                   tags: list[int] | None = None, indexed: bool = False) -> None:
         """``adopt`` of every key (distinct, none entered) at its block: one pass each over
         the entries, the policy and the index, as a batch of stores needs. With a running
         request's ``rank_of``, each key is ranked as it is inserted, as ``adopt`` one by one
         would: the request takes its rank at its first key with a position, after the
         fresh ranks of the keys before it. The table entries are the caller's to write;
-        ``tags``: the keys' index tags, if the caller computed them for that write."""
+        ``tags``: the keys' index tags, if the caller computed them for that write;
+        ``indexed``: the key index names them already."""
         ready = writer is None
         tenant = tenant or writer
         self.by_key.update(zip(keys, [Entry(b, ready, writer, tenant) for b in blocks]))
@@ -105,7 +107,8 @@ class Entries:
         else:
             for k in keys:
                 self.policy.insert(k, rank_of(k), group)
-        self.index.insert_many(blocks, tags_of(keys) if tags is None else tags)
+        if not indexed:
+            self.index.insert_many(blocks, tags_of(keys) if tags is None else tags)
 
     def requeue(self, key: bytes, e: Entry) -> None:
         """``key`` (cached at ``e``, out of the policy's order) is back in it, most recent, in

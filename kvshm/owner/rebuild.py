@@ -23,6 +23,7 @@ names it, so the evidence outlives the rebuild.
 from __future__ import annotations
 
 import logging
+import zlib
 from collections import Counter, deque
 from collections.abc import Callable
 
@@ -109,19 +110,21 @@ def rebuild(entries: Entries, grants: Grants, writer_alive: Callable[[int, int],
             table.write(b, L.FREE, b"")
             freed += e.state != L.FREE
         free.append(b)
-    index.clear()
-    crash_point("owner.rebuild.index")
     stores = Counter(key for _, key, _ in writing)
     twice = _held_twice(grants, [key for _, _, key, _, _ in ready], stores,
                         [key for _, key, *_ in offers])
-    # Served offers first: the index just cleared is what tells the next owner which offers
-    # were served, so they are in it again before any crash point of the rest.
+    # The index is what tells the next owner which offers were served: it is cut down to
+    # their slots, never emptied, so that a death anywhere from here on leaves them named.
+    index.retain([(zlib.crc32(key), b) for b, key, *_ in offers if key not in twice])
+    crash_point("owner.rebuild.index")
     for b, key, client, pos, tenant in offers:  # cached and indexed, out of the policy's
         if key in twice:  # order; the client may claim it: it stays theirs, unindexed
             grants.adopt(b, client, pos, claimed=True)
             continue
-        entries.adopt(b, key, None, tenant)  # its tenant's again if the offer ends unclaimed:
-        entries.offered(by_key[key])  # out of its share meanwhile, as any offer
+        # (its slot kept) its tenant's again if the offer ends unclaimed: out of its share
+        # meanwhile, as any offer
+        entries.adopt(b, key, None, tenant, indexed=True)
+        entries.offered(by_key[key])
         entries.policy.remove(key)
         grants.adopt(b, client, pos, offered=key)
     # oldest first: recency survives failover

@@ -10,7 +10,7 @@ which keys are cached (see ``owner/manager.py``).
 from __future__ import annotations
 
 import zlib
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import numpy as np
 
@@ -156,6 +156,50 @@ class KeyIndex:
                     q[i] = v
                     i = j
             q[i] = _EMPTY
+
+    def retain(self, keep: Collection[tuple[int, int]]) -> None:
+        """Empty every slot but those of ``keep`` ((tag, block) pairs, as ``insert_many``
+        wrote them), so that a process dying anywhere in here leaves each kept key
+        findable: a takeover cuts its predecessor's index down to the offers it keeps
+        indexed, and that index is the next takeover's record of them.
+
+        Slots on no kept key's probe path go in one batch (emptying them breaks no path);
+        the few left on such a path are deleted one by one, shifting entries back as
+        ``remove_many`` does (an entry is copied before its slot is emptied)."""
+        q, mask = self._slots.reshape(-1).view(np.uint64), self.mask
+        kept_values = np.fromiter((tag | block << 32 for tag, block in keep), np.uint64,
+                                  len(keep))
+        kept = np.isin(q, kept_values)
+        on_path = kept.copy()
+        for p in np.flatnonzero(kept).tolist():
+            home = int(q[p]) & mask
+            if home <= p:
+                on_path[home:p + 1] = True
+            else:  # (wrapped around the end)
+                on_path[home:] = True
+                on_path[:p + 1] = True
+        q[(q < _EMPTY) & ~on_path] = _EMPTY
+        # Highest slot first: a deletion moves only entries after its slot, so the others'
+        # places hold, but for a cluster wrapping around the end (a moved one is left to the
+        # next round, which finds it again; each round deletes its highest slot at least).
+        while (left := np.flatnonzero((q < _EMPTY) & ~np.isin(q, kept_values))).size:
+            for i, v in zip(left[::-1].tolist(), q[left[::-1]].tolist()):
+                if int(q[i]) == v:
+                    self._delete_at(i)
+
+    def _delete_at(self, i: int) -> None:
+        """Empty slot ``i`` by backward-shift deletion (``remove_many``'s, from a known slot)."""
+        q, mask = self._slot64, self.mask
+        j = i
+        while True:
+            j = (j + 1) & mask
+            v = q[j]
+            if v >= _EMPTY:
+                break
+            if (j - (v & mask)) & mask >= (j - i) & mask:
+                q[i] = v
+                i = j
+        q[i] = _EMPTY
 
     def clear(self) -> None:
         n = self.mask + 1
