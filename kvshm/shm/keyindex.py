@@ -131,31 +131,14 @@ class KeyIndex:
         The slot is found by its block (a block holds one key), so the key bytes are not
         needed: a caller that knows the tags (from ``tags_of``, or the table's key checksum)
         spares a checksum per key."""
-        q, mask = self._slot64, self.mask
+        q, mask, delete = self._slot64, self.mask, self._delete_at
         for tag, block in zip(tags, blocks):
             i = tag & mask
-            while True:
-                v = q[i]
-                if v >= _EMPTY:
-                    i = -1  # not present
-                    break
+            while (v := q[i]) < _EMPTY:  # (an empty slot first: not present)
                 if v >> 32 == block:
+                    delete(i)
                     break
                 i = (i + 1) & mask
-            if i < 0:
-                continue
-            j = i
-            while True:
-                j = (j + 1) & mask
-                v = q[j]
-                if v >= _EMPTY:
-                    break
-                # Move j back into the hole at i unless its home lies cyclically in (i, j]
-                # (its home is its tag's low bits: the low word's, as mask < 2**32).
-                if (j - (v & mask)) & mask >= (j - i) & mask:
-                    q[i] = v
-                    i = j
-            q[i] = _EMPTY
 
     def retain(self, keep: Collection[tuple[int, int]]) -> None:
         """Empty every slot but those of ``keep`` ((tag, block) pairs, as ``insert_many``
@@ -164,8 +147,8 @@ class KeyIndex:
         indexed, and that index is the next takeover's record of them.
 
         Slots on no kept key's probe path go in one batch (emptying them breaks no path);
-        the few left on such a path are deleted one by one, shifting entries back as
-        ``remove_many`` does (an entry is copied before its slot is emptied)."""
+        the few left on such a path are deleted one by one (``_delete_at``, as ``remove_many``
+        deletes)."""
         q, mask = self._slots.reshape(-1).view(np.uint64), self.mask
         kept_values = np.fromiter((tag | block << 32 for tag, block in keep), np.uint64,
                                   len(keep))
@@ -188,7 +171,10 @@ class KeyIndex:
                     self._delete_at(i)
 
     def _delete_at(self, i: int) -> None:
-        """Empty slot ``i`` by backward-shift deletion (``remove_many``'s, from a known slot)."""
+        """Empty slot ``i`` by backward-shift deletion: each entry after it in its cluster
+        moves back into the hole unless its home lies cyclically in (hole, entry] (its home
+        is its tag's low bits: the low word's, as mask < 2**32); an entry is copied before
+        its old slot is emptied, so a reader never misses it."""
         q, mask = self._slot64, self.mask
         j = i
         while True:
