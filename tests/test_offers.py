@@ -503,14 +503,20 @@ def test_an_offer_given_back_across_a_takeover_is_no_damage_once_its_key_is_stor
                     assert procs.store(b, [key]) == [key]  # claimed by that very store:
                     wait_for(lambda: _held_elsewhere(b, key, blk), "the key to be stored")
             assert copy == "ready" or key in procs.offered_to(b).values()
-    c = connect(b.segment.name)  # a client that never leased it asks
+    assert_served_to_a_newcomer(b, key)  # a client that never leased it asks
+    assert b.segment.counter("duplicate_keys") == 0 and verify(b.segment) == []
+
+
+def assert_served_to_a_newcomer(mgr, key: bytes) -> None:
+    """A client connecting now finds ``key`` and loads its own bytes (a call that may start
+    the next owner, which rebuilds)."""
+    c = connect(mgr.segment.name)
     try:
         assert c.lookup([key]) == 1
         assert procs.check(c.segment.planes(), c.prepare_load([key])[0], key)
         c.complete_load([key])
     finally:
         c.shutdown()
-    assert b.segment.counter("duplicate_keys") == 0 and verify(b.segment) == []
 
 
 def _held_elsewhere(mgr, key: bytes, blk: int) -> bool:
@@ -887,13 +893,7 @@ def test_an_offer_given_back_by_a_client_that_died_in_a_takeover_is_no_damage(pa
     _kill_owner(b)
     p.kill()
     p.join()
-    c = connect(b.segment.name)  # the call starts the next owner, which rebuilds
-    try:
-        assert c.lookup([key]) == 1
-        assert procs.check(c.segment.planes(), c.prepare_load([key])[0], key)
-        c.complete_load([key])
-    finally:
-        c.shutdown()
+    assert_served_to_a_newcomer(b, key)  # its calls start the next owner, which rebuilds
     assert b.segment.counter("duplicate_keys") == 0 and verify(b.segment) == []
 
 
