@@ -499,3 +499,30 @@ def test_a_job_of_many_blocks_travels_over_the_smallest_rings(seg_name):
         p.join(30)
     finally:
         sc.close()
+
+
+def test_a_job_frame_of_an_unknown_kind_fails_that_job_and_the_worker_serves_on(channel):
+    # The worker built the job (TransferSpec) outside the guard that turns a refused job into
+    # a failed one: a frame whose kind is neither store nor load raised out of its serve
+    # loop, the worker process died, and every other job on the channel failed with it.
+    from kvshm.engine.connector import Job
+    from kvshm.transfer.spec import TransferSpec
+    parent, child = CTX.Pipe()
+    dev = [torch.zeros(4, PAGE, dtype=torch.uint8).share_memory_() for _ in range(2)]
+    p = CTX.Process(target=_serve, args=(channel.address, dev, child, False), daemon=True)
+    p.start()
+    try:
+        channel.wait_worker(timeout=120, starting=p.is_alive)
+        channel._outstanding[5] = "store"
+        assert channel._send(ch.JobFrame(5, "copy", [1], [2]))
+        channel.send([Job(6, "r", TransferSpec("store", [1], [2]))])
+        assert sorted((d.job_id, d.success) for d in channel.wait([5, 6], timeout=60)) == [
+            (5, False), (6, True)]
+        assert channel.worker_alive()
+    finally:
+        with contextlib.suppress(Exception):
+            channel.stop()
+        p.join(30)
+        if p.is_alive():
+            p.kill()
+            p.join()

@@ -32,7 +32,7 @@ from kvshm.shm import writers
 from kvshm.transfer.spec import TransferHandler, TransferResult
 
 if TYPE_CHECKING:
-    from kvshm.engine.channel import WorkerChannel
+    from kvshm.engine.channel import JobFrame, WorkerChannel
     from kvshm.engine.connector import Job
     from kvshm.shm.segment import Segment
 
@@ -158,13 +158,25 @@ class WorkerConnector:
                     if isinstance(m, Flush):
                         self.flush(m.job_ids)  # before any later job touches those blocks
                     elif isinstance(m, JobFrame):
-                        self.submit([m.to_job()])  # refused if its scheduler is dead
+                        self._submit_frame(m)  # refused if its scheduler is dead
                         todo.put(m.job_id)
                 self.retire()
         finally:
             todo.put(None)
             reporter.join()
             self.close()  # the reporter may have stopped early: wait for the copies here
+
+    def _submit_frame(self, m: JobFrame) -> None:
+        """Submit the job a frame carries; one that is no job (such as an unknown kind) fails
+        alone, reported like a job the handler refused."""
+        try:
+            job = m.to_job()
+        except KvshmError as e:
+            log.error("kvshm worker: job %d (%s) rejected: %s", m.job_id, m.kind, e)
+            with self._lock:
+                self._failed.append(TransferResult(m.job_id, False, 0, 0.0, str(m.kind)))
+            return
+        self.submit([job])
 
     def _report(self, channel: WorkerChannel, todo: queue.SimpleQueue) -> None:
         while True:
