@@ -480,3 +480,30 @@ def test_completed_jobs_count_their_bytes_in_the_client_counters(seg_name, facto
     finally:
         mgr.shutdown()
         kill(owner)
+
+
+@pytest.mark.procs
+def test_looking_a_request_up_again_with_a_new_hash_list_keeps_no_lease(seg_name):
+    # A request looked up a second time with its hashes in another list object (same
+    # content) dropped its derived keys before it gave back the first lookup's leases:
+    # the release named no key, the leases outlived the request, and another engine
+    # could never reuse those blocks while this scheduler lived.
+    mgr = connect(seg_name, layout(1), num_blocks=4, **SMALL_GEOMETRY)
+    try:
+        rig = Rig(mgr, mgr.segment)
+        toks = prompt(22, 4 * BT)
+        rig.store_prompt("a", toks, [0, 1, 2, 3])
+        hashes = block_hashes(toks, BT)
+        assert rig.conn.get_num_new_matched_tokens("b", hashes, 0) == 4 * BT
+        assert rig.conn.get_num_new_matched_tokens("b", list(hashes), 0) == 4 * BT
+        assert rig.conn.request_finished("b") is False
+        assert mgr.held_blocks() == 0
+        p, conn = spawn(procs.store_and_report, seg_name, [b"other-%02d" % i for i in range(4)])
+        stored = conn.recv()
+        p.join()
+        assert len(stored) == 4  # nothing of b's is held: the other engine found room
+        rig.close()
+    finally:
+        owner = mgr.segment.owner_record()[0]
+        mgr.shutdown()
+        kill(owner)

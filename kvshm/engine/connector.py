@@ -160,9 +160,9 @@ class SchedulerConnector:
         st = self._reqs.get(req_id)
         if st is None:
             st = self._reqs[req_id] = _Req(block_hashes)
-        elif st.hashes is not block_hashes:
+        self._release(st)  # (its keys name the leases: before they are derived again)
+        if st.hashes is not block_hashes:
             st.hashes, st.keys = block_hashes, []
-        self._release(st)
         keys = self._keys(st)
         if keys:
             self.manager.touch(keys)  # GPU-cached prefix blocks count as used too (vLLM)
