@@ -7,7 +7,7 @@ is answered by the kernel, never by PID files or heartbeats.
 
 OFD locks belong to the open file description, not the process: every party opens its own
 descriptor (``os.open``) so that two parties in one process still exclude each other, and a
-forked child shares its parent's locks (documented for users: connect after forking).
+forked child shares its parent's locks (the README tells users to connect after forking).
 It must never lock data bytes or touch the mapping.
 """
 from __future__ import annotations
