@@ -71,9 +71,7 @@ class WorkerConnector:
                     log.warning("kvshm worker: job %d (%s) refused: its scheduler (client "
                                 "slot %d generation %d) is gone", job.job_id, job.spec.kind,
                                 *writer)
-                    with self._lock:
-                        self._failed.append(
-                            TransferResult(job.job_id, False, 0, 0.0, job.spec.kind))
+                    self._fail(job.job_id, job.spec.kind)
                     continue
             try:
                 ok = self.handler.transfer_async(job.job_id, job.spec)
@@ -81,9 +79,13 @@ class WorkerConnector:
                 log.error("kvshm worker: job %d (%s) rejected: %s", job.job_id, job.spec.kind, e)
                 ok = False
             if not ok:
-                with self._lock:
-                    self._inflight.pop(job.job_id, None)
-                    self._failed.append(TransferResult(job.job_id, False, 0, 0.0, job.spec.kind))
+                self._fail(job.job_id, job.spec.kind)
+
+    def _fail(self, job_id: int, kind: str) -> None:
+        """Report ``job_id`` failed at the next poll, no copy of it admitted."""
+        with self._lock:
+            self._inflight.pop(job_id, None)
+            self._failed.append(TransferResult(job_id, False, 0, 0.0, kind))
 
     def flush(self, job_ids: Iterable[int]) -> None:
         """Return once those jobs are finished (their device blocks may then be reused)."""
@@ -173,8 +175,7 @@ class WorkerConnector:
             job = m.to_job()
         except KvshmError as e:
             log.error("kvshm worker: job %d (%s) rejected: %s", m.job_id, m.kind, e)
-            with self._lock:
-                self._failed.append(TransferResult(m.job_id, False, 0, 0.0, str(m.kind)))
+            self._fail(m.job_id, str(m.kind))
             return
         self.submit([job])
 
