@@ -78,11 +78,10 @@ class Entries:
         return e
 
     def adopt(self, block: int, key: bytes, writer: Client | None,
-              tenant: Client | None = None, indexed: bool = False) -> None:
+              tenant: Client | None = None) -> None:
         """Enter ``key`` at ``block``, most recent: ready without a writer, else pending for
-        ``writer``; stored by ``tenant`` (the writer, when there is one). ``indexed``: the
-        key index names it there already (a takeover kept its slot)."""
-        self.adopt_many([block], [key], writer, tenant=tenant, indexed=indexed)
+        ``writer``; stored by ``tenant`` (the writer, when there is one)."""
+        self.adopt_many([block], [key], writer, tenant=tenant)
 
     def adopt_many(self, blocks: list[int], keys: list[bytes], writer: Client | None,
                    rank_of: RankOf | None = None, tenant: Client | None = None,
@@ -93,7 +92,7 @@ class Entries:
         would: the request takes its rank at its first key with a position, after the
         fresh ranks of the keys before it. The table entries are the caller's to write;
         ``tags``: the keys' index tags, if the caller computed them for that write;
-        ``indexed``: the key index names them already."""
+        ``indexed``: the key index names them already (a takeover kept their slots)."""
         ready = writer is None
         tenant = tenant or writer
         self.by_key.update(zip(keys, [Entry(b, ready, writer, tenant) for b in blocks]))

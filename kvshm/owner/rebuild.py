@@ -23,7 +23,6 @@ names it, so the evidence outlives the rebuild.
 from __future__ import annotations
 
 import logging
-import zlib
 from collections import Counter, deque
 from collections.abc import Callable
 
@@ -31,6 +30,7 @@ from kvshm.crashpoints import crash_point
 from kvshm.owner.entries import Entries
 from kvshm.owner.grants import Grants
 from kvshm.shm import layout as L
+from kvshm.shm.keyindex import tags_of
 
 log = logging.getLogger("kvshm.owner")
 _LOGGED = 8  # duplicate keys named in the log, at most, per rebuild
@@ -115,7 +115,8 @@ def rebuild(entries: Entries, grants: Grants, writer_alive: Callable[[int, int],
                         [key for _, key, *_ in offers])
     # The index is what tells the next owner which offers were served: it is cut down to
     # their slots, never emptied, so that a death anywhere from here on leaves them named.
-    index.retain([(zlib.crc32(key), b) for b, key, *_ in offers if key not in twice])
+    served = [(b, key) for b, key, *_ in offers if key not in twice]
+    index.retain([b for b, _ in served], tags_of([key for _, key in served]))
     crash_point("owner.rebuild.index")
     for b, key, client, pos, tenant in offers:  # cached and indexed, out of the policy's
         if key in twice:  # order; the client may claim it: it stays theirs, unindexed
@@ -123,7 +124,7 @@ def rebuild(entries: Entries, grants: Grants, writer_alive: Callable[[int, int],
             continue
         # (its slot kept) its tenant's again if the offer ends unclaimed: out of its share
         # meanwhile, as any offer
-        entries.adopt(b, key, None, tenant, indexed=True)
+        entries.adopt_many([b], [key], None, tenant=tenant, indexed=True)
         entries.offered(by_key[key])
         entries.policy.remove(key)
         grants.adopt(b, client, pos, offered=key)

@@ -10,7 +10,7 @@ which keys are cached (see ``owner/manager.py``).
 from __future__ import annotations
 
 import zlib
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -140,18 +140,18 @@ class KeyIndex:
                     break
                 i = (i + 1) & mask
 
-    def retain(self, keep: Collection[tuple[int, int]]) -> None:
-        """Empty every slot but those of ``keep`` ((tag, block) pairs, as ``insert_many``
-        wrote them), so that a process dying anywhere in here leaves each kept key
-        findable: a takeover cuts its predecessor's index down to the offers it keeps
-        indexed, and that index is the next takeover's record of them.
+    def retain(self, blocks: Sequence[int], tags: Sequence[int]) -> None:
+        """Empty every slot but those of the keys at ``blocks`` with ``tags`` (as
+        ``insert_many`` wrote them), so that a process dying anywhere in here leaves each
+        kept key findable: a takeover cuts its predecessor's index down to the offers it
+        keeps indexed, and that index is the next takeover's record of them.
 
         Slots on no kept key's probe path go in one batch (emptying them breaks no path);
         the few left on such a path are deleted one by one (``_delete_at``, as ``remove_many``
         deletes)."""
         q, mask = self._slots.reshape(-1).view(np.uint64), self.mask
-        kept_values = np.fromiter((tag | block << 32 for tag, block in keep), np.uint64,
-                                  len(keep))
+        kept_values = np.fromiter((tag | block << 32 for tag, block in zip(tags, blocks)),
+                                  np.uint64, len(blocks))
         kept = np.isin(q, kept_values)
         on_path = kept.copy()
         for p in np.flatnonzero(kept).tolist():
