@@ -5,7 +5,8 @@ A store, a publish, an eviction or a touch of many keys is mirrored with the tab
 ``insert_many``/``touch_many``. Each is checked against the scalar writer applied key by key
 to a twin: the table byte for byte, the policy by its eviction order. The index must find
 exactly the keys present after batches come and go, one key at a time or a batch at a time
-(``insert_many``, ``remove_many``). Batches straddle ``VECTOR_MIN`` so both paths of each
+(``insert_many``, ``remove_many``), and a cut down to some of them (``retain``) at every
+step. Batches straddle ``VECTOR_MIN`` so both paths of each
 writer run, and a tiny index makes collisions and wrap-around the rule.
 """
 from __future__ import annotations
@@ -130,6 +131,31 @@ def test_the_index_finds_exactly_the_keys_present_after_batches_come_and_go(batc
                 assert ix.find(k) == (-1, -1)
             used = ix._slots[:, 1] >= 0
             assert sorted(ix._slots[used, 1].tolist()) == sorted(present.values())
+
+
+@settings(max_examples=80, deadline=None)
+@given(keys=keys_st, data=st.data())
+def test_cutting_the_index_down_keeps_every_kept_key_findable_at_every_step(keys, data):
+    """A takeover cuts its predecessor's index down to the offers it keeps (``retain``):
+    the next takeover reads them there, so a death at any step in between must leave each
+    findable, and at the end the index holds those and nothing else."""
+    with twins() as ((t, ix), _):
+        blocks = data.draw(st.permutations(range(BLOCKS)))[:len(keys)]
+        t.write_many(blocks, L.READY, keys)
+        ix.insert_many(blocks, tags_of(keys))
+        kept = data.draw(st.lists(st.sampled_from(range(len(keys))), unique=True))
+        kept_keys, kept_blocks = [keys[i] for i in kept], [blocks[i] for i in kept]
+
+        def each_kept_key_found() -> None:
+            for k, b in zip(kept_keys, kept_blocks):
+                assert ix.find(k) == (b, L.READY)
+
+        delete = ix._delete_at
+        ix._delete_at = lambda i: (delete(i), each_kept_key_found())
+        ix.retain(kept_blocks, tags_of(kept_keys))
+        each_kept_key_found()
+        used = ix._slots[:, 1] >= 0
+        assert sorted(ix._slots[used, 1].tolist()) == sorted(kept_blocks)
 
 
 @settings(max_examples=60, deadline=None)
