@@ -12,12 +12,14 @@ import contextlib
 import multiprocessing as mp
 import os
 import signal
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
 from lazy import torch  # imported at its first use, not when the suite is collected
 
 from kvshm.client.connect import connect
+from kvshm.client.manager import SharedManager
 from kvshm.engine.connector import SchedulerConnector
 from kvshm.engine.hashing import ROOT, block_hashes, offload_key
 from kvshm.shm.layout import Layout
@@ -127,6 +129,19 @@ def make(request, seg_name):
 def kill(pid: int) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def shared_client(name: str, layout_: Layout, **kw) -> Iterator[SharedManager]:
+    """A client of segment ``name`` (created with ``layout_`` and ``kw``), and afterwards no
+    client and no owner of it."""
+    mgr = connect(name, layout_, **kw)
+    try:
+        yield mgr
+    finally:
+        owner = mgr.segment.owner_record()[0]
+        mgr.shutdown()
+        kill(owner)
 
 
 # --- hashing -----------------------------------------------------------------------------
@@ -399,8 +414,7 @@ def _engine_a(name: str, conn, seed: int, n: int) -> None:
 
 @pytest.mark.procs
 def test_prefix_stored_by_another_engine_process_is_loaded_and_verifies(seg_name):
-    mgr = connect(seg_name, layout(1), num_blocks=16, **SMALL_GEOMETRY)
-    try:
+    with shared_client(seg_name, layout(1), num_blocks=16, **SMALL_GEOMETRY) as mgr:
         parent, child = CTX.Pipe()
         p = CTX.Process(target=_engine_a, args=(seg_name, child, 19, 8 * BT), daemon=True)
         p.start()
@@ -416,10 +430,6 @@ def test_prefix_stored_by_another_engine_process_is_loaded_and_verifies(seg_name
         assert [d.success for d in done.done] == [True]
         assert rig.matches(toks, blocks, 0, 8)
         rig.close()
-    finally:
-        owner = mgr.segment.owner_record()[0]
-        mgr.shutdown()
-        kill(owner)
 
 
 @pytest.mark.procs
@@ -427,8 +437,7 @@ def test_a_hit_two_requests_share_stays_loadable_when_one_of_them_does_not_load(
     # Requests b and c look up the same prefix in one step (one lease per key in the
     # client); b is not loaded, which releases its hits. Another engine then stores as many
     # blocks as the cache has: c's hits must still be loadable.
-    mgr = connect(seg_name, layout(1), num_blocks=4, **SMALL_GEOMETRY)
-    try:
+    with shared_client(seg_name, layout(1), num_blocks=4, **SMALL_GEOMETRY) as mgr:
         rig = Rig(mgr, mgr.segment)
         toks = prompt(21, 4 * BT)
         rig.store_prompt("a", toks, [0, 1, 2, 3])
@@ -447,10 +456,6 @@ def test_a_hit_two_requests_share_stays_loadable_when_one_of_them_does_not_load(
         assert rig.matches(toks, blocks, 0, 4)
         assert stored == []  # c's leases left it no room
         rig.close()
-    finally:
-        owner = mgr.segment.owner_record()[0]
-        mgr.shutdown()
-        kill(owner)
 
 
 @pytest.mark.procs
@@ -458,9 +463,7 @@ def test_a_hit_two_requests_share_stays_loadable_when_one_of_them_does_not_load(
 def test_completed_jobs_count_their_bytes_in_the_client_counters(seg_name, factor):
     from kvshm.shm import layout as L
     from kvshm.shm import slots
-    mgr = connect(seg_name, layout(factor), num_blocks=16, **SMALL_GEOMETRY)
-    owner = mgr.segment.owner_record()[0]
-    try:
+    with shared_client(seg_name, layout(factor), num_blocks=16, **SMALL_GEOMETRY) as mgr:
         rig = Rig(mgr, mgr.segment, factor=factor)
         ctr = slots.counters(mgr.segment, mgr.slot)
         bytes_in, bytes_out = (L.SLOT_COUNTERS.index(n) for n in ("bytes_in", "bytes_out"))
@@ -477,9 +480,6 @@ def test_completed_jobs_count_their_bytes_in_the_client_counters(seg_name, facto
         assert int(ctr[bytes_in]) == (3 * factor - 1) * block // factor > 0
         assert int(ctr[bytes_out]) == 3 * block
         rig.close()
-    finally:
-        mgr.shutdown()
-        kill(owner)
 
 
 @pytest.mark.procs
@@ -488,8 +488,7 @@ def test_looking_a_request_up_again_with_a_new_hash_list_keeps_no_lease(seg_name
     # content) dropped its derived keys before it gave back the first lookup's leases:
     # the release named no key, the leases outlived the request, and another engine
     # could never reuse those blocks while this scheduler lived.
-    mgr = connect(seg_name, layout(1), num_blocks=4, **SMALL_GEOMETRY)
-    try:
+    with shared_client(seg_name, layout(1), num_blocks=4, **SMALL_GEOMETRY) as mgr:
         rig = Rig(mgr, mgr.segment)
         toks = prompt(22, 4 * BT)
         rig.store_prompt("a", toks, [0, 1, 2, 3])
@@ -503,7 +502,3 @@ def test_looking_a_request_up_again_with_a_new_hash_list_keeps_no_lease(seg_name
         p.join()
         assert len(stored) == 4  # nothing of b's is held: the other engine found room
         rig.close()
-    finally:
-        owner = mgr.segment.owner_record()[0]
-        mgr.shutdown()
-        kill(owner)
