@@ -432,16 +432,22 @@ def test_prefix_stored_by_another_engine_process_is_loaded_and_verifies(seg_name
         rig.close()
 
 
+def a_full_cache_of_one_prompt(mgr, seed: int):
+    """A rig over ``mgr``'s 4-block cache, which request "a" filled with one prompt: the rig,
+    the prompt's tokens and its block hashes."""
+    rig = Rig(mgr, mgr.segment)
+    toks = prompt(seed, 4 * BT)
+    rig.store_prompt("a", toks, [0, 1, 2, 3])
+    return rig, toks, block_hashes(toks, BT)
+
+
 @pytest.mark.procs
 def test_a_hit_two_requests_share_stays_loadable_when_one_of_them_does_not_load(seg_name):
     # Requests b and c look up the same prefix in one step (one lease per key in the
     # client); b is not loaded, which releases its hits. Another engine then stores as many
     # blocks as the cache has: c's hits must still be loadable.
     with shared_client(seg_name, layout(1), num_blocks=4, **SMALL_GEOMETRY) as mgr:
-        rig = Rig(mgr, mgr.segment)
-        toks = prompt(21, 4 * BT)
-        rig.store_prompt("a", toks, [0, 1, 2, 3])
-        hashes = block_hashes(toks, BT)
+        rig, toks, hashes = a_full_cache_of_one_prompt(mgr, 21)
         assert rig.conn.get_num_new_matched_tokens("b", hashes, 0) == 4 * BT
         assert rig.conn.get_num_new_matched_tokens("c", hashes, 0) == 4 * BT
         assert rig.conn.update_state_after_alloc("b", [], 0) == 0  # b loads nothing
@@ -489,10 +495,7 @@ def test_looking_a_request_up_again_with_a_new_hash_list_keeps_no_lease(seg_name
     # the release named no key, the leases outlived the request, and another engine
     # could never reuse those blocks while this scheduler lived.
     with shared_client(seg_name, layout(1), num_blocks=4, **SMALL_GEOMETRY) as mgr:
-        rig = Rig(mgr, mgr.segment)
-        toks = prompt(22, 4 * BT)
-        rig.store_prompt("a", toks, [0, 1, 2, 3])
-        hashes = block_hashes(toks, BT)
+        rig, toks, hashes = a_full_cache_of_one_prompt(mgr, 22)
         assert rig.conn.get_num_new_matched_tokens("b", hashes, 0) == 4 * BT
         assert rig.conn.get_num_new_matched_tokens("b", list(hashes), 0) == 4 * BT
         assert rig.conn.request_finished("b") is False
