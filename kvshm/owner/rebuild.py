@@ -89,9 +89,9 @@ def rebuild(entries: Entries, grants: Grants, writer_alive: Callable[[int, int],
             torn_keys += 1  # never published: its key is neither the old nor the new one
         elif e.state in (L.READY, L.EVICTING) and e.key and \
                 (e.writer < 0 or index.find(e.key)[0] == b):
-            if e.writer >= 0:  # a dead client's offer, served: cached, and a plain ready
-                table.reset_ready(b)  # block from now on, whatever dies before adoption
-            ready.append((e.last_use, b, e.key, e, e.stored_by))
+            if e.state != L.READY or e.writer != -1 or e.pins:  # a plain ready block from
+                table.reset_ready(b)  # now on (a dead client's offer too, whatever dies next)
+            ready.append((e.last_use, b, e.key, e.stored_by))
             continue
         elif e.state == L.GRANTED and e.key and e.key not in grants.deferred:
             grants.deferred[e.key] = b  # a completed store a dead owner deferred
@@ -111,7 +111,7 @@ def rebuild(entries: Entries, grants: Grants, writer_alive: Callable[[int, int],
             freed += e.state != L.FREE
         free.append(b)
     stores = Counter(key for _, key, _ in writing)
-    twice = _held_twice(grants, [key for _, _, key, _, _ in ready], stores,
+    twice = _held_twice(grants, [key for _, _, key, _ in ready], stores,
                         [key for _, key, *_ in offers])
     # The index is what tells the next owner which offers were served: it is cut down to
     # their slots, never emptied, so that a death anywhere from here on leaves them named.
@@ -129,13 +129,11 @@ def rebuild(entries: Entries, grants: Grants, writer_alive: Callable[[int, int],
         entries.policy.remove(key)
         grants.adopt(b, client, pos, offered=key)
     # oldest first: recency survives failover
-    for i, (last_use, b, key, e, tenant) in enumerate(sorted(ready, key=lambda r: r[:2])):
+    for i, (last_use, b, key, tenant) in enumerate(sorted(ready, key=lambda r: r[:2])):
         if key in twice:
             table.write(b, L.FREE, b"")
             free.append(b)
             continue
-        if e.state != L.READY or e.writer != -1 or e.pins:
-            table.reset_ready(b)
         if i == len(ready) // 2:
             crash_point("owner.rebuild.mid")
         entries.adopt(b, key, None, tenant)  # in its client's share, as before
