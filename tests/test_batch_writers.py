@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import struct
+from itertools import count, islice
 from typing import Iterator
 
 import pytest
@@ -181,3 +182,25 @@ def test_a_batch_with_a_bad_value_raises_before_any_entry_changes():
             with pytest.raises((OverflowError, struct.error)):
                 t.write_many(range(n), L.WRITING, [b"k%d" % i for i in range(n)], 1, 2, reqs)
             assert _table_bytes(t) == before
+
+
+def test_cutting_the_index_down_leaves_one_slot_of_a_key_an_owner_died_moving():
+    """An owner killed inside a backward shift leaves the entry it moved in two slots. A
+    takeover that kept both left one naming the block after the key's removal, for a key
+    it no longer holds: only the slot a probe reaches first stays."""
+    with twins() as ((t, ix), _):
+        moved, kept = _keys_with_home(ix, 5, 2)
+        t.write_many([1, 2], L.READY, [moved, kept])
+        ix.insert_many([1, 2], tags_of([moved, kept]))  # slots 5 and 6, both homed at 5
+        q = ix._slot64
+        q[5] = q[6]  # removing ``moved``: ``kept`` copied back, its old slot not yet emptied
+        ix.retain([2], tags_of([kept]))
+        assert ix._slots[:, 1].tolist().count(2) == 1 and ix.find(kept) == (2, L.READY)
+        ix.remove(kept, 2)
+        assert (ix._slots[:, 1] < 0).all()
+
+
+def _keys_with_home(ix: KeyIndex, home: int, n: int) -> list[bytes]:
+    """``n`` keys whose home slot in ``ix`` is ``home``."""
+    keys = (b"k%d" % i for i in count())
+    return list(islice((k for k in keys if tags_of([k])[0] & ix.mask == home), n))

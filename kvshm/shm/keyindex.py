@@ -141,20 +141,20 @@ class KeyIndex:
                 i = (i + 1) & mask
 
     def retain(self, blocks: Sequence[int], tags: Sequence[int]) -> None:
-        """Empty every slot but those of the keys at ``blocks`` with ``tags`` (as
+        """Empty every slot but one of each key at ``blocks`` with ``tags`` (as
         ``insert_many`` wrote them), so that a process dying anywhere in here leaves each
         kept key findable: a takeover cuts its predecessor's index down to the offers it
         keeps indexed, and that index is the next takeover's record of them.
 
-        Slots on no kept key's probe path go in one batch (emptying them breaks no path);
-        the few left on such a path are deleted one by one (``_delete_at``, as ``remove_many``
-        deletes)."""
+        The slot of a kept key is the first holding it that a probe from its home reaches:
+        a copy further on (an owner killed inside a backward shift leaves the entry it moved
+        in two slots) goes, or it would outlive the key's removal, naming the block for a
+        key it no longer holds. Slots on no kept slot's probe path go in one batch (emptying
+        them breaks no path); the few left are deleted one by one (``_delete_at``)."""
         q, mask = self._slots.reshape(-1).view(np.uint64), self.mask
-        kept_values = np.fromiter((tag | block << 32 for tag, block in zip(tags, blocks)),
-                                  np.uint64, len(blocks))
-        kept = np.isin(q, kept_values)
-        on_path = kept.copy()
-        for p in np.flatnonzero(kept).tolist():
+        kept = [tag | block << 32 for tag, block in zip(tags, blocks)]
+        on_path = np.zeros(len(q), bool)
+        for p in self._first_slots(kept):
             home = int(q[p]) & mask
             if home <= p:
                 on_path[home:p + 1] = True
@@ -165,10 +165,28 @@ class KeyIndex:
         # Highest slot first: a deletion moves only entries after its slot, so the others'
         # places hold, but for a cluster wrapping around the end (a moved one is left to the
         # next round, which finds it again; each round deletes its highest slot at least).
-        while (left := np.flatnonzero((q < _EMPTY) & ~np.isin(q, kept_values))).size:
-            for i, v in zip(left[::-1].tolist(), q[left[::-1]].tolist()):
+        while left := sorted(set(np.flatnonzero(q < _EMPTY).tolist()) -
+                             self._first_slots(kept), reverse=True):
+            for i, v in zip(left, q[left].tolist()):
                 if int(q[i]) == v:
                     self._delete_at(i)
+
+    def _first_slots(self, values: list[int]) -> set[int]:
+        """The slot of each of ``values`` (slots as u64s) that a probe from its home reaches
+        first (none for a value no probe reaches)."""
+        q, mask = self._slot64, self.mask
+        found = set()
+        for v in values:
+            i = v & mask
+            for _ in range(mask + 1):  # (bounded: a damaged index may have no empty slot)
+                w = q[i]
+                if w >= _EMPTY:
+                    break
+                if w == v:
+                    found.add(i)
+                    break
+                i = (i + 1) & mask
+        return found
 
     def _delete_at(self, i: int) -> None:
         """Empty slot ``i`` by backward-shift deletion: each entry after it in its cluster
