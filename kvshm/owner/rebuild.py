@@ -48,7 +48,7 @@ def rebuild(entries: Entries, grants: Grants, writer_alive: Callable[[int, int],
     ready, kept, freed, torn_keys, free = [], 0, 0, 0, []
     writing: list[tuple[int, bytes, tuple[int, int]]] = []
     offers: list[tuple[int, bytes, tuple[int, int], int, tuple[int, int] | None]] = []
-    index = entries.index  # the predecessor's until cleared below: the offers it served
+    index = entries.index  # the predecessor's until cut below: the offers it served
     for b in range(table.num_blocks):
         e = table.read(b)  # (torn: its sequence number odd, read as it lies)
         client = (e.writer, e.writer_gen)
