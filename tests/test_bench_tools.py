@@ -68,8 +68,10 @@ def test_probe_host_reads_without_cupy_says_what_it_needs_and_exits_2():
 
 @pytest.mark.parametrize("name, why", [
     ("sweep_triton_copy.py", "sweep_triton_copy needs torch with CUDA, Triton and a CUDA GPU"),
+    ("probe_split_copy.py", "probe_split_copy needs torch with CUDA, Triton and a CUDA GPU"),
     ("bench_gather.py", "bench_gather needs torch with CUDA and a CUDA GPU (--host-stub "
-                        "runs without one)")], ids=["sweep_triton_copy", "bench_gather"])
+                        "runs without one)")],
+    ids=["sweep_triton_copy", "probe_split_copy", "bench_gather"])
 def test_cuda_tools_without_cuda_say_what_they_need_and_exit_2(name, why):
     """As probe_host_reads: on a host without CUDA, one line on stderr, not a traceback."""
     from lazy import torch
