@@ -526,3 +526,74 @@ def test_a_job_frame_of_an_unknown_kind_fails_that_job_and_the_worker_serves_on(
         if p.is_alive():
             p.kill()
             p.join()
+
+
+class _Held(TransferHandler):
+    """Takes jobs (telling the test) and finishes them once the test sets ``go``; refuses an
+    id it holds, as kvshm's handlers do."""
+
+    def __init__(self, conn, go):
+        self.conn, self.go = conn, go
+        self.held: dict[int, str] = {}
+        self.done: list = []
+        self.lock = __import__("threading").Lock()
+
+    def transfer_async(self, job_id, spec):
+        with self.lock:
+            if job_id in self.held:
+                raise InvalidArgumentError(f"job {job_id} is still in flight")
+            self.held[job_id] = spec.kind
+        self.conn.send(("took", job_id))
+        return True
+
+    def wait(self, job_ids):
+        self.go.wait()
+        from kvshm.transfer.spec import TransferResult
+        with self.lock:
+            self.done += [TransferResult(j, True, 0, 0.0, k) for j, k in self.held.items()]
+            self.held.clear()
+
+    def get_finished(self):
+        with self.lock:
+            out, self.done = self.done, []
+        return out
+
+    def shutdown(self):
+        pass
+
+
+def _serve_held(address: tuple, conn, go) -> None:
+    wc = WorkerChannel(*address)
+    WorkerConnector(_Held(conn, go)).serve(wc)
+    wc.close()
+
+
+def test_a_job_id_sent_again_while_its_job_runs_leaves_that_jobs_report_alone(channel):
+    # The handler refuses a second job under an id it runs; the worker reported that
+    # refusal as the id's failure, ahead of the running job's own report: the scheduler
+    # took a store still copying for a failed one (and would free its blocks).
+    from kvshm.engine.connector import Job
+    from kvshm.transfer.spec import TransferSpec
+    parent, child = CTX.Pipe()
+    go = CTX.Event()
+    p = CTX.Process(target=_serve_held, args=(channel.address, child, go), daemon=True)
+    p.start()
+    try:
+        channel.wait_worker(timeout=120, starting=p.is_alive)
+        channel.send([Job(5, "r", TransferSpec("store", [1], [2]))])
+        assert parent.recv() == ("took", 5)
+        assert channel._send(ch.JobFrame(5, "store", [1], [3]))
+        channel.send([Job(6, "r", TransferSpec("store", [2], [4]))])
+        assert parent.recv() == ("took", 6)  # the worker has read the second job 5
+        go.set()
+        assert sorted((d.job_id, d.success) for d in channel.wait([5, 6], timeout=60)) == [
+            (5, True), (6, True)]
+    finally:
+        go.set()
+        with contextlib.suppress(Exception):
+            channel.stop()
+        p.join(30)
+        if p.is_alive():
+            p.kill()
+            p.join()
+

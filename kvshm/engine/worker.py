@@ -4,6 +4,8 @@ This module owns the worker's half of the job protocol: it submits jobs to a tra
 (a job the handler refuses fails cleanly instead of raising into the engine), flushes (waits
 for) jobs whose device blocks are about to be reused, and reports ``(job_id, success)``. In a
 worker process, ``serve(channel)`` does the same for jobs arriving on a kvshm job channel.
+A job id reports once: a second job under an id whose copy still runs is dropped, so the
+scheduler never takes that refusal for the running job's end.
 
 Stores are submitted when they arrive. The scheduler side sends a step's stores only after
 that step's KV was written (the ordering vLLM gets by deferring stores to the next step); on
@@ -53,12 +55,21 @@ class WorkerConnector:
         # checked: such a worker cannot outlive its scheduler.
         self._writers = writers.Registrations(seg) if seg is not None else None
         self._inflight: dict[int, tuple[int, int]] = {}  # job id -> writer it copies for
+        # jobs the handler took and has not reported: their ids are taken, and a second job
+        # or a failure under one of them would be reported as the first's completion
+        self._running: set[int] = set()
         # kind -> [jobs, failed jobs, bytes, seconds], for the engine's statistics
         self.stats: dict[str, list[float]] = {"load": [0, 0, 0, 0.0], "store": [0, 0, 0, 0.0]}
 
     def submit(self, jobs: Iterable[Job]) -> None:
         """Queue jobs on the handler; one it rejects is reported failed by the next poll."""
         for job in jobs:
+            with self._lock:
+                taken = job.job_id in self._running
+            if taken:
+                log.error("kvshm worker: job %d came again while it runs; the second is "
+                          "dropped (job ids must be unique among unfinished jobs)", job.job_id)
+                continue
             writer = getattr(job, "writer", None)
             if writer is not None and self._writers is not None:
                 # Admit and count the job in one step under the lock: retire() must never
@@ -73,17 +84,24 @@ class WorkerConnector:
                                 *writer)
                     self._fail(job.job_id, job.spec.kind)
                     continue
+            with self._lock:  # before the copy: the reporter may see it finish at once
+                self._running.add(job.job_id)
             try:
                 ok = self.handler.transfer_async(job.job_id, job.spec)
             except KvshmError as e:  # bad ids, duplicate job, handler shut down
                 log.error("kvshm worker: job %d (%s) rejected: %s", job.job_id, job.spec.kind, e)
                 ok = False
             if not ok:
+                with self._lock:
+                    self._running.discard(job.job_id)
                 self._fail(job.job_id, job.spec.kind)
 
     def _fail(self, job_id: int, kind: str) -> None:
-        """Report ``job_id`` failed at the next poll, no copy of it admitted."""
+        """Report ``job_id`` failed at the next poll, no copy of it admitted; never while a
+        job of that id runs (its own report stands)."""
         with self._lock:
+            if job_id in self._running:
+                return
             self._inflight.pop(job_id, None)
             self._failed.append(TransferResult(job_id, False, 0, 0.0, kind))
 
@@ -96,6 +114,8 @@ class WorkerConnector:
         with self._lock:
             out, self._failed = self._failed, []
         out += self.handler.get_finished()
+        with self._lock:
+            self._running.difference_update(r.job_id for r in out)
         if self._writers is not None:
             with self._lock:  # finished copies no longer write: their writers may retire
                 for r in out:
