@@ -528,6 +528,75 @@ def test_a_job_frame_of_an_unknown_kind_fails_that_job_and_the_worker_serves_on(
             p.join()
 
 
+@contextlib.contextmanager
+def _a_worker_serving(channel, dev):
+    """A spawned worker process serving ``channel`` with a CPU handler over ``dev``."""
+    parent, child = CTX.Pipe()
+    p = CTX.Process(target=_serve, args=(channel.address, dev, child, False), daemon=True)
+    p.start()
+    try:
+        channel.wait_worker(timeout=120, starting=p.is_alive)
+        yield p
+    finally:
+        with contextlib.suppress(Exception):
+            channel.stop()
+        p.join(30)
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+def _filled_device() -> list:
+    return [torch.full((4, PAGE), 7, dtype=torch.uint8).share_memory_() for _ in range(2)]
+
+
+def test_an_undecodable_job_frame_fails_that_job_and_the_worker_serves_on(channel):
+    # The worker decoded its ring's frames outside any guard: one it could not decode (here
+    # a device list that is no list) raised out of its serve loop and the worker died, taking
+    # every other job of the channel with it. The frame still names its job: that job fails.
+    import msgspec
+    from kvshm.engine.connector import Job
+    from kvshm.transfer.spec import TransferSpec
+    with _a_worker_serving(channel, _filled_device()):
+        channel._outstanding[5] = "store"
+        ch._put(channel._ends.jobs, msgspec.msgpack.encode(
+            ["Job", 5, "store", "not a list", [2], True, None, -1, 0]), channel._check_worker)
+        channel.send([Job(6, "r", TransferSpec("store", [1], [3]))])
+        assert sorted((d.job_id, d.success) for d in channel.wait([5, 6], timeout=60)) == [
+            (5, False), (6, True)]
+        assert channel.worker_alive()
+
+
+def test_a_job_with_a_part_lost_fails_and_copies_none_of_its_parts(channel, monkeypatch):
+    # A job of many ids travels in several frames, which the worker joins. With the middle
+    # frame lost (undecodable, naming nothing), the last frame completed the job from the
+    # parts it had: a job with blocks missing that would copy the rest and report success.
+    from kvshm.engine.connector import Job
+    from kvshm.transfer.spec import TransferSpec
+    monkeypatch.setattr(ch, "MAX_IDS_PER_FRAME", 1)
+    send, frames = channel._send, []
+
+    def lose_the_second_part(frame):
+        frames.append(frame)
+        if isinstance(frame, ch.JobFrame) and frame.job_id == 7 and len(frames) == 2:
+            ok = ch._put(channel._ends.jobs, b"\xc1", channel._check_worker)
+            channel._ends.jobs_bell.ring()
+            return ok
+        return send(frame)
+    seg = channel.seg
+    with _a_worker_serving(channel, _filled_device()):
+        monkeypatch.setattr(channel, "_send", lose_the_second_part)
+        channel.send([Job(7, "r", TransferSpec("store", [0, 1, 2], [2, 3, 4]))])
+        monkeypatch.setattr(channel, "_send", send)
+        channel.send([Job(8, "r", TransferSpec("store", [3], [5]))])
+        assert sorted((d.job_id, d.success) for d in channel.wait([7, 8], timeout=60)) == [
+            (7, False), (8, True)]
+        planes = seg.torch_planes()
+        assert all(not bool(p[b].any()) for p in planes for b in (2, 3, 4))
+        assert all(bool((p[5] == 7).all()) for p in planes)
+        assert channel.worker_alive()
+
+
 class _Held(TransferHandler):
     """Takes jobs (telling the test) and finishes them once the test sets ``go``; refuses an
     id it holds, as kvshm's handlers do."""
@@ -597,3 +666,72 @@ def test_a_job_id_sent_again_while_its_job_runs_leaves_that_jobs_report_alone(ch
             p.kill()
             p.join()
 
+
+class _Lines:
+    """A channel stand-in for ``WorkerConnector.serve``: hands out the given batches."""
+
+    def __init__(self, *batches):
+        self.batches = list(batches)
+        self.done: list = []
+        self.segment = None
+
+    def recv(self, timeout):
+        return self.batches.pop(0) if self.batches else None
+
+    def send_done(self, results):
+        self.done += results
+        return True
+
+
+def test_a_frame_that_names_no_job_makes_the_worker_finish_running_copies_first():
+    # An undecodable frame may have been a Flush: the worker cannot know which jobs it
+    # named, so every running copy finishes before the worker takes the next job.
+    import threading
+    from kvshm.engine.frames import Broken
+    calls: list = []
+
+    class Recorder(TransferHandler):
+        def transfer_async(self, job_id, spec):
+            calls.append(("copy", job_id))
+            return True
+
+        def wait(self, job_ids):
+            if threading.current_thread() is threading.main_thread():
+                calls.append(("wait", sorted(job_ids)))
+
+        def get_finished(self):
+            return []
+
+        def shutdown(self):
+            pass
+    w = WorkerConnector(Recorder())
+    w._writers = type("NoWriters", (), {"retire": lambda s, x: None,
+                                        "close": lambda s: None})()
+    w.serve(_Lines([ch.JobFrame(5, "store", [1], [2])],
+                   [Broken(None, "unknown", "test"), ch.JobFrame(6, "store", [2], [3])],
+                   [ch.Stop()]))
+    assert calls[:3] == [("copy", 5), ("wait", [5]), ("copy", 6)]
+
+
+def test_the_worker_reads_any_bytes_without_raising():
+    import random
+
+    from kvshm.engine.frames import JobReader
+    rng = random.Random(7)
+    reader = JobReader()
+    frames = [rng.randbytes(rng.randint(0, 48)) for _ in range(20_000)]
+    frames += [b"\x92\xa3Job" + rng.randbytes(rng.randint(0, 24)) for _ in range(20_000)]
+    frames.append(b"\x91" * 100_000 + b"\xc0")  # nested past any decoder's depth
+    for frame in frames:
+        reader.read(frame)
+
+
+def test_an_undecodable_completion_fails_the_job_it_names_and_the_scheduler_reads_on(channel):
+    # The scheduler decoded completions outside any guard: one it could not decode raised
+    # out of poll() into the engine.
+    import msgspec
+    channel._outstanding.update({5: "store", 6: "load"})
+    for frame in (b"\xc1", msgspec.msgpack.encode(["Done", 5, "yes"]),
+                  msgspec.msgpack.encode(ch.Done(6, True))):
+        assert ch._put(channel._ends.done, frame, lambda: True)
+    assert sorted((d.job_id, d.success) for d in channel.poll()) == [(5, False), (6, True)]

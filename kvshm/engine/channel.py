@@ -16,16 +16,27 @@ Every job frame names the scheduler's manager slot and generation: the worker re
 of a generation that is dead, even one still queued here (see ``kvshm.shm.writers``).
 When the scheduler dies, the owner reclaims the slot (clears it to FREE).
 
-It owns the frames (msgspec, tagged, array_like) and nothing about what jobs mean.
+It owns the rings' two ends and liveness; the frames and their reading are ``frames``'s, and
+it knows nothing about what jobs mean.
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Literal, cast
 
-import msgspec
-
+from kvshm.engine.frames import (
+    Attached,
+    Broken,
+    Done,
+    Flush,
+    JobFrame,
+    JobReader,
+    Stop,
+    encoder,
+    named_job,
+    to_scheduler,
+)
 from kvshm.errors import ClientSlotsExhaustedError, InvalidArgumentError, TransferError
 from kvshm.shm import layout as L
 from kvshm.shm import locks, slots
@@ -33,60 +44,11 @@ from kvshm.shm.ring import Doorbell, Ring
 from kvshm.shm.segment import Segment
 from kvshm.transfer.spec import TransferResult, TransferSpec
 
-if TYPE_CHECKING:  # (the connector imports this module)
-    from kvshm.engine.connector import Job
-
+log = logging.getLogger(__name__)
 WORKER_LOCK_BASE = L.LOCK_CLIENT_BASE + 1024  # + slot: held by the channel's worker
 MAX_IDS_PER_FRAME = 2048  # bigger jobs travel in several frames, fewer where rings are small
 # A JobFrame's bytes besides its ids, and the most an id takes (msgpack: a 64-bit int)
 FRAME_OVERHEAD, ID_BYTES = 128, 9
-
-
-# Frozen, and every subclass says so again: type checkers do not inherit the option.
-class _Frame(msgspec.Struct, tag=True, array_like=True, frozen=True):
-    pass
-
-
-class JobFrame(_Frame, tag="Job", frozen=True):
-    job_id: int
-    kind: str
-    device: list[int]
-    segment: list[int]
-    last: bool = True  # False: more ids of this job follow in the next frame
-    skip: int | None = None  # TransferSpec.skip
-    writer_slot: int = -1  # Job.writer: the scheduler's manager slot (-1: none) ...
-    writer_gen: int = 0  # ... and its generation; the worker refuses a dead generation's job
-
-    def to_job(self) -> Job:
-        from kvshm.engine.connector import Job
-        writer = (self.writer_slot, self.writer_gen) if self.writer_slot >= 0 else None
-        kind = cast(Literal["store", "load"], self.kind)  # TransferSpec refuses any other
-        return Job(self.job_id, "", TransferSpec(kind, self.device, self.segment, self.skip),
-                   writer)
-
-
-class Flush(_Frame, frozen=True):
-    job_ids: list[int]
-
-
-class Stop(_Frame, frozen=True):
-    pass
-
-
-class Done(_Frame, frozen=True):
-    job_id: int
-    success: bool
-    nbytes: int = 0
-    seconds: float = 0.0
-
-
-class Attached(_Frame, frozen=True):
-    gen: int  # the channel's generation the worker attached to (its first frame)
-
-
-_encoder = msgspec.msgpack.Encoder()
-_to_worker = msgspec.msgpack.Decoder(JobFrame | Flush | Stop)
-_to_scheduler = msgspec.msgpack.Decoder(Done | Attached)
 
 
 class _Ends:
@@ -219,7 +181,7 @@ class SchedulerChannel:
             for i in range(parts):
                 sl = slice(i * n, (i + 1) * n)
                 if not self._send(JobFrame(job.job_id, spec.kind, dev[sl], seg[sl],
-                                           i == parts - 1, spec.skip, wslot, wgen)):
+                                           i == parts - 1, spec.skip, wslot, wgen, i)):
                     break  # the worker is gone: the job is already reported failed
 
     def flush(self, job_ids: Iterable[int]) -> None:
@@ -233,10 +195,10 @@ class SchedulerChannel:
         """Tell the worker to finish what it has and exit."""
         self._send(Stop())
 
-    def _send(self, frame: _Frame) -> bool:
+    def _send(self, frame: JobFrame | Flush | Stop) -> bool:
         if not self._check_worker():
             return False
-        ok = _put(self._ends.jobs, _encoder.encode(frame), self._check_worker, self._drain,
+        ok = _put(self._ends.jobs, encoder.encode(frame), self._check_worker, self._drain,
                   self.timeout)
         self._ends.jobs_bell.ring()
         return ok
@@ -245,7 +207,15 @@ class SchedulerChannel:
     def _drain(self) -> None:
         ring = self._ends.done
         while (frame := ring.try_get()) is not None:
-            d = _to_scheduler.decode(frame)
+            try:
+                d = to_scheduler.decode(frame)
+            except Exception as e:  # its job, if it names one, failed (DecodeError and more)
+                job_id, _ = named_job(frame, "Done")
+                log.error("kvshm: undecodable completion from the worker of job channel "
+                          "%d (%s); job %s counts as failed", self.slot, e, job_id)
+                if job_id is None:
+                    continue
+                d = Done(job_id, False)
             if isinstance(d, Attached):
                 self._worker_seen |= d.gen == self.gen
             elif self._outstanding.pop(d.job_id, None) is not None:
@@ -310,7 +280,7 @@ class WorkerChannel:
                 raise InvalidArgumentError(  # jobs it left were failed, their blocks reused
                     f"job channel {slot} generation {gen} had a worker already, which is "
                     "gone; its scheduler failed the jobs it left: open a new channel")
-            _put(self._ends.done, _encoder.encode(Attached(gen)), self.scheduler_alive)
+            _put(self._ends.done, encoder.encode(Attached(gen)), self.scheduler_alive)
             self._ends.done_bell.ring()
         except BaseException:  # its descriptor may hold the worker lock: close it
             if "_ends" in self.__dict__:
@@ -318,7 +288,7 @@ class WorkerChannel:
             self.seg.close()
             raise
         self._ends.jobs_bell.reset()
-        self._pending: dict[int, list[JobFrame]] = {}  # partial multi-frame jobs
+        self._reader = JobReader()
 
     def _check_channel(self) -> None:
         rec = slots.record(self.seg, self.slot)
@@ -341,23 +311,17 @@ class WorkerChannel:
         return rec.state == L.SlotState.CHANNEL and rec.gen == self.gen and \
             locks.is_held(self.seg.fd, L.LOCK_CLIENT_BASE + self.slot)
 
-    def recv(self, timeout: float) -> list[_Frame] | None:
-        """Frames waiting now (after up to ``timeout`` s); None once the scheduler is gone."""
+    def recv(self, timeout: float) -> list[JobFrame | Flush | Stop | Broken] | None:
+        """Frames waiting now (after up to ``timeout`` s), a job sent in several frames as one,
+        a frame it could not take as ``Broken``; None once the scheduler is gone."""
         ends = self._ends
         if not ends.jobs_bell.wait(timeout, ends.jobs.pending, spin_s=50e-6):
             return [] if self.scheduler_alive() else None
-        out: list[_Frame] = []
+        out: list[JobFrame | Flush | Stop | Broken] = []
         while (frame := ends.jobs.try_get()) is not None:
-            m = _to_worker.decode(frame)
-            if isinstance(m, JobFrame) and (not m.last or m.job_id in self._pending):
-                parts = self._pending.setdefault(m.job_id, [])
-                parts.append(m)
-                if not m.last:
-                    continue
-                del self._pending[m.job_id]
-                m = msgspec.structs.replace(m, device=[d for p in parts for d in p.device],
-                                            segment=[s for p in parts for s in p.segment])
-            out.append(m)
+            m = self._reader.read(frame)
+            if m is not None:
+                out.append(m)
         return out
 
     def send_done(self, results: Sequence[TransferResult]) -> bool:
@@ -365,7 +329,7 @@ class WorkerChannel:
         if not self.scheduler_alive():
             return False  # its slot may be someone else's soon: write nothing more
         for r in results:
-            frame = _encoder.encode(Done(r.job_id, r.success, r.nbytes, r.seconds))
+            frame = encoder.encode(Done(r.job_id, r.success, r.nbytes, r.seconds))
             if not _put(self._ends.done, frame, self.scheduler_alive, timeout=3600.0):
                 return False
         self._ends.done_bell.ring()

@@ -6,6 +6,8 @@ for) jobs whose device blocks are about to be reused, and reports ``(job_id, suc
 worker process, ``serve(channel)`` does the same for jobs arriving on a kvshm job channel.
 A job id reports once: a second job under an id whose copy still runs is dropped, so the
 scheduler never takes that refusal for the running job's end.
+A frame the channel could not read (``frames.Broken``) fails the job it names, if it names
+one, once every running copy has finished: it may have been a Flush.
 
 Stores are submitted when they arrive. The scheduler side sends a step's stores only after
 that step's KV was written (the ordering vLLM gets by deferring stores to the next step); on
@@ -34,8 +36,9 @@ from kvshm.shm import writers
 from kvshm.transfer.spec import TransferHandler, TransferResult
 
 if TYPE_CHECKING:
-    from kvshm.engine.channel import JobFrame, WorkerChannel
+    from kvshm.engine.channel import WorkerChannel
     from kvshm.engine.connector import Job
+    from kvshm.engine.frames import JobFrame
     from kvshm.shm.segment import Segment
 
 log = logging.getLogger(__name__)
@@ -105,6 +108,11 @@ class WorkerConnector:
             self._inflight.pop(job_id, None)
             self._failed.append(TransferResult(job_id, False, 0, 0.0, kind))
 
+    def _open(self) -> list[int]:
+        """Jobs the handler took and has not reported."""
+        with self._lock:
+            return list(self._running)
+
     def flush(self, job_ids: Iterable[int]) -> None:
         """Return once those jobs are finished (their device blocks may then be reused)."""
         self.handler.wait(list(job_ids))
@@ -157,7 +165,7 @@ class WorkerConnector:
         submission order and publishes their completions (it is the only producer of the
         completion ring, which is single-producer).
         """
-        from kvshm.engine.channel import Flush, JobFrame, Stop
+        from kvshm.engine.frames import Broken, Flush, JobFrame, Stop
         channel = channel or self.channel
         if channel is None:
             raise KvshmError("serve() needs a WorkerChannel")
@@ -182,6 +190,13 @@ class WorkerConnector:
                     elif isinstance(m, JobFrame):
                         self._submit_frame(m)  # refused if its scheduler is dead
                         todo.put(m.job_id)
+                    elif isinstance(m, Broken):
+                        # It may have been a Flush: copies still running may read or write
+                        # blocks the next jobs use, so they finish first.
+                        self.flush(self._open())
+                        if m.job_id is not None:
+                            self._fail(m.job_id, m.kind)
+                            todo.put(m.job_id)
                 self.retire()
         finally:
             todo.put(None)
