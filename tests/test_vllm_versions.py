@@ -53,7 +53,7 @@ def test_eviction_order_matches_vllm_033s_own_manager(vllm033_wheel):
     """The differential test of ``test_vllm.py`` against 0.33's ``CPUOffloadingManager`` and
     cache policies (from the wheel): LRU's provisional rank for running requests and the
     metadata-only removal of a failed store's keys included. Without the provisional ranks,
-    26 of the 60 LRU sequences differed."""
+    26 of 60 LRU sequences differed."""
     recency_diff(vllm033_wheel)
 
 
