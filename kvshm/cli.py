@@ -1,7 +1,7 @@
 """The ``kvshm`` command: run an owner in the foreground for people who want a daemon.
 
 This module owns only argument parsing for ``kvshm serve``; serving lives in ``kvshm.owner.server``.
-``kvshm mover`` (the host's lower-tier mover) is parsed and run by ``kvshm.tier.mover``.
+``kvshm mover`` (the host's lower-tier mover) is parsed and run by ``kvshm.tier.mover_cli``.
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
                     "pip install 'kvshm[mooncake]'. Example: kvshm mover mycache --master "
                     "10.0.0.1:50051 --metadata http://10.0.0.1:8080/metadata --local-host "
                     "10.0.0.2")
-    from kvshm.tier.mover import add_arguments, run_from_args
+    from kvshm.tier.mover_cli import add_arguments, run_from_args
     add_arguments(mover)
     args = ap.parse_args(argv)
     if args.cmd == "mover":
