@@ -152,6 +152,51 @@ def test_a_bad_value_never_becomes_ready(hosts, fault):
     assert fill(b, mb, KEYS) == len(KEYS)
 
 
+def _writing(seg) -> int:
+    from kvshm.shm import layout as L
+    from kvshm.shm.table import BlockTable
+    t = BlockTable(seg.buf, seg.geometry)
+    try:
+        return sum(t.read(b).state == L.WRITING for b in range(seg.geometry.num_blocks))
+    finally:
+        t.close()
+
+
+def test_a_fetch_whose_publish_fails_leaves_no_block_writing(hosts, monkeypatch):
+    # The mover published the good blocks of a fetch, then freed the bad ones: when the
+    # first call raised (the owner refuses a key a takeover dropped, after applying the
+    # rest), the second never ran, and the bad blocks stayed WRITING, out of the cache and
+    # "not yet" to every lookup, for as long as the mover lived.
+    from kvshm.errors import UnknownKeyError
+    fake, _, (b, mb) = keys_below(hosts)
+    bad = sorted(fake.values)[0]
+    fake.values[bad] = fake.values[bad][:-1] + bytes([fake.values[bad][-1] ^ 0xFF])
+    real = mb.mgr.complete_store
+
+    def then_refuse(keys, success=True, **kw):
+        real(keys, success, **kw)
+        if success:
+            raise UnknownKeyError("injected: one key of the batch was dropped by a takeover")
+    monkeypatch.setattr(mb.mgr, "complete_store", then_refuse)
+    assert b.lookup(KEYS) is None
+    mb.step()
+    assert counters(mb)["get_rejected"] == 1
+    assert _writing(mb.seg) == 0
+
+
+def test_a_fetch_whose_get_raises_leaves_no_block_writing(hosts, monkeypatch):
+    # A get that raises (here a KvshmError, which the mover's round logs and survives)
+    # left every block the fetch had prepared WRITING while the mover lived.
+    from kvshm.errors import TransferError
+    fake, _, (b, mb) = keys_below(hosts)
+
+    def fails(keys, buffers):
+        raise TransferError("injected: the get broke off")
+    monkeypatch.setattr(mb.tier, "get", fails)
+    assert b.lookup(KEYS) is None
+    mb.step()
+    assert _writing(mb.seg) == 0
+
 def test_another_layout_never_sees_the_blocks(hosts):
     _, _, (b, mb) = keys_below(hosts, layout=Layout((4096, 4096), 16, "another-model"))
     assert fill(b, mb, KEYS) == 0

@@ -177,32 +177,54 @@ class Mover:
         if not out or not out.keys_to_store:
             return len(keys)
         ks, bs = out.keys_to_store, out.block_ids
-        chunks = self._chunks(ks, bs)
+        try:
+            good, bad = self._get_all(ks, bs)
+        except BaseException:  # none may stay WRITING, out of the cache, while we live
+            self._free(ks)
+            raise
+        crash_point("mover.fill.after_get")
+        self._remember(ks)
+        published = False
+        try:
+            if good:
+                if self.sums is not None:  # the segment checks loads: give it the sums
+                    where = dict(zip(ks, bs))
+                    self.sums.store(np.array([where[k] for k in good]),
+                                    list(range(len(self.page))))
+                self.area.add("gets", len(good))  # counted first: whoever sees READY sees it
+                self.area.add("get_bytes", len(good) * self.block_bytes)
+                self.mgr.complete_store(good, True)
+            published = True
+        finally:  # also when publishing raised: it may have published some, or none
+            # (freeing a key that is READY is a no-op)
+            self._free(bad if published else bad + good)
+        return len(keys)
+
+    def _get_all(self, ks: list[bytes], bs: list[int]) -> tuple[list[bytes], list[bytes]]:
+        """Fetch ``ks`` into blocks ``bs`` and check them: (good keys, bad keys)."""
         good: list[bytes] = []
         bad: list[bytes] = []
         verifying = None
-        # Two stages: chunk i+1 travels while the helper thread checks chunk i (zlib and the
-        # transfer both release the GIL), in alternate halves of the header buffer.
-        for c, (ck, cb) in enumerate(chunks):
-            got = self.tier.get([api.tier_key(self.fp, k) for k in ck], self._buffers(cb, c % 2))
-            self.link.codes([g if g < 0 else 0 for g in got])
+        try:
+            # Two stages: chunk i+1 travels while the helper thread checks chunk i (zlib and
+            # the transfer both release the GIL), in alternate halves of the header buffer.
+            for c, (ck, cb) in enumerate(self._chunks(ks, bs)):
+                got = self.tier.get([api.tier_key(self.fp, k) for k in ck],
+                                    self._buffers(cb, c % 2))
+                self.link.codes([g if g < 0 else 0 for g in got])
+                if verifying is not None:
+                    verifying.result()
+                    verifying = None
+                verifying = self._pool.submit(self._check_chunk, c % 2, ck, cb, got, good,
+                                              bad)
+        finally:  # nothing may still read the blocks once we return (or free them)
             if verifying is not None:
                 verifying.result()
-            verifying = self._pool.submit(self._check_chunk, c % 2, ck, cb, got, good, bad)
-        if verifying is not None:
-            verifying.result()
-        crash_point("mover.fill.after_get")
-        self._remember(ks)
-        if good:
-            if self.sums is not None:  # the segment checks loads: give it the pages' sums
-                where = dict(zip(ks, bs))
-                self.sums.store(np.array([where[k] for k in good]), list(range(len(self.page))))
-            self.area.add("gets", len(good))  # counted first: whoever sees READY sees it counted
-            self.area.add("get_bytes", len(good) * self.block_bytes)
-            self.mgr.complete_store(good, True)
-        if bad:
-            self.mgr.complete_store(bad, False)
-        return len(keys)
+        return good, bad
+
+    def _free(self, keys: list[bytes]) -> None:
+        if keys:
+            self.mgr.complete_store(keys, False)
 
     def _check_chunk(self, half: int, ks: list[bytes], bs: list[int], got: list[int],
                      good: list[bytes], bad: list[bytes]) -> None:
