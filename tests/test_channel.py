@@ -735,3 +735,70 @@ def test_an_undecodable_completion_fails_the_job_it_names_and_the_scheduler_read
                   msgspec.msgpack.encode(ch.Done(6, True))):
         assert ch._put(channel._ends.done, frame, lambda: True)
     assert sorted((d.job_id, d.success) for d in channel.poll()) == [(5, False), (6, True)]
+
+
+def test_a_job_whose_last_part_is_lost_fails_and_copies_none_of_its_parts(channel, monkeypatch):
+    # A lost middle frame broke its job, but a lost last frame (undecodable, naming no job)
+    # left the parts that came waiting for it forever: the job neither ran nor failed, and
+    # the scheduler waited on it (its store blocks stayed WRITING, its load pins held).
+    from kvshm.engine.connector import Job
+    from kvshm.transfer.spec import TransferSpec
+    monkeypatch.setattr(ch, "MAX_IDS_PER_FRAME", 1)
+    send, frames = channel._send, []
+
+    def lose_the_last_part(frame):
+        frames.append(frame)
+        if isinstance(frame, ch.JobFrame) and frame.job_id == 7 and frame.last:
+            ok = ch._put(channel._ends.jobs, b"\xc1", channel._check_worker)
+            channel._ends.jobs_bell.ring()
+            return ok
+        return send(frame)
+    seg = channel.seg
+    with _a_worker_serving(channel, _filled_device()):
+        monkeypatch.setattr(channel, "_send", lose_the_last_part)
+        channel.send([Job(7, "r", TransferSpec("store", [0, 1, 2], [2, 3, 4]))])
+        monkeypatch.setattr(channel, "_send", send)
+        channel.send([Job(8, "r", TransferSpec("store", [3], [5]))])
+        assert sorted((d.job_id, d.success) for d in channel.wait([7, 8], timeout=20)) == [
+            (7, False), (8, True)]
+        planes = seg.torch_planes()
+        assert all(not bool(p[b].any()) for p in planes for b in (2, 3, 4))
+        assert channel.worker_alive()
+
+
+def _completions_on_the_wire(channel, seconds: float) -> list:
+    """Every (job id, success) the worker publishes within ``seconds``, duplicates kept
+    (the scheduler's own reading keeps the first report of a job only)."""
+    from kvshm.engine.frames import Done, to_scheduler
+    got: list = []
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if (frame := channel._ends.done.try_get()) is None:
+            time.sleep(0.01)
+        elif isinstance(d := to_scheduler.decode(frame), Done):
+            got.append((d.job_id, d.success))
+    return got
+
+
+def test_a_job_with_two_parts_lost_is_reported_failed_once(channel, monkeypatch):
+    # Every undecodable frame naming a job broke it again, even a job already broken (and
+    # reported): two lost parts of one job, two failures reported for it.
+    import msgspec
+
+    from kvshm.engine.connector import Job
+    from kvshm.transfer.spec import TransferSpec
+    monkeypatch.setattr(ch, "MAX_IDS_PER_FRAME", 1)
+    send = channel._send
+
+    def lose_the_later_parts(frame):
+        if isinstance(frame, ch.JobFrame) and frame.job_id == 7 and frame.part > 0:
+            ok = ch._put(channel._ends.jobs, msgspec.msgpack.encode(
+                ["Job", 7, "store", "not a list", [2], frame.last, None, -1, 0, frame.part]),
+                channel._check_worker)
+            channel._ends.jobs_bell.ring()
+            return ok
+        return send(frame)
+    with _a_worker_serving(channel, _filled_device()):
+        monkeypatch.setattr(channel, "_send", lose_the_later_parts)
+        channel.send([Job(7, "r", TransferSpec("store", [0, 1, 2], [2, 3, 4]))])
+        assert _completions_on_the_wire(channel, 3.0) == [(7, False)]

@@ -319,9 +319,7 @@ class WorkerChannel:
             return [] if self.scheduler_alive() else None
         out: list[JobFrame | Flush | Stop | Broken] = []
         while (frame := ends.jobs.try_get()) is not None:
-            m = self._reader.read(frame)
-            if m is not None:
-                out.append(m)
+            out += self._reader.read(frame)
         return out
 
     def send_done(self, results: Sequence[TransferResult]) -> bool:

@@ -6,7 +6,9 @@ tagged, array_like: a frame is ``[tag, field, ...]``) and the worker's reading o
 read into ``Broken`` (a job to fail, never to run).
 
 It must never hand the worker a job with blocks missing: a job whose frames arrive with a gap
-(one lost to an undecodable frame) is broken, and every later frame of it is dropped; never
+(one lost to an undecodable frame) is broken, and every later frame of it is dropped; a frame
+naming no job breaks every job still being joined (it may have been any one's next or last
+part: none may wait for it forever); a broken job is handed over once; never
 raise on a frame, whatever its bytes; and never guess a job id a frame does not carry.
 It knows nothing about what jobs mean, and nothing about rings or liveness (``channel``).
 """
@@ -102,30 +104,42 @@ class JobReader:
         self._parts: dict[int, list[JobFrame]] = {}  # job id -> its frames so far
         self._broken: set[int] = set()  # jobs failed for a lost part: drop what follows
 
-    def read(self, frame: bytes) -> JobFrame | Flush | Stop | Broken | None:
-        """What ``frame`` adds: a whole job, another frame, a Broken job, or None (a part)."""
+    def read(self, frame: bytes) -> list[JobFrame | Flush | Stop | Broken]:
+        """What ``frame`` adds: a whole job, another frame, Broken jobs, or nothing (a part,
+        or a frame of a job already broken)."""
         try:
             m = to_worker.decode(frame)
         except Exception as e:  # DecodeError, ValidationError, UnicodeDecodeError, ...
             job_id, kind = named_job(frame, "Job")
-            return self._break(job_id, kind, f"undecodable frame ({e})")
+            why = f"undecodable frame ({e})"
+            if job_id is None:  # it may have been the next (or last) part of any job being
+                # joined: none of them can be whole now, nor may it wait for that part forever
+                joining = list(self._parts.items())
+                out: list[JobFrame | Flush | Stop | Broken] = [self._break(None, kind, why)]
+                return out + [
+                    self._break(j, parts[0].kind, f"a frame naming no job came after "
+                                                  f"{len(parts)} of its frames")
+                    for j, parts in joining]
+            if job_id in self._broken:
+                return []  # failed already: fail it once
+            return [self._break(job_id, kind, why)]
         if not isinstance(m, JobFrame):
-            return m
+            return [m]
         if m.job_id in self._broken:
-            return None
+            return []
         parts = self._parts.get(m.job_id, [])
         if m.part != len(parts):
-            return self._break(m.job_id, m.kind, f"frame {m.part} of the job came after "
-                                                 f"{len(parts)} of its frames")
+            return [self._break(m.job_id, m.kind, f"frame {m.part} of the job came after "
+                                                  f"{len(parts)} of its frames")]
         if m.last and not parts:
-            return m
+            return [m]
         parts.append(m)
         self._parts[m.job_id] = parts
         if not m.last:
-            return None
+            return []
         del self._parts[m.job_id]
-        return msgspec.structs.replace(m, device=[d for p in parts for d in p.device],
-                                       segment=[s for p in parts for s in p.segment])
+        return [msgspec.structs.replace(m, device=[d for p in parts for d in p.device],
+                                        segment=[s for p in parts for s in p.segment])]
 
     def _break(self, job_id: int | None, kind: str, why: str) -> Broken:
         if job_id is not None:
