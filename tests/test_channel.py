@@ -766,6 +766,20 @@ def test_a_job_whose_last_part_is_lost_fails_and_copies_none_of_its_parts(channe
         assert channel.worker_alive()
 
 
+def test_a_job_id_sent_again_after_its_job_was_refused_reports_once_and_copies_nothing(
+        channel):
+    # A job the handler refused waits in the worker's failures until the reporter takes
+    # them; a second job under its id, arriving meanwhile, was not taken for a duplicate and
+    # ran: the worker reported the id failed (the scheduler frees the blocks) while the
+    # second copy went on writing them, then reported it done as well.
+    seg = channel.seg
+    with _a_worker_serving(channel, _filled_device()):
+        assert channel._send(ch.JobFrame(5, "store", [99], [2]))  # no device block 99
+        assert channel._send(ch.JobFrame(5, "store", [1], [2]))
+        assert _completions_on_the_wire(channel, 3.0) == [(5, False)]
+        assert all(not bool(p[2].any()) for p in seg.torch_planes())
+
+
 def _completions_on_the_wire(channel, seconds: float) -> list:
     """Every (job id, success) the worker publishes within ``seconds``, duplicates kept
     (the scheduler's own reading keeps the first report of a job only)."""

@@ -4,8 +4,9 @@ This module owns the worker's half of the job protocol: it submits jobs to a tra
 (a job the handler refuses fails cleanly instead of raising into the engine), flushes (waits
 for) jobs whose device blocks are about to be reused, and reports ``(job_id, success)``. In a
 worker process, ``serve(channel)`` does the same for jobs arriving on a kvshm job channel.
-A job id reports once: a second job under an id whose copy still runs is dropped, so the
-scheduler never takes that refusal for the running job's end.
+A job id reports once: a second job under an id whose copy still runs, or whose failure is
+not yet reported, is dropped, so the scheduler never takes that refusal for the running job's
+end, nor a failure for a job whose copy then runs.
 A frame the channel could not read (``frames.Broken``) fails the job it names, if it names
 one, once every running copy has finished: it may have been a Flush.
 
@@ -67,10 +68,11 @@ class WorkerConnector:
     def submit(self, jobs: Iterable[Job]) -> None:
         """Queue jobs on the handler; one it rejects is reported failed by the next poll."""
         for job in jobs:
-            with self._lock:
-                taken = job.job_id in self._running
+            with self._lock:  # running, or failed and not yet reported: that report stands
+                taken = job.job_id in self._running or \
+                    any(r.job_id == job.job_id for r in self._failed)
             if taken:
-                log.error("kvshm worker: job %d came again while it runs; the second is "
+                log.error("kvshm worker: job %d came again before its report; the second is "
                           "dropped (job ids must be unique among unfinished jobs)", job.job_id)
                 continue
             writer = getattr(job, "writer", None)
@@ -121,9 +123,10 @@ class WorkerConnector:
         """Finished jobs since the last call, with sizes and times."""
         with self._lock:
             out, self._failed = self._failed, []
-        out += self.handler.get_finished()
-        with self._lock:
-            self._running.difference_update(r.job_id for r in out)
+        finished = self.handler.get_finished()
+        with self._lock:  # (a failure is never of a running job: its id may run again now)
+            self._running.difference_update(r.job_id for r in finished)
+        out += finished
         if self._writers is not None:
             with self._lock:  # finished copies no longer write: their writers may retire
                 for r in out:
