@@ -611,32 +611,74 @@ def test_bench_vllm_json_prints_one_json_object_on_stdout():
 
 
 # --- the spec's failure paths, in a vLLM process of their own --------------------------------
-@contextlib.contextmanager
-def failed_spec_call(case: str, name: str, log: Path):
-    """Run ``vllm_support/spec_failures.py CASE NAME`` (a spec call that fails); yield the
-    process and what it reported while it waits, after the failure, for a line on stdin."""
+@pytest.fixture(scope="module")
+def spec_cases(vllm_venv, tmp_path_factory):
+    """``vllm_support/spec_failures.py``: one process that imports vLLM once and forks a child
+    for each case (a vLLM import is most of a case's time)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(REPO)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    log = tmp_path_factory.mktemp("spec-failures") / "log"
     with open(log, "w") as err:
-        proc = subprocess.Popen([VLLM_PY, str(REPO / "tests/vllm_support/spec_failures.py"),
-                                 case, name], cwd=REPO, env=env, text=True, stderr=err,
+        proc = subprocess.Popen([VLLM_PY, str(REPO / "tests/vllm_support/spec_failures.py")],
+                                cwd=REPO, env=env, text=True, stderr=err,
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    yield proc, log
+    proc.stdin.close()  # its end of input: it exits
     try:
-        yield proc, next_report(proc, log)
+        proc.wait(60)
     finally:
         if proc.poll() is None:
             proc.kill()
-        proc.wait()
-        proc.stdin.close()
+            proc.wait()
         proc.stdout.close()
 
 
-def next_report(proc: subprocess.Popen, log: Path) -> dict:
-    """The next JSON line the process prints (vLLM may log to stdout too)."""
-    for line in proc.stdout:
-        if line.startswith("{"):
-            return json.loads(line)
-    raise AssertionError(f"exited with {proc.wait()}:\n{log.read_text()[-4000:]}")
+class SpecCall:
+    """One case's child: ``pid``, what it ``report``ed, and the way to talk to it."""
+
+    def __init__(self, cases: tuple, case: str, name: str):
+        self._proc, self._log = cases
+        self._proc.stdin.write(f"{case} {name}\n")
+        self._proc.stdin.flush()
+        self.report = self.next()
+        self.pid: int = self.report["pid"]
+        self.exit: int | None = None
+
+    def next(self) -> dict:
+        """The next JSON line printed (vLLM may log to stdout too)."""
+        for line in self._proc.stdout:
+            if line.startswith("{"):
+                return json.loads(line)
+        raise AssertionError(f"exited with {self._proc.wait()}:\n"
+                             f"{self._log.read_text()[-4000:]}")
+
+    def go_on(self) -> None:
+        self._proc.stdin.write("\n")
+        self._proc.stdin.flush()
+
+    def wait(self) -> int:
+        """The child's exit status, once it is gone."""
+        while self.exit is None:
+            if "exit" in (r := self.next()):
+                self.exit = r["exit"]
+        return self.exit
+
+    def end(self) -> None:
+        if self.exit is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+            self.wait()
+
+
+@contextlib.contextmanager
+def failed_spec_call(cases: tuple, case: str, name: str):
+    """Run ``case`` (a spec call that fails) in a child of ``cases``; yield it while it waits,
+    after the failure, for a line on stdin."""
+    call = SpecCall(cases, case, name)
+    try:
+        yield call
+    finally:
+        call.end()
 
 
 def segment_handles(pid: int, name: str) -> list[str]:
@@ -657,48 +699,48 @@ def segment_handles(pid: int, name: str) -> list[str]:
 @needs_vllm
 @pytest.mark.parametrize("case", ["worker_core", "worker_plane"],
                          ids=["kv_tensors_refused", "rank_without_plane"])
-def test_a_failed_get_worker_leaves_nothing_of_the_segment_open(case, seg_name, tmp_path):
+def test_a_failed_get_worker_leaves_nothing_of_the_segment_open(case, seg_name, spec_cases):
     """A ``get_worker`` that fails after it opened the segment (``WorkerCore`` refuses the KV
     tensors, or the segment has no plane for this rank) closes the segment and the writer
     registrations' descriptor before it raises; otherwise both stay open in the engine
     process until it exits."""
-    with failed_spec_call(case, seg_name, tmp_path / "log") as (proc, report):
-        assert report["raised"].startswith(
-            "InvalidArgumentError" if case == "worker_core" else "IndexError"), report
-        assert segment_handles(proc.pid, seg_name) == []
+    with failed_spec_call(spec_cases, case, seg_name) as call:
+        assert call.report["raised"].startswith(
+            "InvalidArgumentError" if case == "worker_core" else "IndexError"), call.report
+        assert segment_handles(call.pid, seg_name) == []
 
 
 @pytest.mark.e2e
 @needs_vllm
-def test_a_spec_whose_get_worker_failed_builds_its_worker_when_asked_again(seg_name, tmp_path):
+def test_a_spec_whose_get_worker_failed_builds_its_worker_when_asked_again(seg_name,
+                                                                          spec_cases):
     """After a failed ``get_worker`` the same spec builds a worker for KV tensors that fit,
     and that worker copies a block into the segment and back: the failure left no half-built
     worker behind, nor anything that keeps a new one from opening the segment."""
-    with failed_spec_call("worker_again", seg_name, tmp_path / "log") as (proc, report):
-        assert report["raised"].startswith("InvalidArgumentError"), report
-        proc.stdin.write("\n")
-        proc.stdin.flush()
-        assert next_report(proc, tmp_path / "log") == {"built": True}
-        assert proc.wait() == 0
+    with failed_spec_call(spec_cases, "worker_again", seg_name) as call:
+        assert call.report["raised"].startswith("InvalidArgumentError"), call.report
+        call.go_on()
+        assert call.next() == {"built": True}
+        assert call.wait() == 0
 
 
 @pytest.mark.e2e
 @needs_vllm
-def test_a_failed_get_manager_gives_its_client_slot_back(tmp_path):
+def test_a_failed_get_manager_gives_its_client_slot_back(spec_cases):
     """A ``get_manager`` that fails after ``connect`` returned (here its ``TieredManager``
     raises) shuts that client down before it raises: its client slot is free again and
     nothing of the segment stays open. Otherwise the engine process held a client slot of
     the segment (and the owner's resources for it) until it exited."""
     name = unique_name()
     try:
-        with failed_spec_call("manager", name, tmp_path / "log") as (proc, report):
-            assert report["raised"] == "RuntimeError: injected: building the tiered manager " \
-                                       "failed", report
+        with failed_spec_call(spec_cases, "manager", name) as call:
+            assert call.report["raised"] == "RuntimeError: injected: building the tiered " \
+                                            "manager failed", call.report
             with Segment.attach(name) as seg:
                 mine = [(c["slot"], c["state"], c["alive"]) for c in snapshot(seg)["clients"]
-                        if c["pid"] == proc.pid]
+                        if c["pid"] == call.pid]
             assert mine == []  # (slot, state, alive) of each client slot it holds
-            assert segment_handles(proc.pid, name) == []
+            assert segment_handles(call.pid, name) == []
     finally:
         remove_segment(name)
 

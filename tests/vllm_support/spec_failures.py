@@ -1,12 +1,17 @@
 """``KvshmOffloadingSpec`` calls that fail, in a process of their own (the vLLM venv's).
 
-Run as ``python spec_failures.py CASE SEGMENT``: it builds a spec of segment ``SEGMENT`` from a
-vLLM ``OffloadingConfig`` (tiny: 2 KV tensors of 256-byte pages, 64 blocks), makes one call
-fail, and prints one JSON line, ``{"pid": ..., "raised": "ErrorType: message"}``. Then it waits
-for a line on stdin, so that the test can look at this process from outside while the failed
-call's leftovers (descriptors, mappings, a client slot) would still be alive; with CASE
-``worker_again`` it then asks the same spec for its worker again, with KV tensors that fit, and
-prints ``{"built": true}`` once that worker has copied a block into the segment and back.
+Run as ``python spec_failures.py``: it imports torch, vLLM and kvshm's spec once (most of a
+case's time), then reads lines ``CASE SEGMENT`` from stdin and runs each case in a child
+forked for it (so that each starts from a process no other case touched). The child builds a
+spec of segment ``SEGMENT`` from a vLLM ``OffloadingConfig`` (tiny: 2 KV tensors of 256-byte
+pages, 64 blocks), makes one call fail, and prints one JSON line, ``{"pid": ..., "raised":
+"ErrorType: message"}``. Then it waits for a line on stdin, so that the test can look at the
+child from outside while the failed call's leftovers (descriptors, mappings, a client slot)
+would still be alive; with CASE ``worker_again`` it then asks the same spec for its worker
+again, with KV tensors that fit, and prints ``{"built": true}`` once that worker has copied a
+block into the segment and back. Once the child is gone (it ended, or the test killed it),
+the parent prints ``{"exit": STATUS}`` (``os.waitstatus_to_exitcode``) and reads the next line.
+Both read stdin a byte at a time: neither may buffer a line meant for the other.
 
 The cases:
 
@@ -22,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import traceback
 from typing import Any
 
 PAGE = 256  # bytes of one block of one KV tensor
@@ -65,7 +71,7 @@ def main(case: str, segment: str) -> None:
     else:
         raise SystemExit(f"{case}: nothing was raised")
     print(json.dumps({"pid": os.getpid(), "raised": raised}), flush=True)
-    sys.stdin.readline()  # the test looks at this process meanwhile
+    _line()  # the test looks at this process meanwhile
     if case == "worker_again":
         kv = caches(PAGE)
         worker = spec.get_worker(kv)
@@ -83,5 +89,36 @@ def main(case: str, segment: str) -> None:
         print(json.dumps({"built": True}), flush=True)
 
 
+def _line() -> str:
+    """One line of stdin, read without reading ahead ("" at its end)."""
+    out = b""
+    while (c := os.read(0, 1)) and c != b"\n":
+        out += c
+    return out.decode() if c or out else ""
+
+
+def serve() -> None:
+    import torch  # noqa: F401  (what every case imports: once, before any fork)
+    from vllm.v1.kv_offload import base, config  # noqa: F401
+
+    from kvshm.integrations.vllm import spec  # noqa: F401
+    while line := _line():
+        case, segment = line.split()
+        sys.stdout.flush()
+        if (pid := os.fork()) == 0:
+            code = 1
+            try:
+                main(case, segment)
+                code = 0
+            except BaseException:  # (SystemExit too: its message is the reason)
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)  # not the parent's exit handlers
+        _, status = os.waitpid(pid, 0)
+        print(json.dumps({"exit": os.waitstatus_to_exitcode(status)}), flush=True)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    serve()
