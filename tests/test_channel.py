@@ -749,19 +749,22 @@ def test_a_job_id_sent_again_after_its_job_was_refused_reports_once_and_copies_n
     with _a_worker_serving(channel, _filled_device()):
         assert channel._send(ch.JobFrame(5, "store", [99], [2]))  # no device block 99
         assert channel._send(ch.JobFrame(5, "store", [1], [2]))
-        assert _completions_on_the_wire(channel, 3.0) == [(5, False)]
+        assert channel._send(ch.JobFrame(9, "store", [3], [5]))  # the end of the reports
+        assert _completions_on_the_wire(channel, 9) == [(5, False), (9, True)]
         assert all(not bool(p[2].any()) for p in seg.torch_planes())
 
 
-def _completions_on_the_wire(channel, seconds: float) -> list:
-    """Every (job id, success) the worker publishes within ``seconds``, duplicates kept
-    (the scheduler's own reading keeps the first report of a job only)."""
+def _completions_on_the_wire(channel, last: int) -> list:
+    """Every (job id, success) the worker publishes up to job ``last``'s, duplicates kept (the
+    scheduler's own reading keeps a job's first report only). The worker reports jobs in the
+    order it took them, so a job sent last marks the end of what came before it."""
     from kvshm.engine.frames import Done, to_scheduler
     got: list = []
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
+    deadline = time.monotonic() + 60
+    while not got or got[-1][0] != last:
+        assert time.monotonic() < deadline, f"no report of job {last}; got {got}"
         if (frame := channel._ends.done.try_get()) is None:
-            time.sleep(0.01)
+            time.sleep(0.01)  # (polling the ring: the test's own end of it)
         elif isinstance(d := to_scheduler.decode(frame), Done):
             got.append((d.job_id, d.success))
     return got
@@ -788,4 +791,6 @@ def test_a_job_with_two_parts_lost_is_reported_failed_once(channel, monkeypatch)
     with _a_worker_serving(channel, _filled_device()):
         monkeypatch.setattr(channel, "_send", lose_the_later_parts)
         channel.send([Job(7, "r", TransferSpec("store", [0, 1, 2], [2, 3, 4]))])
-        assert _completions_on_the_wire(channel, 3.0) == [(7, False)]
+        monkeypatch.setattr(channel, "_send", send)
+        channel.send([Job(8, "r", TransferSpec("store", [3], [5]))])  # the end of the reports
+        assert _completions_on_the_wire(channel, 8) == [(7, False), (8, True)]
