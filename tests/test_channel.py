@@ -501,38 +501,11 @@ def test_a_job_of_many_blocks_travels_over_the_smallest_rings(seg_name):
         sc.close()
 
 
-def test_a_job_frame_of_an_unknown_kind_fails_that_job_and_the_worker_serves_on(channel):
-    # The worker built the job (TransferSpec) outside the guard that turns a refused job into
-    # a failed one: a frame whose kind is neither store nor load raised out of its serve
-    # loop, the worker process died, and every other job on the channel failed with it.
-    from kvshm.engine.connector import Job
-    from kvshm.transfer.spec import TransferSpec
-    parent, child = CTX.Pipe()
-    dev = [torch.zeros(4, PAGE, dtype=torch.uint8).share_memory_() for _ in range(2)]
-    p = CTX.Process(target=_serve, args=(channel.address, dev, child, False), daemon=True)
-    p.start()
-    try:
-        channel.wait_worker(timeout=120, starting=p.is_alive)
-        channel._outstanding[5] = "store"
-        assert channel._send(ch.JobFrame(5, "copy", [1], [2]))
-        channel.send([Job(6, "r", TransferSpec("store", [1], [2]))])
-        assert sorted((d.job_id, d.success) for d in channel.wait([5, 6], timeout=60)) == [
-            (5, False), (6, True)]
-        assert channel.worker_alive()
-    finally:
-        with contextlib.suppress(Exception):
-            channel.stop()
-        p.join(30)
-        if p.is_alive():
-            p.kill()
-            p.join()
-
-
 @contextlib.contextmanager
-def _a_worker_serving(channel, dev):
-    """A spawned worker process serving ``channel`` with a CPU handler over ``dev``."""
-    parent, child = CTX.Pipe()
-    p = CTX.Process(target=_serve, args=(channel.address, dev, child, False), daemon=True)
+def _worker(channel, target, *args):
+    """A spawned process running ``target(channel.address, *args)``, the channel's worker,
+    told to stop on the way out (and killed if it does not)."""
+    p = CTX.Process(target=target, args=(channel.address, *args), daemon=True)
     p.start()
     try:
         channel.wait_worker(timeout=120, starting=p.is_alive)
@@ -546,8 +519,31 @@ def _a_worker_serving(channel, dev):
             p.join()
 
 
+@contextlib.contextmanager
+def _a_worker_serving(channel, dev):
+    """A worker process serving ``channel`` with a CPU handler over ``dev``."""
+    parent, child = CTX.Pipe()
+    with _worker(channel, _serve, dev, child, False) as p:
+        yield p
+
+
 def _filled_device() -> list:
     return [torch.full((4, PAGE), 7, dtype=torch.uint8).share_memory_() for _ in range(2)]
+
+
+def test_a_job_frame_of_an_unknown_kind_fails_that_job_and_the_worker_serves_on(channel):
+    # The worker built the job (TransferSpec) outside the guard that turns a refused job into
+    # a failed one: a frame whose kind is neither store nor load raised out of its serve
+    # loop, the worker process died, and every other job on the channel failed with it.
+    from kvshm.engine.connector import Job
+    from kvshm.transfer.spec import TransferSpec
+    with _a_worker_serving(channel, _filled_device()):
+        channel._outstanding[5] = "store"
+        assert channel._send(ch.JobFrame(5, "copy", [1], [2]))
+        channel.send([Job(6, "r", TransferSpec("store", [1], [2]))])
+        assert sorted((d.job_id, d.success) for d in channel.wait([5, 6], timeout=60)) == [
+            (5, False), (6, True)]
+        assert channel.worker_alive()
 
 
 def test_an_undecodable_job_frame_fails_that_job_and_the_worker_serves_on(channel):
@@ -647,26 +643,18 @@ def test_a_job_id_sent_again_while_its_job_runs_leaves_that_jobs_report_alone(ch
     from kvshm.transfer.spec import TransferSpec
     parent, child = CTX.Pipe()
     go = CTX.Event()
-    p = CTX.Process(target=_serve_held, args=(channel.address, child, go), daemon=True)
-    p.start()
-    try:
-        channel.wait_worker(timeout=120, starting=p.is_alive)
-        channel.send([Job(5, "r", TransferSpec("store", [1], [2]))])
-        assert parent.recv() == ("took", 5)
-        assert channel._send(ch.JobFrame(5, "store", [1], [3]))
-        channel.send([Job(6, "r", TransferSpec("store", [2], [4]))])
-        assert parent.recv() == ("took", 6)  # the worker has read the second job 5
-        go.set()
-        assert sorted((d.job_id, d.success) for d in channel.wait([5, 6], timeout=60)) == [
-            (5, True), (6, True)]
-    finally:
-        go.set()
-        with contextlib.suppress(Exception):
-            channel.stop()
-        p.join(30)
-        if p.is_alive():
-            p.kill()
-            p.join()
+    with _worker(channel, _serve_held, child, go):
+        try:
+            channel.send([Job(5, "r", TransferSpec("store", [1], [2]))])
+            assert parent.recv() == ("took", 5)
+            assert channel._send(ch.JobFrame(5, "store", [1], [3]))
+            channel.send([Job(6, "r", TransferSpec("store", [2], [4]))])
+            assert parent.recv() == ("took", 6)  # the worker has read the second job 5
+            go.set()
+            assert sorted((d.job_id, d.success) for d in channel.wait([5, 6], timeout=60)) \
+                == [(5, True), (6, True)]
+        finally:
+            go.set()  # (its copies end: it can stop)
 
 
 class _Lines:
