@@ -154,12 +154,8 @@ def test_a_bad_value_never_becomes_ready(hosts, fault):
 
 def _writing(seg) -> int:
     from kvshm.shm import layout as L
-    from kvshm.shm.table import BlockTable
-    t = BlockTable(seg.buf, seg.geometry)
-    try:
-        return sum(t.read(b).state == L.WRITING for b in range(seg.geometry.num_blocks))
-    finally:
-        t.close()
+    from test_shared import states
+    return states(seg).count(L.WRITING)
 
 
 def test_a_fetch_whose_publish_fails_leaves_no_block_writing(hosts, monkeypatch):
