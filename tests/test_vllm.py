@@ -634,7 +634,9 @@ def spec_cases(vllm_venv, tmp_path_factory):
 
 
 class SpecCall:
-    """One case's child: ``pid``, what it ``report``ed, and the way to talk to it."""
+    """Run ``case`` (a spec call that fails) in a child of ``cases``; as a context, the child
+    while it waits, after the failure, for a line on stdin: its ``pid``, what it
+    ``report``ed, and the way to talk to it. Killed on the way out if it still runs."""
 
     def __init__(self, cases: tuple, case: str, name: str):
         self._proc, self._log = cases
@@ -663,22 +665,14 @@ class SpecCall:
                 self.exit = r["exit"]
         return self.exit
 
-    def end(self) -> None:
+    def __enter__(self) -> SpecCall:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
         if self.exit is None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, signal.SIGKILL)
             self.wait()
-
-
-@contextlib.contextmanager
-def failed_spec_call(cases: tuple, case: str, name: str):
-    """Run ``case`` (a spec call that fails) in a child of ``cases``; yield it while it waits,
-    after the failure, for a line on stdin."""
-    call = SpecCall(cases, case, name)
-    try:
-        yield call
-    finally:
-        call.end()
 
 
 def segment_handles(pid: int, name: str) -> list[str]:
@@ -704,7 +698,7 @@ def test_a_failed_get_worker_leaves_nothing_of_the_segment_open(case, seg_name, 
     tensors, or the segment has no plane for this rank) closes the segment and the writer
     registrations' descriptor before it raises; otherwise both stay open in the engine
     process until it exits."""
-    with failed_spec_call(spec_cases, case, seg_name) as call:
+    with SpecCall(spec_cases, case, seg_name) as call:
         assert call.report["raised"].startswith(
             "InvalidArgumentError" if case == "worker_core" else "IndexError"), call.report
         assert segment_handles(call.pid, seg_name) == []
@@ -717,7 +711,7 @@ def test_a_spec_whose_get_worker_failed_builds_its_worker_when_asked_again(seg_n
     """After a failed ``get_worker`` the same spec builds a worker for KV tensors that fit,
     and that worker copies a block into the segment and back: the failure left no half-built
     worker behind, nor anything that keeps a new one from opening the segment."""
-    with failed_spec_call(spec_cases, "worker_again", seg_name) as call:
+    with SpecCall(spec_cases, "worker_again", seg_name) as call:
         assert call.report["raised"].startswith("InvalidArgumentError"), call.report
         call.go_on()
         assert call.next() == {"built": True}
@@ -733,7 +727,7 @@ def test_a_failed_get_manager_gives_its_client_slot_back(spec_cases):
     the segment (and the owner's resources for it) until it exited."""
     name = unique_name()
     try:
-        with failed_spec_call(spec_cases, "manager", name) as call:
+        with SpecCall(spec_cases, "manager", name) as call:
             assert call.report["raised"] == "RuntimeError: injected: building the tiered " \
                                             "manager failed", call.report
             with Segment.attach(name) as seg:
