@@ -14,8 +14,6 @@ import contextlib
 import os
 import signal
 import struct
-import subprocess
-import sys
 
 import procs
 import pytest
@@ -459,10 +457,7 @@ def test_a_successor_dying_as_it_frees_what_a_dead_owner_left_mid_rewrite_leaves
     served the old key from the new key's bytes. An entry stays odd until it is freed."""
     a, b = pair
     _, old, _ = publish_torn_over_a_claim(a, clear_writer=True)
-    env = dict(os.environ, KVSHM_CRASH_AT="owner.rebuild.torn")
-    successor = subprocess.Popen([sys.executable, "-m", "kvshm.owner", a.segment.name],
-                                 env=env, stdin=subprocess.DEVNULL)
-    assert successor.wait(timeout=60) == -signal.SIGKILL  # dead at the point
+    a_successor_dies_at(a.segment.name, "owner.rebuild.torn")
     b.take_events()  # the call starts the next owner, which rebuilds from the table
     assert b.lookup([old]) == 0  # its bytes are the new key's
 
@@ -518,6 +513,21 @@ def assert_served_to_a_newcomer(mgr, key: bytes) -> None:
     finally:
         c.shutdown()
 
+
+
+def assert_each_served(mgr, keys: list[bytes]) -> None:
+    """``mgr`` finds every key and loads its own bytes, then lets its leases go."""
+    for key in keys:
+        assert mgr.lookup([key]) == 1
+        assert procs.check(mgr.segment.planes(), mgr.prepare_load([key])[0], key)
+        mgr.complete_load([key])
+    mgr.release()
+
+
+def a_successor_dies_at(name: str, point: str) -> None:
+    """A successor owner armed at crash point ``point`` starts, takes over, and dies there."""
+    from test_crash_walk import owner_proc_no_wait
+    assert owner_proc_no_wait(name, point).wait(timeout=60) == -signal.SIGKILL
 
 def _held_elsewhere(mgr, key: bytes, blk: int) -> bool:
     """Whether a READY block other than ``blk`` holds ``key`` (read from the table: a lookup
@@ -824,16 +834,9 @@ def test_an_owner_dying_mid_rebuild_leaves_a_live_clients_offers_cached(pair):
     offered = fill_until_offered(a)
     os.kill(a.segment.owner_record()[0], signal.SIGKILL)
     wait_for(lambda: not a.segment.owner_alive(), "the owner to die")
-    env = dict(os.environ, KVSHM_CRASH_AT="owner.rebuild.mid")
-    successor = subprocess.Popen([sys.executable, "-m", "kvshm.owner", a.segment.name],
-                                 env=env, stdin=subprocess.DEVNULL)
-    assert successor.wait(timeout=60) == -signal.SIGKILL  # dead at the point
+    a_successor_dies_at(a.segment.name, "owner.rebuild.mid")
     b.take_events()  # the call starts the next owner, which rebuilds from the table
-    for blk, key in offered.items():
-        assert b.lookup([key]) == 1
-        assert procs.check(b.segment.planes(), b.prepare_load([key])[0], key)
-        b.complete_load([key])
-    b.release()
+    assert_each_served(b, list(offered.values()))
     assert verify(b.segment) == []
 
 
@@ -852,19 +855,12 @@ def test_an_owner_dying_as_it_rewrites_the_index_leaves_a_clients_offers_cached(
         offered = conn.recv()["offered"]  # offers it never took, still cached
         assert offered
         _kill_owner(b)
-        env = dict(os.environ, KVSHM_CRASH_AT="owner.rebuild.index")
-        successor = subprocess.Popen([sys.executable, "-m", "kvshm.owner", seg_name],
-                                     env=env, stdin=subprocess.DEVNULL)
-        assert successor.wait(timeout=60) == -signal.SIGKILL  # dead at the point
+        a_successor_dies_at(seg_name, "owner.rebuild.index")
         if client == "dies":
             p.kill()
             p.join()
         b.take_events()  # the call starts the next owner, which rebuilds from the table
-        for key in offered.values():
-            assert b.lookup([key]) == 1
-            assert procs.check(b.segment.planes(), b.prepare_load([key])[0], key)
-            b.complete_load([key])
-        b.release()
+        assert_each_served(b, list(offered.values()))
         assert verify(b.segment) == []
     finally:
         p.kill()
