@@ -653,3 +653,16 @@ def test_vllms_per_key_lookup_asks_once_a_step_and_hits_after_the_fetch(hosts):
     mb.step()
     assert core.lookup(b"nowhere", "r") is R.MISS
     assert b.held_blocks() == 0
+
+
+def test_a_get_answering_fewer_keys_than_asked_leaves_no_block_writing(hosts, monkeypatch):
+    # A lower tier answering fewer codes than keys asked (a buggy store, a client version
+    # that stops early): the keys past its answer were neither good nor bad, never freed,
+    # and stayed WRITING, out of the cache and "not yet" to every lookup, while the mover
+    # lived.
+    _, _, (b, mb) = keys_below(hosts)
+    real = mb.tier.get
+    monkeypatch.setattr(mb.tier, "get", lambda keys, buffers: real(keys, buffers)[:-1])
+    assert b.lookup(KEYS) is None
+    mb.step()
+    assert _writing(mb.seg) == 0

@@ -209,8 +209,11 @@ class Mover:
             # Two stages: chunk i+1 travels while the helper thread checks chunk i (zlib and
             # the transfer both release the GIL), in alternate halves of the header buffer.
             for c, (ck, cb) in enumerate(self._chunks(ks, bs)):
-                got = self.tier.get([api.tier_key(self.fp, k) for k in ck],
-                                    self._buffers(cb, c % 2))
+                got = list(self.tier.get([api.tier_key(self.fp, k) for k in ck],
+                                         self._buffers(cb, c % 2)))[:len(ck)]
+                # an answer short of the keys asked: the keys past it failed (never left
+                # out of both good and bad, WRITING while we live)
+                got += [Code.OTHER] * (len(ck) - len(got))
                 self.link.codes([g if g < 0 else 0 for g in got])
                 if verifying is not None:
                     verifying.result()
