@@ -180,8 +180,16 @@ class SchedulerChannel:
             parts = max(1, -(-max(len(dev), len(seg)) // n))
             for i in range(parts):
                 sl = slice(i * n, (i + 1) * n)
-                if not self._send(JobFrame(job.job_id, spec.kind, dev[sl], seg[sl],
-                                           i == parts - 1, spec.skip, wslot, wgen, i)):
+                try:
+                    sent = self._send(JobFrame(job.job_id, spec.kind, dev[sl], seg[sl],
+                                               i == parts - 1, spec.skip, wslot, wgen, i))
+                except TransferError:  # (``_put``'s: this frame never entered the ring)
+                    # Nor did the job's last frame: the worker can never run it, so it fails
+                    # here, and its blocks go back; a stopped worker then drops its parts.
+                    if self._outstanding.pop(job.job_id, None) is not None:
+                        self._received.append(Done(job.job_id, False))
+                    raise
+                if not sent:
                     break  # the worker is gone: the job is already reported failed
 
     def flush(self, job_ids: Iterable[int]) -> None:

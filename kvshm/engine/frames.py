@@ -8,7 +8,9 @@ read into ``Broken`` (a job to fail, never to run).
 It must never hand the worker a job with blocks missing: a job whose frames arrive with a gap
 (one lost to an undecodable frame) is broken, and every later frame of it is dropped; a frame
 naming no job breaks every job still being joined (it may have been any one's next or last
-part: none may wait for it forever); a broken job is handed over once; never
+part: none may wait for it forever), and so does a frame of anything else (a scheduler
+sends a job's frames one after another: its sending failed partway, and the rest never
+comes); a broken job is handed over once; never
 raise on a frame, whatever its bytes; and never guess a job id a frame does not carry.
 It knows nothing about what jobs mean, and nothing about rings or liveness (``channel``).
 """
@@ -123,23 +125,30 @@ class JobReader:
             if job_id in self._broken:
                 return []  # failed already: fail it once
             return [self._break(job_id, kind, why)]
+        # A scheduler sends a job's frames one after another: any other frame ends the
+        # joining of the one before, whose sending failed partway (``SchedulerChannel.send``).
+        ended: list[JobFrame | Flush | Stop | Broken] = [
+            self._break(j, parts[0].kind, f"another frame came after {len(parts)} of its frames")
+            for j, parts in list(self._parts.items())
+            if not isinstance(m, JobFrame) or j != m.job_id]
         if not isinstance(m, JobFrame):
-            return [m]
+            return [*ended, m]
         if m.job_id in self._broken:
-            return []
+            return ended
         parts = self._parts.get(m.job_id, [])
         if m.part != len(parts):
-            return [self._break(m.job_id, m.kind, f"frame {m.part} of the job came after "
-                                                  f"{len(parts)} of its frames")]
+            return [*ended, self._break(m.job_id, m.kind, f"frame {m.part} of the job came "
+                                                          f"after {len(parts)} of its frames")]
         if m.last and not parts:
-            return [m]
+            return [*ended, m]
         parts.append(m)
         self._parts[m.job_id] = parts
         if not m.last:
-            return []
+            return ended
         del self._parts[m.job_id]
-        return [msgspec.structs.replace(m, device=[d for p in parts for d in p.device],
-                                        segment=[s for p in parts for s in p.segment])]
+        return [*ended, msgspec.structs.replace(
+            m, device=[d for p in parts for d in p.device],
+            segment=[s for p in parts for s in p.segment])]
 
     def _break(self, job_id: int | None, kind: str, why: str) -> Broken:
         if job_id is not None:
