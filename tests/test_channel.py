@@ -811,3 +811,136 @@ def test_a_job_the_ring_took_only_part_of_fails_at_the_scheduler_and_the_worker(
         assert _completions_on_the_wire(channel, 8) == [(7, False), (8, True)]
         planes = channel.seg.torch_planes()
         assert [b for b in ids if any(bool(p[b].any()) for p in planes)] == [5]
+
+
+def _a_channel_of_one_id_frames(seg_name, monkeypatch, timeout=0.2):
+    """A channel whose frames carry one id each, on a ring of 4096 bytes (far fewer frames
+    than a job of 1024 blocks takes), over a segment of 1024 blocks."""
+    monkeypatch.setattr(ch, "MAX_IDS_PER_FRAME", 1)
+    Segment.create(seg_name, layout(1), 1024, ring_capacity=4096, hold_capacity=64).close()
+    return SchedulerChannel(seg_name, timeout=timeout)
+
+
+def test_the_jobs_after_one_the_ring_refused_in_the_same_send_fail_too(seg_name, monkeypatch):
+    # send raised at job 7, and the jobs after it in the same call were neither sent, nor
+    # outstanding, nor ever reported: a wait for them returned at once, with nothing, and
+    # the connector kept them (their stores' blocks WRITING) for good.
+    from kvshm.engine.connector import Job
+    from kvshm.transfer.spec import TransferSpec
+    ids = list(range(1024))
+    with _a_channel_of_one_id_frames(seg_name, monkeypatch) as channel, \
+            _a_worker_serving(channel, _filled_device()) as p:
+        os.kill(p.pid, signal.SIGSTOP)  # the ring stays full whatever the wait
+        try:
+            with pytest.raises(TransferError, match="stayed full"):
+                channel.send([Job(7, "r", TransferSpec("store", [i % 4 for i in ids], ids)),
+                              Job(9, "r", TransferSpec("store", [1], [6]))])
+        finally:
+            os.kill(p.pid, signal.SIGCONT)
+        assert sorted((d.job_id, d.success) for d in channel.poll()) == [(7, False), (9, False)]
+        channel.send([Job(8, "r", TransferSpec("store", [3], [5]))])  # the end of the reports
+        assert _completions_on_the_wire(channel, 8) == [(7, False), (8, True)]
+        planes = channel.seg.torch_planes()
+        assert [b for b in ids if any(bool(p[b].any()) for p in planes)] == [5]
+
+
+class _Interrupted(BaseException):
+    """What a signal handler raises into a scheduler (KeyboardInterrupt, a timeout's)."""
+
+
+def test_a_job_a_signal_interrupted_the_sending_of_fails_at_the_scheduler(seg_name, monkeypatch):
+    # Only TransferError failed a job sent in part: a KeyboardInterrupt (any exception) while
+    # send waited for room left the job outstanding with its last frame never sent. Nothing
+    # else sent after, a wait for it never returned, even once the worker drained its ring.
+    from kvshm.engine.connector import Job
+    from kvshm.transfer.spec import TransferSpec
+    ids = list(range(1024))
+
+    def interrupt(*_):
+        raise _Interrupted
+
+    old = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        with _a_channel_of_one_id_frames(seg_name, monkeypatch, timeout=60) as channel, \
+                _a_worker_serving(channel, _filled_device()) as p:
+            os.kill(p.pid, signal.SIGSTOP)
+            try:
+                signal.setitimer(signal.ITIMER_REAL, 1.0)
+                with pytest.raises(_Interrupted):
+                    channel.send([Job(7, "r", TransferSpec("store", [i % 4 for i in ids], ids)),
+                                  Job(9, "r", TransferSpec("store", [1], [6]))])
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+                os.kill(p.pid, signal.SIGCONT)
+            assert channel._ends.jobs.tail > 0  # (part of job 7 is in the ring)
+            assert sorted((d.job_id, d.success) for d in channel.wait([7, 9], timeout=10)) \
+                == [(7, False), (9, False)]
+            channel.send([Job(8, "r", TransferSpec("store", [3], [5]))])
+            assert _completions_on_the_wire(channel, 8) == [(7, False), (8, True)]
+            planes = channel.seg.torch_planes()
+            assert [b for b in ids if any(bool(p[b].any()) for p in planes)] == [5]
+    finally:
+        signal.signal(signal.SIGALRM, old)
+
+
+def test_an_interrupt_after_a_jobs_last_frame_entered_the_ring_leaves_it_to_run(
+        channel, monkeypatch):
+    # The job is whole in the ring: the worker runs it, so the scheduler must not fail it
+    # (its blocks would go back while the copy writes them); its report comes from the worker.
+    from kvshm.engine.connector import Job
+    from kvshm.transfer.spec import TransferSpec
+    monkeypatch.setattr(ch, "MAX_IDS_PER_FRAME", 1)
+
+    class Bell:
+        def __init__(self, bell):
+            self.bell, self.rung = bell, 0
+
+        def ring(self):
+            self.rung += 1
+            if self.rung == 2:  # after job 7's last frame
+                raise _Interrupted
+            return self.bell.ring()
+
+    with _a_worker_serving(channel, _filled_device()):
+        bell = channel._ends.jobs_bell
+        channel._ends.jobs_bell = Bell(bell)
+        try:
+            with pytest.raises(_Interrupted):
+                channel.send([Job(7, "r", TransferSpec("store", [1, 2], [3, 4])),
+                              Job(9, "r", TransferSpec("store", [1], [6]))])
+        finally:
+            channel._ends.jobs_bell = bell
+        assert 7 in channel.outstanding()
+        assert sorted((d.job_id, d.success) for d in channel.wait([7, 9], timeout=30)) \
+            == [(7, True), (9, False)]
+        planes = channel.seg.torch_planes()
+        assert [b for b in range(8) if any(bool(p[b].any()) for p in planes)] == [3, 4]
+
+
+def test_a_job_id_sent_again_while_its_job_runs_and_refused_by_the_ring_leaves_it_alone(
+        seg_name, monkeypatch):
+    # A second job under the id of a job the worker still runs, whose sending the full ring
+    # refused, was failed at the scheduler under that id: the scheduler took the running
+    # job for failed and freed its blocks while its copy still wrote them.
+    from kvshm.engine.connector import Job
+    from kvshm.transfer.spec import TransferSpec
+    ids = list(range(1024))
+    parent, child = CTX.Pipe()
+    go = CTX.Event()
+    with _a_channel_of_one_id_frames(seg_name, monkeypatch) as channel, \
+            _worker(channel, _serve_held, child, go) as p:
+        try:
+            channel.send([Job(5, "r", TransferSpec("store", [1], [2]))])
+            assert parent.recv() == ("took", 5)
+            os.kill(p.pid, signal.SIGSTOP)
+            try:
+                with pytest.raises(TransferError, match="stayed full"):
+                    channel.send([Job(5, "r", TransferSpec("store", [i % 4 for i in ids], ids))])
+            finally:
+                os.kill(p.pid, signal.SIGCONT)
+            assert channel.poll() == []
+            assert 5 in channel.outstanding()
+            go.set()
+            assert [(d.job_id, d.success) for d in channel.wait([5], timeout=60)] == [(5, True)]
+        finally:
+            go.set()

@@ -170,27 +170,47 @@ class SchedulerChannel:
         return max(1, min(MAX_IDS_PER_FRAME, room))
 
     def send(self, jobs: Iterable) -> None:
-        """Send ``Job``s (from the scheduler connector); after the worker died they fail."""
+        """Send ``Job``s (from the scheduler connector); after the worker died they fail.
+
+        Should sending raise (the ring stayed full past the timeout, an interrupt), every job
+        given whose last frame did not enter the ring fails here, reported as the others are,
+        before the error goes on: it can never run. A job whose id is still in flight keeps
+        that job's report."""
         n = self._ids_per_frame()
-        for job in jobs:
+        jobs = list(jobs)
+        for k, job in enumerate(jobs):
             spec: TransferSpec = job.spec
             dev, seg = list(spec.device_block_ids), list(spec.segment_block_ids)
+            again = job.job_id in self._outstanding  # (the worker drops it: ids are unique)
             self._outstanding[job.job_id] = spec.kind
             wslot, wgen = getattr(job, "writer", None) or (-1, 0)
             parts = max(1, -(-max(len(dev), len(seg)) // n))
             for i in range(parts):
                 sl = slice(i * n, (i + 1) * n)
+                tail = self._ends.jobs.tail
                 try:
                     sent = self._send(JobFrame(job.job_id, spec.kind, dev[sl], seg[sl],
                                                i == parts - 1, spec.skip, wslot, wgen, i))
-                except TransferError:  # (``_put``'s: this frame never entered the ring)
-                    # Nor did the job's last frame: the worker can never run it, so it fails
-                    # here, and its blocks go back; a stopped worker then drops its parts.
-                    if self._outstanding.pop(job.job_id, None) is not None:
-                        self._received.append(Done(job.job_id, False))
+                except BaseException:
+                    whole = i == parts - 1 and self._ends.jobs.tail != tail
+                    self._fail_unsent(jobs[k + 1:] if whole else jobs[k:], None if again
+                                      else job)
                     raise
                 if not sent:
                     break  # the worker is gone: the job is already reported failed
+
+    def _fail_unsent(self, jobs: Sequence, ours: object) -> None:
+        """Fail jobs whose last frame never entered the ring (the worker can never run them,
+        and drops the parts it has once any other frame comes), their blocks going back;
+        ``ours``: the one of them in ``_outstanding`` already, put there by this send."""
+        failed: set[int] = set()
+        for job in jobs:
+            j = job.job_id
+            if j in failed or (job is ours) != (j in self._outstanding):
+                continue  # reported already, or a job under its id is in flight: its report
+            self._outstanding.pop(j, None)
+            self._received.append(Done(j, False))
+            failed.add(j)
 
     def flush(self, job_ids: Iterable[int]) -> None:
         """Ask the worker to finish these jobs before it takes any later one."""
