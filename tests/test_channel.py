@@ -784,35 +784,6 @@ def test_a_job_with_two_parts_lost_is_reported_failed_once(channel, monkeypatch)
         assert _completions_on_the_wire(channel, 8) == [(7, False), (8, True)]
 
 
-def test_a_job_the_ring_took_only_part_of_fails_at_the_scheduler_and_the_worker(
-        seg_name, monkeypatch):
-    # A job of several frames whose worker stops draining (stopped, not dead) fills the ring
-    # partway: send raised after the channel's timeout with part of the job in the ring, and
-    # the job stayed outstanding for good, neither run (its last frame never came) nor
-    # failed: a wait for it never returned, its blocks stayed WRITING. The worker, resumed,
-    # kept the parts it had joined forever.
-    from kvshm.engine.connector import Job
-    from kvshm.transfer.spec import TransferSpec
-    monkeypatch.setattr(ch, "MAX_IDS_PER_FRAME", 1)
-    Segment.create(seg_name, layout(1), 1024, ring_capacity=4096, hold_capacity=64).close()
-    # a frame a block: far more frames than the ring holds, and a job that would copy
-    ids = list(range(1024))
-    with SchedulerChannel(seg_name, timeout=0.2) as channel, \
-            _a_worker_serving(channel, _filled_device()) as p:
-        os.kill(p.pid, signal.SIGSTOP)  # the ring stays full whatever the wait
-        try:
-            with pytest.raises(TransferError, match="stayed full"):
-                channel.send([Job(7, "r", TransferSpec("store", [i % 4 for i in ids], ids))])
-            assert 7 not in channel.outstanding()
-        finally:
-            os.kill(p.pid, signal.SIGCONT)
-        assert [(d.job_id, d.success) for d in channel.poll()] == [(7, False)]
-        channel.send([Job(8, "r", TransferSpec("store", [3], [5]))])  # the end of the reports
-        assert _completions_on_the_wire(channel, 8) == [(7, False), (8, True)]
-        planes = channel.seg.torch_planes()
-        assert [b for b in ids if any(bool(p[b].any()) for p in planes)] == [5]
-
-
 def _a_channel_of_one_id_frames(seg_name, monkeypatch, timeout=0.2):
     """A channel whose frames carry one id each, on a ring of 4096 bytes (far fewer frames
     than a job of 1024 blocks takes), over a segment of 1024 blocks."""
@@ -821,10 +792,14 @@ def _a_channel_of_one_id_frames(seg_name, monkeypatch, timeout=0.2):
     return SchedulerChannel(seg_name, timeout=timeout)
 
 
-def test_the_jobs_after_one_the_ring_refused_in_the_same_send_fail_too(seg_name, monkeypatch):
-    # send raised at job 7, and the jobs after it in the same call were neither sent, nor
-    # outstanding, nor ever reported: a wait for them returned at once, with nothing, and
-    # the connector kept them (their stores' blocks WRITING) for good.
+def test_a_send_the_ring_took_only_part_of_fails_that_job_and_the_ones_after_it(
+        seg_name, monkeypatch):
+    # A job of several frames whose worker stops draining (stopped, not dead) fills the ring
+    # partway: send raised after the channel's timeout with part of job 7 in the ring, and
+    # job 7 stayed outstanding for good, neither run (its last frame never came) nor failed:
+    # a wait for it never returned, its blocks stayed WRITING; the worker, resumed, kept
+    # the parts it had joined forever. The jobs after it in the same call were neither
+    # sent, nor outstanding, nor ever reported: the connector kept them for good too.
     from kvshm.engine.connector import Job
     from kvshm.transfer.spec import TransferSpec
     ids = list(range(1024))
