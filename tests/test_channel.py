@@ -9,7 +9,6 @@ telling the test which job it holds.
 from __future__ import annotations
 
 import contextlib
-import multiprocessing as mp
 import os
 import signal
 import time
@@ -34,8 +33,8 @@ from kvshm.engine.worker import WorkerConnector
 
 from conftest import SMALL_GEOMETRY
 from test_connector import BT, PAGE, kv, layout, prompt
+from torch_children import CTX  # the workers use torch
 
-CTX = mp.get_context("spawn")
 
 
 class _Stuck(TransferHandler):

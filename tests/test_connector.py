@@ -9,7 +9,6 @@ and loads in another.
 from __future__ import annotations
 
 import contextlib
-import multiprocessing as mp
 import os
 import signal
 from collections.abc import Iterator
@@ -31,11 +30,11 @@ from kvshm.engine.worker import WorkerConnector
 import procs
 from conftest import KIND_PARAMS, SMALL_GEOMETRY
 from test_shared import spawn
+from torch_children import CTX  # the engines use torch
 
 BT = 16                 # tokens per device block
 TOKEN_BYTES = 256       # KV bytes per token per plane
 PAGE = BT * TOKEN_BYTES
-CTX = mp.get_context("spawn")
 
 
 def layout(factor: int) -> Layout:

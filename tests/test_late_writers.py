@@ -21,6 +21,7 @@ from lazy import torch  # imported at its first use, not when the suite is colle
 
 import procs
 from test_shared import spawn
+from torch_children import CTX  # the scheduler and the worker use torch
 from kvshm.shm import layout as L
 from kvshm.shm import slots
 from kvshm.shm import locks, writers
@@ -116,11 +117,11 @@ class Rig:
         self.seg = self.client.segment
         self.dev = [torch.zeros(NUM_BLOCKS, PAGE, dtype=torch.uint8).share_memory_()
                     for _ in range(2)]
-        self.sched, self.sched_pipe = spawn(_scheduler, name, self.dev)
+        self.sched, self.sched_pipe = spawn(_scheduler, name, self.dev, ctx=CTX)
         address = self.sched_pipe.recv()
         self.worker, self.worker_pipe = spawn(
             _worker, name, address, self.dev,
-            env={"KVSHM_CRASH_AT": "worker.store.mid_copy", "KVSHM_CRASH_SIGNAL": "STOP"})
+            env={"KVSHM_CRASH_AT": "worker.store.mid_copy", "KVSHM_CRASH_SIGNAL": "STOP"}, ctx=CTX)
 
     def store_job(self) -> dict:
         self.sched_pipe.send("store")
