@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import _posixsubprocess
 import fcntl
+import multiprocessing.forkserver
 import os
 import select
 import subprocess
@@ -337,10 +338,12 @@ def pytest_collection_modifyitems(config, items) -> None:
 
 
 # Everything a process can be started through: subprocess (its own binding of fork_exec, or
-# posix_spawn), multiprocessing's spawn and forkserver (fork_exec) and fork context (fork),
-# and the rest of os.
+# posix_spawn), multiprocessing's spawn context and the launch of its fork server
+# (fork_exec), a fork server's child (the server forks it, asked through
+# connect_to_new_process), the fork context (fork), and the rest of os.
 PROCESS_STARTS = [(subprocess, "_fork_exec"), (_posixsubprocess, "fork_exec"), (os, "fork"),
-                  (os, "forkpty"), (os, "posix_spawn"), (os, "posix_spawnp"), (os, "system")]
+                  (os, "forkpty"), (os, "posix_spawn"), (os, "posix_spawnp"), (os, "system"),
+                  (multiprocessing.forkserver, "connect_to_new_process")]
 TESTS_DIR = Path(__file__).resolve().parent
 
 

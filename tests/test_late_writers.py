@@ -90,8 +90,11 @@ def wait_for(cond, what: str, timeout: float = 30.0) -> None:
 
 
 def stopped(pid: int) -> bool:
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0] in "Tt"
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in "Tt"
+    except FileNotFoundError:  # dead, and reaped at once by the fork server: not stopped
+        return False
 
 
 def table(seg: Segment) -> list:

@@ -91,6 +91,46 @@ def test_a_unit_test_that_starts_a_process_fails_and_says_where(tmp_path):
     assert "test_inner.py:9" in r.stdout and "mark it @pytest.mark.procs" in r.stdout
 
 
+FORKED = '''
+import multiprocessing as mp
+
+import pytest
+
+CTX = mp.get_context("forkserver")
+
+
+def _nothing():
+    pass
+
+
+def _start():
+    p = CTX.Process(target=_nothing)
+    p.start()
+    p.join()
+
+
+@pytest.mark.procs
+def test_procs_starts_the_fork_server():
+    _start()
+
+
+@pytest.mark.unit
+def test_unit_asks_the_running_fork_server_for_a_child():
+    _start()
+'''
+
+
+@pytest.mark.procs
+def test_a_unit_test_whose_child_a_running_fork_server_forks_fails_too(tmp_path):
+    # Once the server runs, a child is forked by the server, asked through a socket: no
+    # process start of the test's own to see.
+    r = run_session(tmp_path, FORKED)
+    assert r.returncode == pytest.ExitCode.TESTS_FAILED, r.stdout + r.stderr
+    assert "ERROR test_inner.py::test_unit_asks_the_running_fork_server_for_a_child" \
+        in r.stdout, r.stdout
+    assert "connect_to_new_process from test_inner.py:15" in r.stdout, r.stdout
+
+
 LEAKY = '''
 import pytest
 from conftest import TEST_LAYOUT, unique_name

@@ -9,18 +9,31 @@ of the test process, and the child imports kvshm and the test's module itself.
 One difference is mended: a forked child would inherit the server's environment, which is
 the one the server started with. Each child takes the starting process's environment as it
 is at ``start()`` instead, as a spawned child does, and before it imports anything of the
-test (so a crash point set for one child arms that child alone).
+test (so a crash point set for one child arms that child alone). What a process takes only
+as it starts stays the server's, from its first start in the session: descriptors 0-2, the
+umask, limits, the signal mask, and variables read as a library loads (OpenMP's). No test
+using ``CTX`` varies those. The parent of a child is the server, which reaps a dead child at
+once (no zombie keeps its pid).
 """
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import sys
 from multiprocessing.context import ForkServerContext, ForkServerProcess
 
 
 def _rebuilt(env: dict[str, str]) -> TorchProcess:
     """The child's first step, ahead of the process's state (its target, whose module
     imports kvshm): the environment its parent had at ``start()``."""
+    # multiprocessing prepared the child first, under the server's environment: it runs the
+    # parent's main script again unless that is a package's __main__ (``python -m pytest``).
+    # A script that imports kvshm would have read its crash points there: refuse, never
+    # arm the wrong ones.
+    early = sorted(m for m in sys.modules if m == "kvshm" or m.startswith("kvshm."))
+    if early:
+        raise RuntimeError(f"{early[0]} was imported before this child's environment was "
+                           "set: run the tests with `python -m pytest` or `pytest`")
     os.environ.clear()
     os.environ.update(env)
     return TorchProcess.__new__(TorchProcess)
