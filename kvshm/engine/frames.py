@@ -114,23 +114,17 @@ class JobReader:
         except Exception as e:  # DecodeError, ValidationError, UnicodeDecodeError, ...
             job_id, kind = named_job(frame, "Job")
             why = f"undecodable frame ({e})"
-            if job_id is None:  # it may have been the next (or last) part of any job being
-                # joined: none of them can be whole now, nor may it wait for that part forever
-                joining = list(self._parts.items())
-                out: list[JobFrame | Flush | Stop | Broken] = [self._break(None, kind, why)]
-                return out + [
-                    self._break(j, parts[0].kind, f"a frame naming no job came after "
-                                                  f"{len(parts)} of its frames")
-                    for j, parts in joining]
+            if job_id is None:  # it may have been the next part of any job being joined
+                return [self._break(None, kind, why), *self._end_joins("a frame naming no job")]
             if job_id in self._broken:
                 return []  # failed already: fail it once
             return [self._break(job_id, kind, why)]
         # A scheduler sends a job's frames one after another: any other frame ends the
         # joining of the one before, whose sending failed partway (``SchedulerChannel.send``).
-        ended: list[JobFrame | Flush | Stop | Broken] = [
-            self._break(j, parts[0].kind, f"another frame came after {len(parts)} of its frames")
-            for j, parts in list(self._parts.items())
-            if not isinstance(m, JobFrame) or j != m.job_id]
+        ended: list[JobFrame | Flush | Stop | Broken] = []
+        if self._parts:  # (rarely: most jobs are one frame)
+            ended += self._end_joins("another frame",
+                                     m.job_id if isinstance(m, JobFrame) else None)
         if not isinstance(m, JobFrame):
             return [*ended, m]
         if m.job_id in self._broken:
@@ -149,6 +143,12 @@ class JobReader:
         return [*ended, msgspec.structs.replace(
             m, device=[d for p in parts for d in p.device],
             segment=[s for p in parts for s in p.segment])]
+
+    def _end_joins(self, what: str, but: int | None = None) -> list[Broken]:
+        """Break every job being joined (but job ``but``): after ``what``, none can be
+        whole, nor may it wait for its next part forever."""
+        return [self._break(j, parts[0].kind, f"{what} came after {len(parts)} of its frames")
+                for j, parts in list(self._parts.items()) if j != but]
 
     def _break(self, job_id: int | None, kind: str, why: str) -> Broken:
         if job_id is not None:
