@@ -42,6 +42,21 @@ def test_bench_owner_prints_the_owner_figures(protected):
     assert run["owner_us_per_key"] > 0 and run["client_us_per_key"] > 0
 
 
+def test_bench_scheduler_paces_its_clients_and_leaves_the_steps_out_of_busy_time():
+    r = tool("bench_scheduler.py", "--requests", "6", "--requests2", "0", "--requests3", "0",
+             "--repeat", "1", "--clients", "2", "--client-requests", "4", "--step-ms", "50")
+    runs = [c for n in ("1", "2") for c in r["clients"][n]]
+    assert len(runs) == 3
+    for c in runs:
+        for who in ("kvshm", "baseline"):
+            x = c[who]
+            assert x["requests"] == 4 and not x["truncated"]
+            # the 4th request starts 3 steps after the first: slept time is most of it
+            assert x["whole_ms"] >= 150 and 0 < x["busy_ms"] < x["whole_ms"] - 100
+    growth = r["clients"]["p99_growth_max_client"]
+    assert growth["kvshm"]["busy"] > 0 and growth["baseline"]["busy"] > 0
+
+
 def test_bench_quotas_prints_the_three_runs_and_their_ratios():
     r = tool("bench_quotas.py", "--blocks", "128", "--requests", "40", "--prompts", "4",
              "--prompt-keys", "8")
