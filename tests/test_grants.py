@@ -144,6 +144,18 @@ def test_a_client_whose_taken_count_runs_ahead_is_not_granted_the_whole_cache(mg
     mgr.release()
 
 
+def test_the_owner_counts_each_store_its_clients_grants_could_not_cover(mgr):
+    seg = mgr.segment
+    _stocked(mgr, grant_target(seg.geometry))  # by a round trip: it had no grants yet
+    assert seg.counter("round_trip_stores") == 1
+    procs.store(mgr, [b"granted-%d" % i for i in range(4)])  # from its grant ring
+    mgr.take_events()  # (a round trip of another kind: the owner took the Publish first)
+    assert seg.counter("round_trip_stores") == 1
+    over = [b"over-%d" % i for i in range(grant_budget(seg.geometry) + 1)]  # more than any
+    assert procs.store(mgr, over) == over  # ring holds: a round trip
+    assert seg.counter("round_trip_stores") == 2
+
+
 def test_a_steady_scheduler_step_sends_no_request_to_the_owner(mgr):
     _stocked(mgr, 8)
     cached = procs.store(mgr, [b"cached-%d" % i for i in range(4)])

@@ -33,7 +33,9 @@ _COUNTERS = (  # (snapshot counter, help): metric kvshm_<counter>_total unless r
     ("reclaimed_blocks", "Blocks reclaimed from dead processes."),
     ("granted_blocks", "Blocks granted to clients ahead of their stores."),
     ("owner_busy_ns", "CPU nanoseconds the owner spent serving frames (not idle spinning)."),
-    ("idle_wakeups", "Times the owner woke and found nothing to serve or adopt."))
+    ("idle_wakeups", "Times the owner woke and found nothing to serve or adopt."),
+    ("round_trip_stores", "Stores that waited for a round trip to the owner: their client's "
+     "grants could not cover them."))
 _RENAMED = {"prepare_store_refused": "allocation_failure", "bytes_in": "load_bytes",
             "bytes_out": "store_bytes"}  # vLLM's names for the same things (client's view)
 

@@ -69,6 +69,7 @@ class Handlers:
             done = self.manager.pending_of(writer, m.req)
             c.largest_store = max(c.largest_store, len(done))
             return self._prepared(m.req, [k for k, _ in done], [b for _, b in done], [], True)
+        self.seg.counter_add("round_trip_stores")
         out = self.manager.prepare_store(m.keys, writer, running=P.running_of(m))
         self.fan_out()
         if out is None:

@@ -141,6 +141,12 @@ COUNTER_NAMES = (
     # found no frame to serve and no client to adopt: 0 unless a client's words lie (a
     # newcomer flag or ring position raised for nothing). Owner-written.
     "idle_wakeups",
+    # Stores served by a PrepareStore round trip, because the storing client's grant ring
+    # could not cover them (every store of a client without grants; a client's first, before
+    # it is stocked). Many per store means the grants run dry: the cache is too small to
+    # stock every storing client (a quarter of it is shared out), or the owner is behind.
+    # Owner-written; a store replayed by a successor is not counted again.
+    "round_trip_stores",
 )
 MAX_COUNTERS = 32  # words reserved: new counters fit without moving the pinners
 COUNTERS_DTYPE = np.dtype({"names": list(COUNTER_NAMES), "formats": ["<u8"] * len(COUNTER_NAMES),
