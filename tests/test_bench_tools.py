@@ -53,6 +53,7 @@ def test_bench_scheduler_paces_its_clients_and_leaves_the_steps_out_of_busy_time
             assert x["requests"] == 4 and not x["truncated"]
             # the 4th request starts 3 steps after the first: slept time is most of it
             assert x["whole_ms"] >= 150 and 0 < x["busy_ms"] < x["whole_ms"] - 100
+    assert r["clients"]["round_trip_stores"]["1"] >= 1  # its first store: no grants yet
     growth = r["clients"]["p99_growth_max_client"]
     assert growth["kvshm"]["busy"] > 0 and growth["baseline"]["busy"] > 0
 

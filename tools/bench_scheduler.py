@@ -74,7 +74,9 @@ system prompts, per-client unique keys), then the baseline with one private mana
 process. Each client's p50/p99 per op are reported, and the growth of p99 from 1 to N
 clients (max over clients at N / the 1-client p99). Goal: kvshm p99 at 8 clients within 2x
 of 1 client. The baseline's growth shows what CPU contention alone does on this host.
-The growth of each client's busy time (its whole trace less --step-ms sleeps) is reported too.
+The growth of each client's busy time (its whole trace less --step-ms sleeps) is reported too,
+and round_trip_stores: the kvshm stores of each run that its clients' grants did not cover
+(the owner's counter; each client's first store at least, made before it is stocked).
 --step-ms S paces every client as an engine whose model step takes S ms: request r starts S*r
 ms after its first (at once if the client is behind), all clients starting together, so the
 eight stores of a step reach the owner as one burst. Back to back (S 0), eight clients ask the
@@ -533,10 +535,14 @@ def main(argv: list[str] | None = None) -> int:
             result["profile"] = a.profile
         if a.clients:
             creq = a.client_requests or a.requests
-            result["clients"] = {"requests_per_client": creq}
+            result["clients"] = {"requests_per_client": creq, "round_trip_stores": {}}
             for n in sorted({1, a.clients}):
+                trips = shared.mgr.segment.counter("round_trip_stores")
                 result["clients"][str(n)] = run_clients(n, shared, base_kind, capacity, creq,
                                                         deadline, a.step_ms / 1e3)
+                # kvshm stores its clients' grants did not cover (each client's first, at least)
+                result["clients"]["round_trip_stores"][str(n)] = \
+                    shared.mgr.segment.counter("round_trip_stores") - trips
                 _log(f"{n} clients done, load {loadavg()}")
             growth: dict[str, Any] = {}
             one = result["clients"]["1"][0]
@@ -618,6 +624,8 @@ def _print(r: dict[str, Any]) -> None:
                         for op in ("lookup", "load", "store"))
                         + f"  whole {x['whole_ms']:.0f} ms, busy {x['busy_ms']:.0f}"
                         + ("  TRUNCATED" if x["truncated"] else ""))
+        print("  kvshm stores by round trip (grants did not cover them), all clients: " +
+              ", ".join(f"N={n} {v}" for n, v in c["round_trip_stores"].items()))
         for who, g in c["p99_growth_max_client"].items():
             print(f"  p99 growth 1 -> N (worst client) {who:8} " + "  ".join(
                 f"{op} {_f(v, '.2f')}x" for op, v in g.items()))
