@@ -63,6 +63,7 @@ def test_owner_dying_after_executing_a_store_grants_its_blocks_once(seg):
     assert first.returncode == -signal.SIGKILL
     assert sorted(out.keys_to_store) == sorted(KEYS[:4]) and len(set(out.block_ids)) == 4
     assert _writing_blocks(seg) == 4  # granted once: a second grant would show 8
+    assert seg.counter("round_trip_stores") == 1  # and counted once: the replay adds none
     planes = seg.planes()
     for k, b in zip(out.keys_to_store, out.block_ids):
         procs.fill(planes, b, k)

@@ -22,7 +22,8 @@ from kvshm.index import protocol as P
 from kvshm.client.connect import connect
 from kvshm.owner.stocking import grant_budget, grant_target
 from kvshm.index.api import LookupResult
-from kvshm.errors import BlockStateError, ClientQuarantinedError, ProtocolError
+from kvshm.errors import (BlockStateError, ClientQuarantinedError, InvalidArgumentError,
+                          ProtocolError)
 from kvshm.shm import layout as L
 from kvshm.shm import slots
 from kvshm.inspect.snapshot import verify
@@ -152,7 +153,11 @@ def test_the_owner_counts_each_store_its_clients_grants_could_not_cover(mgr):
     mgr.take_events()  # (a round trip of another kind: the owner took the Publish first)
     assert seg.counter("round_trip_stores") == 1
     over = [b"over-%d" % i for i in range(grant_budget(seg.geometry) + 1)]  # more than any
-    assert procs.store(mgr, over) == over  # ring holds: a round trip
+    assert procs.store(mgr, over) == over  # ring holds: a round trip, in two parts
+    assert seg.counter("round_trip_stores") == 2  # (one store: counted once)
+    with pytest.raises(InvalidArgumentError):  # a frame the manager rejects is no store
+        mgr._link.call([P.PrepareStore(mgr._link.next_req(), [b"bad"], request=7,
+                                       positions=[1, 2])])
     assert seg.counter("round_trip_stores") == 2
 
 

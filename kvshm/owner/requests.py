@@ -69,8 +69,10 @@ class Handlers:
             done = self.manager.pending_of(writer, m.req)
             c.largest_store = max(c.largest_store, len(done))
             return self._prepared(m.req, [k for k, _ in done], [b for _, b in done], [], True)
-        self.seg.counter_add("round_trip_stores")
         out = self.manager.prepare_store(m.keys, writer, running=P.running_of(m))
+        # counted once it reached the index (a refused one too: it waited all the same); a
+        # frame the manager rejects raises first, and a replay answered from the record above
+        self.seg.counter_add("round_trip_stores")
         self.fan_out()
         if out is None:
             return [P.NoRoom(m.req, self.epoch)]

@@ -143,9 +143,10 @@ COUNTER_NAMES = (
     "idle_wakeups",
     # Stores served by a PrepareStore round trip, because the storing client's grant ring
     # could not cover them (every store of a client without grants; a client's first, before
-    # it is stocked). Many per store means the grants run dry: the cache is too small to
-    # stock every storing client (a quarter of it is shared out), or the owner is behind.
-    # Owner-written; a store replayed by a successor is not counted again.
+    # it is stocked; one larger than what its ring holds). Growing about as fast as "stores"
+    # means the grants run dry: the cache is too small to stock every storing client (a
+    # quarter of it is shared out), or the owner is behind. Owner-written, once per store
+    # however many parts it takes; a successor's replay does not count it again.
     "round_trip_stores",
 )
 MAX_COUNTERS = 32  # words reserved: new counters fit without moving the pinners
