@@ -461,6 +461,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="cProfile one extra kvshm replay of trace 1 and dump stats to FILE")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     a = ap.parse_args(argv)
+    if a.step_ms and not a.clients:
+        ap.error("--step-ms paces the --clients runs: give --clients N too")
+    if a.step_ms < 0:
+        ap.error("--step-ms is a step's length: 0 or more")
 
     t_begin = time.monotonic()
     deadline = t_begin + a.max_seconds
