@@ -165,6 +165,12 @@ def _proc_state(pid: int) -> str:
         return ""
 
 
+def stopped(pid: int) -> bool:
+    """Whether ``pid`` is stopped (by a signal, or traced); a process gone is not (a fork
+    server reaps its dead child at once)."""
+    return _proc_state(pid) in ("T", "t")
+
+
 def poison_request(name: str, conn, point: str) -> None:
     """Make every owner that begins our next request die at ``point``; report what the
     call says."""

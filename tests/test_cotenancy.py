@@ -25,7 +25,7 @@ from kvshm.shm.table import BlockTable
 
 import procs
 from conftest import stop_owner
-from test_offers import stopped
+from procs import stopped
 from test_shared import wait_for
 
 CTX = mp.get_context("spawn")

@@ -89,14 +89,6 @@ def wait_for(cond, what: str, timeout: float = 30.0) -> None:
         time.sleep(0.005)  # polling a state; the assertion is on the state
 
 
-def stopped(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in "Tt"
-    except FileNotFoundError:  # dead, and reaped at once by the fork server: not stopped
-        return False
-
-
 def table(seg: Segment) -> list:
     t = BlockTable(seg.buf, seg.geometry)
     out = [t.read(b) for b in range(seg.geometry.num_blocks)]
@@ -132,7 +124,7 @@ class Rig:
 
     def freeze_worker_mid_store(self) -> dict:
         job = self.store_job()
-        wait_for(lambda: stopped(self.worker.pid), "the worker to freeze mid-copy")
+        wait_for(lambda: procs.stopped(self.worker.pid), "the worker to freeze mid-copy")
         return job
 
     def kill_scheduler(self, slot: int) -> None:
@@ -146,7 +138,7 @@ class Rig:
         deadline = time.monotonic() + 60
         while not self.worker_pipe.poll(0.01):
             assert time.monotonic() < deadline, "the worker never exited"
-            if stopped(self.worker.pid):
+            if procs.stopped(self.worker.pid):
                 os.kill(self.worker.pid, signal.SIGCONT)
         assert self.worker_pipe.recv() == "exited"
         self.worker_pipe.send("bye")

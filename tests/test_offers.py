@@ -303,11 +303,6 @@ def raced(pair, seg_name, request):
     r.close()
 
 
-def stopped(pid: int) -> bool:
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0] in "Tt"
-
-
 def test_a_lease_stays_loadable_while_a_claim_that_raced_it_is_undecided(raced):
     """A reader leased a block just before another client's claim marked it, and the
     claimer stalled before it read the holds. The reader's load must wait for the claim's
@@ -315,7 +310,7 @@ def test_a_lease_stays_loadable_while_a_claim_that_raced_it_is_undecided(raced):
     lease that still holds: a hit stays loadable until it is pinned or released."""
     p, conn = raced.reader({"KVSHM_CRASH_AT": "client.load.wait_decision",
                             "KVSHM_CRASH_SIGNAL": "STOP"})
-    wait_for(lambda: stopped(p.pid) or conn.poll(), "the reader to wait, or to give up")
+    wait_for(lambda: procs.stopped(p.pid) or conn.poll(), "the reader to wait, or to give up")
     gave_up = conn.recv() if conn.poll() else None
     assert gave_up is None, f"the reader gave up on its lease while the claim was undecided: " \
                             f"{gave_up}"
@@ -514,7 +509,6 @@ def assert_served_to_a_newcomer(mgr, key: bytes) -> None:
         c.shutdown()
 
 
-
 def assert_each_served(mgr, keys: list[bytes]) -> None:
     """``mgr`` finds every key and loads its own bytes, then lets its leases go."""
     for key in keys:
@@ -528,6 +522,7 @@ def a_successor_dies_at(name: str, point: str) -> None:
     """A successor owner armed at crash point ``point`` starts, takes over, and dies there."""
     from test_crash_walk import owner_proc_no_wait
     assert owner_proc_no_wait(name, point).wait(timeout=60) == -signal.SIGKILL
+
 
 def _held_elsewhere(mgr, key: bytes, blk: int) -> bool:
     """Whether a READY block other than ``blk`` holds ``key`` (read from the table: a lookup
@@ -581,7 +576,7 @@ def test_a_load_racing_the_freeing_of_an_unclaimed_publish_never_reads_a_reused_
         head, _ = slots.grants(a.segment, a.slot)
         head["taken"] = head["granted"]
         a._link.push(P.Publish(0, [b"unclaimed"], [blk], True))
-        wait_for(lambda: stopped(owner.pid), "the owner to stop after reading the holds")
+        wait_for(lambda: procs.stopped(owner.pid), "the owner to stop after reading the holds")
         pinned = b.lookup([key]) == 1 and b.prepare_load([key]) == [blk]
         os.kill(owner.pid, signal.SIGCONT)
         a.shutdown()  # its grants end: a block freed meanwhile went back to its ring

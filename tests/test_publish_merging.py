@@ -22,7 +22,7 @@ import procs
 import pytest
 from conftest import TEST_LAYOUT, stop_owner
 from test_exactly_once import owner_proc
-from test_offers import stopped
+from procs import stopped
 from test_shared import wait_for
 
 from kvshm.client.connect import connect

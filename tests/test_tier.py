@@ -193,6 +193,7 @@ def test_a_fetch_whose_get_raises_leaves_no_block_writing(hosts, monkeypatch):
     mb.step()
     assert _writing(mb.seg) == 0
 
+
 def test_another_layout_never_sees_the_blocks(hosts):
     _, _, (b, mb) = keys_below(hosts, layout=Layout((4096, 4096), 16, "another-model"))
     assert fill(b, mb, KEYS) == 0
