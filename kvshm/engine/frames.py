@@ -8,10 +8,10 @@ read into ``Broken`` (a job to fail, never to run).
 It must never hand the worker a job with blocks missing: a job whose frames arrive with a gap
 (one lost to an undecodable frame) is broken, and every later frame of it is dropped; a frame
 naming no job breaks every job still being joined (it may have been any one's next or last
-part: none may wait for it forever), and so does a frame of anything else (a scheduler
-sends a job's frames one after another: its sending failed partway, and the rest never
-comes); a broken job is handed over once; never
-raise on a frame, whatever its bytes; and never guess a job id a frame does not carry.
+part: none may wait for it forever), and so does a frame of anything else (a scheduler sends
+a job's frames one after another: its sending failed partway, and the rest never comes). A
+broken job is handed over once. It must never raise on a frame, whatever its bytes, and
+never guess a job id a frame does not carry.
 It knows nothing about what jobs mean, and nothing about rings or liveness (``channel``).
 """
 from __future__ import annotations
