@@ -814,7 +814,8 @@ def test_a_send_the_ring_took_only_part_of_fails_that_job_and_the_ones_after_it(
                 os.kill(p.pid, signal.SIGCONT)
         assert sorted((d.job_id, d.success) for d in channel.poll()) == [(7, False), (9, False)]
         channel.send([Job(8, "r", TransferSpec("store", [3], [5]))])  # the end of the reports
-        assert _completions_on_the_wire(channel, 8) == [(7, False), (8, True)]
+        # job 7 is reported once, by the scheduler: the worker drops its parts, unreported
+        assert _completions_on_the_wire(channel, 8) == [(8, True)]
         planes = channel.seg.torch_planes()
         assert [b for b in ids if any(bool(p[b].any()) for p in planes)] == [5]
 
@@ -852,7 +853,8 @@ def test_a_job_a_signal_interrupted_the_sending_of_fails_at_the_scheduler(seg_na
             assert sorted((d.job_id, d.success) for d in channel.wait([7, 9], timeout=10)) \
                 == [(7, False), (9, False)]
             channel.send([Job(8, "r", TransferSpec("store", [3], [5]))])
-            assert _completions_on_the_wire(channel, 8) == [(7, False), (8, True)]
+            # job 7 is reported once, by the scheduler: the worker drops its parts, unreported
+            assert _completions_on_the_wire(channel, 8) == [(8, True)]
             planes = channel.seg.torch_planes()
             assert [b for b in ids if any(bool(p[b].any()) for p in planes)] == [5]
     finally:
@@ -921,3 +923,82 @@ def test_a_job_id_sent_again_while_its_job_runs_and_refused_by_the_ring_leaves_i
             assert [(d.job_id, d.success) for d in channel.wait([5], timeout=60)] == [(5, True)]
         finally:
             go.set()
+
+
+def test_a_job_id_sent_again_after_its_sending_failed_runs_and_reports_once(
+        seg_name, monkeypatch):
+    # Job 7's sending failed partway and the scheduler reported it failed: its id is free
+    # again (ids are unique among unfinished jobs). The worker had kept 7 as broken for
+    # good, so a later job 7 was dropped, never run nor reported: its wait never returned.
+    from kvshm.engine.connector import Job
+    from kvshm.transfer.spec import TransferSpec
+    ids = list(range(1024))
+    with _a_channel_of_one_id_frames(seg_name, monkeypatch, timeout=0.5) as channel, \
+            _a_worker_serving(channel, _filled_device()) as p:
+        os.kill(p.pid, signal.SIGSTOP)  # the ring fills partway through job 7
+        try:
+            with pytest.raises(TransferError, match="stayed full"):
+                channel.send([Job(7, "r", TransferSpec("store", [i % 4 for i in ids], ids))])
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, signal.SIGCONT)
+        assert [(d.job_id, d.success) for d in channel.poll()] == [(7, False)]
+        channel.send([Job(8, "r", TransferSpec("store", [3], [5]))])
+        assert _completions_on_the_wire(channel, 8) == [(8, True)]  # none of the first 7
+        channel.send([Job(7, "r", TransferSpec("store", [1], [6]))])  # the id again
+        assert _completions_on_the_wire(channel, 7) == [(7, True)]
+        planes = channel.seg.torch_planes()
+        assert [b for b in ids if any(bool(p[b].any()) for p in planes)] == [5, 6]
+
+
+def _signal_at(line_text: str, hit: int):
+    """A trace function that sends this process SIGALRM when ``SchedulerChannel.send``
+    reaches, for the ``hit``-th time, the line of its source holding ``line_text``."""
+    import inspect
+    import sys
+    src, first = inspect.getsourcelines(ch.SchedulerChannel.send)
+    target = first + next(i for i, s in enumerate(src) if line_text in s)
+    seen = [0]
+
+    def local(frame, event, arg):
+        if event == "line" and frame.f_lineno == target:
+            seen[0] += 1
+            if seen[0] == hit:
+                os.kill(os.getpid(), signal.SIGALRM)
+        return local
+
+    def traced(frame, event, arg):
+        return local if frame.f_code is ch.SchedulerChannel.send.__code__ else None
+    sys.settrace(traced)
+
+
+@pytest.mark.parametrize("line", ["spec: TransferSpec = job.spec", "wslot, wgen = getattr",
+                                  "= self._ends.jobs.tail"], ids=["spec", "writer", "tail"])
+def test_a_signal_at_any_step_of_a_send_fails_every_job_it_did_not_send_whole(channel, line):
+    # Only an exception out of putting a frame failed the unsent jobs: a signal handler's
+    # raised at another step of the loop (here job 9's own lines, after it was outstanding,
+    # before its frame went out) left job 9 outstanding for good, never sent nor failed, and
+    # job 10 after it neither outstanding nor reported.
+    import sys
+    from kvshm.engine.connector import Job
+    from kvshm.transfer.spec import TransferSpec
+
+    def interrupt(*_):
+        raise _Interrupted
+    old = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        with _a_worker_serving(channel, _filled_device()):
+            _signal_at(line, 2)  # at job 9's pass over that line
+            try:
+                with pytest.raises(_Interrupted):
+                    channel.send([Job(7, "r", TransferSpec("store", [1], [3])),
+                                  Job(9, "r", TransferSpec("store", [2], [4])),
+                                  Job(10, "r", TransferSpec("store", [3], [5]))])
+            finally:
+                sys.settrace(None)
+            assert sorted((d.job_id, d.success) for d in channel.wait([7, 9, 10], timeout=60)) \
+                == [(7, True), (9, False), (10, False)]
+            planes = channel.seg.torch_planes()
+            assert [b for b in range(8) if any(bool(p[b].any()) for p in planes)] == [3]
+    finally:
+        signal.signal(signal.SIGALRM, old)

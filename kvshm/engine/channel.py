@@ -172,42 +172,50 @@ class SchedulerChannel:
     def send(self, jobs: Iterable) -> None:
         """Send ``Job``s (from the scheduler connector); after the worker died they fail.
 
-        Should sending raise (the ring stayed full past the timeout, an interrupt), every job
-        given whose last frame did not enter the ring fails here, reported as the others are,
-        before the error goes on: it can never run. A job whose id is still in flight keeps
-        that job's report."""
+        Should sending raise (the ring stayed full past the timeout, an interrupt at any step),
+        every job given whose last frame did not enter the ring fails here, reported as the
+        others are, before the error goes on: it can never run, and its report is this
+        side's alone (the worker drops the parts it has, reporting nothing). A job whose id is
+        still in flight keeps that job's report."""
         n = self._ids_per_frame()
         jobs = list(jobs)
-        for k, job in enumerate(jobs):
-            spec: TransferSpec = job.spec
-            dev, seg = list(spec.device_block_ids), list(spec.segment_block_ids)
-            again = job.job_id in self._outstanding  # (the worker drops it: ids are unique)
-            self._outstanding[job.job_id] = spec.kind
-            wslot, wgen = getattr(job, "writer", None) or (-1, 0)
-            parts = max(1, -(-max(len(dev), len(seg)) // n))
-            for i in range(parts):
-                sl = slice(i * n, (i + 1) * n)
-                tail = self._ends.jobs.tail
-                try:
-                    sent = self._send(JobFrame(job.job_id, spec.kind, dev[sl], seg[sl],
-                                               i == parts - 1, spec.skip, wslot, wgen, i))
-                except BaseException:
-                    whole = i == parts - 1 and self._ends.jobs.tail != tail
-                    self._fail_unsent(jobs[k + 1:] if whole else jobs[k:], None if again
-                                      else job)
-                    raise
-                if not sent:
-                    break  # the worker is gone: the job is already reported failed
+        # Where the sending is, for an exception at any step (a signal handler's may come at
+        # any): ``whole`` jobs went whole into the ring (or failed with their worker); job
+        # ``at`` is under way, ``ours`` if this send puts it in _outstanding, and
+        # ``before_last`` the ring's tail before its last frame (None: not reached yet).
+        whole, at, ours, before_last = 0, -1, None, None
+        try:
+            for k, job in enumerate(jobs):
+                at, ours, before_last = k, None if job.job_id in self._outstanding else job, None
+                spec: TransferSpec = job.spec
+                dev, seg = list(spec.device_block_ids), list(spec.segment_block_ids)
+                self._outstanding[job.job_id] = spec.kind
+                wslot, wgen = getattr(job, "writer", None) or (-1, 0)
+                parts = max(1, -(-max(len(dev), len(seg)) // n))
+                for i in range(parts):
+                    sl = slice(i * n, (i + 1) * n)
+                    if i == parts - 1:
+                        before_last = self._ends.jobs.tail
+                    if not self._send(JobFrame(job.job_id, spec.kind, dev[sl], seg[sl],
+                                               i == parts - 1, spec.skip, wslot, wgen, i)):
+                        break  # the worker is gone: the job is already reported failed
+                whole = k + 1
+        except BaseException:
+            if at == whole and before_last is not None and self._ends.jobs.tail != before_last:
+                whole += 1  # its last frame entered the ring: the worker runs it and reports
+            self._fail_unsent(jobs[whole:], ours if at == whole else None)
+            raise
 
     def _fail_unsent(self, jobs: Sequence, ours: object) -> None:
-        """Fail jobs whose last frame never entered the ring (the worker can never run them,
-        and drops the parts it has once any other frame comes), their blocks going back;
-        ``ours``: the one of them in ``_outstanding`` already, put there by this send."""
+        """Fail jobs whose last frame never entered the ring (the worker can never run them),
+        their blocks going back; ``ours``: the first of them, if this send put (or was
+        putting) it in ``_outstanding``. Any other whose id is outstanding is a job in
+        flight under that id: its report stands."""
         failed: set[int] = set()
         for job in jobs:
             j = job.job_id
-            if j in failed or (job is ours) != (j in self._outstanding):
-                continue  # reported already, or a job under its id is in flight: its report
+            if j in failed or (job is not ours and j in self._outstanding):
+                continue
             self._outstanding.pop(j, None)
             self._received.append(Done(j, False))
             failed.add(j)

@@ -8,8 +8,9 @@ read into ``Broken`` (a job to fail, never to run).
 It must never hand the worker a job with blocks missing: a job whose frames arrive with a gap
 (one lost to an undecodable frame) is broken, and every later frame of it is dropped; a frame
 naming no job breaks every job still being joined (it may have been any one's next or last
-part: none may wait for it forever), and so does a frame of anything else (a scheduler sends
-a job's frames one after another: its sending failed partway, and the rest never comes). A
+part: none may wait for it forever). A job another frame cuts short (a scheduler sends a
+job's frames one after another: its sending failed partway, and the rest never comes) is
+dropped unreported, as its scheduler failed it: one report per job, whoever makes it. A
 broken job is handed over once. It must never raise on a frame, whatever its bytes, and
 never guess a job id a frame does not carry.
 It knows nothing about what jobs mean, and nothing about rings or liveness (``channel``).
@@ -104,7 +105,8 @@ class JobReader:
 
     def __init__(self) -> None:
         self._parts: dict[int, list[JobFrame]] = {}  # job id -> its frames so far
-        self._broken: set[int] = set()  # jobs failed for a lost part: drop what follows
+        # jobs failed for a lost part, while their later parts may still come: dropped
+        self._broken: set[int] = set()
 
     def read(self, frame: bytes) -> list[JobFrame | Flush | Stop | Broken]:
         """What ``frame`` adds: a whole job, another frame, Broken jobs, or nothing (a part,
@@ -120,39 +122,45 @@ class JobReader:
                 return []  # failed already: fail it once
             return [self._break(job_id, kind, why)]
         # A scheduler sends a job's frames one after another: any other frame ends the
-        # joining of the one before, whose sending failed partway (``SchedulerChannel.send``).
-        ended: list[JobFrame | Flush | Stop | Broken] = []
+        # joining of the one before, whose sending failed partway. That scheduler failed the
+        # job itself (``SchedulerChannel.send``): its parts are dropped and it is not
+        # reported here, for its id may be in use again, and a second report would be taken
+        # for the new job's.
+        going_on = isinstance(m, JobFrame) and m.part > 0  # (the next part of a job)
         if self._parts:  # (rarely: most jobs are one frame)
-            ended += self._end_joins("another frame",
-                                     m.job_id if isinstance(m, JobFrame) else None)
+            for j in [j for j in self._parts if not (going_on and j == m.job_id)]:
+                log.error("kvshm worker: job %d dropped, its sending stopped after %d frames",
+                          j, len(self._parts.pop(j)))
+        if self._broken and not (going_on and m.job_id in self._broken):
+            self._broken.clear()  # a broken job's frames have ended: its id may come again
         if not isinstance(m, JobFrame):
-            return [*ended, m]
+            return [m]
         if m.job_id in self._broken:
-            return ended
+            return []
         parts = self._parts.get(m.job_id, [])
         if m.part != len(parts):
-            return [*ended, self._break(m.job_id, m.kind, f"frame {m.part} of the job came "
-                                                          f"after {len(parts)} of its frames")]
+            return [self._break(m.job_id, m.kind, f"frame {m.part} of the job came after "
+                                                  f"{len(parts)} of its frames")]
         if m.last and not parts:
-            return [*ended, m]
+            return [m]
         parts.append(m)
         self._parts[m.job_id] = parts
         if not m.last:
-            return ended
+            return []
         del self._parts[m.job_id]
-        return [*ended, msgspec.structs.replace(
+        return [msgspec.structs.replace(
             m, device=[d for p in parts for d in p.device],
             segment=[s for p in parts for s in p.segment])]
 
-    def _end_joins(self, what: str, but: int | None = None) -> list[Broken]:
-        """Break every job being joined (but job ``but``): after ``what``, none can be
-        whole, nor may it wait for its next part forever."""
+    def _end_joins(self, what: str) -> list[Broken]:
+        """Break every job being joined: after ``what``, none can be whole, nor may it wait
+        for its next part forever."""
         return [self._break(j, parts[0].kind, f"{what} came after {len(parts)} of its frames")
-                for j, parts in list(self._parts.items()) if j != but]
+                for j, parts in list(self._parts.items())]
 
     def _break(self, job_id: int | None, kind: str, why: str) -> Broken:
         if job_id is not None:
             self._parts.pop(job_id, None)
-            self._broken.add(job_id)  # ids are never reused: one entry per broken job
+            self._broken.add(job_id)
         log.error("kvshm worker: job %s is broken: %s", job_id, why)
         return Broken(job_id, kind, why)
