@@ -1002,3 +1002,35 @@ def test_a_signal_at_any_step_of_a_send_fails_every_job_it_did_not_send_whole(ch
             assert [b for b in range(8) if any(bool(p[b].any()) for p in planes)] == [3]
     finally:
         signal.signal(signal.SIGALRM, old)
+
+
+@pytest.mark.parametrize("line,hit", [("break  # the worker", 1), ("whole = k + 1", 1),
+                                      ("whole = k + 1", 2)], ids=["break", "end-7", "end-9"])
+def test_a_signal_after_a_lost_worker_failed_the_job_under_way_reports_it_once(
+        channel, line, hit):
+    # A lost worker's jobs fail as send finds it gone, the job under way among them; a
+    # signal's exception right after that (the job not yet counted as done) failed that job
+    # again: two reports, and a connector counting reports would take the second for
+    # another worker's, ending a job whose copy may still write its blocks.
+    import sys
+    from kvshm.engine.connector import Job
+    from kvshm.transfer.spec import TransferSpec
+
+    def interrupt(*_):
+        raise _Interrupted
+    old = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        with _a_worker_serving(channel, _filled_device()) as p:
+            p.kill()
+            p.join()
+            _signal_at(line, hit)
+            try:
+                with pytest.raises(_Interrupted):
+                    channel.send([Job(7, "r", TransferSpec("store", [1], [3])),
+                                  Job(9, "r", TransferSpec("store", [2], [4]))])
+            finally:
+                sys.settrace(None)
+            assert sorted((d.job_id, d.success) for d in channel.poll()) == [
+                (7, False), (9, False)]
+    finally:
+        signal.signal(signal.SIGALRM, old)

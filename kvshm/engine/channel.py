@@ -169,24 +169,28 @@ class SchedulerChannel:
         room = (Ring.max_payload(self._ends.jobs.capacity) - FRAME_OVERHEAD) // (2 * ID_BYTES)
         return max(1, min(MAX_IDS_PER_FRAME, room))
 
-    def send(self, jobs: Iterable) -> None:
+    def send(self, jobs: Sequence) -> None:
         """Send ``Job``s (from the scheduler connector); after the worker died they fail.
 
         Should sending raise (the ring stayed full past the timeout, an interrupt at any step),
         every job given whose last frame did not enter the ring fails here, reported as the
         others are, before the error goes on: it can never run, and its report is this
         side's alone (the worker drops the parts it has, reporting nothing). A job whose id is
-        still in flight keeps that job's report."""
-        n = self._ids_per_frame()
-        jobs = list(jobs)
+        still in flight keeps that job's report. (A sequence: the jobs of an iterator an
+        interrupt cut short could not all be failed.)"""
         # Where the sending is, for an exception at any step (a signal handler's may come at
         # any): ``whole`` jobs went whole into the ring (or failed with their worker); job
-        # ``at`` is under way, ``ours`` if this send puts it in _outstanding, and
-        # ``before_last`` the ring's tail before its last frame (None: not reached yet).
-        whole, at, ours, before_last = 0, -1, None, None
+        # ``at`` is under way, ``ours`` if this send puts it in _outstanding, ``before_last``
+        # the ring's tail before its last frame (None: not reached yet), and ``mark`` the
+        # reports there were when it began (a lost worker's may have reported it since).
+        whole, at, ours, before_last, mark = 0, -1, None, None, 0
         try:
+            n = self._ids_per_frame()
+            jobs = list(jobs)
             for k, job in enumerate(jobs):
-                at, ours, before_last = k, None if job.job_id in self._outstanding else job, None
+                at, ours, before_last, mark = (
+                    k, None if job.job_id in self._outstanding else job, None,
+                    len(self._received))
                 spec: TransferSpec = job.spec
                 dev, seg = list(spec.device_block_ids), list(spec.segment_block_ids)
                 self._outstanding[job.job_id] = spec.kind
@@ -203,7 +207,11 @@ class SchedulerChannel:
         except BaseException:
             if at == whole and before_last is not None and self._ends.jobs.tail != before_last:
                 whole += 1  # its last frame entered the ring: the worker runs it and reports
-            self._fail_unsent(jobs[whole:], ours if at == whole else None)
+            elif at == whole and ours is not None and any(
+                    d.job_id == ours.job_id for d in self._received[mark:]):
+                whole += 1  # its worker was lost meanwhile, which reported it failed
+            self._fail_unsent(list(jobs)[whole:] if isinstance(jobs, Sequence) else [],
+                              ours if at == whole else None)
             raise
 
     def _fail_unsent(self, jobs: Sequence, ours: object) -> None:
