@@ -345,6 +345,16 @@ class _Shared:
         self.owner = self.mgr._link.owner_proc  # the owner this process started
         self.owner_pid = self.mgr.segment.owner_record()[0]
 
+    def rejoin(self) -> None:
+        """Leave and connect again, as a client that stores nothing: the grant ring this
+        process's replays grew (twice their largest store, up to the whole grant budget)
+        goes back to the owner, so that the spawned clients are measured sharing the owner
+        and the budget among themselves, not beside a client idle with a full ring."""
+        import kvshm
+        self.mgr.shutdown()
+        self.mgr = kvshm.connect(self.name)
+        assert self.mgr.segment.owner_record()[0] == self.owner_pid  # the same owner
+
     def close(self) -> None:
         try:
             self.mgr.shutdown()
@@ -540,6 +550,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.clients:
             creq = a.client_requests or a.requests
             result["clients"] = {"requests_per_client": creq, "round_trip_stores": {}}
+            shared.rejoin()
             for n in sorted({1, a.clients}):
                 trips = shared.mgr.segment.counter("round_trip_stores")
                 result["clients"][str(n)] = run_clients(n, shared, base_kind, capacity, creq,
