@@ -96,6 +96,33 @@ def test_bench_scheduler_paces_from_the_first_request_and_leaves_out_only_sleep(
     assert (r["whole_ms"], r["busy_ms"]) == (pytest.approx(43), pytest.approx(29))
 
 
+def test_bench_scheduler_measures_its_clients_without_the_grants_of_its_own_replays():
+    # The single-process replays grow their client's grant ring; idle beside the spawned
+    # clients, it would hold the grant budget they share.
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import bench_scheduler as bs
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+    from kvshm.inspect.snapshot import snapshot
+    from kvshm.owner.stocking import grant_target
+
+    shared = bs._Shared(656, 4096, 2, 8)
+    try:
+        seg = shared.mgr.segment
+        trace = bs.make_trace(*bs.TRACES["t1"], 20, "rejoin")
+        bs.replay(bs._Kvshm(shared.mgr, "kvshm", True), trace, float("inf"), "r",
+                  bs.STORE_BATCH.get("t1"))
+        [me] = [c for c in snapshot(seg)["clients"] if c["alive"]]
+        assert me["granted"] > grant_target(seg.geometry)  # grown past a client's share
+        shared.rejoin()
+        after = snapshot(shared.mgr.segment)
+        assert [c["granted"] for c in after["clients"] if c["alive"]] == [0]
+        assert after["owner"]["pid"] == shared.owner_pid  # the same owner serves on
+    finally:
+        shared.close()
+
+
 def test_bench_quotas_prints_the_three_runs_and_their_ratios():
     r = tool("bench_quotas.py", "--blocks", "128", "--requests", "40", "--prompts", "4",
              "--prompt-keys", "8")

@@ -353,7 +353,9 @@ class _Shared:
         import kvshm
         self.mgr.shutdown()
         self.mgr = kvshm.connect(self.name)
-        assert self.mgr.segment.owner_record()[0] == self.owner_pid  # the same owner
+        pid = self.mgr.segment.owner_record()[0]
+        if pid != self.owner_pid:  # (its owner left meanwhile: the runs would mix two)
+            raise RuntimeError(f"the segment's owner changed ({self.owner_pid} -> {pid})")
 
     def close(self) -> None:
         try:
