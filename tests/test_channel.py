@@ -530,6 +530,18 @@ def _filled_device() -> list:
     return [torch.full((4, PAGE), 7, dtype=torch.uint8).share_memory_() for _ in range(2)]
 
 
+@contextlib.contextmanager
+def _stopped(p):
+    """Worker ``p`` stopped (it drains nothing: its ring stays full whatever the wait), and
+    resumed on the way out unless it died (its failure shows)."""
+    os.kill(p.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p.pid, signal.SIGCONT)
+
+
 def test_a_job_frame_of_an_unknown_kind_fails_that_job_and_the_worker_serves_on(channel):
     # The worker built the job (TransferSpec) outside the guard that turns a refused job into
     # a failed one: a frame whose kind is neither store nor load raised out of its serve
@@ -804,14 +816,9 @@ def test_a_send_the_ring_took_only_part_of_fails_that_job_and_the_ones_after_it(
     ids = list(range(1024))
     with _a_channel_of_one_id_frames(seg_name, monkeypatch) as channel, \
             _a_worker_serving(channel, _filled_device()) as p:
-        os.kill(p.pid, signal.SIGSTOP)  # the ring stays full whatever the wait
-        try:
-            with pytest.raises(TransferError, match="stayed full"):
-                channel.send([Job(7, "r", TransferSpec("store", [i % 4 for i in ids], ids)),
-                              Job(9, "r", TransferSpec("store", [1], [6]))])
-        finally:
-            with contextlib.suppress(ProcessLookupError):  # (dead: its failure shows)
-                os.kill(p.pid, signal.SIGCONT)
+        with _stopped(p), pytest.raises(TransferError, match="stayed full"):
+            channel.send([Job(7, "r", TransferSpec("store", [i % 4 for i in ids], ids)),
+                          Job(9, "r", TransferSpec("store", [1], [6]))])
         assert sorted((d.job_id, d.success) for d in channel.poll()) == [(7, False), (9, False)]
         channel.send([Job(8, "r", TransferSpec("store", [3], [5]))])  # the end of the reports
         # job 7 is reported once, by the scheduler: the worker drops its parts, unreported
@@ -839,16 +846,15 @@ def test_a_job_a_signal_interrupted_the_sending_of_fails_at_the_scheduler(seg_na
     try:
         with _a_channel_of_one_id_frames(seg_name, monkeypatch, timeout=60) as channel, \
                 _a_worker_serving(channel, _filled_device()) as p:
-            os.kill(p.pid, signal.SIGSTOP)
-            try:
-                signal.setitimer(signal.ITIMER_REAL, 1.0)
-                with pytest.raises(_Interrupted):
-                    channel.send([Job(7, "r", TransferSpec("store", [i % 4 for i in ids], ids)),
-                                  Job(9, "r", TransferSpec("store", [1], [6]))])
-            finally:
-                signal.setitimer(signal.ITIMER_REAL, 0)
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(p.pid, signal.SIGCONT)
+            with _stopped(p):
+                try:
+                    signal.setitimer(signal.ITIMER_REAL, 1.0)
+                    with pytest.raises(_Interrupted):
+                        channel.send([
+                            Job(7, "r", TransferSpec("store", [i % 4 for i in ids], ids)),
+                            Job(9, "r", TransferSpec("store", [1], [6]))])
+                finally:
+                    signal.setitimer(signal.ITIMER_REAL, 0)
             assert channel._ends.jobs.tail > 0  # (part of job 7 is in the ring)
             assert sorted((d.job_id, d.success) for d in channel.wait([7, 9], timeout=10)) \
                 == [(7, False), (9, False)]
@@ -910,13 +916,8 @@ def test_a_job_id_sent_again_while_its_job_runs_and_refused_by_the_ring_leaves_i
         try:
             channel.send([Job(5, "r", TransferSpec("store", [1], [2]))])
             assert parent.recv() == ("took", 5)
-            os.kill(p.pid, signal.SIGSTOP)
-            try:
-                with pytest.raises(TransferError, match="stayed full"):
-                    channel.send([Job(5, "r", TransferSpec("store", [i % 4 for i in ids], ids))])
-            finally:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(p.pid, signal.SIGCONT)
+            with _stopped(p), pytest.raises(TransferError, match="stayed full"):
+                channel.send([Job(5, "r", TransferSpec("store", [i % 4 for i in ids], ids))])
             assert channel.poll() == []
             assert 5 in channel.outstanding()
             go.set()
@@ -935,13 +936,8 @@ def test_a_job_id_sent_again_after_its_sending_failed_runs_and_reports_once(
     ids = list(range(1024))
     with _a_channel_of_one_id_frames(seg_name, monkeypatch, timeout=0.5) as channel, \
             _a_worker_serving(channel, _filled_device()) as p:
-        os.kill(p.pid, signal.SIGSTOP)  # the ring fills partway through job 7
-        try:
-            with pytest.raises(TransferError, match="stayed full"):
-                channel.send([Job(7, "r", TransferSpec("store", [i % 4 for i in ids], ids))])
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(p.pid, signal.SIGCONT)
+        with _stopped(p), pytest.raises(TransferError, match="stayed full"):  # partway
+            channel.send([Job(7, "r", TransferSpec("store", [i % 4 for i in ids], ids))])
         assert [(d.job_id, d.success) for d in channel.poll()] == [(7, False)]
         channel.send([Job(8, "r", TransferSpec("store", [3], [5]))])
         assert _completions_on_the_wire(channel, 8) == [(8, True)]  # none of the first 7
