@@ -3,16 +3,27 @@ the figures that page quotes, as one JSON object with --json (the vLLM baseline 
 the runs the page records; here the in-process LocalManager stands in for it)."""
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+
+def _tool_module(name: str) -> Any:
+    """The tool ``tools/<name>.py`` imported, for a test of its own functions."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
 
 
 def tool(name: str, *args: str) -> dict:
@@ -62,11 +73,7 @@ def test_bench_scheduler_paces_its_clients_and_leaves_the_steps_out_of_busy_time
 
 @pytest.mark.unit
 def test_bench_scheduler_paces_from_the_first_request_and_leaves_out_only_sleep(monkeypatch):
-    sys.path.insert(0, str(ROOT / "tools"))
-    try:
-        import bench_scheduler as bs
-    finally:
-        sys.path.remove(str(ROOT / "tools"))
+    bs = _tool_module("bench_scheduler")
     now = [0]  # a fake clock (ns): each sleep overshoots 2 ms, each store takes its work
     work = iter([25, 1, 1, 1, 1])  # ms: the first request ends 2.5 steps late
 
@@ -99,11 +106,7 @@ def test_bench_scheduler_paces_from_the_first_request_and_leaves_out_only_sleep(
 def test_bench_scheduler_measures_its_clients_without_the_grants_of_its_own_replays():
     # The single-process replays grow their client's grant ring; idle beside the spawned
     # clients, it would hold the grant budget they share.
-    sys.path.insert(0, str(ROOT / "tools"))
-    try:
-        import bench_scheduler as bs
-    finally:
-        sys.path.remove(str(ROOT / "tools"))
+    bs = _tool_module("bench_scheduler")
     from kvshm.inspect.snapshot import snapshot
     from kvshm.owner.stocking import grant_target
 
@@ -163,21 +166,12 @@ def test_cuda_tools_without_cuda_say_what_they_need_and_exit_2(name, why):
     assert (p.returncode, p.stdout, p.stderr) == (2, "", why + "\n")
 
 
-def _bench_transfer():
-    sys.path.insert(0, str(ROOT / "tools"))
-    try:
-        import bench_transfer
-    finally:
-        sys.path.remove(str(ROOT / "tools"))
-    return bench_transfer
-
-
 @pytest.mark.unit
 @pytest.mark.parametrize("k", [1, 2, 3, 7])
 @pytest.mark.parametrize("rounds", [1, 2])
 def test_bench_transfer_runs_every_column_after_every_other_equally_often(k, rounds):
     from collections import Counter
-    seq = _bench_transfer().column_sequence(k, rounds)
+    seq = _tool_module("bench_transfer").column_sequence(k, rounds)
     assert seq[0] == seq[-1] == 0  # the warm-up ends with column 0: the head's predecessor
     follows = Counter(zip(seq, seq[1:]))
     want = {(a, b) for a in range(k) for b in range(k) if a != b} or {(0, 0)}
@@ -189,7 +183,7 @@ def test_bench_transfer_times_every_column_at_least_reps_times_after_each_predec
     from collections import Counter
     calls: list[str] = []
     fns = {n: (lambda n=n: calls.append(n)) for n in ("a", "b", "c", "d")}
-    rates = _bench_transfer().run_interleaved(fns, reps=5, total=1)
+    rates = _tool_module("bench_transfer").run_interleaved(fns, reps=5, total=1)
     assert set(rates) == set(fns)
     warm, timed = calls[:4], calls[4:]
     assert warm[-1] == "a" and sorted(warm) == sorted(fns)
