@@ -210,7 +210,7 @@ class SchedulerChannel:
             elif at == whole and ours is not None and any(
                     d.job_id == ours.job_id for d in self._received[mark:]):
                 whole += 1  # its worker was lost meanwhile, which reported it failed
-            self._fail_unsent(list(jobs)[whole:] if isinstance(jobs, Sequence) else [],
+            self._fail_unsent(jobs[whole:] if isinstance(jobs, Sequence) else [],
                               ours if at == whole else None)
             raise
 
