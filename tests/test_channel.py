@@ -1030,3 +1030,31 @@ def test_a_signal_after_a_lost_worker_failed_the_job_under_way_reports_it_once(
                 (7, False), (9, False)]
     finally:
         signal.signal(signal.SIGALRM, old)
+
+
+def test_a_signal_after_a_lost_worker_failed_an_id_sent_again_in_flight_reports_it_once(
+        channel):
+    # Job 5 was in flight when a job 5 was sent again (its report is the running job's).
+    # send found the worker gone, which failed the running 5; a signal's exception then
+    # found 5 no longer outstanding and failed it a second time.
+    import sys
+    from kvshm.engine.connector import Job
+    from kvshm.transfer.spec import TransferSpec
+
+    def interrupt(*_):
+        raise _Interrupted
+    old = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        with _a_worker_serving(channel, _filled_device()) as p:
+            channel._outstanding[5] = "store"  # in flight, as if sent before
+            p.kill()
+            p.join()
+            _signal_at("break  # the worker", 1)
+            try:
+                with pytest.raises(_Interrupted):
+                    channel.send([Job(5, "r", TransferSpec("store", [1], [3]))])
+            finally:
+                sys.settrace(None)
+            assert [(d.job_id, d.success) for d in channel.poll()] == [(5, False)]
+    finally:
+        signal.signal(signal.SIGALRM, old)

@@ -184,6 +184,7 @@ class SchedulerChannel:
         # the ring's tail before its last frame (None: not reached yet), and ``mark`` the
         # reports there were when it began (a lost worker's may have reported it since).
         whole, at, ours, before_last, mark = 0, -1, None, None, 0
+        began = len(self._received)  # (reports since: a lost worker's, of jobs in flight)
         try:
             n = self._ids_per_frame()
             jobs = list(jobs)
@@ -211,18 +212,20 @@ class SchedulerChannel:
                     d.job_id == ours.job_id for d in self._received[mark:]):
                 whole += 1  # its worker was lost meanwhile, which reported it failed
             self._fail_unsent(jobs[whole:] if isinstance(jobs, Sequence) else [],
-                              ours if at == whole else None)
+                              ours if at == whole else None, began)
             raise
 
-    def _fail_unsent(self, jobs: Sequence, ours: object) -> None:
+    def _fail_unsent(self, jobs: Sequence, ours: object, began: int) -> None:
         """Fail jobs whose last frame never entered the ring (the worker can never run them),
         their blocks going back; ``ours``: the first of them, if this send put (or was
-        putting) it in ``_outstanding``. Any other whose id is outstanding is a job in
-        flight under that id: its report stands."""
+        putting) it in ``_outstanding``. Any other whose id is outstanding, or was reported
+        since the send ``began`` (a lost worker's failures), is a job in flight under that
+        id: its report stands."""
+        reported = {d.job_id for d in self._received[began:]}
         failed: set[int] = set()
         for job in jobs:
             j = job.job_id
-            if j in failed or (job is not ours and j in self._outstanding):
+            if j in failed or (job is not ours and (j in self._outstanding or j in reported)):
                 continue
             self._outstanding.pop(j, None)
             self._received.append(Done(j, False))
