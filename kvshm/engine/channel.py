@@ -85,7 +85,17 @@ def _put(ring: Ring, frame: bytes, alive, drain=None, timeout: float = 30.0) -> 
 
 
 class SchedulerChannel:
-    """The scheduler's end: send jobs, receive completions, notice a dead worker."""
+    """The scheduler's end: send jobs, receive completions, notice a dead worker.
+
+    One thread at a time: the job ring has one producer, and a worker takes a frame of
+    another job amid a job's frames for the end of that job's sending (``frames.py``).
+    ``send`` fails exactly the jobs it could not send whole, whatever exception ends it.
+    What no code here can make whole is the hand-over of a completion: a signal handler's
+    exception inside ``poll``, ``wait`` or the draining ``send`` does while it waits for
+    room (or in the caller, before it stored what ``poll`` returned) may lose other jobs'
+    reports. After one, stop using the channel, and take each job it did not report as still
+    copying until its worker is gone: failing a store frees its blocks at once.
+    """
 
     def __init__(self, segment_name: str, *, timeout: float = 30.0) -> None:
         self.seg = Segment.attach(segment_name)
