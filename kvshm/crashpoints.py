@@ -45,6 +45,10 @@ POINTS = (
     "owner.unclaimed.settled",  # a dead client's offers settled (its copier lives), not yet
     #                             ended (cached again, or freed)
     # owner: entry writes
+    "owner.recall.lowered",  # an idle client's granted count lowered to take its untaken
+    #                          ids back, its intent word not yet read
+    "owner.recall.mid",  # of the blocks recalled, the ones at the highest ring positions
+    #                      ended (freed, or cached again), the others still granted
     "table.write.odd",  # entry sequence odd, body half written
     "table.write_many.odd",  # a batch's entries all odd, half their bodies written
     "table.offer.mid",  # offered entries odd, their ring positions stored, not the writer
@@ -63,6 +67,8 @@ POINTS = (
     "client.connect.after_activate",  # slot CLIENT, owner has not adopted it yet
     "client.store.after_prepare",  # blocks granted, nothing copied
     "client.store.after_take",  # blocks taken from the grant ring, the count not yet stored
+    "client.take.after_intent",  # the ring positions it is taking announced (intent), the
+    #                              granted count not yet read again
     "client.claim.before_check",  # offered blocks CLAIMED, other clients' holds not yet read
     "client.store.after_copy",  # blocks copied, complete_store not sent
     "client.load.after_pin",  # blocks pinned, not yet copied out

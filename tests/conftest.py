@@ -281,6 +281,7 @@ FILE_TIERS = {
     "test_exactly_once.py": "procs",
     "test_fuzz.py": "procs",
     "test_grants.py": "procs",
+    "test_grant_recall.py": "procs",
     "test_inspect.py": "procs",
     "test_late_writers.py": "procs",
     "test_leases.py": "procs",

@@ -551,3 +551,31 @@ def take_over_and_report(name: str, conn) -> None:
             if slots.record(seg, s).state == L.SlotState.FREE]
     conn.send({"errors": seg.counter("errors"), "free": free})
     owner.close()
+
+
+def grow_then_store(name: str, conn, levels: list[int], size: int) -> None:
+    """Store alone until the grant ring holds each of ``levels`` in turn (the first store
+    without grants, then one store per level, each from the ring and one take), report, then
+    store ``size`` fresh keys (a crash point may stop us inside that take); report whether
+    every key of it loads back with its own bytes, and stay until told to go."""
+    from kvshm.shm import slots
+    mgr = connect(name)
+    words, _ = slots.grants(mgr.segment, mgr.slot)
+    level = lambda: int(words["granted"]) - mgr._own.taken  # noqa: E731
+    store(mgr, [b"grow-0-%d" % i for i in range(2)])
+    for i, want in enumerate(levels):
+        deadline = time.monotonic() + 30
+        while level() < want and time.monotonic() < deadline:
+            time.sleep(0.01)  # polling a condition; the test checks what we report
+        if i + 1 < len(levels):
+            store(mgr, [b"grow-%d-%d" % (i + 1, j) for j in range(levels[i + 1] // 2)])
+    conn.send(level())
+    keys = [b"last-%d" % i for i in range(size)]
+    stored = store(mgr, keys)
+    good = mgr.lookup(keys) == size and all(
+        check(mgr.segment.planes(), b, k)
+        for k, b in zip(keys, mgr.prepare_load(keys)))
+    mgr.complete_load(keys)
+    conn.send((stored == keys, good))
+    conn.recv()
+    mgr.shutdown()

@@ -57,12 +57,14 @@ CLIENT_POINTS = {
 # dead client's torn claim ended while its copier lives:
 # test_an_owner_dying_as_it_ends_a_dead_clients_torn_claim_never_serves_its_old_key; a
 # successor dying as it rewrites the key index:
-# test_an_owner_dying_as_it_rewrites_the_index_leaves_a_clients_offers_cached).
+# test_an_owner_dying_as_it_rewrites_the_index_leaves_a_clients_offers_cached; an idle
+# client's grants recalled: test_grant_recall.py).
 WALKED_ELSEWHERE = {"worker.store.mid_copy", "client.slot.after_lock", "owner.rebuild.torn", "client.load.wait_decision", "owner.publish.merged",
                     "owner.free.after_holds", "owner.launch.before_pid", "object.before_link", "mover.area.after_open",
                     "segment.create.after_open", "segment.create.after_lock", "segment.create.after_reserve",
                     "mover.fill.after_prepare", "mover.fill.after_get",
-                    "mover.spill.after_pin", "owner.unclaimed.settled", "owner.rebuild.index"}
+                    "mover.spill.after_pin", "owner.unclaimed.settled", "owner.rebuild.index",
+                    "owner.recall.lowered", "owner.recall.mid", "client.take.after_intent"}
 
 
 @pytest.fixture

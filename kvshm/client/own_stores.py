@@ -83,6 +83,18 @@ class OwnStores:
             m = min(n - len(spare), gw["granted"] - t)
             if m <= 0:
                 break
+            # The positions we take, announced before we read the count again: an owner
+            # recalling our untaken ids lowers the count and then reads this word, so either
+            # it sees us taking them and backs off, or we see the lowered count here.
+            gw["intent"] = t + m
+            full_fence()
+            crash_point("client.take.after_intent")
+            m = min(m, gw["granted"] - t)
+            if m <= 0:
+                gw["intent"] = t
+                break
+            gw["intent"] = t + m  # (lowered: a recall may take the rest)
+            publish_fence()  # the count read before the ids it hands over
             ids = [gi[(t + i) % cap] for i in range(m)]
             crash_point("client.store.after_take")
             publish_fence()  # ids read before the count that lets the owner reuse their places

@@ -32,6 +32,8 @@ _COUNTERS = (  # (snapshot counter, help): metric kvshm_<counter>_total unless r
     ("failovers", "Times a new owner took over."), ("reclaimed_clients", "Dead clients reclaimed."),
     ("reclaimed_blocks", "Blocks reclaimed from dead processes."),
     ("granted_blocks", "Blocks granted to clients ahead of their stores."),
+    ("recalled_blocks", "Granted blocks taken back from idle clients for busy ones."),
+    ("recalls_refused", "Recalls given up: the client was taking those blocks."),
     ("owner_busy_ns", "CPU nanoseconds the owner spent serving frames (not idle spinning)."),
     ("idle_wakeups", "Times the owner woke and found nothing to serve or adopt."),
     ("round_trip_stores", "Stores that waited for a round trip to the owner: their client's "

@@ -9,6 +9,8 @@ which nothing it writes there can make unusable. It serves nothing itself.
 """
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from kvshm.errors import KvshmError
@@ -47,6 +49,7 @@ class Client:
         # the owner keeps its grant ring at twice that, within the budget (``stocking.py``).
         self.largest_store = 0
         self.taken_seen = int(self.grant_head["taken"])
+        self.taken_at = time.monotonic()  # when a refill last saw its taken count move
         # it takes grants: the slot says so from its activation, before any request
         self.grants = not self.grant_head["refused"]
         self.max_reply = Ring.max_payload(seg.geometry.ring_capacity)

@@ -22,6 +22,9 @@ Invariants (the table says it all, so a successor rebuilds it):
   whose position the ring's ``granted`` count never reached (their predecessor died
   handing them over), and keeps any it cannot hand over until the client goes;
 * a client may publish only blocks it has taken (position below its ``taken`` count);
+* a live client's grants end only when it publishes them, returns them, or leaves, but for
+  a recall of the ones it has not taken (``stocking.recall``): its ring's count goes below
+  them first, and they end only if its intent word then shows it is not taking them;
 * a published key that another client's unfinished round-trip store holds waits for that
   store (``deferred``, and GRANTED with its key in the table, so a successor knows): the
   completed block is published if that store fails or its writer dies, and freed if it
@@ -140,6 +143,26 @@ class Grants:
                 break
             run.append(b)
         return run
+
+    def take_back(self, writer: Client, first: int) -> int:
+        """End ``writer``'s grants at ring positions from ``first`` on, which its ring's count
+        no longer reaches and its client is not taking (``stocking.recall``): a free grant
+        goes FREE, an offer is cached again (``_end``). The highest position goes first, so
+        that an owner dying midway leaves the rest a run from ``first`` on, which a
+        successor hands over again (``settle``). Returns how many."""
+        mine = self.blocks.get(writer, {})
+        back = sorted((b for b, pos in mine.items() if pos >= first), key=mine.__getitem__,
+                      reverse=True)
+        for b in back:
+            del mine[b]
+            if b not in self.offered:  # a free grant: FREE first, or a successor would
+                # adopt its GRANTED mark as the client's grant still
+                self.entries.table.write(b, L.FREE, b"")
+            self._end([b])
+            crash_point("owner.recall.mid")
+        if back:
+            self.segment.counter_add("recalled_blocks", len(back))
+        return len(back)
 
     def _end(self, blocks: list[int]) -> None:
         """Blocks granted to nobody any more: a free grant, or an offer the client claimed,

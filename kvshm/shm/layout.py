@@ -67,7 +67,7 @@ from kvshm.shm.records import (  # noqa: F401  (re-exported: one definition, two
 )
 
 MAGIC = b"KVSHM\x00\x00\x01"
-FORMAT_VERSION = 10  # 2: 64-bit writer_req, keysum in every table entry; 3: block grants;
+FORMAT_VERSION = 11  # 2: 64-bit writer_req, keysum in every table entry; 3: block grants;
 #                    4: grant rings of 1,024 blocks, a client's refusal of grants;
 #                    5: doorbells and the tier area named for the segment's inode;
 #                    6: offered (READY) grants claimed by their client, slot hold marks,
@@ -76,6 +76,7 @@ FORMAT_VERSION = 10  # 2: 64-bit writer_req, keysum in every table entry; 3: blo
 #                    8: a table entry names its block's tenant (quotas survive failover);
 #                    9: a client holds a lock of its generation (LOCK_GEN_BASE)
 #                   10: a copier registers with a shared lock of that generation
+#                   11: a client's intent word in its grant ring (recalls)
 HEADER_BYTES = 4096
 DATA_ALIGN = 2 << 20
 MAX_PLANES = 32

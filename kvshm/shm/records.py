@@ -148,6 +148,13 @@ COUNTER_NAMES = (
     # quarter of it is shared out), or the owner is behind. Owner-written, once per store
     # however many parts it takes; a successor's replay does not count it again.
     "round_trip_stores",
+    # Blocks the owner took back from the grant rings of clients that had stopped taking
+    # them (idle for a while, holding more than their share while others lacked it:
+    # ``owner/stocking.py``); owner-written.
+    "recalled_blocks",
+    # Recalls given up because the client was taking those very blocks (its intent word
+    # reached them): the blocks stay its own. Owner-written.
+    "recalls_refused",
 )
 MAX_COUNTERS = 32  # words reserved: new counters fit without moving the pinners
 COUNTERS_DTYPE = np.dtype({"names": list(COUNTER_NAMES), "formats": ["<u8"] * len(COUNTER_NAMES),
@@ -283,14 +290,20 @@ assert SERVED_DTYPE.itemsize == 56
 # --- grant-ring counts (in each client slot, before its ``GRANT_CAPACITY`` block ids) ------
 # A single-producer single-consumer ring: the owner writes ids and then ``granted``, the
 # client reads ids below it and then stores ``taken``. Counts are u64 and never wrap; an id
-# sits at ``count % GRANT_CAPACITY``. The two counts sit on their own cache lines.
+# sits at ``count % GRANT_CAPACITY``. The two counts sit on their own cache lines. The owner
+# may take back the ids the client has not taken (a recall): it lowers ``granted`` and then
+# reads ``intent``, while a taking client stores ``intent`` and then reads ``granted`` again,
+# each fenced in between, so that at least one sees the other (``stocking.recall``).
 GRANT_HEAD_DTYPE = np.dtype({
-    "names": ["granted", "taken", "refused"],
-    "formats": ["<u8", "<u8", "<u8"],
-    # granted: owner, blocks ever pushed (ids first, then this count, fenced)
+    "names": ["granted", "taken", "refused", "intent"],
+    "formats": ["<u8", "<u8", "<u8", "<u8"],
+    # granted: owner, blocks ever pushed (ids first, then this count, fenced); lowered only
+    #   by a recall, never below intent or taken
     # taken: the client, blocks ever taken; <= granted unless the client scribbled
     # refused: the client at activation, before any request: 1 = never stock this client
-    "offsets": [0, 64, 72],
+    # intent: the client, the count it is taking up to, stored (and fenced) before it reads
+    #   granted again and takes; >= taken unless the client scribbled
+    "offsets": [0, 64, 72, 80],
     "itemsize": 128})
 
 # --- block-table entry (one per block): written by the owner ------------------------------

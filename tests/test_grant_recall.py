@@ -1,0 +1,182 @@
+"""An idle client's grown grant ring comes back: the owner recalls the blocks a client has
+not taken for a while, down to its share, once the budget they hold is what a busy client
+lacks.
+
+A client's ring grows beyond its share while the budget has room (a store twice its share
+is then one take); a client that stored alone grows to the whole budget. Should it go idle
+then, the blocks it holds are kept from everyone else, and every busy client's larger stores
+go by round trip for as long as it idles. The recall takes them back with a handshake (the
+owner lowers the count, the client announces the positions it is taking, each fenced
+before it reads the other's word), so a block is never both taken by its client and ended
+by the owner. Every test runs a real owner process.
+"""
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from kvshm.client.connect import connect
+from kvshm.inspect.snapshot import verify
+from kvshm.owner.stocking import grant_budget, grant_target
+from kvshm.shm import layout as L
+from kvshm.shm import slots
+from kvshm.shm.segment import Segment
+from kvshm.shm.table import BlockTable
+
+from conftest import TEST_LAYOUT, stop_owner
+import procs
+from test_exactly_once import owner_proc
+from test_shared import spawn, wait_for
+
+BLOCKS, CLIENTS = 256, 4  # a share of 16 blocks, a budget of 64
+
+
+@pytest.fixture
+def mgr(seg_name):
+    m = connect(seg_name, TEST_LAYOUT, num_blocks=BLOCKS, max_clients=CLIENTS,
+                ring_capacity=8192)
+    yield m
+    pid = m.segment.owner_record()[0]
+    m.shutdown()
+    stop_owner(pid)
+
+
+@pytest.fixture
+def other(mgr, seg_name):
+    o = connect(seg_name)
+    yield o
+    o.shutdown()
+
+
+def _level(m) -> int:
+    """Blocks in ``m``'s grant ring, not taken yet."""
+    words, _ = slots.grants(m.segment, m.slot)
+    return int(words["granted"]) - m._own.taken
+
+
+class _Stores:
+    """Stores of ``n`` fresh keys a time by one client, each telling whether it needed a
+    round trip."""
+
+    def __init__(self, m, n: int) -> None:
+        self.m, self.n, self.done = m, n, 0
+
+    def from_grants(self) -> bool:
+        keys = [b"busy-%d-%d" % (self.m.slot, self.done + i) for i in range(self.n)]
+        self.done += self.n
+        req = self.m._link._req
+        assert procs.store(self.m, keys) == keys
+        return self.m._link._req == req
+
+
+def _grown_to_the_budget(m) -> None:
+    """``m`` stores alone, stores of half the budget, until its ring holds the whole budget
+    (each store grows it: twice the largest store, within the budget's room)."""
+    budget = grant_budget(m.segment.geometry)
+    stores = _Stores(m, budget // 2)
+    wait_for(lambda: stores.from_grants() is not None and _level(m) >= budget,
+             "the ring to grow to the budget")
+
+
+def test_a_busy_client_is_granted_what_an_idle_one_held(mgr, other):
+    g = mgr.segment.geometry
+    share = grant_target(g)
+    _grown_to_the_budget(mgr)
+    stores = _Stores(other, share + 4)  # more than a share: a round trip while mgr holds all
+    assert not stores.from_grants()
+    wait_for(stores.from_grants, "a store larger than a share without a round trip",
+             timeout=30)
+
+
+def test_an_idle_client_keeps_its_share(mgr, other):
+    share = grant_target(mgr.segment.geometry)
+    _grown_to_the_budget(mgr)
+    stores = _Stores(other, share + 4)
+    wait_for(stores.from_grants, "the idle client's grants to come back", timeout=30)
+    assert _level(mgr) == share
+    keys = [b"back-%d" % i for i in range(share)]
+    req = mgr._link._req
+    assert procs.store(mgr, keys) == keys  # back to work: a share's store needs no frame
+    assert mgr._link._req == req
+    assert mgr.lookup(keys) == len(keys)
+
+
+def _ready_bytes_are_their_keys(seg) -> None:
+    """Every READY block holds its own key's bytes (none was written by two stores)."""
+    t = BlockTable(seg.buf, seg.geometry)
+    planes = seg.planes()
+    try:
+        for b in range(seg.geometry.num_blocks):
+            e = t.read(b)
+            if e.state == L.READY and e.key.startswith((b"busy-", b"last-", b"grow-")):
+                assert procs.check(planes, b, e.key), f"block {b} holds other bytes"
+    finally:
+        t.close()
+
+
+@pytest.mark.parametrize("point", ["client.take.after_intent", "client.store.after_take"])
+def test_a_client_taking_the_blocks_being_recalled_keeps_them(mgr, seg_name, point):
+    # The idle client is frozen inside its take of more than its share (announced, its ids
+    # perhaps read, its count not stored): the owner's recalls of those positions back off
+    # until it goes on, and its store lands whole, in blocks nobody else was granted.
+    share = grant_target(mgr.segment.geometry)
+    levels = [share, 3 * share, grant_budget(mgr.segment.geometry)]
+    p, conn = spawn(procs.grow_then_store, seg_name, levels, share + 4,
+                    env={"KVSHM_CRASH_AT": f"{point}:3", "KVSHM_CRASH_SIGNAL": "STOP"})
+    try:
+        assert conn.recv() == levels[-1]
+        wait_for(lambda: procs.stopped(p.pid), "the client to stop inside its take")
+        stores = _Stores(mgr, share + 4)
+        wait_for(lambda: stores.from_grants() is not None and
+                 mgr.segment.counter("recalls_refused") > 0, "a recall to back off")
+        assert mgr.segment.counter("recalled_blocks") == 0
+        os.kill(p.pid, signal.SIGCONT)
+        assert conn.recv() == (True, True)
+        wait_for(lambda: stores.from_grants() is not None and
+                 mgr.segment.counter("recalled_blocks") > 0,
+                 "the recall once the client is idle again", timeout=30)
+        _ready_bytes_are_their_keys(mgr.segment)
+        assert verify(mgr.segment) == []
+    finally:
+        os.kill(p.pid, signal.SIGCONT)
+        conn.send("bye")
+        p.join(30)
+
+
+def _marked_for(seg, slot: int) -> int:
+    """Blocks the table marks as granted or offered to ``slot`` (not taken by it)."""
+    t = BlockTable(seg.buf, seg.geometry)
+    try:
+        return sum(e.writer == slot and e.state in (L.GRANTED, L.READY)
+                   for e in map(t.read, range(seg.geometry.num_blocks)))
+    finally:
+        t.close()
+
+
+@pytest.mark.parametrize("point", ["owner.recall.lowered", "owner.recall.mid"])
+def test_an_owner_dying_as_it_recalls_grants_leaks_none(seg_name, point):
+    # Its successor hands the ones still granted over again, and recalls them in turn.
+    Segment.create(seg_name, TEST_LAYOUT, BLOCKS, max_clients=CLIENTS,
+                   ring_capacity=8192).close()
+    first = owner_proc(seg_name, f"{point}:1")
+    idle, busy = connect(seg_name), connect(seg_name)
+    try:
+        _grown_to_the_budget(idle)
+        stores = _Stores(busy, grant_target(idle.segment.geometry) + 4)
+        wait_for(lambda: stores.from_grants() is not None and first.poll() is not None,
+                 "the owner to die recalling", timeout=30)
+        assert first.returncode == -signal.SIGKILL
+        wait_for(lambda: stores.from_grants() is not None and
+                 idle.segment.counter("recalled_blocks") > 0 and
+                 _level(idle) == grant_target(idle.segment.geometry),
+                 "a successor to recall them", timeout=30)
+        assert _marked_for(idle.segment, idle.slot) == _level(idle)  # nothing stranded
+        _ready_bytes_are_their_keys(idle.segment)
+        assert verify(idle.segment) == []
+    finally:
+        pid = idle.segment.owner_record()[0]
+        busy.shutdown()
+        idle.shutdown()
+        stop_owner(pid)
