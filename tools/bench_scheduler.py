@@ -464,6 +464,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="in the --clients runs, start each client's requests this many ms "
                          "apart, all clients together, as engines whose model steps take that "
                          "long (default 0: back to back, as fast as the managers go)")
+    ap.add_argument("--idle-client", action="store_true",
+                    help="keep this process's client, whose single-process replays grew "
+                         "its grant ring, connected and idle while the --clients run: an "
+                         "engine that stored alone and then paused (the owner recalls what "
+                         "it holds beyond its share once it is idle and others lack room)")
     ap.add_argument("--baseline", choices=("auto", "local"), default="auto",
                     help="auto: vLLM's CPUOffloadingManager if importable, else LocalManager;"
                          " local: LocalManager even when vLLM is importable")
@@ -552,7 +557,8 @@ def main(argv: list[str] | None = None) -> int:
         if a.clients:
             creq = a.client_requests or a.requests
             result["clients"] = {"requests_per_client": creq, "round_trip_stores": {}}
-            shared.rejoin()
+            if not a.idle_client:
+                shared.rejoin()
             for n in sorted({1, a.clients}):
                 trips = shared.mgr.segment.counter("round_trip_stores")
                 result["clients"][str(n)] = run_clients(n, shared, base_kind, capacity, creq,
