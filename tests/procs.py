@@ -569,13 +569,17 @@ def grow_then_store(name: str, conn, levels: list[int], size: int) -> None:
             time.sleep(0.01)  # polling a condition; the test checks what we report
         if i + 1 < len(levels):
             store(mgr, [b"grow-%d-%d" % (i + 1, j) for j in range(levels[i + 1] // 2)])
-    conn.send(level())
+    conn.send((level(), mgr.slot))
     keys = [b"last-%d" % i for i in range(size)]
     stored = store(mgr, keys)
-    good = mgr.lookup(keys) == size and all(
-        check(mgr.segment.planes(), b, k)
-        for k, b in zip(keys, mgr.prepare_load(keys)))
-    mgr.complete_load(keys)
+    deadline = time.monotonic() + 30
+    while mgr.lookup(keys) < size and time.monotonic() < deadline:
+        time.sleep(0.01)  # (the owner has not applied our Publish yet: it may be stopped)
+    good = mgr.lookup(keys) == size
+    if good:
+        good = all(check(mgr.segment.planes(), b, k)
+                   for k, b in zip(keys, mgr.prepare_load(keys)))
+        mgr.complete_load(keys)
     conn.send((stored == keys, good))
     conn.recv()
     mgr.shutdown()

@@ -18,6 +18,7 @@ import signal
 import pytest
 
 from kvshm.client.connect import connect
+from kvshm.errors import ReplyTimeoutError
 from kvshm.inspect.snapshot import verify
 from kvshm.owner.stocking import grant_budget, grant_target
 from kvshm.shm import layout as L
@@ -126,7 +127,7 @@ def test_a_client_taking_the_blocks_being_recalled_keeps_them(mgr, seg_name, poi
     p, conn = spawn(procs.grow_then_store, seg_name, levels, share + 4,
                     env={"KVSHM_CRASH_AT": f"{point}:3", "KVSHM_CRASH_SIGNAL": "STOP"})
     try:
-        assert conn.recv() == levels[-1]
+        assert conn.recv()[0] == levels[-1]
         wait_for(lambda: procs.stopped(p.pid), "the client to stop inside its take")
         stores = _Stores(mgr, share + 4)
         wait_for(lambda: stores.from_grants() is not None and
@@ -180,3 +181,51 @@ def test_an_owner_dying_as_it_recalls_grants_leaks_none(seg_name, point):
         busy.shutdown()
         idle.shutdown()
         stop_owner(pid)
+
+
+def test_an_owner_dying_as_it_lowers_the_count_of_a_client_taking_keeps_the_client(seg_name):
+    # The client read the count before it was lowered and takes past it; the owner dies
+    # before it reads the client's intent. Its successor finds the client's taken count above
+    # the granted one: a recall cut short, whose blocks it hands over again, not a client
+    # that scribbled its words (quarantined).
+    Segment.create(seg_name, TEST_LAYOUT, BLOCKS, max_clients=CLIENTS,
+                   ring_capacity=8192).close()
+    first = owner_proc(seg_name, "owner.recall.lowered:1", "STOP")
+    busy = connect(seg_name, timeout=1.0)
+    share = grant_target(busy.segment.geometry)
+    levels = [share, 3 * share, grant_budget(busy.segment.geometry)]
+    p, conn = spawn(procs.grow_then_store, seg_name, levels, share + 4,
+                    env={"KVSHM_CRASH_AT": "client.store.after_take:3",
+                         "KVSHM_CRASH_SIGNAL": "STOP"})
+    try:
+        slot = conn.recv()[1]
+        wait_for(lambda: procs.stopped(p.pid), "the client to stop inside its take")
+        stores = _Stores(busy, share + 4)
+
+        def owner_stopped() -> bool:
+            if not procs.stopped(first.pid):
+                try:
+                    stores.from_grants()
+                except ReplyTimeoutError:  # it met the owner stopped: what we wait for
+                    pass
+            return procs.stopped(first.pid)
+        wait_for(owner_stopped, "the owner to stop as it recalls", timeout=30)
+        words, _ = slots.grants(busy.segment, slot)
+        os.kill(p.pid, signal.SIGCONT)
+        wait_for(lambda: words["taken"] > words["granted"], "the client to take past the count")
+        first.kill()
+        first.wait()
+        assert conn.recv() == (True, True)  # a successor served it, from what it took
+        stores.from_grants()
+        assert not slots.served(busy.segment, slot)["quarantined"]
+        assert words["granted"] >= words["taken"]
+        _ready_bytes_are_their_keys(busy.segment)
+        assert verify(busy.segment) == []
+    finally:
+        os.kill(p.pid, signal.SIGCONT)
+        conn.send("bye")
+        p.join(30)
+        pid = busy.segment.owner_record()[0]
+        busy.shutdown()
+        stop_owner(pid)
+

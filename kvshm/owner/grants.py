@@ -22,9 +22,8 @@ Invariants (the table says it all, so a successor rebuilds it):
   whose position the ring's ``granted`` count never reached (their predecessor died
   handing them over), and keeps any it cannot hand over until the client goes;
 * a client may publish only blocks it has taken (position below its ``taken`` count);
-* a live client's grants end only when it publishes them, returns them, or leaves, but for
-  a recall of the ones it has not taken (``stocking.recall``): its ring's count goes below
-  them first, and they end only if its intent word then shows it is not taking them;
+* a live client's untaken grants end early only by a recall (``stocking.recall``): its
+  ring's count goes below them first, then its intent word shows it is not taking them;
 * a published key that another client's unfinished round-trip store holds waits for that
   store (``deferred``, and GRANTED with its key in the table, so a successor knows): the
   completed block is published if that store fails or its writer dies, and freed if it
@@ -122,7 +121,8 @@ class Grants:
         was not claimed)."""
         self.adopt(block, writer, -1, claimed=True)
 
-    def settle(self, slot: int, gen: int, granted: int, taken: int) -> list[int]:
+    def settle(self, slot: int, gen: int, granted: int, taken: int, intent: int
+               ) -> list[int]:
         """At takeover: the grants of live client (slot, gen) whose position its ring's
         ``granted`` count never reached. A predecessor died handing them over: the ones
         from ``granted`` on, as long as their positions run on and the ring has room, are
@@ -131,9 +131,12 @@ class Grants:
         other stays granted, never handed over, until the client goes, and none is ended
         or freed: the counts are the client's to scribble, so it may have taken any of
         them, and may be inside its claim round of an offer (odd and READY, as an offer its
-        predecessor died writing looks). Nothing when the counts are impossible: its death
-        ends everything."""
-        if grant_level(granted, taken) is None:
+        predecessor died writing looks). One that died recalling them (``stocking.recall``)
+        may have lowered the count below positions the client was taking (announced in
+        ``intent``): a taken count above it, up to the intent, is that, and the run must
+        reach it. Nothing when the counts are impossible: its death ends everything."""
+        cut_short = granted < taken <= intent  # (a recall: the run must reach ``taken``)
+        if not cut_short and grant_level(granted, taken) is None:
             return []
         mine = self.blocks.get((slot, gen), {})
         room = L.GRANT_CAPACITY - (granted - taken)
@@ -142,7 +145,7 @@ class Grants:
             if pos != granted + len(run) or len(run) >= room:
                 break
             run.append(b)
-        return run
+        return [] if granted + len(run) < taken else run
 
     def take_back(self, writer: Client, first: int) -> int:
         """End ``writer``'s grants at ring positions from ``first`` on, which its ring's count
@@ -155,8 +158,7 @@ class Grants:
                       reverse=True)
         for b in back:
             del mine[b]
-            if b not in self.offered:  # a free grant: FREE first, or a successor would
-                # adopt its GRANTED mark as the client's grant still
+            if b not in self.offered:  # (FREE first, or a successor adopts it as granted)
                 self.entries.table.write(b, L.FREE, b"")
             self._end([b])
             crash_point("owner.recall.mid")

@@ -105,7 +105,8 @@ class Roster:
             # blocks a predecessor died handing over are handed over now; a client it
             # stocked keeps being stocked (not one leaving)
             granted = int(c.grant_head["granted"])
-            run = manager.grants.settle(slot, rec.gen, granted, int(c.grant_head["taken"]))
+            run = manager.grants.settle(slot, rec.gen, granted, int(c.grant_head["taken"]),
+                                        int(c.grant_head["intent"]))
             if run:
                 granted = stocking.hand_over(c.grant_head, c.grant_ids, granted, run)
             c.stores = bool(granted) and c.grants and rec.state == L.SlotState.CLIENT

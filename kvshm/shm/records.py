@@ -298,7 +298,8 @@ GRANT_HEAD_DTYPE = np.dtype({
     "names": ["granted", "taken", "refused", "intent"],
     "formats": ["<u8", "<u8", "<u8", "<u8"],
     # granted: owner, blocks ever pushed (ids first, then this count, fenced); lowered only
-    #   by a recall, never below intent or taken
+    #   by a recall, and raised again if intent or taken is above it (an owner that died in
+    #   between: its successor hands the run from it over again)
     # taken: the client, blocks ever taken; <= granted unless the client scribbled
     # refused: the client at activation, before any request: 1 = never stock this client
     # intent: the client, the count it is taking up to, stored (and fenced) before it reads
