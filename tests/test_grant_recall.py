@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import os
 import signal
+from types import SimpleNamespace
 
 import pytest
 
 from kvshm.client.connect import connect
 from kvshm.errors import ReplyTimeoutError
 from kvshm.inspect.snapshot import verify
-from kvshm.owner.stocking import grant_budget, grant_target
+from kvshm.owner.stocking import IDLE_SECONDS, _idle, grant_budget, grant_target, recall
 from kvshm.shm import layout as L
 from kvshm.shm import slots
 from kvshm.shm.segment import Segment
@@ -229,3 +230,34 @@ def test_an_owner_dying_as_it_lowers_the_count_of_a_client_taking_keeps_the_clie
         busy.shutdown()
         stop_owner(pid)
 
+
+def _client(granted: int, taken: int, intent: int, seen: int):
+    """A refill's view of one client, its slot words in a dict."""
+    head = {"granted": granted, "taken": taken, "intent": intent, "refused": 0}
+    return SimpleNamespace(grant_head=head, taken_seen=seen, taken_at=0.0, slot=1, gen=1)
+
+
+class _NoGrants:
+    """Grants that must not be ended."""
+    segment = SimpleNamespace(counter_add=lambda *a: None)
+
+    def take_back(self, writer, first):
+        raise AssertionError("blocks were taken back")
+
+
+@pytest.mark.unit
+def test_a_refused_recall_is_not_tried_again_until_the_client_idles_anew():
+    c = _client(granted=64, taken=10, intent=30, seen=10)  # taking up to 30: past 10 + 16
+    assert recall(_NoGrants(), c, 16, now=5.0) == 0
+    assert c.grant_head["granted"] == 64  # the count it lowered is back
+    assert not _idle(c, 5.0 + IDLE_SECONDS / 2)
+    assert _idle(c, 5.0 + IDLE_SECONDS)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("taken,intent", [(8, 8), (10, 9)])
+def test_nothing_is_recalled_from_a_client_whose_words_contradict_its_takes(taken, intent):
+    # taken below a count seen before, or above the intent: what it took is unknown
+    c = _client(granted=64, taken=taken, intent=intent, seen=10)
+    assert recall(_NoGrants(), c, 16, now=5.0) == 0
+    assert c.grant_head["granted"] == 64

@@ -108,19 +108,22 @@ def _count(head: WordView, granted: int) -> None:
     head["granted"] = granted
 
 
-def recall(grants: Grants, c: StockedClient, keep: int) -> int:
+def recall(grants: Grants, c: StockedClient, keep: int, now: float) -> int:
     """Take back what client ``c``'s grant ring holds beyond ``keep`` blocks: the ids at its
     last positions, which it has not taken. The count goes down first, then the client's
     intent word is read (each fenced before reading the other's word, as the client's take
     is): a client taking any of those positions meanwhile has announced it, and then the
     count goes back up and the recall is refused; else the client reads the lowered count
     before it takes, and the blocks are ended (``Grants.take_back``). An owner dying in
-    between leaves them granted above the count: its successor hands them over again.
+    between leaves them granted above the count: its successor hands them over again
+    (``Grants.settle``). A refused client is not asked again until it has idled anew.
+    Nothing is recalled from a client whose words contradict its takes (its taken count
+    below one seen before, or above its intent): what it took cannot be told from them.
     Returns the blocks taken back."""
     head = c.grant_head
     granted, taken = head["granted"], head["taken"]
     level = grant_level(granted, taken)
-    if level is None or level <= keep:
+    if level is None or level <= keep or not c.taken_seen <= taken <= head["intent"]:
         return 0
     back = taken + keep
     head["granted"] = back
@@ -128,6 +131,7 @@ def recall(grants: Grants, c: StockedClient, keep: int) -> int:
     crash_point("owner.recall.lowered")
     if head["intent"] > back or head["taken"] > back:
         head["granted"] = granted  # it is taking them: they stay its own
+        c.taken_at = now
         grants.segment.counter_add("recalls_refused")
         return 0
     return grants.take_back((c.slot, c.gen), back)
@@ -174,7 +178,7 @@ def stock_all(grants: Grants, clients: Sequence[_C], share: int,
     for c in clients:
         try:
             if short and _idle(c, now):
-                room += recall(grants, c, share)
+                room += recall(grants, c, share, now)
             n = stock(grants, c, share, room, now)
         except Exception as e:  # its slot's words, never the owner's end
             log.exception("refilling client slot %d failed", c.slot)
