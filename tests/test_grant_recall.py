@@ -30,27 +30,9 @@ from kvshm.shm.table import BlockTable
 from conftest import TEST_LAYOUT, stop_owner
 import procs
 from test_exactly_once import owner_proc
+from test_grants import BLOCKS, CLIENTS, mgr, other  # noqa: F401 (fixtures: a share of 16
+# blocks, a budget of 64)
 from test_shared import spawn, wait_for
-
-BLOCKS, CLIENTS = 256, 4  # a share of 16 blocks, a budget of 64
-
-
-@pytest.fixture
-def mgr(seg_name):
-    m = connect(seg_name, TEST_LAYOUT, num_blocks=BLOCKS, max_clients=CLIENTS,
-                ring_capacity=8192)
-    yield m
-    pid = m.segment.owner_record()[0]
-    m.shutdown()
-    stop_owner(pid)
-
-
-@pytest.fixture
-def other(mgr, seg_name):
-    o = connect(seg_name)
-    yield o
-    o.shutdown()
-
 
 def _level(m) -> int:
     """Blocks in ``m``'s grant ring, not taken yet."""
@@ -105,6 +87,19 @@ def test_an_idle_client_keeps_its_share(mgr, other):
     assert mgr.lookup(keys) == len(keys)
 
 
+def _let_go(p, conn) -> None:
+    """Let the spawned client go on (it may be stopped), then leave."""
+    os.kill(p.pid, signal.SIGCONT)
+    conn.send("bye")
+    p.join(30)
+
+
+def _intact(seg) -> None:
+    """No block holds another key's bytes, and the table and index agree."""
+    _ready_bytes_are_their_keys(seg)
+    assert verify(seg) == []
+
+
 def _ready_bytes_are_their_keys(seg) -> None:
     """Every READY block holds its own key's bytes (none was written by two stores)."""
     t = BlockTable(seg.buf, seg.geometry)
@@ -139,12 +134,9 @@ def test_a_client_taking_the_blocks_being_recalled_keeps_them(mgr, seg_name, poi
         wait_for(lambda: stores.from_grants() is not None and
                  mgr.segment.counter("recalled_blocks") > 0,
                  "the recall once the client is idle again", timeout=30)
-        _ready_bytes_are_their_keys(mgr.segment)
-        assert verify(mgr.segment) == []
+        _intact(mgr.segment)
     finally:
-        os.kill(p.pid, signal.SIGCONT)
-        conn.send("bye")
-        p.join(30)
+        _let_go(p, conn)
 
 
 def _marked_for(seg, slot: int) -> int:
@@ -175,8 +167,7 @@ def test_an_owner_dying_as_it_recalls_grants_leaks_none(seg_name, point):
                  _level(idle) == grant_target(idle.segment.geometry),
                  "a successor to recall them", timeout=30)
         assert _marked_for(idle.segment, idle.slot) == _level(idle)  # nothing stranded
-        _ready_bytes_are_their_keys(idle.segment)
-        assert verify(idle.segment) == []
+        _intact(idle.segment)
     finally:
         pid = idle.segment.owner_record()[0]
         busy.shutdown()
@@ -220,12 +211,9 @@ def test_an_owner_dying_as_it_lowers_the_count_of_a_client_taking_keeps_the_clie
         stores.from_grants()
         assert not slots.served(busy.segment, slot)["quarantined"]
         assert words["granted"] >= words["taken"]
-        _ready_bytes_are_their_keys(busy.segment)
-        assert verify(busy.segment) == []
+        _intact(busy.segment)
     finally:
-        os.kill(p.pid, signal.SIGCONT)
-        conn.send("bye")
-        p.join(30)
+        _let_go(p, conn)
         pid = busy.segment.owner_record()[0]
         busy.shutdown()
         stop_owner(pid)
