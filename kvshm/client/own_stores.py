@@ -89,11 +89,12 @@ class OwnStores:
             gw["intent"] = t + m
             full_fence()
             crash_point("client.take.after_intent")
-            m = min(m, gw["granted"] - t)
-            if m <= 0:
-                gw["intent"] = t
-                break
-            gw["intent"] = t + m  # (lowered: a recall may take the rest)
+            left = gw["granted"] - t
+            if left < m:  # lowered by a recall: take what is left, and say so
+                m = max(left, 0)
+                gw["intent"] = t + m
+                if not m:
+                    break
             publish_fence()  # the count read before the ids it hands over
             ids = [gi[(t + i) % cap] for i in range(m)]
             crash_point("client.store.after_take")

@@ -157,7 +157,7 @@ def stock(grants: Grants, c: StockedClient, share: int, room: int, now: float) -
     if taken != c.taken_seen:
         c.taken_seen, c.taken_at = taken, now
     target = sized_target(grants, level, (c.slot, c.gen), share, c.largest_store, room)
-    if now - c.taken_at >= IDLE_SECONDS:
+    if _idle(c, now):
         target = min(target, share)
     return refill(grants, head, c.grant_ids, c.slot, c.gen, granted, level, target)
 
