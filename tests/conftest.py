@@ -262,6 +262,7 @@ FILE_TIERS = {
     "test_errors_doc.py": "unit",
     "test_manager.py": "unit",
     "test_manager_model.py": "unit",
+    "test_native_check.py": "unit",
     "test_pinning.py": "unit",
     "test_claim_paths.py": "unit",
     "test_policy.py": "unit",
@@ -392,6 +393,10 @@ def pytest_addoption(parser) -> None:
 
 def pytest_configure(config) -> None:
     os.environ[SESSION_MARK] = SESSION_PREFIX
+    # Build the compiled id checks (once per host) before any test: the first handler a unit
+    # test makes would otherwise start the compiler, a process.
+    from kvshm.transfer import native_check
+    native_check.load()
 
 
 # multiprocessing's helper processes live as long as the process that started them.

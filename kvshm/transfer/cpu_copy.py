@@ -46,6 +46,7 @@ import numpy as np
 
 from kvshm import crashpoints
 from kvshm.errors import InvalidArgumentError, TransferError
+from kvshm.transfer import native_check
 from kvshm.transfer.spec import (
     LANES,
     BlockPlan,
@@ -107,6 +108,7 @@ class CpuTransferHandler(TransferHandler):
                  checksums: BlockSums | None = None, inline: Iterable[str] = ()) -> None:
         self._geo: Geometry = build_geometry(device_tensors, planes, block_size_factor,
                                              kv_dim_before_num_blocks)
+        native_check.load()  # a job's id checks in one call (built once per host)
         if any(p.device.device.type != "cpu" for p in self._geo.pairs):
             raise InvalidArgumentError("CpuTransferHandler needs CPU device tensors; use "
                                        "make_handler to get the CUDA handler for CUDA tensors")

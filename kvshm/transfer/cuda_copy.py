@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from kvshm.errors import InvalidArgumentError, TransferError
+from kvshm.transfer import native_check
 from kvshm.transfer.cuda_dma import DriverBatch, copy_batch, copy_each
 from kvshm.transfer.cuda_gather import Gather
 from kvshm.transfer.index_pool import KERNEL_BELOW, METHODS, IndexBuffer, choose_method
@@ -118,6 +119,7 @@ class CudaTransferHandler(TransferHandler):
             raise InvalidArgumentError(f"method must be one of {METHODS}, got {method!r}")
         self._geo = build_geometry(device_tensors, planes, block_size_factor,
                                    kv_dim_before_num_blocks)
+        native_check.load()  # a job's id checks in one call (built once per host)
         self._dev = self._geo.pairs[0].device.device
         if self._dev.type != "cuda":
             raise InvalidArgumentError("CudaTransferHandler needs CUDA device tensors")

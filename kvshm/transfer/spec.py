@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 
 from kvshm.errors import InvalidArgumentError
+from kvshm.transfer import native_check
 
 if TYPE_CHECKING:
     import torch
@@ -311,12 +312,15 @@ def plan_transfer(spec: TransferSpec, geo: Geometry) -> BlockPlan:
             f"{dev.size} device blocks starting {skip} sub-blocks in do not fit {seg.size} "
             f"segment blocks with block_size_factor {f}: the job must start in the first "
             f"and end in the last segment block (skip in [0, {f}))")
-    _check_range(dev, geo.num_device_blocks, "device_block_ids")
-    _check_range(seg, geo.num_segment_blocks, "segment_block_ids")
-    if spec.kind == "store":
-        _check_unique(seg, geo.num_segment_blocks, "segment_block_ids")
-    else:
-        _check_unique(dev, geo.num_device_blocks, "device_block_ids")
+    # one compiled pass when it is sure the ids are good; numpy finds and words what is not
+    if not native_check.check(dev, seg, geo.num_device_blocks, geo.num_segment_blocks,
+                              spec.kind == "load"):
+        _check_range(dev, geo.num_device_blocks, "device_block_ids")
+        _check_range(seg, geo.num_segment_blocks, "segment_block_ids")
+        if spec.kind == "store":
+            _check_unique(seg, geo.num_segment_blocks, "segment_block_ids")
+        else:
+            _check_unique(dev, geo.num_device_blocks, "device_block_ids")
     if f == 1:  # the common case: no expansion, no division
         return BlockPlan(spec.kind, dev, seg, _zeros(seg.size))
     sub = expand_block_ids(seg, f, skip)[:dev.size]

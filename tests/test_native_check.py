@@ -1,0 +1,141 @@
+"""The compiled id checks: they accept exactly what numpy's checks accept, and a host without
+a compiler loses speed, never a refusal.
+
+The library is built once per test session (conftest's ``pytest_configure``), so the unit
+tests here start no process; the build itself is tested in child processes with their own
+cache directories.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvshm.errors import InvalidArgumentError
+from kvshm.transfer import native_check
+from kvshm.transfer.spec import _check_range, _check_unique
+
+needs_native = pytest.mark.skipif(not native_check.load(), reason="no C compiler on this host")
+
+
+def numpy_says_ok(dev: np.ndarray, seg: np.ndarray, n_dev: int, n_seg: int,
+                  dst_is_dev: bool) -> bool:
+    try:
+        _check_range(dev, n_dev, "dev")
+        _check_range(seg, n_seg, "seg")
+        if dst_is_dev:
+            _check_unique(dev, n_dev, "dev")
+        else:
+            _check_unique(seg, n_seg, "seg")
+    except InvalidArgumentError:
+        return False
+    return True
+
+
+ids = st.lists(st.integers(-3, 40), max_size=24).map(lambda v: np.array(v, np.int64))
+
+
+@needs_native
+@settings(max_examples=400, deadline=None)
+@given(dev=ids, seg=ids, n_dev=st.integers(1, 40), n_seg=st.integers(1, 40),
+       dst_is_dev=st.booleans())
+def test_compiled_checks_accept_exactly_what_numpy_accepts(dev, seg, n_dev, n_seg, dst_is_dev):
+    ok = numpy_says_ok(dev, seg, n_dev, n_seg, dst_is_dev)
+    if dev.size and seg.size:  # empty arrays have no buffer to read: the numpy path takes them
+        assert native_check.check(dev, seg, n_dev, n_seg, dst_is_dev) == ok
+
+
+@needs_native
+@pytest.mark.parametrize("dst_is_dev", [True, False])
+def test_a_repeated_destination_is_found_in_every_call_not_only_the_first(dst_is_dev):
+    good = np.arange(1000, dtype=np.int64)
+    dup = good.copy()
+    dup[999] = 0
+    for _ in range(3):  # marks from earlier calls must neither hide nor invent a repeat
+        assert native_check.check(good, good, 1000, 1000, dst_is_dev)
+        assert not native_check.check(dup if dst_is_dev else good, good if dst_is_dev else dup,
+                                      1000, 1000, dst_is_dev)
+
+
+@needs_native
+def test_a_negative_id_is_out_of_range():
+    assert not native_check.check(np.array([0, -1]), np.array([0, 1]), 4, 4, False)
+
+
+@needs_native
+def test_a_larger_geometry_after_a_smaller_one_gets_marks_for_every_id():
+    small = np.arange(8, dtype=np.int64)
+    assert native_check.check(small, small, 8, 8, True)
+    big = np.array([0, 70_000, 70_000], np.int64)
+    assert not native_check.check(big, np.arange(3, dtype=np.int64), 70_001, 3, True)
+    assert native_check.check(big[:2].copy(), np.arange(2, dtype=np.int64), 70_001, 2, True)
+
+
+@pytest.mark.parametrize("arrays", [
+    lambda: (np.arange(8, dtype=np.int64)[::2], np.arange(4, dtype=np.int64)),  # strided
+    lambda: (np.arange(4, dtype=np.int32), np.arange(4, dtype=np.int64)),       # not int64
+    lambda: (np.zeros(0, np.int64), np.zeros(0, np.int64)),                      # empty
+])
+def test_ids_it_cannot_read_in_place_are_left_to_numpy(arrays):
+    dev, seg = arrays()
+    assert native_check.check(dev, seg, 8, 8, True) is False
+
+
+def test_read_only_ids_are_left_to_numpy():
+    dev = np.arange(4, dtype=np.int64)
+    dev.flags.writeable = False
+    assert native_check.check(dev, np.arange(4, dtype=np.int64), 8, 8, True) is False
+
+
+# --- the build, in child processes with their own cache ----------------------------------
+CHILD = """
+import sys, numpy as np, torch
+from kvshm.errors import InvalidArgumentError
+from kvshm.transfer import native_check
+from kvshm.transfer.factory import make_handler
+from kvshm.transfer.spec import TransferSpec
+h = make_handler([torch.zeros(8, 4, dtype=torch.uint8)], [torch.zeros(8, 4, dtype=torch.uint8)])
+print("loaded", native_check._fn is not None)
+for spec in (TransferSpec("store", [0, 1], [2, 2]), TransferSpec("load", [0, 9], [0, 1])):
+    try:
+        h.transfer_async(1, spec)
+        print("accepted")
+    except InvalidArgumentError:
+        print("refused")
+h.transfer_async(2, TransferSpec("store", [0, 1], [2, 3]))
+h.wait([2])
+print("copied", [r.success for r in h.get_finished()])
+h.shutdown()
+"""
+
+
+def run_child(cache: Path, cc: str) -> list[str]:
+    env = {**os.environ, "XDG_CACHE_HOME": str(cache), "CC": cc}
+    out = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.split("\n")[:-1]
+
+
+@pytest.mark.procs
+def test_without_a_compiler_bad_jobs_are_still_refused_and_good_ones_copied(tmp_path):
+    assert run_child(tmp_path, "false") == [
+        "loaded False", "refused", "refused", "copied [True]"]
+    assert not list((tmp_path / "kvshm").glob("*.so"))
+
+
+@needs_native
+@pytest.mark.procs
+def test_the_library_is_built_once_and_then_loaded_without_a_compiler(tmp_path):
+    assert run_child(tmp_path, os.environ.get("CC") or "cc")[0] == "loaded True"
+    built = list((tmp_path / "kvshm").glob("*.so"))
+    assert len(built) == 1
+    assert run_child(tmp_path, "false") == [  # the cached build serves the next process
+        "loaded True", "refused", "refused", "copied [True]"]
+    assert [p.name for p in (tmp_path / "kvshm").iterdir()] == [built[0].name]  # no leftovers
