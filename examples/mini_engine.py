@@ -116,6 +116,22 @@ def _views(mm: mmap.mmap, planes: int, blocks: int, page: int) -> list[np.ndarra
             for p in range(planes)]
 
 
+def make_copier(tensors: list, segment: Any, factor: int) -> kvshm.TransferHandler:
+    """The transfer handler between this process's KV tensors and the segment's planes.
+
+    On CUDA it first pins the segment's data region (``cudaHostRegister``), as kvshm's vLLM
+    integration does: on a background thread, so the engine starts at once, and one process
+    at a time (the segment's pin turn). Unpinned, copies run from pageable memory: slower, and
+    they block the calling thread. The handler unregisters the pin when it shuts down."""
+    options: dict[str, Any] = {}
+    if tensors[0].device.type == "cuda":
+        from kvshm.transfer.pinning import pin_in_background
+        addr, nbytes = segment.data_address()
+        options["pin"] = pin_in_background(addr, nbytes, turn=segment.pin_turn)
+    return kvshm.make_handler(tensors, segment.torch_planes(), block_size_factor=factor,
+                              **options)
+
+
 def worker_main(cfg: EngineConfig, address: tuple, box: list, parent: int) -> None:
     """The engine's worker process: serve the job channel with a transfer handler.
 
@@ -134,8 +150,7 @@ def worker_main(cfg: EngineConfig, address: tuple, box: list, parent: int) -> No
         mm = mmap.mmap(dupfd.detach(), planes * blocks * page)
         tensors = [torch.from_numpy(a) for a in _views(mm, planes, blocks, page)]
     chan = WorkerChannel(*address)
-    handler = kvshm.make_handler(tensors, chan.segment.torch_planes(),
-                                 block_size_factor=cfg.block_size_factor)
+    handler = make_copier(tensors, chan.segment, cfg.block_size_factor)
     try:
         WorkerConnector(handler).serve(chan)
     finally:
@@ -158,9 +173,7 @@ class _Inline:
     """Worker in this process: jobs run on the handler's threads."""
 
     def __init__(self, dev: DeviceKV, mgr: "kvshm.SharedManager", factor: int):
-        self.w = WorkerConnector(kvshm.make_handler(dev.torch_tensors(),
-                                                    mgr.segment.torch_planes(),
-                                                    block_size_factor=factor))
+        self.w = WorkerConnector(make_copier(dev.torch_tensors(), mgr.segment, factor))
 
     def send(self, jobs: list) -> None:
         self.w.submit(jobs)

@@ -162,6 +162,15 @@ def test_demo_on_cuda_ends_without_cuda_ipc_warnings():
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/nvidiactl") or not _cuda(), reason="needs CUDA")
+def test_demo_on_cuda_copies_from_pinned_memory():
+    """Every engine's worker pins the segment before its copies need it; unpinned, the CUDA
+    handler warns once per process that it copies from pageable memory."""
+    proc = demo("--cache", unique_name(), "--device", "cuda")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "not pinned" not in proc.stderr, proc.stderr[-3000:]
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/nvidiactl") or not _cuda(), reason="needs CUDA")
 def test_demo_on_cuda_leaves_nothing_in_dev_shm():
     """An engine shares CUDA memory with its worker; at exit the CUDA driver leaves a
     ``cuda.shm.*`` file in /dev/shm for such a process unless its context was reset."""
