@@ -7,6 +7,7 @@ cache directories.
 """
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -87,6 +88,26 @@ def test_ids_it_cannot_read_in_place_are_left_to_numpy(arrays):
     assert native_check.check(dev, seg, 8, 8, True) is False
 
 
+@needs_native
+def test_a_repeat_is_found_across_the_generation_wrap_and_no_marks_are_wiped(monkeypatch):
+    """At the wrap the marks start over in a fresh array: zeroing them in place would let a
+    call running meanwhile in another thread (numpy fills without the GIL) miss a repeat."""
+    ids = np.arange(16, dtype=np.int64)
+    assert native_check.check(ids, ids, 16, 16, True)
+    before = native_check._mark[0]
+    seen = before.copy()
+    monkeypatch.setattr(native_check, "_gen", itertools.count(1 << 32))  # next gen wraps to 0
+    assert not native_check.check(np.array([3, 5, 3]), np.arange(3, dtype=np.int64), 16, 3,
+                                  True)
+    assert native_check._mark[0] is not before
+    np.testing.assert_array_equal(before, seen)
+
+
+def test_a_relative_xdg_cache_home_is_ignored(monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/cache")
+    assert native_check._library_path().parent == Path.home() / ".cache" / "kvshm"
+
+
 def test_read_only_ids_are_left_to_numpy():
     dev = np.arange(4, dtype=np.int64)
     dev.flags.writeable = False
@@ -139,3 +160,81 @@ def test_the_library_is_built_once_and_then_loaded_without_a_compiler(tmp_path):
     assert run_child(tmp_path, "false") == [  # the cached build serves the next process
         "loaded True", "refused", "refused", "copied [True]"]
     assert [p.name for p in (tmp_path / "kvshm").iterdir()] == [built[0].name]  # no leftovers
+
+
+LOAD = """
+import logging, sys
+logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stdout)
+from kvshm.transfer import native_check
+print("loaded", native_check.load())
+"""
+LYING = "#include <stdint.h>\nint64_t kvshm_ids_ok(void) { return 1; }\n"
+
+
+def load_in_child(cache: Path) -> str:
+    env = {**os.environ, "XDG_CACHE_HOME": str(cache)}
+    out = subprocess.run([sys.executable, "-c", LOAD], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def library_in(cache: Path, monkeypatch) -> Path:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
+    path = native_check._library_path()
+    path.parent.mkdir(mode=0o700, parents=True)
+    return path
+
+
+@needs_native
+@pytest.mark.procs
+def test_a_library_that_says_everything_is_valid_is_not_used(tmp_path, monkeypatch):
+    path = library_in(tmp_path, monkeypatch)
+    src = tmp_path / "lying.c"
+    src.write_text(LYING)
+    subprocess.run([os.environ.get("CC") or "cc", "-shared", "-fPIC", "-o", str(path),
+                    str(src)], check=True)
+    out = load_in_child(tmp_path)
+    assert out.endswith("loaded False\n") and "self-test" in out
+
+
+@needs_native
+@pytest.mark.procs
+def test_a_library_others_could_have_written_is_not_loaded(tmp_path, monkeypatch):
+    assert load_in_child(tmp_path) == "loaded True\n"
+    path = library_in(tmp_path / "other", monkeypatch)
+    os.rmdir(path.parent)
+    (tmp_path / "kvshm").rename(path.parent)
+    path.chmod(0o777)
+    assert load_in_child(tmp_path / "other") == "loaded False\n"
+
+
+@needs_native
+@pytest.mark.procs
+def test_a_torn_library_is_built_again(tmp_path, monkeypatch):
+    path = library_in(tmp_path, monkeypatch)
+    path.write_bytes(b"\x7fELF torn")
+    path.chmod(0o755)
+    assert load_in_child(tmp_path) == "loaded True\n"
+    assert path.stat().st_size > 1000
+
+
+FORK = """
+import os, sys
+from kvshm.transfer import native_check
+native_check._lock.acquire()  # as if another thread were building when we fork
+pid = os.fork()
+if pid == 0:
+    native_check.load()  # blocks for good if the child inherited the held lock
+    os._exit(0)
+_, status = os.waitpid(pid, 0)
+print("child exited", os.waitstatus_to_exitcode(status))
+"""
+
+
+@pytest.mark.procs
+def test_a_child_forked_while_the_library_is_being_built_loads_it_itself(tmp_path):
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", FORK], env=env, capture_output=True,
+                         text=True, timeout=60)
+    assert out.stdout == "child exited 0\n", out.stderr
