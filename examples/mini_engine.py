@@ -123,13 +123,18 @@ def make_copier(tensors: list, segment: Any, factor: int) -> kvshm.TransferHandl
     integration does: on a background thread, so the engine starts at once, and one process
     at a time (the segment's pin turn). Unpinned, copies run from pageable memory: slower, and
     they block the calling thread. The handler unregisters the pin when it shuts down."""
-    options: dict[str, Any] = {}
+    pin = None
     if tensors[0].device.type == "cuda":
         from kvshm.transfer.pinning import pin_in_background
         addr, nbytes = segment.data_address()
-        options["pin"] = pin_in_background(addr, nbytes, turn=segment.pin_turn)
-    return kvshm.make_handler(tensors, segment.torch_planes(), block_size_factor=factor,
-                              **options)
+        pin = pin_in_background(addr, nbytes, turn=segment.pin_turn)
+    try:
+        return kvshm.make_handler(tensors, segment.torch_planes(), block_size_factor=factor,
+                                  **({"pin": pin} if pin is not None else {}))
+    except BaseException:
+        if pin is not None:  # no handler owns it yet
+            pin.unregister()
+        raise
 
 
 def worker_main(cfg: EngineConfig, address: tuple, box: list, parent: int) -> None:

@@ -178,3 +178,40 @@ def test_demo_on_cuda_leaves_nothing_in_dev_shm():
     proc = demo("--cache", unique_name(), "--device", "cuda")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert not set(os.listdir("/dev/shm")) - before
+
+
+def test_a_worker_whose_handler_cannot_be_made_gives_its_pin_back(monkeypatch):
+    """The pin starts before the handler that would own it; if making the handler fails,
+    nothing else would ever unregister it."""
+    monkeypatch.syspath_prepend(str(Path(DEMO).parent))
+    import mini_engine
+
+    import kvshm.transfer.pinning as pinning
+
+    class Pin:
+        unregistered = False
+
+        def unregister(self) -> None:
+            Pin.unregistered = True
+
+    class Cuda:
+        class device:
+            type = "cuda"
+
+    class Seg:
+        pin_turn = None
+
+        def data_address(self):
+            return 4096, 4096
+
+        def torch_planes(self):
+            return []
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("no handler")
+
+    monkeypatch.setattr(pinning, "pin_in_background", lambda *a, **k: Pin())
+    monkeypatch.setattr(mini_engine.kvshm, "make_handler", refuse)
+    with pytest.raises(RuntimeError, match="no handler"):
+        mini_engine.make_copier([Cuda()], Seg(), 1)
+    assert Pin.unregistered
