@@ -181,19 +181,15 @@ def check(dev: np.ndarray, seg: np.ndarray, n_dev: int, n_seg: int, dst_is_dev: 
         return False
     mark, mark_ptr = _mark
     limit = n_dev if dst_is_dev else n_seg
-    if mark.size < limit:
-        mark = np.zeros(limit, np.uint32)
-        mark_ptr = mark.ctypes.data
-        _mark = (mark, mark_ptr)
     gen = next(_gen) & 0xFFFFFFFF
-    if gen == 0:  # wrapped: marks of 2**32 calls ago could look current. A fresh array, not
-        # fill(0): numpy releases the GIL to fill, and another thread's call may be reading
-        # and writing these marks meanwhile (its first mark of an id wiped, it would miss the
-        # repeat)
-        mark = np.zeros(mark.size, np.uint32)
+    # Wrapped (gen 0): marks of 2**32 calls ago could look current. Fresh marks, never
+    # fill(0): numpy fills without the GIL, and another thread's call may be using these
+    # marks meanwhile (its first mark of an id wiped, it would miss the repeat).
+    if mark.size < limit or gen == 0:
+        mark = np.zeros(max(limit, mark.size), np.uint32)
         mark_ptr = mark.ctypes.data
         _mark = (mark, mark_ptr)
-        gen = next(_gen) & 0xFFFFFFFF
+        gen = gen or next(_gen) & 0xFFFFFFFF
     # The GIL is held through the call (PyDLL), so no other thread's call interleaves; one that
     # ran between our taking gen and calling can only leave false alarms, which the numpy
     # checks then clear, and never hide a duplicate: an id's second occurrence sees its first.
