@@ -39,19 +39,21 @@ _SOURCE = r"""
 /* 1 when every dev[i] < n_dev and seg[i] < n_seg (compared unsigned: a negative id is huge)
    and no id of the destinations (dev when dst_is_dev, else seg) repeats; else 0.
    mark: one word per possible destination id; a word equal to gen marks an id seen in this
-   call (no clearing between calls: gen changes instead). */
+   call (no clearing between calls: gen changes instead). Every id is read once: the caller's
+   memory may change under us, and a mark must never be written outside the array, so a
+   destination id is checked against its range in the same read that marks it. */
 int64_t kvshm_ids_ok(const int64_t *dev, int64_t nd, const int64_t *seg, int64_t ns,
                      uint64_t n_dev, uint64_t n_seg, int64_t dst_is_dev, uint32_t *mark,
                      uint32_t gen) {
-    for (int64_t i = 0; i < nd; i++)
-        if ((uint64_t)dev[i] >= n_dev) return 0;
-    for (int64_t i = 0; i < ns; i++)
-        if ((uint64_t)seg[i] >= n_seg) return 0;
-    const int64_t *dst = dst_is_dev ? dev : seg;
-    int64_t m = dst_is_dev ? nd : ns;
-    for (int64_t i = 0; i < m; i++) {
-        if (mark[dst[i]] == gen) return 0;
-        mark[dst[i]] = gen;
+    const int64_t *src = dst_is_dev ? seg : dev, *dst = dst_is_dev ? dev : seg;
+    int64_t n_src = dst_is_dev ? ns : nd, n_dst = dst_is_dev ? nd : ns;
+    uint64_t lim_src = dst_is_dev ? n_seg : n_dev, lim_dst = dst_is_dev ? n_dev : n_seg;
+    for (int64_t i = 0; i < n_src; i++)
+        if ((uint64_t)src[i] >= lim_src) return 0;
+    for (int64_t i = 0; i < n_dst; i++) {
+        uint64_t d = (uint64_t)*(const volatile int64_t *)&dst[i];  /* one load, kept */
+        if (d >= lim_dst || mark[d] == gen) return 0;
+        mark[d] = gen;
     }
     return 1;
 }
