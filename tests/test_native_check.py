@@ -11,6 +11,7 @@ import itertools
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -238,3 +239,32 @@ def test_a_child_forked_while_the_library_is_being_built_loads_it_itself(tmp_pat
     out = subprocess.run([sys.executable, "-c", FORK], env=env, capture_output=True,
                          text=True, timeout=60)
     assert out.stdout == "child exited 0\n", out.stderr
+
+
+@needs_native
+@pytest.mark.procs
+def test_a_library_reached_through_a_link_is_never_loaded(tmp_path, monkeypatch):
+    """The file is opened without following links and checked through its descriptor, which
+    is what gets loaded: swapping the path after the check loads nothing of another's. A
+    link in the library's place is replaced by a build of our own."""
+    assert load_in_child(tmp_path / "real") == "loaded True\n"
+    path = library_in(tmp_path, monkeypatch)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "real"))
+    path.symlink_to(native_check._library_path())
+    assert load_in_child(tmp_path) == "loaded True\n"
+    assert not path.is_symlink()
+
+
+@needs_native
+@pytest.mark.procs
+def test_a_build_removes_what_builds_killed_midway_left_and_nothing_in_progress(
+        tmp_path, monkeypatch):
+    path = library_in(tmp_path, monkeypatch)
+    stale, current = path.parent / "build-stale", path.parent / "build-current"
+    for d in (stale, current):
+        d.mkdir()
+        (d / "ids.c").write_text("left over")
+    old = time.time() - 3600
+    os.utime(stale, (old, old))
+    assert load_in_child(tmp_path) == "loaded True\n"
+    assert sorted(p.name for p in path.parent.iterdir()) == ["build-current", path.name]

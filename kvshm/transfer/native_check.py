@@ -21,12 +21,14 @@ builds, at handler construction.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import itertools
 import logging
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +61,8 @@ int64_t kvshm_ids_ok(const int64_t *dev, int64_t nd, const int64_t *seg, int64_t
 }
 """
 
+_BUILD_PREFIX = "build-"  # temporary build directories beside the library
+_BUILD_SECONDS = 15       # a build takes ~0.1 s; a compiler that hangs costs no more than this
 _FLAGS = ("-O2", "-shared", "-fPIC")  # no -march: a home directory may serve several CPUs
 _I64 = np.dtype(np.int64)
 _fn: Any = None           # the loaded function, once load() succeeded
@@ -92,27 +96,48 @@ def _build(path: Path) -> None:
     """Compile the source into ``path``; another process building the same file at the same
     time is harmless (each writes its own temporary file, then renames it into place)."""
     import shlex
+    import shutil
     import subprocess
     import tempfile
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    for old in path.parent.glob(_BUILD_PREFIX + "*"):  # left by builds killed midway
+        with contextlib.suppress(OSError):
+            if time.time() - old.stat().st_mtime > 10 * _BUILD_SECONDS:
+                shutil.rmtree(old)
     cc = shlex.split(os.environ.get("CC") or "cc")
-    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+    with tempfile.TemporaryDirectory(prefix=_BUILD_PREFIX, dir=path.parent) as tmp:
         src, out = Path(tmp) / "ids.c", Path(tmp) / "ids.so"
         src.write_text(_SOURCE)
         subprocess.run([*cc, *_FLAGS, "-o", str(out), str(src)], check=True,
-                       capture_output=True, timeout=60)
+                       capture_output=True, timeout=_BUILD_SECONDS)
         os.chmod(out, 0o755)
         os.replace(out, path)
 
 
-def _check_owner(path: Path) -> None:
-    """Refuse to load code that another user could have written: the library and its
-    directory must be this user's and writable by nobody else."""
-    for p in (path.parent, path):
-        st = p.stat()
-        if st.st_uid != os.getuid() or st.st_mode & 0o022:
-            raise PermissionError(f"{p} is not this user's alone (owner {st.st_uid}, mode "
-                                  f"{st.st_mode & 0o777:o})")
+def _open_trusted(path: Path) -> int:
+    """A descriptor of the library, opened through a descriptor of its directory, both
+    checked to be this user's and writable by nobody else: code another user could have
+    written is never loaded, even if the path is swapped between the check and the load."""
+    dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fd = os.open(path.name, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=dfd)
+        for f, what in ((dfd, path.parent), (fd, path)):
+            st = os.fstat(f)
+            if st.st_uid != os.getuid() or st.st_mode & 0o022:
+                os.close(fd)
+                raise PermissionError(f"{what} is not this user's alone (owner {st.st_uid}, "
+                                      f"mode {st.st_mode & 0o777:o})")
+        return fd
+    finally:
+        os.close(dfd)
+
+
+def _dlopen(path: Path) -> Any:
+    fd = _open_trusted(path)
+    try:  # what the descriptor holds, not whatever the path names by now
+        return ctypes.PyDLL(f"/proc/self/fd/{fd}")
+    finally:
+        os.close(fd)
 
 
 def _self_test(fn: Any) -> bool:
@@ -133,12 +158,13 @@ def _load() -> Any:
         path = _library_path()
         if not path.exists():
             _build(path)
-        _check_owner(path)
         try:
-            lib = ctypes.PyDLL(str(path))
-        except OSError:  # torn or foreign (a failed load leaves nothing loaded): build again
+            lib = _dlopen(path)
+        except PermissionError:
+            raise
+        except OSError:  # torn (a failed load leaves nothing loaded): build it again
             _build(path)
-            lib = ctypes.PyDLL(str(path))
+            lib = _dlopen(path)
         fn = lib.kvshm_ids_ok
         fn.restype = ctypes.c_int64
         fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
