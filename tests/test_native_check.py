@@ -106,7 +106,7 @@ def test_a_repeat_is_found_across_the_generation_wrap_and_no_marks_are_wiped(mon
 
 def test_a_relative_xdg_cache_home_is_ignored(monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", "relative/cache")
-    assert native_check._library_path().parent == Path.home() / ".cache" / "kvshm"
+    assert native_check.LIBRARY.path().parent == Path.home() / ".cache" / "kvshm"
 
 
 def test_read_only_ids_are_left_to_numpy():
@@ -123,7 +123,7 @@ from kvshm.transfer import native_check
 from kvshm.transfer.factory import make_handler
 from kvshm.transfer.spec import TransferSpec
 h = make_handler([torch.zeros(8, 4, dtype=torch.uint8)], [torch.zeros(8, 4, dtype=torch.uint8)])
-print("loaded", native_check._fn is not None)
+print("loaded", native_check.LIBRARY.fns is not None)
 for spec in (TransferSpec("store", [0, 1], [2, 2]), TransferSpec("load", [0, 9], [0, 1])):
     try:
         h.transfer_async(1, spec)
@@ -182,7 +182,7 @@ def load_in_child(cache: Path) -> str:
 
 def library_in(cache: Path, monkeypatch) -> Path:
     monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
-    path = native_check._library_path()
+    path = native_check.LIBRARY.path()
     path.parent.mkdir(mode=0o700, parents=True)
     return path
 
@@ -223,7 +223,8 @@ def test_a_torn_library_is_built_again(tmp_path, monkeypatch):
 FORK = """
 import os, sys
 from kvshm.transfer import native_check
-native_check._lock.acquire()  # as if another thread were building when we fork
+from kvshm.shm import native
+native._lock.acquire()  # as if another thread were building when we fork
 pid = os.fork()
 if pid == 0:
     native_check.load()  # blocks for good if the child inherited the held lock
@@ -250,7 +251,7 @@ def test_a_library_reached_through_a_link_is_never_loaded(tmp_path, monkeypatch)
     assert load_in_child(tmp_path / "real") == "loaded True\n"
     path = library_in(tmp_path, monkeypatch)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "real"))
-    path.symlink_to(native_check._library_path())
+    path.symlink_to(native_check.LIBRARY.path())
     assert load_in_child(tmp_path) == "loaded True\n"
     assert not path.is_symlink()
 
@@ -263,7 +264,7 @@ def test_a_build_removes_what_builds_killed_midway_left_and_nothing_in_progress(
     stale, current = path.parent / "build-stale", path.parent / "build-current"
     for d in (stale, current):
         d.mkdir()
-        (d / "ids.c").write_text("left over")
+        (d / "lib.c").write_text("left over")
     old = time.time() - 3600
     os.utime(stale, (old, old))
     assert load_in_child(tmp_path) == "loaded True\n"

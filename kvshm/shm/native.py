@@ -1,0 +1,160 @@
+"""C loops built once per host by its compiler, and loaded only when trusted and self-tested.
+
+This module owns how kvshm's few compiled loops reach a process: a C source is compiled once
+per host with ``cc`` (``$CC`` if set) into the user's cache directory, named by a hash of the
+source, the machine and the flags, and loaded with ctypes (``PyDLL``: the GIL is held through
+every call, which lasts microseconds). A library is loaded only if it and its directory are
+this user's alone, opened without following links and loaded from that very descriptor, and
+used only if it answers its self-test rightly.
+
+It must never build at import (``import kvshm`` stays light: ``CLibrary.load`` builds, called
+where a process sets up its hot path), never raise out of ``load`` and never be the only way
+to an answer: every caller has a Python path that gives the same result, slower, for a host
+without a compiler or a usable cache.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+BUILD_PREFIX = "build-"  # temporary build directories beside the libraries
+_BUILD_SECONDS = 15      # a build takes ~0.1 s; a compiler that hangs costs no more than this
+_FLAGS = ("-O2", "-shared", "-fPIC")  # no -march: a home directory may serve several CPUs
+_lock = threading.Lock()  # one build per process at a time
+
+
+def _after_fork_in_child() -> None:
+    # A fork while another thread held the lock (building) would leave the child's copy held
+    # for good; the child builds or loads for itself.
+    global _lock
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+Signature = tuple[Any, list[Any]]  # (restype, argtypes) of one exported function
+
+
+class CLibrary:
+    """One C source, built on first ``load`` and then kept for the process's life.
+
+    ``functions``: each exported name with its ctypes signature; ``self_test`` gets them as a
+    dict and says whether they answer known cases rightly (a stale or foreign library must not
+    be used); ``needs_gil``: the loops share state that only the GIL guards, so a free-threaded
+    interpreter uses the Python path.
+    """
+
+    def __init__(self, stem: str, what: str, source: str, functions: dict[str, Signature],
+                 self_test: Callable[[dict[str, Any]], bool], needs_gil: bool = False
+                 ) -> None:
+        self.stem, self.what, self.source = stem, what, source
+        self.functions, self.self_test, self.needs_gil = functions, self_test, needs_gil
+        self.fns: dict[str, Any] | None = None  # the loaded functions, once load() succeeded
+        self._tried = False  # load() ran (and failed, if fns is still None): never retried
+
+    def path(self) -> Path:
+        """Where this host's build of the source lives (``$XDG_CACHE_HOME`` if absolute)."""
+        import hashlib
+        import platform
+        what = "\0".join((self.source, platform.machine(), *_FLAGS))
+        digest = hashlib.sha256(what.encode()).hexdigest()[:16]
+        xdg = os.environ.get("XDG_CACHE_HOME", "")
+        cache = Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache"  # relative: void
+        return cache / "kvshm" / f"{self.stem}-{digest}.so"
+
+    def load(self) -> bool:
+        """Build (once per host) and load the library; True when ``fns`` holds its functions."""
+        if self._tried:
+            return self.fns is not None
+        with _lock:
+            if not self._tried:
+                self.fns = self._load()
+                self._tried = True
+        return self.fns is not None
+
+    def _load(self) -> dict[str, Any] | None:
+        if self.needs_gil and not getattr(sys, "_is_gil_enabled", lambda: True)():
+            logger.debug("kvshm: compiled %s rely on the GIL; none here: Python", self.what)
+            return None
+        path = self.path()
+        try:
+            if not path.exists():
+                _build(path, self.source)
+            try:
+                lib = _dlopen(path)
+            except PermissionError:
+                raise
+            except OSError:  # torn (a failed load leaves nothing loaded): build it again
+                _build(path, self.source)
+                lib = _dlopen(path)
+            fns = {}
+            for name, (restype, argtypes) in self.functions.items():
+                fn = getattr(lib, name)
+                fn.restype, fn.argtypes = restype, argtypes
+                fns[name] = fn
+        except Exception as e:  # no compiler, no usable cache: the Python path, slower
+            logger.debug("kvshm: compiled %s unavailable (%s); using Python", self.what, e)
+            return None
+        if not self.self_test(fns):
+            logger.warning("kvshm: %s answers its self-test wrongly; %s use Python (remove the "
+                           "file to rebuild it)", path, self.what)
+            return None
+        return fns
+
+
+def _build(path: Path, source: str) -> None:
+    """Compile ``source`` into ``path``; another process building the same file at the same
+    time is harmless (each writes its own temporary file, then renames it into place)."""
+    import shlex
+    import shutil
+    import subprocess
+    import tempfile
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    for old in path.parent.glob(BUILD_PREFIX + "*"):  # left by builds killed midway
+        with contextlib.suppress(OSError):
+            if time.time() - old.stat().st_mtime > 10 * _BUILD_SECONDS:
+                shutil.rmtree(old)
+    cc = shlex.split(os.environ.get("CC") or "cc")
+    with tempfile.TemporaryDirectory(prefix=BUILD_PREFIX, dir=path.parent) as tmp:
+        src, out = Path(tmp) / "lib.c", Path(tmp) / "lib.so"
+        src.write_text(source)
+        subprocess.run([*cc, *_FLAGS, "-o", str(out), str(src)], check=True,
+                       capture_output=True, timeout=_BUILD_SECONDS)
+        os.chmod(out, 0o755)
+        os.replace(out, path)
+
+
+def _open_trusted(path: Path) -> int:
+    """A descriptor of the library, opened through a descriptor of its directory, both
+    checked to be this user's and writable by nobody else: code another user could have
+    written is never loaded, even if the path is swapped between the check and the load."""
+    dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fd = os.open(path.name, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=dfd)
+        for f, what in ((dfd, path.parent), (fd, path)):
+            st = os.fstat(f)
+            if st.st_uid != os.getuid() or st.st_mode & 0o022:
+                os.close(fd)
+                raise PermissionError(f"{what} is not this user's alone (owner {st.st_uid}, "
+                                      f"mode {st.st_mode & 0o777:o})")
+        return fd
+    finally:
+        os.close(dfd)
+
+
+def _dlopen(path: Path) -> Any:
+    fd = _open_trusted(path)
+    try:  # what the descriptor holds, not whatever the path names by now
+        return ctypes.PyDLL(f"/proc/self/fd/{fd}")
+    finally:
+        os.close(fd)
