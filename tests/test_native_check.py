@@ -269,3 +269,24 @@ def test_a_build_removes_what_builds_killed_midway_left_and_nothing_in_progress(
     os.utime(stale, (old, old))
     assert load_in_child(tmp_path) == "loaded True\n"
     assert sorted(p.name for p in path.parent.iterdir()) == ["build-current", path.name]
+
+
+TWO = """
+import ctypes
+from kvshm.shm.native import CLibrary
+libs = [CLibrary(f"two{i}", "test loops", f"int f{i}(void) {{ return {i}; }}\\n",
+                 {f"f{i}": (ctypes.c_int, [])}, lambda fns, i=i: fns[f"f{i}"]() == i)
+        for i in (1, 2)]
+print([lib.load() for lib in libs])
+"""
+
+
+@needs_native
+@pytest.mark.procs
+def test_two_compiled_libraries_load_side_by_side_in_one_process(tmp_path):
+    """Each is loaded through a descriptor of its own file: the loader must not take the
+    second for the first because both were opened under the same descriptor number."""
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", TWO], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.stdout == "[True, True]\n", out.stderr

@@ -153,8 +153,13 @@ def _open_trusted(path: Path) -> int:
 
 
 def _dlopen(path: Path) -> Any:
+    """The library through a trusted descriptor: what the descriptor holds is loaded, not
+    whatever the path names by now. The descriptor stays open for the process's life: the
+    loader knows a library by the name it was opened under, and a second library opened under
+    a closed descriptor's reused number would be taken for the first."""
     fd = _open_trusted(path)
-    try:  # what the descriptor holds, not whatever the path names by now
+    try:
         return ctypes.PyDLL(f"/proc/self/fd/{fd}")
-    finally:
+    except BaseException:
         os.close(fd)
+        raise
