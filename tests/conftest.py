@@ -263,6 +263,7 @@ FILE_TIERS = {
     "test_manager.py": "unit",
     "test_manager_model.py": "unit",
     "test_native_check.py": "unit",
+    "test_probing.py": "unit",
     "test_pinning.py": "unit",
     "test_claim_paths.py": "unit",
     "test_policy.py": "unit",
@@ -393,10 +394,12 @@ def pytest_addoption(parser) -> None:
 
 def pytest_configure(config) -> None:
     os.environ[SESSION_MARK] = SESSION_PREFIX
-    # Build the compiled id checks (once per host) before any test: the first handler a unit
-    # test makes would otherwise start the compiler, a process.
+    # Build the compiled loops (once per host) before any test: the first handler or manager
+    # a unit test makes would otherwise start the compiler, a process.
+    from kvshm.shm import probing
     from kvshm.transfer import native_check
     native_check.load()
+    probing.load()
 
 
 # multiprocessing's helper processes live as long as the process that started them.

@@ -15,11 +15,10 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvshm.shm import layout as L
+from kvshm.shm import probing
 from kvshm.shm.table import BlockTable
 
-# A slot as a u64 (tag | block << 32): empty (block -1, tag 0) is the least value with the
-# block's sign bit set, and every used slot (block >= 0) is below it.
-_EMPTY = 0xFFFFFFFF << 32
+_EMPTY = probing.EMPTY  # a slot as a u64: tag | block << 32; every used slot is below it
 
 
 def tags_of(keys: Sequence[bytes]) -> list[int]:
@@ -48,6 +47,9 @@ class KeyIndex:
         # sees a slot half moved, and the probe loops do half the memory operations.
         assert self.base % 8 == 0 and np.little_endian
         self._slot64 = flat.view(np.uint64).data
+        # (the compiled loops' view of the same words; this object keeps the mapping alive,
+        # as the segment's buffer cannot be closed while a view of it is exported)
+        self._addr = flat.ctypes.data
 
     def find_prefix(self, keys: Sequence[bytes], karr: np.ndarray
                     ) -> tuple[np.ndarray, np.ndarray]:
@@ -112,14 +114,8 @@ class KeyIndex:
 
     def insert_many(self, blocks: Sequence[int], tags: Sequence[int]) -> None:
         """``insert`` of each key (none indexed yet) at its block, given the keys' tags
-        (``tags_of``): a store's batch in one call, its probes inlined (a call per key cost
-        as much as the probing)."""
-        q, mask = self._slot64, self.mask
-        for tag, block in zip(tags, blocks):
-            i = tag & mask
-            while q[i] < _EMPTY:
-                i = (i + 1) & mask
-            q[i] = tag | block << 32
+        (``tags_of``): a store's batch in one call (``probing``: compiled where built)."""
+        probing.insert(self._slot64, self._addr, self.mask, tags, blocks)
 
     def remove(self, key: bytes, block: int) -> None:
         """Delete ``key``'s slot with backward-shift deletion (no tombstones to rot)."""
@@ -131,14 +127,7 @@ class KeyIndex:
         The slot is found by its block (a block holds one key), so the key bytes are not
         needed: a caller that knows the tags (from ``tags_of``, or the table's key checksum)
         spares a checksum per key."""
-        q, mask, delete = self._slot64, self.mask, self._delete_at
-        for tag, block in zip(tags, blocks):
-            i = tag & mask
-            while (v := q[i]) < _EMPTY:  # (an empty slot first: not present)
-                if v >> 32 == block:
-                    delete(i)
-                    break
-                i = (i + 1) & mask
+        probing.remove(self._slot64, self._addr, self.mask, tags, blocks)
 
     def retain(self, blocks: Sequence[int], tags: Sequence[int]) -> None:
         """Empty every slot but one of each key at ``blocks`` with ``tags`` (as
@@ -189,21 +178,8 @@ class KeyIndex:
         return found
 
     def _delete_at(self, i: int) -> None:
-        """Empty slot ``i`` by backward-shift deletion: each entry after it in its cluster
-        moves back into the hole unless its home lies cyclically in (hole, entry] (its home
-        is its tag's low bits: the low word's, as mask < 2**32); an entry is copied before
-        its old slot is emptied, so a reader never misses it."""
-        q, mask = self._slot64, self.mask
-        j = i
-        while True:
-            j = (j + 1) & mask
-            v = q[j]
-            if v >= _EMPTY:
-                break
-            if (j - (v & mask)) & mask >= (j - i) & mask:
-                q[i] = v
-                i = j
-        q[i] = _EMPTY
+        """Empty slot ``i`` by backward-shift deletion (``probing.delete_at_py``)."""
+        probing.delete_at_py(self._slot64, self.mask, i)
 
     def clear(self) -> None:
         n = self.mask + 1
