@@ -264,6 +264,7 @@ FILE_TIERS = {
     "test_manager_model.py": "unit",
     "test_native_check.py": "unit",
     "test_probing.py": "unit",
+    "test_rounds.py": "unit",
     "test_pinning.py": "unit",
     "test_claim_paths.py": "unit",
     "test_policy.py": "unit",
@@ -396,10 +397,11 @@ def pytest_configure(config) -> None:
     os.environ[SESSION_MARK] = SESSION_PREFIX
     # Build the compiled loops (once per host) before any test: the first handler or manager
     # a unit test makes would otherwise start the compiler, a process.
-    from kvshm.shm import probing
+    from kvshm.shm import probing, rounds
     from kvshm.transfer import native_check
     native_check.load()
     probing.load()
+    rounds.load()
 
 
 # multiprocessing's helper processes live as long as the process that started them.

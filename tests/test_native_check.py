@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -290,3 +291,12 @@ def test_two_compiled_libraries_load_side_by_side_in_one_process(tmp_path):
     out = subprocess.run([sys.executable, "-c", TWO], env=env, capture_output=True,
                          text=True, timeout=120)
     assert out.stdout == "[True, True]\n", out.stderr
+
+
+@pytest.mark.skipif(shutil.which(os.environ.get("CC") or "cc") is None,
+                    reason="no C compiler on this host")
+def test_every_compiled_library_loads_where_a_compiler_is():
+    """A change to a C source that breaks its self-test leaves the library unused (the Python
+    paths answer): correct but slow, which only this test notices."""
+    from kvshm.shm import probing, rounds
+    assert [lib.load() for lib in (native_check, probing, rounds)] == [True] * 3

@@ -40,7 +40,7 @@ from kvshm.owner.rebuild import rebuild
 from kvshm.owner.running import RunningRanks
 from kvshm.shm import keys as K
 from kvshm.shm import layout as L
-from kvshm.shm import locks, probing, writers
+from kvshm.shm import locks, probing, rounds, writers
 from kvshm.shm.keyindex import KeyIndex
 from kvshm.shm.records import next_epoch
 from kvshm.shm.segment import Segment
@@ -68,7 +68,8 @@ class LocalManager(OffloadingManager):
                 f"segment {segment.name!r} already has an owner (pid "
                 f"{segment.owner_record()[0]}); use kvshm.connect() to share it")
         self.segment = segment
-        probing.load()  # the index's loops compiled (built once per host), else in Python
+        probing.load()  # the index's and the table's loops compiled (built once per host),
+        rounds.load()   # else in Python
         self.table = BlockTable(segment.buf, segment.geometry)
         self.index = KeyIndex(segment.buf, segment.geometry, self.table)
         self.policy = make_policy(policy or segment.policy, segment.geometry.num_blocks)

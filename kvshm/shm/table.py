@@ -28,6 +28,7 @@ import numpy as np
 
 from kvshm import crashpoints
 from kvshm.shm import layout as L
+from kvshm.shm import rounds
 from kvshm.shm.entry import (
     BODY,
     BODY_OFF,
@@ -80,13 +81,14 @@ class BlockTable:
                                    self.base).reshape(self.num_blocks, L.ENTRY_BYTES)
         self._seqs = self._rows[:, :4].view(np.uint32)[:, 0]
         self._words = self._rows.view(np.uint64)  # (num_blocks, ENTRY_BYTES // 8)
+        self._addr = self._rows.ctypes.data  # for ``rounds``; gone with the views at close
         # Every entry by field (records.ENTRY_DTYPE), for writers of a few fields at once
         self.fields = np.frombuffer(buf, ENTRY_DTYPE, self.num_blocks, self.base)
 
     def close(self) -> None:
         self._w32.release()
         self._w64.release()
-        del self._rows, self._seqs, self._words, self.fields
+        del self._rows, self._seqs, self._words, self.fields, self._addr
 
     def states_if_keys(self, blocks: np.ndarray, keys: np.ndarray) -> np.ndarray:
         """Vectorised ``state_if_key``: ``keys`` is an (n, keylen) uint8 array of equal-length
@@ -291,9 +293,8 @@ class BlockTable:
                    tenant_gen: int = 0) -> None:
         """``write`` of each of ``blocks`` (distinct ids) with its key of ``keys`` (none: empty
         keys) and the same other fields; ``writer_req`` and ``last_use`` may differ per block
-        (a sequence, one value each). ``tags``:
-        the keys' crc32s, if the caller has them (``keyindex.tags_of``): their checksums
-        follow from them (``entry.KEYSUM_XOR``) without a second pass over the bytes.
+        (a sequence, one value each). ``tags``: the keys' crc32s, if the caller has them
+        (``keyindex.tags_of``): their checksums follow (``entry.KEYSUM_XOR``) in no pass more.
 
         Every body is built first (a bad value raises before any entry is touched), then all
         the entries are opened (odd), copied and closed (even) together. A death in between
@@ -303,7 +304,7 @@ class BlockTable:
         n = len(blocks)
         if keys and len(keys) != n:
             raise ValueError(f"write_many of {n} blocks with {len(keys)} keys")
-        if n < VECTOR_MIN:
+        if n < VECTOR_MIN and (crashpoints.ARMED or rounds.LIBRARY.fns is None):
             reqs = [writer_req] * n if isinstance(writer_req, int) else writer_req
             uses = [last_use] * n if isinstance(last_use, int) else last_use
             bodies = [BODY.pack(state, len(k), writer, writer_gen, key_checksum(k), reqs[i],
@@ -313,8 +314,7 @@ class BlockTable:
                 self._put(blk, packed)
             return
         # The bodies are packed by struct in one C-level pass (it range-checks every value as
-        # the scalar path does) and copied in as one byte array: fewer numpy calls than filling
-        # a record array field by field, which is what a batch of tens of entries pays for.
+        # the scalar path does) and copied in as one byte array.
         bkeys: Iterable[bytes]
         if keys:
             if max(map(len, keys)) > L.MAX_KEY_BYTES:  # (struct would truncate it silently)
@@ -328,16 +328,21 @@ class BlockTable:
         req_of: Iterable[int] = repeat(writer_req, n) if isinstance(writer_req, int) else \
             writer_req
         use_of: Iterable[int] = repeat(last_use, n) if isinstance(last_use, int) else last_use
-        rows = np.frombuffer(b"".join(map(
+        packed = b"".join(map(
             BODY.pack, repeat(state, n), lens, repeat(writer, n), repeat(writer_gen, n), sums,
             req_of, use_of, repeat(stored_ns, n), repeat(0, n), bkeys,
-            repeat(tenant + 1, n), repeat(b"", n), repeat(tenant_gen, n))),
-            np.uint8).reshape(n, BODY.size)
-        if len(rows) != n:
-            raise ValueError(f"write_many of {n} blocks with {len(rows)} writer_req or last_use "
-                             "values")
-        b = np.asarray(blocks, np.intp)
-        seqs = self.open_rounds(b)
+            repeat(tenant + 1, n), repeat(b"", n), repeat(tenant_gen, n)))
+        if len(packed) != n * BODY.size:
+            raise ValueError(f"write_many of {n} blocks with {len(packed) // BODY.size} "
+                             "writer_req or last_use values")
+        # the round in one compiled call (``rounds``), else (or for a crash point inside) numpy
+        if crashpoints.ARMED or not rounds.write(self._addr, self.num_blocks, L.ENTRY_BYTES,
+                                                  blocks, BODY_OFF, packed):
+            self._round(np.asarray(blocks, np.intp),
+                        np.frombuffer(packed, np.uint8).reshape(n, BODY.size))
+
+    def _round(self, b: np.ndarray, rows: np.ndarray) -> None:
+        seqs = self.open_rounds(b)  # (``rounds`` makes the same stores in the same order)
         if crashpoints.ARMED:
             self._rows_armed(b, rows)
         else:

@@ -1,0 +1,60 @@
+"""The block table's compiled write round makes exactly numpy's stores, and never one
+outside the table.
+
+The library is built once per test session (conftest's ``pytest_configure``).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvshm.shm import rounds
+
+pytestmark = pytest.mark.skipif(not rounds.load(), reason="no C compiler on this host")
+BLOCKS, STRIDE, OFF, SIZE = 12, 32, 8, 20
+
+
+def numpy_round(table: np.ndarray, blocks: list[int], bodies: bytes) -> None:
+    """What ``BlockTable`` does without the compiled loop: open, copy, close."""
+    seqs = table[:, :4].view(np.uint32)[:, 0]
+    b = np.asarray(blocks, np.intp)
+    odd = seqs[b] | 1
+    seqs[b] = odd
+    table[b, OFF:OFF + SIZE] = np.frombuffer(bodies, np.uint8).reshape(len(b), SIZE)
+    seqs[b] = odd + np.uint32(1)
+
+
+def compiled_round(table: np.ndarray, blocks: list[int], bodies: bytes) -> None:
+    assert rounds.write(table.ctypes.data, BLOCKS, STRIDE, blocks, OFF, bodies)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, BLOCKS - 1), unique=True, max_size=BLOCKS),
+       st.integers(0, 2**32 - 1))
+def test_the_compiled_round_leaves_the_bytes_numpys_round_leaves(blocks, seed):
+    rng = np.random.default_rng(seed)
+    start = rng.integers(0, 256, (BLOCKS, STRIDE), dtype=np.uint8)
+    start[:, :4].view(np.uint32)[:, 0] = rng.integers(0, 2**32, BLOCKS, dtype=np.uint32)
+    bodies = rng.integers(0, 256, len(blocks) * SIZE, dtype=np.uint8).tobytes()
+    a, b = start.copy(), start.copy()
+    numpy_round(a, blocks, bodies)
+    compiled_round(b, blocks, bodies)
+    np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("bad", [-1, BLOCKS, 2**31 - 1])
+def test_a_block_past_the_table_is_refused_before_any_store(bad):
+    table = np.zeros((BLOCKS, STRIDE), np.uint8)
+    with pytest.raises(IndexError):
+        rounds.write(table.ctypes.data, BLOCKS, STRIDE, [0, bad], OFF, bytes(2 * SIZE))
+    assert not table.any()
+
+
+def test_bodies_that_do_not_fit_their_blocks_are_refused():
+    table = np.zeros((BLOCKS, STRIDE), np.uint8)
+    for bodies in (bytes(2 * SIZE + 1), bytes(2 * (STRIDE - OFF + 1))):
+        with pytest.raises(ValueError):
+            rounds.write(table.ctypes.data, BLOCKS, STRIDE, [0, 1], OFF, bodies)
+    assert not table.any()
