@@ -732,3 +732,18 @@ def test_skip_that_leaves_a_whole_segment_block_unused_is_refused():
             h.transfer_async(1, TransferSpec("load", [0, 1], [0, 1], skip=0))
     finally:
         h.shutdown()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_plan_keeps_the_ids_it_checked_whatever_the_caller_does_to_its_arrays(kind):
+    """A caller that reuses its id arrays (for the next job, or from another thread) once
+    the job is issued changes nothing of it: the ids checked are the ids copied, so no
+    rewritten id can send the copy outside either side's blocks."""
+    from kvshm.transfer.spec import build_geometry, plan_transfer
+    geo = build_geometry([torch.zeros(8, 1, dtype=torch.uint8)],
+                         [torch.zeros(8, 1, dtype=torch.uint8)])
+    dev, seg = np.arange(4, dtype=np.int64), np.arange(4, 8, dtype=np.int64)
+    plan = plan_transfer(TransferSpec(kind, dev, seg), geo)
+    dev[:], seg[:] = 10**9, -1
+    assert plan.device_ids.tolist() == [0, 1, 2, 3]
+    assert plan.segment_rows.tolist() == [4, 5, 6, 7]

@@ -238,7 +238,9 @@ _I64, _U64 = np.dtype(np.int64), np.dtype(np.uint64)
 
 
 def _ids(values: Sequence[int], what: str) -> np.ndarray:
-    arr = np.asarray(values)
+    # Always a copy the job owns (np.array copies; a list is converted once): the ids checked
+    # must be the ids copied, whatever the caller does to its arrays once the job is issued.
+    arr = np.array(values)
     if arr.dtype is _I64 and arr.ndim == 1:  # the usual job: nothing to convert or check
         return arr
     if arr.size == 0:
