@@ -300,3 +300,37 @@ def test_every_compiled_library_loads_where_a_compiler_is():
     paths answer): correct but slow, which only this test notices."""
     from kvshm.shm import probing, rounds
     assert [lib.load() for lib in (native_check, probing, rounds)] == [True] * 3
+
+
+def test_a_process_without_a_home_directory_runs_without_the_library(monkeypatch):
+    """A container's arbitrary uid may have no home (no HOME, no passwd entry): that costs
+    the compiled loops, never the process (an owner that could not start, a handler that
+    could not be made)."""
+    from kvshm.shm.native import CLibrary
+
+    def no_home() -> Path:
+        raise RuntimeError("Could not determine home directory.")
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setattr(Path, "home", staticmethod(no_home))
+    lib = CLibrary("nohome", "test loops", "int f(void) { return 1; }\n", {}, lambda fns: True)
+    assert lib.load() is False
+
+
+FIFO = """
+import os, sys
+from kvshm.shm import probing
+os.makedirs(probing.LIBRARY.path().parent, mode=0o700)
+os.mkfifo(probing.LIBRARY.path())
+print("loaded", probing.load())
+"""
+
+
+@needs_native
+@pytest.mark.procs
+def test_a_fifo_in_the_librarys_place_is_replaced_by_a_build_and_blocks_nothing(tmp_path):
+    """Opening a FIFO for reading waits for a writer: the loader must never open anything
+    but a regular file it can check without blocking."""
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", FIFO], env=env, capture_output=True,
+                         text=True, timeout=60)
+    assert out.stdout == "loaded True\n", out.stderr

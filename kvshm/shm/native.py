@@ -18,6 +18,7 @@ import contextlib
 import ctypes
 import logging
 import os
+import stat
 import sys
 import threading
 import time
@@ -86,8 +87,9 @@ class CLibrary:
         if self.needs_gil and not getattr(sys, "_is_gil_enabled", lambda: True)():
             logger.debug("kvshm: compiled %s rely on the GIL; none here: Python", self.what)
             return None
-        path = self.path()
+        path = None
         try:
+            path = self.path()  # (no home directory at all: a container's bare uid)
             if not path.exists():
                 _build(path, self.source)
             try:
@@ -102,10 +104,11 @@ class CLibrary:
                 fn = getattr(lib, name)
                 fn.restype, fn.argtypes = restype, argtypes
                 fns[name] = fn
+            ok = self.self_test(fns)
         except Exception as e:  # no compiler, no usable cache: the Python path, slower
             logger.debug("kvshm: compiled %s unavailable (%s); using Python", self.what, e)
             return None
-        if not self.self_test(fns):
+        if not ok:
             logger.warning("kvshm: %s answers its self-test wrongly; %s use Python (remove the "
                            "file to rebuild it)", path, self.what)
             return None
@@ -137,19 +140,30 @@ def _build(path: Path, source: str) -> None:
 def _open_trusted(path: Path) -> int:
     """A descriptor of the library, opened through a descriptor of its directory, both
     checked to be this user's and writable by nobody else: code another user could have
-    written is never loaded, even if the path is swapped between the check and the load."""
+    written is never loaded, even if the path is swapped between the check and the load.
+    Nothing in an untrusted directory is opened, and nothing is opened that could block (a
+    FIFO waits for a writer): the file must be a regular one."""
     dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        fd = os.open(path.name, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=dfd)
-        for f, what in ((dfd, path.parent), (fd, path)):
-            st = os.fstat(f)
-            if st.st_uid != os.getuid() or st.st_mode & 0o022:
-                os.close(fd)
-                raise PermissionError(f"{what} is not this user's alone (owner {st.st_uid}, "
-                                      f"mode {st.st_mode & 0o777:o})")
+        _check_ours(dfd, path.parent)
+        fd = os.open(path.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dfd)
+        try:
+            if not stat.S_ISREG(_check_ours(fd, path).st_mode):
+                raise OSError(f"{path} is not a regular file")  # (rebuilt in its place)
+        except BaseException:
+            os.close(fd)
+            raise
         return fd
     finally:
         os.close(dfd)
+
+
+def _check_ours(fd: int, what: Path) -> os.stat_result:
+    st = os.fstat(fd)
+    if st.st_uid != os.getuid() or st.st_mode & 0o022:
+        raise PermissionError(f"{what} is not this user's alone (owner {st.st_uid}, mode "
+                              f"{st.st_mode & 0o777:o})")
+    return st
 
 
 def _dlopen(path: Path) -> Any:
