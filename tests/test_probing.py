@@ -151,3 +151,23 @@ def test_a_manager_on_a_host_without_a_compiler_indexes_with_the_python_loops(tm
     assert out.stdout.split("\n")[:2] == [
         "compiled False", f"cached {TEST_BLOCKS} True"]
 
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "python"])
+@pytest.mark.parametrize("kind", ["list", "int64", "int32"])
+def test_ids_as_numpy_arrays_or_numpy_ints_index_as_python_ints_do(compiled, kind,
+                                                                     monkeypatch):
+    if compiled and not probing.load():
+        pytest.skip("no C compiler on this host")
+    if not compiled:
+        monkeypatch.setattr(probing.LIBRARY, "fns", None)
+    tags, blocks = [7, 39], [5, 6]
+    if kind != "list":
+        dtype = np.int64 if kind == "int64" else np.int32
+        tags, blocks = np.array(tags, np.uint32), np.array(blocks, dtype)
+    q = fresh()
+    probing.insert(q.data, q.ctypes.data, MASK, tags, blocks)
+    assert [int(v) >> 32 for v in q[[7, 8]]] == [5, 6]
+    probing.remove(q.data, q.ctypes.data, MASK, tags[:1], blocks[:1])
+    assert [int(v) >> 32 for v in q[[7, 8]]] == [6, 0xFFFFFFFF]
+    probing.insert(q.data, q.ctypes.data, MASK, tags[:0], blocks[:0])  # nothing

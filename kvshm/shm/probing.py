@@ -88,7 +88,7 @@ int64_t kvshm_index_remove(uint64_t *q, uint64_t mask, const uint32_t *tag,
 def insert_py(q: Any, mask: int, tags: Sequence[int], blocks: Sequence[int]) -> None:
     """Insert each block under its tag at the first empty slot from its home (``q``: the
     slots as a u64 memoryview). Its probes inlined: a call per key cost as much."""
-    if blocks and min(blocks) < 0:  # (before any store, as the C loop checks)
+    if len(blocks) and min(blocks) < 0:  # (before any store, as the C loop checks)
         raise ValueError(f"key index insert of block {min(blocks)}")
     for tag, block in zip(tags, blocks):
         i = tag & mask
@@ -162,12 +162,11 @@ def load() -> bool:
 
 def insert(q: Any, addr: int, mask: int, tags: Sequence[int], blocks: Sequence[int]) -> None:
     """``insert_py``, compiled where loaded (``addr``: the address of ``q``'s first slot)."""
-    _same_length(tags, blocks)
+    t, b = _arrays(tags, blocks)
     fns = LIBRARY.fns
     if fns is None:
-        insert_py(q, mask, tags, blocks)
+        insert_py(q, mask, t, b)
         return
-    t, b = array("I", tags), array("i", blocks)  # (range-checked: OverflowError)
     rc = fns["kvshm_index_insert"](addr, mask, t.buffer_info()[0], b.buffer_info()[0], len(t))
     if rc == -1:
         raise ValueError(f"key index insert of block {min(b)}")
@@ -177,15 +176,19 @@ def insert(q: Any, addr: int, mask: int, tags: Sequence[int], blocks: Sequence[i
 
 def remove(q: Any, addr: int, mask: int, tags: Sequence[int], blocks: Sequence[int]) -> None:
     """``remove_py``, compiled where loaded."""
-    _same_length(tags, blocks)
+    t, b = _arrays(tags, blocks)
     fns = LIBRARY.fns
     if fns is None:
-        remove_py(q, mask, tags, blocks)
+        remove_py(q, mask, t, b)
         return
-    t, b = array("I", tags), array("i", blocks)
     fns["kvshm_index_remove"](addr, mask, t.buffer_info()[0], b.buffer_info()[0], len(t))
 
 
-def _same_length(tags: Sequence[int], blocks: Sequence[int]) -> None:
-    if len(tags) != len(blocks):
-        raise ValueError(f"key index change of {len(blocks)} blocks with {len(tags)} tags")
+def _arrays(tags: Sequence[int], blocks: Sequence[int]) -> tuple[array, array]:
+    """Tags and blocks as the loops read them, whatever the caller's ints (numpy's among
+    them: a numpy int32 block shifted by 32 in the Python loop wraps): u32 and i32 arrays,
+    range-checked (OverflowError), whose items are Python ints."""
+    t, b = array("I", tags), array("i", blocks)
+    if len(t) != len(b):
+        raise ValueError(f"key index change of {len(b)} blocks with {len(t)} tags")
+    return t, b
