@@ -58,3 +58,12 @@ def test_bodies_that_do_not_fit_their_blocks_are_refused():
         with pytest.raises(ValueError):
             rounds.write(table.ctypes.data, BLOCKS, STRIDE, [0, 1], OFF, bodies)
     assert not table.any()
+
+
+def test_a_block_named_twice_in_a_round_ends_closed():
+    """Ids are distinct by contract; one named twice anyway must not be left odd, which
+    readers take for a write under way and retry on until it is next written."""
+    table = np.zeros((BLOCKS, STRIDE), np.uint8)
+    table[2, 0] = 6
+    rounds.write(table.ctypes.data, BLOCKS, STRIDE, [2, 2], OFF, bytes(range(2 * SIZE)))
+    assert table[2, :4].view(np.uint32)[0] % 2 == 0

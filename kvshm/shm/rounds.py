@@ -40,9 +40,10 @@ int64_t kvshm_table_round(uint8_t *table, int64_t num_blocks, int64_t stride, in
     for (int64_t k = 0; k < n; k++)
         memcpy(table + block[k] * stride + off, body + k * size, (size_t)size);
     __atomic_thread_fence(__ATOMIC_RELEASE);
-    for (int64_t k = 0; k < n; k++) {
+    for (int64_t k = 0; k < n; k++) {  /* (| 1: a block named twice still ends even) */
         uint32_t *seq = (uint32_t *)(table + block[k] * stride);
-        __atomic_store_n(seq, __atomic_load_n(seq, __ATOMIC_RELAXED) + 1u, __ATOMIC_RELEASE);
+        __atomic_store_n(seq, (__atomic_load_n(seq, __ATOMIC_RELAXED) | 1u) + 1u,
+                         __ATOMIC_RELEASE);
     }
     return 0;
 }
