@@ -336,12 +336,11 @@ class BlockTable:
             raise ValueError(f"write_many of {n} blocks with {len(packed) // BODY.size} "
                              "writer_req or last_use values")
         # the round in one compiled call (``rounds``), else (or for a crash point inside) numpy
-        if crashpoints.ARMED or not rounds.write(self._addr, self.num_blocks, L.ENTRY_BYTES,
+        if not crashpoints.ARMED and rounds.write(self._addr, self.num_blocks, L.ENTRY_BYTES,
                                                   blocks, BODY_OFF, packed):
-            self._round(np.asarray(blocks, np.intp),
-                        np.frombuffer(packed, np.uint8).reshape(n, BODY.size))
-
-    def _round(self, b: np.ndarray, rows: np.ndarray) -> None:
+            return
+        rows = np.frombuffer(packed, np.uint8).reshape(n, BODY.size)
+        b = np.asarray(blocks, np.intp)
         seqs = self.open_rounds(b)  # (``rounds`` makes the same stores in the same order)
         if crashpoints.ARMED:
             self._rows_armed(b, rows)
