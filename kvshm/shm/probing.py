@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import ctypes
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -162,33 +162,29 @@ def load() -> bool:
 
 def insert(q: Any, addr: int, mask: int, tags: Sequence[int], blocks: Sequence[int]) -> None:
     """``insert_py``, compiled where loaded (``addr``: the address of ``q``'s first slot)."""
-    t, b = _arrays(tags, blocks)
-    fns = LIBRARY.fns
-    if fns is None:
-        insert_py(q, mask, t, b)
-        return
-    rc = fns["kvshm_index_insert"](addr, mask, t.buffer_info()[0], b.buffer_info()[0], len(t))
-    if rc == -1:
-        raise ValueError(f"key index insert of block {min(b)}")
-    if rc:
-        raise RuntimeError("the key index has no empty slot (damaged)")
+    _run("kvshm_index_insert", insert_py, q, addr, mask, tags, blocks)
 
 
 def remove(q: Any, addr: int, mask: int, tags: Sequence[int], blocks: Sequence[int]) -> None:
     """``remove_py``, compiled where loaded."""
-    t, b = _arrays(tags, blocks)
-    fns = LIBRARY.fns
-    if fns is None:
-        remove_py(q, mask, t, b)
-        return
-    fns["kvshm_index_remove"](addr, mask, t.buffer_info()[0], b.buffer_info()[0], len(t))
+    _run("kvshm_index_remove", remove_py, q, addr, mask, tags, blocks)
 
 
-def _arrays(tags: Sequence[int], blocks: Sequence[int]) -> tuple[array, array]:
-    """Tags and blocks as the loops read them, whatever the caller's ints (numpy's among
-    them: a numpy int32 block shifted by 32 in the Python loop wraps): u32 and i32 arrays,
-    range-checked (OverflowError), whose items are Python ints."""
+def _run(name: str, python: Callable[[Any, int, array, array], None], q: Any, addr: int,
+         mask: int, tags: Sequence[int], blocks: Sequence[int]) -> None:
+    """Loop ``name`` over the keys, or ``python`` where it is not loaded. Both read the ids
+    as u32 and i32 arrays, whatever the caller's ints (a numpy int32 block shifted by 32 in
+    the Python loop wraps): range-checked (OverflowError), their items Python ints. The C
+    loop's codes raise what the Python loop raises."""
     t, b = array("I", tags), array("i", blocks)
     if len(t) != len(b):
         raise ValueError(f"key index change of {len(b)} blocks with {len(t)} tags")
-    return t, b
+    fns = LIBRARY.fns
+    if fns is None:
+        python(q, mask, t, b)
+        return
+    rc = fns[name](addr, mask, t.buffer_info()[0], b.buffer_info()[0], len(t))
+    if rc == -1:
+        raise ValueError(f"key index insert of block {min(b)}")
+    if rc:
+        raise RuntimeError("the key index has no empty slot (damaged)")
