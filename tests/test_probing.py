@@ -171,3 +171,75 @@ def test_ids_as_numpy_arrays_or_numpy_ints_index_as_python_ints_do(compiled, kin
     probing.remove(q.data, q.ctypes.data, MASK, tags[:1], blocks[:1])
     assert [int(v) >> 32 for v in q[[7, 8]]] == [6, 0xFFFFFFFF]
     probing.insert(q.data, q.ctypes.data, MASK, tags[:0], blocks[:0])  # nothing
+
+
+# --- the order of the stores, which lock-free readers see one by one ----------------------
+PUT = """static inline void put(uint64_t *q, uint64_t i, uint64_t v) {
+    __atomic_store_n(&q[i], v, __ATOMIC_RELEASE);
+}"""
+LOGGED_PUT = """static uint64_t LOG[2 * 4096]; static int64_t NLOG;
+static inline void put(uint64_t *q, uint64_t i, uint64_t v) {
+    if (NLOG < 4096) { LOG[2 * NLOG] = i; LOG[2 * NLOG + 1] = v; NLOG++; }
+    __atomic_store_n(&q[i], v, __ATOMIC_RELEASE);
+}
+int64_t kvshm_log_take(uint64_t *out) {
+    int64_t n = NLOG;
+    for (int64_t k = 0; k < 2 * n; k++) out[k] = LOG[k];
+    NLOG = 0;
+    return n;
+}"""
+
+
+class Recorded:
+    """Slots whose every store is recorded, for the Python loops."""
+
+    def __init__(self, q: np.ndarray):
+        self.q, self.stores = q, []
+
+    def __getitem__(self, i: int) -> int:
+        return int(self.q[i])
+
+    def __setitem__(self, i: int, v: int) -> None:
+        self.stores.append((i, v))
+        self.q[i] = v
+
+
+@pytest.mark.procs  # (builds a variant of the library: starts the compiler)
+@pytest.mark.skipif(not probing.load(), reason="no C compiler on this host")
+def test_compiled_loops_make_the_python_loops_stores_in_the_same_order(tmp_path, monkeypatch):
+    """Readers in other processes see the slots between stores, and an owner killed between
+    two leaves what a takeover repairs: equal end states are not enough, every intermediate
+    state must be one the Python loops also show (an entry copied before its slot empties)."""
+    import ctypes
+
+    from kvshm.shm.native import CLibrary
+    assert probing._SOURCE.count(PUT) == 1
+    sig = probing._SIGNATURE
+    logged = CLibrary("index-logged", "logged loops", probing._SOURCE.replace(PUT, LOGGED_PUT),
+                      {"kvshm_index_insert": sig, "kvshm_index_remove": sig,
+                       "kvshm_log_take": (ctypes.c_int64, [ctypes.c_void_p])},
+                      lambda fns: True)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert logged.load()
+    assert logged.fns is not None
+    monkeypatch.setattr(probing.LIBRARY, "fns", logged.fns)
+    out = np.zeros(2 * 4096, np.uint64)
+    rng = np.random.default_rng(7)
+    for _ in range(300):
+        q_c, q_py = fresh(), fresh()
+        present: dict[int, int] = {}
+        for step in range(30):
+            if rng.random() < 0.5 and len(present) < 16:
+                blocks = [100 * step + i for i in range(rng.integers(1, 17 - len(present)))]
+                tags = rng.integers(0, 2**32, len(blocks)).tolist()
+                present.update(zip(blocks, tags))
+                op, op_py = probing.insert, probing.insert_py
+            else:
+                blocks = [b for b in present if rng.random() < 0.5]
+                tags = [present.pop(b) for b in blocks]
+                op, op_py = probing.remove, probing.remove_py
+            op(q_c.data, q_c.ctypes.data, MASK, tags, blocks)
+            n = logged.fns["kvshm_log_take"](out.ctypes.data)
+            rec = Recorded(q_py)
+            op_py(rec, MASK, tags, blocks)
+            assert list(zip(out[0:2 * n:2].tolist(), out[1:2 * n:2].tolist())) == rec.stores
