@@ -67,3 +67,32 @@ def test_a_block_named_twice_in_a_round_ends_closed():
     table[2, 0] = 6
     rounds.write(table.ctypes.data, BLOCKS, STRIDE, [2, 2], OFF, bytes(range(2 * SIZE)))
     assert table[2, :4].view(np.uint32)[0] % 2 == 0
+
+
+COPY = "memcpy(table + block[k] * stride + off, body + k * size, (size_t)size);"
+CHECKED_COPY = """{ if (!(*(uint32_t *)(table + block[k] * stride) & 1u)) BAD++;
+      memcpy(table + block[k] * stride + off, body + k * size, (size_t)size); }"""
+
+
+@pytest.mark.procs  # (builds a variant of the library: starts the compiler)
+def test_every_body_is_copied_while_its_entry_is_odd(tmp_path, monkeypatch):
+    """Readers retry an odd entry and trust an even one: equal end states are not enough,
+    each body must change only between its entry's opening and its closing."""
+    import ctypes
+
+    from kvshm.shm.native import CLibrary
+    assert rounds._SOURCE.count(COPY) == 1
+    source = rounds._SOURCE.replace(COPY, CHECKED_COPY).replace(
+        "int64_t kvshm_table_round", "static int64_t BAD;\n"
+        "int64_t kvshm_bad(void) { return BAD; }\nint64_t kvshm_table_round")
+    checked = CLibrary("rounds-checked", "checked round", source, {
+        "kvshm_table_round": rounds.LIBRARY.functions["kvshm_table_round"],
+        "kvshm_bad": (ctypes.c_int64, [])}, lambda fns: True)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert checked.load() and checked.fns is not None
+    monkeypatch.setattr(rounds.LIBRARY, "fns", checked.fns)
+    table = np.zeros((BLOCKS, STRIDE), np.uint8)
+    for blocks in ([3], [0, 5, 11], list(range(BLOCKS))):
+        compiled_round(table, blocks, bytes(len(blocks) * SIZE))
+    assert checked.fns["kvshm_bad"]() == 0
+    assert not (table[:, :4].view(np.uint32)[:, 0] % 2).any()
