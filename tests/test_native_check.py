@@ -334,3 +334,39 @@ def test_a_fifo_in_the_librarys_place_is_replaced_by_a_build_and_blocks_nothing(
     out = subprocess.run([sys.executable, "-c", FIFO], env=env, capture_output=True,
                          text=True, timeout=60)
     assert out.stdout == "loaded True\n", out.stderr
+
+
+HANG = """
+import sys, time
+from kvshm.shm import native
+native._BUILD_SECONDS = 1  # (15 s in service; a normal build takes ~0.1 s)
+lib = native.CLibrary("hang", "test loops", "int f(void) { return 1; }\\n", {},
+                      lambda fns: True)
+t0 = time.monotonic()
+print(lib.load(), time.monotonic() - t0 < 5)
+"""
+HANGING_CC = """#!/bin/sh
+echo run >> "$0.log"
+sleep 1000 &
+echo $! > "$0.pid"
+wait
+"""
+
+
+@pytest.mark.procs
+def test_a_hanging_compiler_is_killed_whole_and_not_run_again_soon(tmp_path):
+    """An owner builds as it starts, holding the owner lock, while its first client waits:
+    a compiler that hangs costs one bounded wait, its children die with it, and the next
+    processes use Python at once instead of waiting again."""
+    cc = tmp_path / "cc"
+    cc.write_text(HANGING_CC)
+    cc.chmod(0o755)
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "CC": str(cc)}
+    for _ in range(2):
+        out = subprocess.run([sys.executable, "-c", HANG], env=env, capture_output=True,
+                             text=True, timeout=60)
+        assert out.stdout == "False True\n", out.stderr
+    assert (tmp_path / "cc.log").read_text() == "run\n"  # tried once, not per process
+    pid = int((tmp_path / "cc.pid").read_text())
+    assert not Path(f"/proc/{pid}").exists() or \
+        Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"

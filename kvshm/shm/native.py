@@ -18,6 +18,7 @@ import contextlib
 import ctypes
 import logging
 import os
+import signal
 import stat
 import sys
 import threading
@@ -30,6 +31,7 @@ logger = logging.getLogger(__name__)
 
 BUILD_PREFIX = "build-"  # temporary build directories beside the libraries
 _BUILD_SECONDS = 15      # a build takes ~0.1 s; a compiler that hangs costs no more than this
+_RETRY_SECONDS = 3600    # after a failed build, processes use Python this long before retrying
 _FLAGS = ("-O2", "-shared", "-fPIC")  # no -march: a home directory may serve several CPUs
 _lock = threading.Lock()  # one build per process at a time
 
@@ -91,7 +93,7 @@ class CLibrary:
         try:
             path = self.path()  # (no home directory at all: a container's bare uid)
             if not path.exists():
-                _build(path, self.source)
+                _build_unless_failed(path, self.source)
             try:
                 lib = _dlopen(path)
             except PermissionError:
@@ -115,6 +117,23 @@ class CLibrary:
         return fns
 
 
+def _build_unless_failed(path: Path, source: str) -> None:
+    """``_build``, unless a build of ``path`` failed lately: an owner builds as it starts,
+    while its first client waits, so a host whose compiler fails or hangs pays for it once an
+    hour, not at every start. A failure leaves a marker beside the library."""
+    marker = path.with_name(path.name + ".failed")
+    with contextlib.suppress(OSError):
+        if time.time() - marker.stat().st_mtime < _RETRY_SECONDS:
+            raise RuntimeError(f"a build of {path.name} failed lately ({marker}); "
+                               "remove it to try again")
+    try:
+        _build(path, source)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            marker.touch()
+        raise
+
+
 def _build(path: Path, source: str) -> None:
     """Compile ``source`` into ``path``; another process building the same file at the same
     time is harmless (each writes its own temporary file, then renames it into place)."""
@@ -131,8 +150,18 @@ def _build(path: Path, source: str) -> None:
     with tempfile.TemporaryDirectory(prefix=BUILD_PREFIX, dir=path.parent) as tmp:
         src, out = Path(tmp) / "lib.c", Path(tmp) / "lib.so"
         src.write_text(source)
-        subprocess.run([*cc, *_FLAGS, "-o", str(out), str(src)], check=True,
-                       capture_output=True, timeout=_BUILD_SECONDS)
+        # its own session, so that a timeout kills the compiler's children too (cc1, as, ld)
+        proc = subprocess.Popen([*cc, *_FLAGS, "-o", str(out), str(src)],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                start_new_session=True)
+        try:
+            _, err = proc.communicate(timeout=_BUILD_SECONDS)
+        except BaseException:  # (not reaped yet: its group id cannot have been reused)
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise
+        if proc.returncode:
+            raise subprocess.CalledProcessError(proc.returncode, cc, stderr=err)
         os.chmod(out, 0o755)
         os.replace(out, path)
 
