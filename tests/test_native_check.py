@@ -370,3 +370,17 @@ def test_a_hanging_compiler_is_killed_whole_and_not_run_again_soon(tmp_path):
     pid = int((tmp_path / "cc.pid").read_text())
     assert not Path(f"/proc/{pid}").exists() or \
         Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+
+
+@needs_native
+@pytest.mark.procs
+def test_a_cache_directory_reached_through_a_link_is_neither_built_into_nor_loaded(
+        tmp_path):
+    """Whoever can write the cache's parent could point ``kvshm`` at a directory of their
+    choosing: nothing is built into it and nothing loaded from it."""
+    assert load_in_child(tmp_path / "real") == "loaded True\n"
+    (tmp_path / "linked").mkdir()
+    (tmp_path / "linked" / "kvshm").symlink_to(tmp_path / "real" / "kvshm")
+    before = sorted(p.name for p in (tmp_path / "real" / "kvshm").iterdir())
+    assert load_in_child(tmp_path / "linked") == "loaded False\n"
+    assert sorted(p.name for p in (tmp_path / "real" / "kvshm").iterdir()) == before

@@ -142,6 +142,11 @@ def _build(path: Path, source: str) -> None:
     import subprocess
     import tempfile
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:  # nothing is built into a directory another user could write or swap
+        _check_ours(dfd, path.parent)
+    finally:
+        os.close(dfd)
     for old in path.parent.glob(BUILD_PREFIX + "*"):  # left by builds killed midway
         with contextlib.suppress(OSError):
             if time.time() - old.stat().st_mtime > 10 * _BUILD_SECONDS:
@@ -172,7 +177,7 @@ def _open_trusted(path: Path) -> int:
     written is never loaded, even if the path is swapped between the check and the load.
     Nothing in an untrusted directory is opened, and nothing is opened that could block (a
     FIFO waits for a writer): the file must be a regular one."""
-    dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     try:
         _check_ours(dfd, path.parent)
         fd = os.open(path.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dfd)
