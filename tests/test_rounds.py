@@ -96,3 +96,29 @@ def test_every_body_is_copied_while_its_entry_is_odd(tmp_path, monkeypatch):
         compiled_round(table, blocks, bytes(len(blocks) * SIZE))
     assert checked.fns["kvshm_bad"]() == 0
     assert not (table[:, :4].view(np.uint32)[:, 0] % 2).any()
+
+
+@pytest.mark.parametrize("n", [8, 17])  # the per-entry path and the numpy round
+@pytest.mark.parametrize("bad", [-1, 24])
+def test_write_many_without_the_compiled_round_refuses_a_block_past_the_table(
+        n, bad, monkeypatch):
+    """Every path of ``write_many`` refuses an id past the table before any store (numpy
+    wrapped a negative id to the last entry; the per-entry path wrote into the header)."""
+    from conftest import SMALL_GEOMETRY, TEST_LAYOUT, unique_name
+
+    from kvshm.shm import layout as L
+    from kvshm.shm.segment import Segment
+    from kvshm.shm.table import BlockTable
+    monkeypatch.setattr(rounds.LIBRARY, "fns", None)
+    name = unique_name()
+    seg = Segment.create(name, TEST_LAYOUT, 24, **SMALL_GEOMETRY)
+    try:
+        table = BlockTable(seg.buf, seg.geometry)
+        before = bytes(seg.buf)
+        with pytest.raises(IndexError):
+            table.write_many([*range(n - 1), bad], L.READY, [b"k%d" % i for i in range(n)])
+        assert bytes(seg.buf) == before
+        table.close()
+    finally:
+        seg.close()
+        Segment.unlink(name)

@@ -79,6 +79,14 @@ def load() -> bool:
     return LIBRARY.load()
 
 
+def check_blocks(blocks: Sequence[int], num_blocks: int) -> None:
+    """Refuse ``blocks`` unless every id names an entry of a table of ``num_blocks``: what the
+    C loop checks, for the Python paths too (numpy wraps a negative id around to the end)."""
+    if len(blocks) and not 0 <= min(blocks) <= max(blocks) < num_blocks:
+        raise IndexError(f"a round over blocks {min(blocks)}..{max(blocks)} of a table of "
+                         f"{num_blocks}")
+
+
 def write(table: int, num_blocks: int, stride: int, blocks: Sequence[int], off: int,
           bodies: bytes) -> bool:
     """One round over ``blocks`` (distinct ids) of the table at address ``table`` (its

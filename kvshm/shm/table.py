@@ -298,12 +298,13 @@ class BlockTable:
 
         Every body is built first (a bad value raises before any entry is touched), then all
         the entries are opened (odd), copied and closed (even) together. A death in between
-        leaves them all odd: the next owner settles each and trusts a key only where its
-        checksum verifies, exactly as for one entry.
+        leaves them all odd: the next owner settles each, trusting a key only where its
+        checksum verifies.
         """
         n = len(blocks)
         if keys and len(keys) != n:
             raise ValueError(f"write_many of {n} blocks with {len(keys)} keys")
+        rounds.check_blocks(blocks, self.num_blocks)  # (every path, before any store)
         if n < VECTOR_MIN and (crashpoints.ARMED or rounds.LIBRARY.fns is None):
             reqs = [writer_req] * n if isinstance(writer_req, int) else writer_req
             uses = [last_use] * n if isinstance(last_use, int) else last_use
@@ -313,8 +314,7 @@ class BlockTable:
             for blk, packed in zip(blocks, bodies):
                 self._put(blk, packed)
             return
-        # The bodies are packed by struct in one C-level pass (it range-checks every value as
-        # the scalar path does) and copied in as one byte array.
+        # The bodies packed by struct in one C-level pass (range-checked as the scalar path)
         bkeys: Iterable[bytes]
         if keys:
             if max(map(len, keys)) > L.MAX_KEY_BYTES:  # (struct would truncate it silently)
