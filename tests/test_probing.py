@@ -243,3 +243,18 @@ def test_compiled_loops_make_the_python_loops_stores_in_the_same_order(tmp_path,
             rec = Recorded(q_py)
             op_py(rec, MASK, tags, blocks)
             assert list(zip(out[0:2 * n:2].tolist(), out[1:2 * n:2].tolist())) == rec.stores
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "python"])
+def test_a_removal_of_a_negative_block_removes_nothing(compiled, monkeypatch):
+    """Even from a damaged index whose slots name blocks past 2**31 (a negative id read as
+    u32 would match one)."""
+    if compiled and not probing.load():
+        pytest.skip("no C compiler on this host")
+    if not compiled:
+        monkeypatch.setattr(probing.LIBRARY, "fns", None)
+    q = fresh()
+    q[5] = 5 | 0xFFFFFFFE << 32
+    before = q.copy()
+    probing.remove(q.data, q.ctypes.data, MASK, [5], [-2])
+    np.testing.assert_array_equal(q, before)

@@ -67,10 +67,12 @@ int64_t kvshm_index_insert(uint64_t *q, uint64_t mask, const uint32_t *tag,
     }
     return 0;
 }
-/* Delete the slot naming block[k] on tag[k]'s probe path, if any. */
+/* Delete the slot naming block[k] on tag[k]'s probe path, if any (a negative block names
+   none: read as u32 it could match a damaged slot). */
 int64_t kvshm_index_remove(uint64_t *q, uint64_t mask, const uint32_t *tag,
                            const int32_t *block, int64_t n) {
     for (int64_t k = 0; k < n; k++) {
+        if (block[k] < 0) continue;
         uint64_t i = tag[k] & mask;
         for (uint64_t step = 0; step <= mask; step++) {
             uint64_t v = get(q, i);
