@@ -263,7 +263,6 @@ FILE_TIERS = {
     "test_manager.py": "unit",
     "test_manager_model.py": "unit",
     "test_native_check.py": "unit",
-    "test_cuda_issue.py": "unit",
     "test_probing.py": "unit",
     "test_rounds.py": "unit",
     "test_pinning.py": "unit",
@@ -399,9 +398,8 @@ def pytest_configure(config) -> None:
     # Build the compiled loops (once per host) before any test: the first handler or manager
     # a unit test makes would otherwise start the compiler, a process.
     from kvshm.shm import probing, rounds
-    from kvshm.transfer import cuda_issue, native_check
+    from kvshm.transfer import native_check
     native_check.load()
-    cuda_issue.LIBRARY.load()
     probing.load()
     rounds.load()
 

@@ -78,8 +78,6 @@ class Rig:
                 pytest.skip(str(e))
             raise
         self.handlers.append(h)
-        if self.device == "cuda" and self.method in ("auto", "triton"):
-            warm(h)
         return h
 
     def close(self) -> None:
@@ -87,17 +85,6 @@ class Rig:
             h.shutdown()
         for r in self.regions:
             r.unregister()
-
-
-def warm(h) -> None:
-    """One reported job each way (block 0 to block 0), before a test takes its snapshot: a
-    kernel's first launch compiles it through Triton's launcher, and a job issues in one
-    compiled call only with events that earlier jobs made, so the test's own jobs then take
-    the path an engine's jobs take."""
-    for job_id, kind in enumerate(KINDS, 10**6):
-        assert h.transfer_async(job_id, TransferSpec(kind, [0], [0]))
-        h.wait([job_id])
-        assert all(r.success for r in h.get_finished())
 
 
 @pytest.fixture(params=TARGETS)
@@ -412,8 +399,6 @@ def test_a_failed_copy_reports_failure_and_the_handler_keeps_working(rig, monkey
         return real(*args)
 
     monkeypatch.setattr(h, "_copy", flaky)
-    if getattr(h, "_gather", None) is not None:  # every job through _copy, which fails once
-        monkeypatch.setattr(h._gather, "issue", lambda *args: None)
     h.transfer_async(1, TransferSpec("store", [0], [0]))
     before = snapshot(devs, planes)
     run(h, 2, "store", [5], [1])
@@ -714,69 +699,6 @@ def test_a_copy_once_pinning_ended_unpinned_warns_once(caplog):
         run(h, 2, "store", [2, 3], [4, 5])
     h.shutdown()
     assert len([r for r in caplog.records if "not pinned" in r.getMessage()]) == 1
-
-
-def _jobs_with_reports(h, jobs):
-    """Each job waited for and reported before the next, as an engine's steps do: reported
-    jobs give their events back, and a kernel job issues in one call only with events that
-    already exist."""
-    for job_id, (kind, dev_ids, seg_ids) in enumerate(jobs, 1):
-        run(h, job_id, kind, dev_ids, seg_ids)
-        assert [r.success for r in h.get_finished()] == [True]
-
-
-@CUDA
-@pytest.mark.procs  # a first copy compiles the Triton kernel
-@pytest.mark.parametrize("factor", [1, 3])
-def test_triton_jobs_are_issued_in_one_compiled_call_and_copy_exact_bytes(factor):
-    from kvshm.transfer import cuda_issue
-    if not cuda_issue.LIBRARY.load():
-        pytest.skip("no C compiler on this host")
-    rig = Rig("cuda-triton")
-    try:
-        devs = [rig.tensor((24, 2, 256)), rig.tensor((24, 96), torch.float32)]
-        planes = rig.planes(8, [1024 * factor, 384 * factor])
-        h = rig.handler(devs, planes, block_size_factor=factor)
-        issued = h._gather.compiled_issues
-        rng = np.random.default_rng(factor)
-        for _ in range(3):
-            for kind in KINDS:
-                dev_ids = rng.permutation(24)[:8 * factor].tolist()
-                seg_ids = rng.permutation(8).tolist()
-                before = snapshot(devs, planes)
-                _jobs_with_reports(h, [(kind, dev_ids, seg_ids)])
-                check(kind, devs, planes, before, dev_ids, seg_ids, factor)
-        assert h._gather.compiled_issues - issued == 6  # every job after the warm-up
-    finally:
-        rig.close()
-
-
-@CUDA
-@pytest.mark.procs
-def test_a_refused_compiled_issue_leaves_the_job_to_tritons_launcher(caplog):
-    from kvshm.transfer import cuda_issue
-    if not cuda_issue.LIBRARY.load():
-        pytest.skip("no C compiler on this host")
-    rig = Rig("cuda-triton")
-    try:
-        devs = [rig.tensor((16, 256))]
-        planes = rig.planes(16, [512])
-        h = rig.handler(devs, planes)  # warmed up: the next jobs issue in one call
-        _jobs_with_reports(h, [("store", [0, 1], [2, 3])])
-        assert h._gather.compiled_issues == 1 and h._gather._issue
-
-        class Refusing:  # the driver refuses the launch (CUDA_ERROR_LAUNCH_FAILED)
-            def __call__(self, *args):
-                return cuda_issue.STEP_LAUNCH << 32 | 719
-        h._gather._issue = {k: Refusing() for k in h._gather._issue}
-        before = snapshot(devs, planes)
-        with caplog.at_level("WARNING", logger="kvshm"):
-            _jobs_with_reports(h, [("store", [8, 9, 10], [11, 12, 13])])
-        check("store", devs, planes, before, [8, 9, 10], [11, 12, 13], 1)
-        assert not h._gather._issue and h._gather.compiled_issues == 1
-        assert [r for r in caplog.records if "compiled kernel issue" in r.getMessage()]
-    finally:
-        rig.close()
 
 
 def test_explicit_skip_allows_a_job_that_ends_inside_its_last_segment_block():

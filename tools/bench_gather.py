@@ -121,10 +121,10 @@ def _rates(kind: Any, dev, host, geo, base, table, align: int, ids: tuple, reps:
     for b, p, w in CONFIGS:  # the first call compiles; time the cached launcher
         fast = triton_copy.launch(base, uva_ids, table, blocks, 1, page // 4,
                                   store=kind == "store", has_sub=False, align=align,
-                                  block=b, piece_words=p, num_warps=w)[0]
+                                  block=b, piece_words=p, num_warps=w)
         fns[f"triton[{b}/{p}/{w}]"] = lambda f=fast: f(blocks, uva_ids, stream)  # type: ignore[misc]
     fast_d = triton_copy.launch(base, dev_ids, table, blocks, 1, page // 4,
-                                store=kind == "store", has_sub=False, align=align)[0]
+                                store=kind == "store", has_sub=False, align=align)
     fns["triton-devidx"] = lambda: fast_d(blocks, dev_ids, stream)
     hv = alias(host.data_ptr(), host.nbytes, torch.device("cuda")).view(blocks, page)
     dw, hw = dev.view(torch.int32), hv.view(torch.int32)
@@ -205,7 +205,7 @@ def host_costs(page: int, blocks: int) -> dict:
 
     def cached() -> float:
         fast = triton_copy.launch(base, idx, table, blocks, 1, words, store=False,
-                                  has_sub=False, align=4, piece_words=words)[0]
+                                  has_sub=False, align=4, piece_words=words)
         return host_us(lambda: fast(blocks, idx, stream), after=sync)
     measure("triton_launch_cached", cached)
     measure("transfer_async_triton", lambda: host_us(

@@ -273,9 +273,7 @@ def bench_cuda(page: int, blocks: int, reps: int, ids: str, methods: list[str],
         out[kind] = res
         for h in handlers.values():
             check(one_job(h, spec, job), src, dst, si, di)
-    for m, h in handlers.items():  # jobs issued in one compiled call (cuda_issue)
-        out[f"{m}_compiled_issues"] = getattr(getattr(h, "_gather", None), "compiled_issues",
-                                              None)
+    for h in handlers.values():
         h.shutdown()
     if region is not None:
         region.unregister()

@@ -118,7 +118,7 @@ def probe(page: int, blocks: int, reps: int, inner: int) -> dict:
             if k:
                 with torch.cuda.stream(s1):  # the first launch compiles (and copies)
                     fast = triton_copy.launch(base, ids, table, k, 1, page // elem,
-                                              store=store, has_sub=False, align=align)[0]
+                                              store=store, has_sub=False, align=align)
             dp = (dev.data_ptr() + d_ids[k:] * page).astype(np.uint64)
             hp = (host.data_ptr() + s_ids[k:] * page).astype(np.uint64)
             nb = np.full(blocks - k, page, np.uint64)

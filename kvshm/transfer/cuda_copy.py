@@ -186,35 +186,26 @@ class CudaTransferHandler(TransferHandler):
                                            f"unique among unfinished jobs")
             lane = "expedited" if spec.expedited else plan.kind
             stream = self._streams[lane]
-            keep, failed, start, end, ended = None, False, None, None, False
+            keep, failed, start, end = None, False, None, None
             try:
                 start, end = self._events.pop() if self._events else (
                     torch.cuda.Event(enable_timing=True),
                     torch.cuda.Event(enable_timing=True, blocking=self._blocking))
                 order = self._order[lane]
-                issued = None
-                if method == "triton" and self._one_gpu and self._raw_stream is not None \
-                        and self._gather is not None:  # the whole issue in one C call
-                    issued = self._gather.issue(plan, self._raw_stream(self._dev.index), order,
-                                                stream, start, end)
-                if issued is not None:
-                    keep, ended = issued
+                self._record(order, self._caller_stream())
+                self._wait_on(order, stream)
+                self._record(start, stream)
+                if self._one_gpu:  # the usual process: no device switch to enter and leave
+                    keep = self._copy(plan, method, runs, stream)
                 else:
-                    self._record(order, self._caller_stream())
-                    self._wait_on(order, stream)
-                    self._record(start, stream)
-                    if self._one_gpu:  # the usual process: no device switch to enter and leave
+                    with self._on_device():
                         keep = self._copy(plan, method, runs, stream)
-                    else:
-                        with self._on_device():
-                            keep = self._copy(plan, method, runs, stream)
             except Exception:  # reported as success=False, in FIFO order
                 logger.exception("kvshm: %s job %d failed", spec.kind, job_id)
                 failed = True
             job = _Job(job_id, plan.kind, plan.n * self._block_bytes, start, end, failed, keep)
             try:
-                if not ended:
-                    self._record(end, stream)  # also after a failure: the result keeps its place
+                self._record(end, stream)  # also after a failure: the result keeps its place
             except Exception:
                 job.end = None
                 stream.synchronize()  # nothing may still read what the job keeps

@@ -20,14 +20,12 @@ from __future__ import annotations
 
 import ctypes
 import logging
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 
 from kvshm.errors import TransferError
-from kvshm.transfer.cuda_issue import STEP_END, Driver, Issue, failed_step
 from kvshm.transfer.index_pool import IndexBuffer, IndexBuffers
 from kvshm.transfer.spec import BlockPlan, Geometry
 
@@ -97,17 +95,6 @@ def write_ids(host: np.ndarray, plan: BlockPlan, with_subs: bool) -> None:
         host[2 * n:3 * n] = plan.segment_subs
 
 
-def _address(a: np.ndarray) -> int:
-    """The address of a flat int64 array's first id, through the buffer protocol (a third of
-    what ``ndarray.ctypes`` costs); raises for an array the C call cannot read in place."""
-    if a.dtype != np.int64 or a.ndim != 1 or not a.flags.c_contiguous:
-        raise ValueError("not a flat int64 array")
-    return ctypes.addressof(_at(a))
-
-
-_at: Any = ctypes.c_char.from_buffer  # needs a writable, contiguous, non-empty buffer
-
-
 class Gather:
     """Kernel copies for one handler's geometry; ``ready()`` says whether they may run."""
 
@@ -122,10 +109,6 @@ class Gather:
             device)
         self._max_page = max(p.page_bytes for p in geo.pairs) // self._elem
         self._fast: dict[tuple, Any] = {}
-        self._issue: dict[tuple, Issue] = {}  # (store, has_sub): the compiled issue path
-        self._driver: Driver | None = None
-        self._hooked: Callable[[], bool] = lambda: True
-        self.compiled_issues = 0  # jobs issued by one C call (tests and benchmarks read it)
         self._views: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     # --- readiness ---------------------------------------------------------------------
@@ -149,7 +132,7 @@ class Gather:
         if host.data_ptr() % 16:  # the kernel is compiled for 16-byte aligned pointers
             raise TransferError("a pinned index buffer is not 16-byte aligned")
         dev = alias(host.data_ptr(), words * 8, self._dev, "<i8")
-        return IndexBuffer(host.numpy(), dev, owner=host, address=host.data_ptr())
+        return IndexBuffer(host.numpy(), dev, owner=host)
 
     def _ids(self, plan: BlockPlan, with_subs: bool) -> tuple[IndexBuffer, int]:
         buf = self._pool.take(3 * plan.n if with_subs else 2 * plan.n)
@@ -161,42 +144,6 @@ class Gather:
 
     def give_back(self, buf: IndexBuffer) -> None:
         self._pool.give_back(buf)
-
-    # --- triton, issued in one compiled call -------------------------------------------------
-    def issue(self, plan: BlockPlan, caller: int, order: Any, stream: torch.cuda.Stream,
-              start: Any, end: Any) -> tuple[IndexBuffer, bool] | None:
-        """The whole job in one call (``cuda_issue``): ids, the wait for ``caller`` (a raw
-        stream handle) through ``order``, ``start``, the kernel, ``end``. Returns the buffer
-        the kernel reads and whether ``end`` was recorded; None when nothing was launched,
-        and the caller then issues the job itself (a missing step costs nothing twice: a
-        repeated record or wait only orders later)."""
-        has_sub = self._geo.factor > 1
-        call = self._issue.get((plan.kind == "store", has_sub))
-        if call is None:
-            return None
-        handles = (order.cuda_event, start.cuda_event, end.cuda_event)
-        if 0 in handles or self._hooked():  # torch makes an event on its first record
-            return None
-        try:
-            dev, rows = _address(plan.device_ids), _address(plan.segment_rows)
-            subs = _address(plan.segment_subs) if has_sub else None
-        except (TypeError, ValueError, BufferError):
-            return None
-        n = plan.n
-        buf = self._pool.take(3 * n if has_sub else 2 * n)
-        rc = call(dev, rows, subs, n, buf.address, caller, handles[0], stream.cuda_stream,
-                  handles[1], handles[2])
-        if rc == 0:
-            self.compiled_issues += 1
-            return buf, True
-        step, cu = failed_step(rc)
-        if step == STEP_END:  # the kernel is queued; the caller handles the missing end
-            return buf, False
-        self._pool.give_back(buf)
-        self._issue.clear()  # a driver that refuses once: Triton's launcher from now on
-        logger.warning("kvshm: the compiled kernel issue stopped at step %d (CUresult %d); "
-                       "the copy kernel is launched through Triton from now on", step, cu)
-        return None
 
     # --- triton ------------------------------------------------------------------------
     def copy_triton(self, plan: BlockPlan, stream: torch.cuda.Stream) -> IndexBuffer:
@@ -221,16 +168,9 @@ class Gather:
                       stream: torch.cuda.Stream) -> None:
         from kvshm.transfer import triton_copy as tc
         with torch.cuda.stream(stream):
-            fast, shape = tc.launch(
+            self._fast[(store, has_sub)] = tc.launch(
                 self._base, buf.device, self._table, n, len(self._geo.pairs), self._max_page,
                 store=store, has_sub=has_sub, align=self._align)
-        self._fast[(store, has_sub)] = fast
-        self._hooked = tc.hooked
-        if self._driver is None:
-            self._driver = Driver.load()
-        call = Issue.make(self._driver, shape, has_sub)
-        if call is not None and hasattr(torch.cuda.Event, "cuda_event"):  # the raw handle
-            self._issue[(store, has_sub)] = call
 
     # --- torch indexing ------------------------------------------------------------------
     def copy_torch(self, plan: BlockPlan, stream: torch.cuda.Stream) -> IndexBuffer:

@@ -40,7 +40,6 @@ class IndexBuffer:
     device: Any
     owner: Any = None                       # keeps the allocation alive
     done: Callable[[], bool] | None = None  # None: free; else True once its reader finished
-    address: int = 0                        # of ``host`` (the kernel reads the same address)
 
 
 class IndexBuffers:

@@ -15,14 +15,11 @@ a GPU.
 """
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from typing import Any
 
 import triton
 import triton.language as tl
-
-from kvshm.transfer.cuda_issue import KernelShape
 
 # Table rows (int64, in words of the launch's element size), one column per plane pair.
 T_DEV_BASE, T_DEV_STRIDE, T_PLANE_BASE, T_PLANE_STRIDE, T_PAGE = (
@@ -31,8 +28,7 @@ TABLE_ROWS = 5
 MAX_GRID_Y = 65535  # CUDA's limit on grid dimension y
 
 
-# Sizes are not specialised on (==1, %16): one compiled kernel serves every job of a handler,
-# and each is an int32 parameter (``cuda_issue`` launches it with exactly these).
+# Sizes are not specialised on (==1, %16): one compiled kernel serves every job of a handler.
 @triton.jit(do_not_specialize=["n", "n_pairs", "n_pieces"])
 def _copy_pages(base, idx, table, n, n_pairs, n_pieces,
                 STORE: tl.constexpr, HAS_SUB: tl.constexpr, ALIGN: tl.constexpr,
@@ -62,16 +58,14 @@ def _copy_pages(base, idx, table, n, n_pairs, n_pieces,
 
 
 Launcher = Callable[[int, Any, int], None]
-PARAMS = ("base", "idx", "table", "n", "n_pairs", "n_pieces")  # what cuda_issue passes
 
 
 def launch(base: Any, idx: Any, table: Any, n: int, n_pairs: int, max_page_words: int, *,
            store: bool, has_sub: bool, align: int, block: int = 1024,
-           piece_words: int = 4096, num_warps: int = 4) -> tuple[Launcher, KernelShape | None]:
+           piece_words: int = 4096, num_warps: int = 4) -> Launcher:
     """Copy ``n`` blocks of every pair on torch's current stream; returns a launcher for the
     next jobs with the same ``base``, ``table`` and flags: ``fast(n, idx, stream_handle)``,
-    ``idx`` a tensor at a 16-byte aligned address; and the compiled kernel's ``KernelShape``
-    for ``cuda_issue``, or None when its parameters are not exactly ``PARAMS``.
+    ``idx`` a tensor at a 16-byte aligned address.
 
     ``base``: a tensor of the word type; every table offset is in words from its address.
     ``idx``: int64 ``[device ids (n), segment rows (n), sub-blocks (n) if has_sub]``.
@@ -99,8 +93,7 @@ def launch(base: Any, idx: Any, table: Any, n: int, n_pairs: int, max_page_words
         # Addresses as ints: the launcher then skips data_ptr() and a driver query per pointer
         base_p, table_p = base.data_ptr(), table.data_ptr()
     except Exception:  # another Triton (or the interpreter): its own path
-        return (lambda n, idx, stream: slow(n, idx, stream)), None
-    shape = compiled_shape(kernel, base_p, table_p, n_pairs, pieces)
+        return lambda n, idx, stream: slow(n, idx, stream)
 
     def fast(n: int, idx: Any, stream: int) -> None:
         if _hooked(rt.launch_enter_hook, rt.launch_exit_hook):
@@ -111,41 +104,7 @@ def launch(base: Any, idx: Any, table: Any, n: int, n_pairs: int, max_page_words
             run(n, n_pairs * pieces, 1, stream, function, meta, None, None, None, base_p,
                 idx.data_ptr(), table_p, n, n_pairs, pieces, store, has_sub, align, block,
                 piece_words)
-    return fast, shape
-
-
-def hooked() -> bool:
-    """A launch hook (a profiler) would be called: only Triton's own launcher calls them."""
-    rt = getattr(sys.modules.get("triton.knobs"), "runtime", None)  # launch() imported it
-    return rt is None or _hooked(rt.launch_enter_hook, rt.launch_exit_hook)
-
-
-def compiled_shape(kernel: Any, base_p: int, table_p: int, n_pairs: int,
-                   pieces: int) -> KernelShape | None:
-    """The launch parameters of ``kernel``, only when a plain ``cuLaunchKernel`` with
-    ``PARAMS`` (pointers, then int32) and two null scratch pointers is exactly what Triton's
-    own launcher would do: one CTA per program, no cluster, cooperative grid, programmatic
-    launch or scratch memory. Read defensively: a Triton that names these differently gets
-    None, and its own launcher."""
-    try:
-        md, sig = kernel.metadata, dict(kernel.src.signature)
-        passed = [(k, t) for k, t in sig.items() if t != "constexpr"]
-        types = [t for _, t in passed]
-        plain = (
-            tuple(k for k, _ in passed) == PARAMS and str(types[0]).startswith("*")
-            and types[1:] == ["*i64", "*i64", "i32", "i32", "i32"]
-            and int(getattr(md, "num_ctas", 1)) == 1
-            and not getattr(md, "launch_cooperative_grid", False)
-            and not getattr(md, "launch_pdl", False)
-            and not getattr(md, "global_scratch_size", 0)
-            and not getattr(md, "profile_scratch_size", 0)
-            and all(int(d) <= 1 for d in getattr(md, "cluster_dims", (1, 1, 1))))
-        if not plain:
-            return None
-        return KernelShape(int(kernel.function), base_p, table_p, n_pairs, pieces,
-                           n_pairs * pieces, 32 * int(md.num_warps), int(md.shared))
-    except Exception:
-        return None
+    return fast
 
 
 def _hooked(enter: Any, leave: Any) -> bool:
