@@ -355,7 +355,7 @@ wait
 
 @pytest.mark.procs
 def test_a_hanging_compiler_is_killed_whole_and_not_run_again_soon(tmp_path):
-    """An owner builds as it starts, holding the owner lock, while its first client waits:
+    """An owner builds as it starts, while its first client waits for it:
     a compiler that hangs costs one bounded wait, its children die with it, and the next
     processes use Python at once instead of waiting again."""
     cc = tmp_path / "cc"
@@ -384,3 +384,52 @@ def test_a_cache_directory_reached_through_a_link_is_neither_built_into_nor_load
     before = sorted(p.name for p in (tmp_path / "real" / "kvshm").iterdir())
     assert load_in_child(tmp_path / "linked") == "loaded False\n"
     assert sorted(p.name for p in (tmp_path / "real" / "kvshm").iterdir()) == before
+
+
+BLOCKED_CC = """#!/bin/sh
+[ -e "$0.started" ] && exit 1
+touch "$0.started"
+read line < "$0.fifo"
+exit 1
+"""
+WOULD_BE_OWNER = """
+import sys
+from kvshm.errors import OwnerUnavailableError
+from kvshm.owner.manager import LocalManager
+from kvshm.shm.segment import Segment
+seg = Segment.attach(sys.argv[1])
+try:
+    LocalManager(seg).shutdown()
+    print("owner")
+except OwnerUnavailableError:
+    print("unavailable")
+"""
+
+
+@pytest.mark.procs
+def test_a_would_be_owner_building_its_loops_holds_no_lock_meanwhile(tmp_path, make_segment):
+    """A process that becomes a segment's owner first builds its compiled loops (once per
+    host). A compiler that hangs, or a process stopped mid-build, must not keep every other
+    process from owning the segment meanwhile: the build comes before the owner lock."""
+    from kvshm.owner.manager import LocalManager
+    seg = make_segment()
+    cc = tmp_path / "cc"
+    cc.write_text(BLOCKED_CC)
+    cc.chmod(0o755)
+    os.mkfifo(tmp_path / "cc.fifo")
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "CC": str(cc)}
+    builder = subprocess.Popen([sys.executable, "-c", WOULD_BE_OWNER, seg.name], env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "cc.started").exists():  # the builder is inside its build
+            assert builder.poll() is None, builder.communicate()
+            assert time.monotonic() < deadline, "the would-be owner never started its build"
+            time.sleep(0.01)
+        manager = LocalManager(seg)  # this process built its loops before the test began
+    finally:
+        with open(tmp_path / "cc.fifo", "w") as f:  # the compiler fails; the builder goes on
+            f.write("go\n")
+        out, err = builder.communicate(timeout=60)
+    assert out == "unavailable\n", err  # and finds the segment owned
+    manager.shutdown()

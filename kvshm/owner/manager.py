@@ -63,13 +63,15 @@ class LocalManager(OffloadingManager):
     def __init__(self, segment: Segment, policy: str | None = None, *,
                  enable_events: bool = False, held: Held | None = None,
                  writer_alive: Callable[[int, int], bool] | None = None):
+        # The index's and the table's loops compiled (built once per host, else Python),
+        # before the lock: a build that hangs, or a process stopped in it, holds no segment.
+        probing.load()
+        rounds.load()
         if not locks.try_lock(segment.fd, L.LOCK_OWNER):
             raise OwnerUnavailableError(
                 f"segment {segment.name!r} already has an owner (pid "
                 f"{segment.owner_record()[0]}); use kvshm.connect() to share it")
         self.segment = segment
-        probing.load()  # the index's and the table's loops compiled (built once per host),
-        rounds.load()   # else in Python
         self.table = BlockTable(segment.buf, segment.geometry)
         self.index = KeyIndex(segment.buf, segment.geometry, self.table)
         self.policy = make_policy(policy or segment.policy, segment.geometry.num_blocks)
