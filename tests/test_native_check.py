@@ -372,6 +372,30 @@ def test_a_hanging_compiler_is_killed_whole_and_not_run_again_soon(tmp_path):
         Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
 
 
+HANG_TWO = """
+from kvshm.shm import native
+native._BUILD_SECONDS = 1  # (15 s in service; a normal build takes ~0.1 s)
+libs = [native.CLibrary(stem, "test loops", f"int {stem}(void) {{ return 1; }}\\n", {},
+                        lambda fns: True) for stem in ("one", "two")]
+print([lib.load() for lib in libs])
+"""
+
+
+@pytest.mark.procs
+def test_a_compiler_that_hung_once_is_not_started_again_by_the_same_process(tmp_path):
+    """An owner builds several libraries before it takes the owner lock, and whoever started
+    it waits a bounded time for that lock: a hanging compiler must cost one build's time
+    limit, not one per library."""
+    cc = tmp_path / "cc"
+    cc.write_text(HANGING_CC)
+    cc.chmod(0o755)
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "CC": str(cc)}
+    out = subprocess.run([sys.executable, "-c", HANG_TWO], env=env, capture_output=True,
+                         text=True, timeout=60)
+    assert out.stdout == "[False, False]\n", out.stderr
+    assert (tmp_path / "cc.log").read_text() == "run\n"
+
+
 @needs_native
 @pytest.mark.procs
 def test_a_cache_directory_reached_through_a_link_is_neither_built_into_nor_loaded(

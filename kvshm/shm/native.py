@@ -30,10 +30,13 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 BUILD_PREFIX = "build-"  # temporary build directories beside the libraries
-_BUILD_SECONDS = 15      # a build takes ~0.1 s; a compiler that hangs costs no more than this
+_BUILD_SECONDS = 15      # a build takes ~0.1 s; a compiler that hangs costs a process no more
+#                          than this, however many libraries it builds (an owner builds before
+#                          its lock, and whoever started it waits 20 s for that lock)
 _RETRY_SECONDS = 3600    # after a failed build, processes use Python this long before retrying
 _FLAGS = ("-O2", "-shared", "-fPIC")  # no -march: a home directory may serve several CPUs
 _lock = threading.Lock()  # one build per process at a time
+_hung = False  # a build of this process ran out of time: its later builds are not started
 
 
 def _after_fork_in_child() -> None:
@@ -141,6 +144,9 @@ def _build(path: Path, source: str) -> None:
     import shutil
     import subprocess
     import tempfile
+    global _hung
+    if _hung:
+        raise TimeoutError(f"a compiler of this process hung for {_BUILD_SECONDS} s already")
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     try:  # nothing is built into a directory another user could write or swap
@@ -161,9 +167,10 @@ def _build(path: Path, source: str) -> None:
                                 start_new_session=True)
         try:
             _, err = proc.communicate(timeout=_BUILD_SECONDS)
-        except BaseException:  # (not reaped yet: its group id cannot have been reused)
+        except BaseException as e:  # (not reaped yet: its group id cannot have been reused)
             os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
+            _hung = _hung or isinstance(e, subprocess.TimeoutExpired)
             raise
         if proc.returncode:
             raise subprocess.CalledProcessError(proc.returncode, cc, stderr=err)
