@@ -444,6 +444,7 @@ def test_a_would_be_owner_building_its_loops_holds_no_lock_meanwhile(tmp_path, m
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "CC": str(cc)}
     builder = subprocess.Popen([sys.executable, "-c", WOULD_BE_OWNER, seg.name], env=env,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    manager = None
     try:
         deadline = time.monotonic() + 60
         while not (tmp_path / "cc.started").exists():  # the builder is inside its build
@@ -451,9 +452,27 @@ def test_a_would_be_owner_building_its_loops_holds_no_lock_meanwhile(tmp_path, m
             assert time.monotonic() < deadline, "the would-be owner never started its build"
             time.sleep(0.01)
         manager = LocalManager(seg)  # this process built its loops before the test began
-    finally:
-        with open(tmp_path / "cc.fifo", "w") as f:  # the compiler fails; the builder goes on
-            f.write("go\n")
+        release(tmp_path / "cc.fifo", builder)  # the compiler fails; the builder goes on
         out, err = builder.communicate(timeout=60)
-    assert out == "unavailable\n", err  # and finds the segment owned
-    manager.shutdown()
+        assert out == "unavailable\n", err  # and finds the segment owned
+    finally:
+        if builder.poll() is None:
+            builder.kill()
+            builder.wait()
+        if manager is not None:
+            manager.shutdown()
+
+
+def release(fifo: Path, builder: subprocess.Popen) -> None:
+    """Let the fake compiler read a line, once it reads its FIFO; nothing to do once the
+    builder is gone, or the build's time limit ended the compiler (then no reader comes)."""
+    deadline = time.monotonic() + 60
+    while builder.poll() is None and time.monotonic() < deadline:
+        try:
+            fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)  # ENXIO while nobody reads it
+        except OSError:
+            time.sleep(0.01)
+            continue
+        os.write(fd, b"go\n")
+        os.close(fd)
+        return
