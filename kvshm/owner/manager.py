@@ -64,7 +64,8 @@ class LocalManager(OffloadingManager):
                  enable_events: bool = False, held: Held | None = None,
                  writer_alive: Callable[[int, int], bool] | None = None):
         # The index's and the table's loops compiled (built once per host, else Python),
-        # before the lock: a build that hangs, or a process stopped in it, holds no segment.
+        # before the lock: a would-be owner whose build hangs, or that is stopped in it, holds
+        # no segment meanwhile.
         probing.load()
         rounds.load()
         if not locks.try_lock(segment.fd, L.LOCK_OWNER):
