@@ -122,3 +122,27 @@ def test_write_many_without_the_compiled_round_refuses_a_block_past_the_table(
     finally:
         seg.close()
         Segment.unlink(name)
+
+
+@pytest.mark.parametrize("n", [8, 17])
+@pytest.mark.parametrize("bad", [-1, 24, 2**31])
+def test_write_many_with_the_compiled_round_refuses_a_block_past_the_table(n, bad):
+    """The compiled round is ``write_many``'s only check on its path: an id past the table,
+    negative, or past any int32 is refused as IndexError before any store."""
+    from conftest import SMALL_GEOMETRY, TEST_LAYOUT, unique_name
+
+    from kvshm.shm import layout as L
+    from kvshm.shm.segment import Segment
+    from kvshm.shm.table import BlockTable
+    name = unique_name()
+    seg = Segment.create(name, TEST_LAYOUT, 24, **SMALL_GEOMETRY)
+    try:
+        table = BlockTable(seg.buf, seg.geometry)
+        before = bytes(seg.buf)
+        with pytest.raises(IndexError):
+            table.write_many([*range(n - 1), bad], L.READY, [b"k%d" % i for i in range(n)])
+        assert bytes(seg.buf) == before
+        table.close()
+    finally:
+        seg.close()
+        Segment.unlink(name)

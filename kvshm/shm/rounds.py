@@ -96,7 +96,10 @@ def write(table: int, num_blocks: int, stride: int, blocks: Sequence[int], off: 
     fns = LIBRARY.fns
     if fns is None:
         return False
-    b = array("i", blocks)  # (range-checked to int32: OverflowError)
+    try:
+        b = array("i", blocks)
+    except OverflowError:  # past any table: refused as the loop refuses one
+        raise IndexError(f"a round over blocks {min(blocks)}..{max(blocks)}") from None
     size, rem = divmod(len(bodies), len(b) or 1)
     if rem or off + size > stride:
         raise ValueError(f"a round of {len(b)} blocks with {len(bodies)} bytes of bodies")

@@ -6,9 +6,8 @@ owner writes them; every process may read them without a lock. Writers bump a pe
 sequence number around each rewrite (odd while writing, a seqlock), so a reader either sees a
 consistent entry or retries, for a bounded number of spins: an entry a dead owner left odd is
 reported as torn, never waited on.
-The owner's batch writers (``write_many`` and friends) run the rounds of many entries side by
-side: every sequence odd, every body, every sequence even, each step one numpy operation, so
-a batch costs a few array operations instead of a Python loop per block.
+The owner's batch writers (``write_many`` and friends) open every entry, copy every body, then
+close every entry: one compiled call (``rounds``) or a few numpy operations, no loop per block.
 
 It must never store into an entry with ``struct.pack_into`` (which zero-fills its target
 first, so a death mid-write would leave a key with a zeroed tail under a READY state): an
@@ -304,8 +303,8 @@ class BlockTable:
         n = len(blocks)
         if keys and len(keys) != n:
             raise ValueError(f"write_many of {n} blocks with {len(keys)} keys")
-        rounds.check_blocks(blocks, self.num_blocks)  # (every path, before any store)
         if n < VECTOR_MIN and (crashpoints.ARMED or rounds.LIBRARY.fns is None):
+            rounds.check_blocks(blocks, self.num_blocks)  # (before any store, as the C round)
             reqs = [writer_req] * n if isinstance(writer_req, int) else writer_req
             uses = [last_use] * n if isinstance(last_use, int) else last_use
             bodies = [BODY.pack(state, len(k), writer, writer_gen, key_checksum(k), reqs[i],
@@ -339,6 +338,7 @@ class BlockTable:
         if not crashpoints.ARMED and rounds.write(self._addr, self.num_blocks, L.ENTRY_BYTES,
                                                   blocks, BODY_OFF, packed):
             return
+        rounds.check_blocks(blocks, self.num_blocks)  # (numpy would wrap a negative id)
         rows = np.frombuffer(packed, np.uint8).reshape(n, BODY.size)
         b = np.asarray(blocks, np.intp)
         seqs = self.open_rounds(b)  # (``rounds`` makes the same stores in the same order)
