@@ -170,7 +170,8 @@ def _build(path: Path, source: str) -> None:
         except BaseException as e:  # (not reaped yet: its group id cannot have been reused)
             os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
-            _hung = _hung or isinstance(e, subprocess.TimeoutExpired)
+            if isinstance(e, subprocess.TimeoutExpired):
+                _hung = True
             raise
         if proc.returncode:
             raise subprocess.CalledProcessError(proc.returncode, cc, stderr=err)
