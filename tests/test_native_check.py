@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -188,6 +189,14 @@ def library_in(cache: Path, monkeypatch) -> Path:
     return path
 
 
+def seal(path: Path) -> None:
+    import hashlib
+
+    from kvshm.shm import native
+    body = path.read_bytes()
+    path.write_bytes(body + hashlib.sha256(body).digest() + native._SEAL)
+
+
 @needs_native
 @pytest.mark.procs
 def test_a_library_that_says_everything_is_valid_is_not_used(tmp_path, monkeypatch):
@@ -196,6 +205,7 @@ def test_a_library_that_says_everything_is_valid_is_not_used(tmp_path, monkeypat
     src.write_text(LYING)
     subprocess.run([os.environ.get("CC") or "cc", "-shared", "-fPIC", "-o", str(path),
                     str(src)], check=True)
+    seal(path)  # as a build seals it: the self-test, not the seal, is what must refuse it
     out = load_in_child(tmp_path)
     assert out.endswith("loaded False\n") and "self-test" in out
 
@@ -219,6 +229,50 @@ def test_a_torn_library_is_built_again(tmp_path, monkeypatch):
     path.chmod(0o755)
     assert load_in_child(tmp_path) == "loaded True\n"
     assert path.stat().st_size > 1000
+
+
+def text_section(data: bytes) -> tuple[int, int]:
+    """(file offset, size) of an ELF64 library's ``.text``: where its functions' code lies."""
+    import struct
+    shoff, = struct.unpack_from("<Q", data, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", data, 0x3A)
+    def section(i):  # (name offset, file offset, size)
+        name, _, _, _, off, size = struct.unpack_from("<IIQQQQ", data, shoff + i * shentsize)
+        return name, off, size
+    names = section(shstrndx)[1]
+    for i in range(shnum):
+        name, off, size = section(i)
+        if data[names + name:names + name + 6] == b".text\0":
+            return off, size
+    raise AssertionError("no .text section")
+
+
+def truncated(data: bytes) -> bytes:
+    return data[:len(data) // 2]
+
+
+def code_trapped(data: bytes) -> bytes:  # every instruction of every function a trap (int3)
+    off, size = text_section(data)
+    return data[:off] + b"\xcc" * size + data[off + size:]
+
+
+@needs_native
+@pytest.mark.procs
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="int3 is an x86-64 instruction")
+@pytest.mark.parametrize("damage", [truncated, code_trapped])
+def test_a_damaged_library_that_still_loads_is_built_again_not_run(tmp_path, monkeypatch,
+                                                                    damage):
+    """A library damaged after its build (a power loss before its bytes reached the disk, a
+    bad disk) may still pass the dynamic loader and then fault in whoever runs it: every
+    owner on the host would die at its start. It is refused before it is loaded, and built
+    again."""
+    assert load_in_child(tmp_path) == "loaded True\n"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    path = native_check.LIBRARY.path()
+    good = path.read_bytes()
+    path.write_bytes(damage(good))
+    assert load_in_child(tmp_path) == "loaded True\n"
+    assert path.read_bytes() != damage(good)
 
 
 FORK = """

@@ -4,8 +4,9 @@ This module owns how kvshm's few compiled loops reach a process: a C source is c
 per host with ``cc`` (``$CC`` if set) into the user's cache directory, named by a hash of the
 source, the machine and the flags, and loaded with ctypes (``PyDLL``: the GIL is held through
 every call, which lasts microseconds). A library is loaded only if it and its directory are
-this user's alone, opened without following links and loaded from that very descriptor, and
-used only if it answers its self-test rightly.
+this user's alone, opened without following links, sealed (``_SEAL``: a checksum of its
+bytes that its build appended, verified before the load) and loaded from that very
+descriptor, and used only if it answers its self-test rightly.
 
 It must never build at import (``import kvshm`` stays light: ``CLibrary.load`` builds, called
 where a process sets up its hot path), never raise out of ``load`` and never be the only way
@@ -35,6 +36,9 @@ _BUILD_SECONDS = 15      # a build takes ~0.1 s; a compiler that hangs costs a p
 #                          its lock, and whoever started it waits 20 s for that lock)
 _RETRY_SECONDS = 3600    # after a failed build, processes use Python this long before retrying
 _FLAGS = ("-O2", "-shared", "-fPIC")  # no -march: a home directory may serve several CPUs
+_SEAL = b"kvshm-so"  # a library ends with sha256(the rest) and this: the dynamic loader
+#                      ignores bytes past its segments, and a damaged file must never reach it
+#                      (truncated or altered code that still loads faults in whoever runs it)
 _lock = threading.Lock()  # one build per process at a time
 _hung = False  # a build of this process ran out of time: its later builds are not started
 
@@ -140,6 +144,7 @@ def _build_unless_failed(path: Path, source: str) -> None:
 def _build(path: Path, source: str) -> None:
     """Compile ``source`` into ``path``; another process building the same file at the same
     time is harmless (each writes its own temporary file, then renames it into place)."""
+    import hashlib
     import shlex
     import shutil
     import subprocess
@@ -175,6 +180,11 @@ def _build(path: Path, source: str) -> None:
             raise
         if proc.returncode:
             raise subprocess.CalledProcessError(proc.returncode, cc, stderr=err)
+        body = out.read_bytes()
+        with open(out, "ab") as f:  # sealed, and on disk before it takes the library's name
+            f.write(hashlib.sha256(body).digest() + _SEAL)
+            f.flush()
+            os.fsync(f.fileno())
         os.chmod(out, 0o755)
         os.replace(out, path)
 
@@ -190,14 +200,26 @@ def _open_trusted(path: Path) -> int:
         _check_ours(dfd, path.parent)
         fd = os.open(path.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dfd)
         try:
-            if not stat.S_ISREG(_check_ours(fd, path).st_mode):
+            st = _check_ours(fd, path)
+            if not stat.S_ISREG(st.st_mode):
                 raise OSError(f"{path} is not a regular file")  # (rebuilt in its place)
+            _check_sealed(fd, st.st_size, path)
         except BaseException:
             os.close(fd)
             raise
         return fd
     finally:
         os.close(dfd)
+
+
+def _check_sealed(fd: int, size: int, what: Path) -> None:
+    """OSError (the caller builds it again) unless the file's bytes are those its build
+    sealed."""
+    import hashlib
+    data = os.pread(fd, size, 0)
+    body, digest, seal = data[:-40], data[-40:-8], data[-8:]
+    if len(data) != size or seal != _SEAL or hashlib.sha256(body).digest() != digest:
+        raise OSError(f"{what} is damaged or not sealed by its build")
 
 
 def _check_ours(fd: int, what: Path) -> os.stat_result:
