@@ -98,18 +98,14 @@ def test_every_body_is_copied_while_its_entry_is_odd(tmp_path, monkeypatch):
     assert not (table[:, :4].view(np.uint32)[:, 0] % 2).any()
 
 
-@pytest.mark.parametrize("n", [8, 17])  # the per-entry path and the numpy round
-@pytest.mark.parametrize("bad", [-1, 24])
-def test_write_many_without_the_compiled_round_refuses_a_block_past_the_table(
-        n, bad, monkeypatch):
-    """Every path of ``write_many`` refuses an id past the table before any store (numpy
-    wrapped a negative id to the last entry; the per-entry path wrote into the header)."""
+def assert_write_many_refuses(n: int, bad: int) -> None:
+    """``write_many`` of ``n`` blocks, the last ``bad``, on a table of 24: IndexError, and not
+    a byte of the segment changed."""
     from conftest import SMALL_GEOMETRY, TEST_LAYOUT, unique_name
 
     from kvshm.shm import layout as L
     from kvshm.shm.segment import Segment
     from kvshm.shm.table import BlockTable
-    monkeypatch.setattr(rounds.LIBRARY, "fns", None)
     name = unique_name()
     seg = Segment.create(name, TEST_LAYOUT, 24, **SMALL_GEOMETRY)
     try:
@@ -122,6 +118,16 @@ def test_write_many_without_the_compiled_round_refuses_a_block_past_the_table(
     finally:
         seg.close()
         Segment.unlink(name)
+
+
+@pytest.mark.parametrize("n", [8, 17])  # the per-entry path and the numpy round
+@pytest.mark.parametrize("bad", [-1, 24])
+def test_write_many_without_the_compiled_round_refuses_a_block_past_the_table(
+        n, bad, monkeypatch):
+    """Every path of ``write_many`` refuses an id past the table before any store (numpy
+    wrapped a negative id to the last entry; the per-entry path wrote into the header)."""
+    monkeypatch.setattr(rounds.LIBRARY, "fns", None)
+    assert_write_many_refuses(n, bad)
 
 
 @pytest.mark.parametrize("n", [8, 17])
@@ -129,20 +135,4 @@ def test_write_many_without_the_compiled_round_refuses_a_block_past_the_table(
 def test_write_many_with_the_compiled_round_refuses_a_block_past_the_table(n, bad):
     """The compiled round is ``write_many``'s only check on its path: an id past the table,
     negative, or past any int32 is refused as IndexError before any store."""
-    from conftest import SMALL_GEOMETRY, TEST_LAYOUT, unique_name
-
-    from kvshm.shm import layout as L
-    from kvshm.shm.segment import Segment
-    from kvshm.shm.table import BlockTable
-    name = unique_name()
-    seg = Segment.create(name, TEST_LAYOUT, 24, **SMALL_GEOMETRY)
-    try:
-        table = BlockTable(seg.buf, seg.geometry)
-        before = bytes(seg.buf)
-        with pytest.raises(IndexError):
-            table.write_many([*range(n - 1), bad], L.READY, [b"k%d" % i for i in range(n)])
-        assert bytes(seg.buf) == before
-        table.close()
-    finally:
-        seg.close()
-        Segment.unlink(name)
+    assert_write_many_refuses(n, bad)
