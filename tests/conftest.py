@@ -232,6 +232,16 @@ def vllm_venv() -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_model(vllm_venv: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A tiny random Llama checkpoint, made once per run by the vLLM venv (every module of
+    end-to-end tests uses the same one: making it costs each ~6 s)."""
+    path = tmp_path_factory.mktemp("vllm") / "tiny-llama"
+    subprocess.run([vllm_venv, str(REPO / "tests/vllm_support/tiny_model.py"), str(path)],
+                   check=True, cwd=REPO, capture_output=True, timeout=300)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
 def vllm033_wheel() -> str:
     """vLLM 0.33.0's wheel (``$KVSHM_VLLM033_WHEEL``, else the one ``.ci/install_vllm.sh``
     downloads to ``.cache-vllm033/``), once an install in progress is over; the test is

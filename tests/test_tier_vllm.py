@@ -20,7 +20,6 @@ from conftest import unique_name
 from test_tier_mooncake import WHY, Host
 from test_tier_mooncake import master  # noqa: F401  (a fixture)
 from test_vllm import VLLM_PY, E, gen, kvshm_extra, needs_vllm, out, remove_segment
-from test_vllm import tiny_model  # noqa: F401  (a fixture)
 from test_vllm_processes import wait_until
 
 pytestmark = [needs_vllm, pytest.mark.skipif(WHY is not None, reason=WHY or "")]
@@ -35,7 +34,7 @@ def _attached(name: str) -> Segment | None:
 
 
 def test_an_engine_hits_a_prefix_that_an_engine_on_another_host_computed(
-        tiny_model, master, tmp_path):  # noqa: F811
+        tiny_model, master, tmp_path):
     m = master()
     names = [unique_name(), unique_name()]
     go = [str(tmp_path / "a_go"), str(tmp_path / "b_go")]

@@ -404,14 +404,6 @@ needs_vllm = pytest.mark.usefixtures("vllm_venv")  # (waits for an install in pr
 from vllm_support import engine as E  # noqa: E402  (imports no vLLM)
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("vllm") / "tiny-llama"
-    subprocess.run([VLLM_PY, str(REPO / "tests/vllm_support/tiny_model.py"), str(path)],
-                   check=True, cwd=REPO, capture_output=True, timeout=300)
-    return str(path)
-
-
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:

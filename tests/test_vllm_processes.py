@@ -36,7 +36,6 @@ from kvshm.transfer.factory import make_handler
 from conftest import unique_name
 import procs
 from test_vllm import REPO, VLLM_PY, E, _alive, needs_vllm, remove_segment
-from test_vllm import tiny_model  # noqa: F401  (a fixture)
 
 
 # --- the auto-started owner is nobody's descendant ------------------------------------------

@@ -23,13 +23,13 @@ import sys
 
 import pytest
 
+from kvshm.errors import KvshmError
 from kvshm.index.launch import OWNER_IDLE_EXIT_S
 from kvshm.inspect.snapshot import snapshot
 from kvshm.shm.segment import Segment
 
 from conftest import unique_name
 from test_vllm import REPO, VLLM_PY, E, _alive, needs_vllm, remove_segment
-from test_vllm import tiny_model  # noqa: F401  (a fixture)
 from test_vllm_processes import descendants, wait_until
 from vllm_support.serve import Server
 
@@ -54,6 +54,18 @@ def wait_exit(pid: int, timeout: float) -> bool:
         os.close(fd)
 
 
+def _with_a_client(name: str) -> Segment | None:
+    """The segment, attached, once its owner runs and a client is connected; else None."""
+    try:
+        seg = Segment.attach(name)
+    except KvshmError:  # its engine has not created it yet
+        return None
+    if seg.owner_record()[0] and seg.clients_alive():
+        return seg
+    seg.close()
+    return None
+
+
 def test_the_owner_outlives_vllm_serve_stopped_by_sigterm(tiny_model):
     """Server 1 starts the owner and computes two prompts; server 2 attaches; server 1 gets
     SIGTERM (vLLM kills its EngineCore's tree). The same owner serves on: it reclaims server
@@ -65,13 +77,17 @@ def test_the_owner_outlives_vllm_serve_stopped_by_sigterm(tiny_model):
     seg = None
     try:
         servers.append(first := Server(VLLM_PY, tiny_model, name))
-        first.wait_ready()  # its EngineCore created the segment and started the owner
+        # server 2 starts once server 1's EngineCore created the segment, started the owner
+        # and connected (what is left of server 1's start then overlaps server 2's)
+        seg = wait_until(lambda: _with_a_client(name), "server 1's EngineCore connected",
+                         [first])
+        owner, _, _, _ = seg.owner_record()
         servers.append(second := Server(VLLM_PY, tiny_model, name))
+        first.wait_ready()
         cold = [first.complete(p) for p in prompts]
         assert [c["cached_tokens"] for c in cold] == [0, 0]
         second.wait_ready()
-        seg = Segment.attach(name)
-        owner, _, _, _ = seg.owner_record()
+        assert seg.owner_record()[0] == owner
         failovers = seg.counter("failovers")
         assert len(seg.clients_alive()) == 2  # both EngineCores
         first.stop()
