@@ -8,6 +8,7 @@ cache directories.
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import platform
 import shutil
@@ -513,6 +514,40 @@ def test_a_would_be_owner_building_its_loops_holds_no_lock_meanwhile(tmp_path, m
         if builder.poll() is None:
             builder.kill()
             builder.wait()
+        if manager is not None:
+            manager.shutdown()
+
+
+@pytest.mark.procs
+def test_kvshm_inspect_gc_building_the_loops_holds_no_lock_meanwhile(tmp_path, make_segment):
+    """``kvshm-inspect gc`` reclaims as a temporary owner, with the owner's loops: while its
+    build hangs (or it is stopped in it) a real owner must still be able to start, and gc
+    then finds one alive and leaves the segment to it."""
+    from kvshm.owner.manager import LocalManager
+    seg = make_segment()
+    cc = tmp_path / "cc"
+    cc.write_text(BLOCKED_CC)
+    cc.chmod(0o755)
+    os.mkfifo(tmp_path / "cc.fifo")
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "CC": str(cc)}
+    gc = subprocess.Popen([sys.executable, "-m", "kvshm.inspect.cli", "gc", seg.name, "--json"],
+                          env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    manager = None
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "cc.started").exists():  # gc is inside its build
+            assert gc.poll() is None, gc.communicate()
+            assert time.monotonic() < deadline, "gc never started its build"
+            time.sleep(0.01)
+        manager = LocalManager(seg)  # this process built its loops before the test began
+        release(tmp_path / "cc.fifo", gc)
+        out, err = gc.communicate(timeout=60)
+        assert gc.returncode == 0, err
+        assert json.loads(out)["acted"] is False, out
+    finally:
+        if gc.poll() is None:
+            gc.kill()
+            gc.wait()
         if manager is not None:
             manager.shutdown()
 

@@ -23,11 +23,17 @@ def reclaim(seg: Segment) -> dict[str, Any]:
     out: dict[str, Any] = {"schema": "kvshm.gc/1", "name": seg.name, "acted": False,
                            "reason": "", "freed_blocks": 0, "kept_ready": 0,
                            "kept_pending": 0, "reclaimed_clients": []}
+
+    def owned() -> dict[str, Any]:
+        return {**out, "reason": f"owner pid {seg.owner_record()[0]} is alive and reclaims "
+                "dead clients itself; nothing done"}
+
+    if seg.owner_alive():
+        return owned()
+    from kvshm.owner.manager import LocalManager, build_loops  # only gc needs the manager
+    build_loops()  # before the lock, as an owner does: a hung compiler keeps no owner out
     if not locks.try_lock(seg.fd, L.LOCK_OWNER):  # OFD lock: LocalManager re-takes it below
-        out["reason"] = (f"owner pid {seg.owner_record()[0]} is alive and reclaims dead "
-                         "clients itself; nothing done")
-        return out
-    from kvshm.owner.manager import LocalManager  # only gc needs the manager
+        return owned()
     g, live = seg.geometry, seg.clients_alive()
     dead_owner = seg.owner_record()  # pid 0 unless the last owner died holding the segment
     try:  # the rebuild frees stores whose writer died and settles torn entries (but a live

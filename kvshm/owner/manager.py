@@ -50,6 +50,13 @@ Writer = tuple[int, int, int]  # (client slot, client generation, request id)
 LOCAL_WRITER: Writer = (-1, 0, 0)
 
 
+def build_loops() -> None:
+    """The index's and the table's loops compiled (built once per host, else Python). Call
+    it before taking the owner lock: a build can take seconds, or hang until its limit."""
+    probing.load()
+    rounds.load()
+
+
 class LocalManager(OffloadingManager):
     """In-process manager over a segment. Thread-unsafe: one caller (the owner loop).
 
@@ -63,11 +70,8 @@ class LocalManager(OffloadingManager):
     def __init__(self, segment: Segment, policy: str | None = None, *,
                  enable_events: bool = False, held: Held | None = None,
                  writer_alive: Callable[[int, int], bool] | None = None):
-        # The index's and the table's loops compiled (built once per host, else Python),
-        # before the lock: a would-be owner whose build hangs, or that is stopped in it, holds
-        # no segment meanwhile.
-        probing.load()
-        rounds.load()
+        build_loops()  # before the lock: a would-be owner whose build hangs, or that is
+        #                stopped in it, holds no segment meanwhile
         if not locks.try_lock(segment.fd, L.LOCK_OWNER):
             raise OwnerUnavailableError(
                 f"segment {segment.name!r} already has an owner (pid "
