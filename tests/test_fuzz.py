@@ -49,6 +49,18 @@ def _mangle(frame: bytes, how: int, cut: int) -> bytes:
     return frame[:i] + bytes([frame[i] ^ (0x80 | cut >> 8)]) + frame[i + 1:] if frame else frame
 
 
+def _close(machine, clients: tuple[str, ...]) -> None:
+    """Shut down the ``clients`` a machine made (attribute names, in order), stop its owner
+    and unlink its segment: whatever of them its start made before it ended."""
+    for attr in clients:
+        if (m := getattr(machine, attr, None)) is not None:
+            m.shutdown()
+    if getattr(machine, "owner", 0):
+        stop_owner(machine.owner)
+    if hasattr(machine, "name"):
+        Segment.unlink(machine.name)
+
+
 class OwnerFuzz(RuleBasedStateMachine):
     @initialize()
     def start(self):
@@ -67,14 +79,7 @@ class OwnerFuzz(RuleBasedStateMachine):
             # so the goodbye would wait out the whole call timeout. Unanswered, its slot is
             # reclaimed all the same (the unlock below tells the owner it left).
             self.hostile._link.timeout = 0.2
-        for m in (getattr(self, "hostile", None), getattr(self, "b", None),
-                  getattr(self, "a", None)):
-            if m is not None:
-                m.shutdown()
-        if getattr(self, "owner", 0):
-            stop_owner(self.owner)
-        if hasattr(self, "name"):
-            Segment.unlink(self.name)
+        _close(self, ("hostile", "b", "a"))
 
     def _try(self, fn, *args):
         try:
@@ -181,13 +186,7 @@ class GrantFuzz(RuleBasedStateMachine):
         self.sent: list[int] = []  # blocks the hostile client published lately
 
     def teardown(self):
-        for m in (getattr(self, "hostile", None), getattr(self, "honest", None)):
-            if m is not None:
-                m.shutdown()
-        if getattr(self, "owner", 0):
-            stop_owner(self.owner)
-        if hasattr(self, "name"):
-            Segment.unlink(self.name)
+        _close(self, ("hostile", "honest"))
 
     def _write(self, key: bytes, block: int) -> None:
         for p in self.planes:

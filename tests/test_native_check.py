@@ -485,31 +485,29 @@ except OwnerUnavailableError:
 """
 
 
-@pytest.mark.procs
-def test_a_would_be_owner_building_its_loops_holds_no_lock_meanwhile(tmp_path, make_segment):
-    """A process that becomes a segment's owner first builds its compiled loops (once per
-    host). A compiler that hangs, or a process stopped mid-build, must not keep every other
-    process from owning the segment meanwhile: the build comes before the owner lock."""
+def _owned_while_it_builds(tmp_path: Path, seg, argv: list[str]) -> tuple[int, str, str]:
+    """Run ``argv`` with a compiler that blocks; once it is inside its build, this process
+    becomes the segment's owner (it built its loops before the test began), then lets the
+    compiler fail. Returns the process's exit status, stdout and stderr."""
     from kvshm.owner.manager import LocalManager
-    seg = make_segment()
     cc = tmp_path / "cc"
     cc.write_text(BLOCKED_CC)
     cc.chmod(0o755)
     os.mkfifo(tmp_path / "cc.fifo")
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "CC": str(cc)}
-    builder = subprocess.Popen([sys.executable, "-c", WOULD_BE_OWNER, seg.name], env=env,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    builder = subprocess.Popen([sys.executable, *argv], env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
     manager = None
     try:
         deadline = time.monotonic() + 60
-        while not (tmp_path / "cc.started").exists():  # the builder is inside its build
+        while not (tmp_path / "cc.started").exists():  # the process is inside its build
             assert builder.poll() is None, builder.communicate()
-            assert time.monotonic() < deadline, "the would-be owner never started its build"
+            assert time.monotonic() < deadline, "the process never started its build"
             time.sleep(0.01)
-        manager = LocalManager(seg)  # this process built its loops before the test began
-        release(tmp_path / "cc.fifo", builder)  # the compiler fails; the builder goes on
+        manager = LocalManager(seg)
+        release(tmp_path / "cc.fifo", builder)  # the compiler fails; the process goes on
         out, err = builder.communicate(timeout=60)
-        assert out == "unavailable\n", err  # and finds the segment owned
+        return builder.returncode, out, err
     finally:
         if builder.poll() is None:
             builder.kill()
@@ -519,37 +517,25 @@ def test_a_would_be_owner_building_its_loops_holds_no_lock_meanwhile(tmp_path, m
 
 
 @pytest.mark.procs
+def test_a_would_be_owner_building_its_loops_holds_no_lock_meanwhile(tmp_path, make_segment):
+    """A process that becomes a segment's owner first builds its compiled loops (once per
+    host). A compiler that hangs, or a process stopped mid-build, must not keep every other
+    process from owning the segment meanwhile: the build comes before the owner lock."""
+    seg = make_segment()
+    _, out, err = _owned_while_it_builds(tmp_path, seg, ["-c", WOULD_BE_OWNER, seg.name])
+    assert out == "unavailable\n", err  # and finds the segment owned
+
+
+@pytest.mark.procs
 def test_kvshm_inspect_gc_building_the_loops_holds_no_lock_meanwhile(tmp_path, make_segment):
     """``kvshm-inspect gc`` reclaims as a temporary owner, with the owner's loops: while its
     build hangs (or it is stopped in it) a real owner must still be able to start, and gc
     then finds one alive and leaves the segment to it."""
-    from kvshm.owner.manager import LocalManager
     seg = make_segment()
-    cc = tmp_path / "cc"
-    cc.write_text(BLOCKED_CC)
-    cc.chmod(0o755)
-    os.mkfifo(tmp_path / "cc.fifo")
-    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "CC": str(cc)}
-    gc = subprocess.Popen([sys.executable, "-m", "kvshm.inspect.cli", "gc", seg.name, "--json"],
-                          env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    manager = None
-    try:
-        deadline = time.monotonic() + 60
-        while not (tmp_path / "cc.started").exists():  # gc is inside its build
-            assert gc.poll() is None, gc.communicate()
-            assert time.monotonic() < deadline, "gc never started its build"
-            time.sleep(0.01)
-        manager = LocalManager(seg)  # this process built its loops before the test began
-        release(tmp_path / "cc.fifo", gc)
-        out, err = gc.communicate(timeout=60)
-        assert gc.returncode == 0, err
-        assert json.loads(out)["acted"] is False, out
-    finally:
-        if gc.poll() is None:
-            gc.kill()
-            gc.wait()
-        if manager is not None:
-            manager.shutdown()
+    rc, out, err = _owned_while_it_builds(
+        tmp_path, seg, ["-m", "kvshm.inspect.cli", "gc", seg.name, "--json"])
+    assert rc == 0, err
+    assert json.loads(out)["acted"] is False, out
 
 
 def release(fifo: Path, builder: subprocess.Popen) -> None:
