@@ -12,6 +12,7 @@ import json
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -427,6 +428,31 @@ def test_a_hanging_compiler_is_killed_whole_and_not_run_again_soon(tmp_path):
         Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
 
 
+INTERRUPTED = """
+from kvshm.shm import native
+lib = native.CLibrary("interrupted", "test loops", "int f(void) { return 1; }\\n", {},
+                      lambda fns: True)
+lib.load()
+"""
+
+
+@pytest.mark.procs
+def test_a_build_interrupted_by_a_signal_leaves_no_failure_marker(tmp_path):
+    """A failure marker makes every process on the host use Python for an hour: only the
+    compiler's own failure may leave one, not a process interrupted while it waited (Ctrl-C,
+    a signal handler's exception)."""
+    builder = _in_a_blocked_build(tmp_path, ["-c", INTERRUPTED])
+    try:
+        builder.send_signal(signal.SIGINT)
+        _, err = builder.communicate(timeout=60)
+        assert "KeyboardInterrupt" in err, err
+    finally:
+        if builder.poll() is None:
+            builder.kill()
+            builder.wait()
+    assert not list((tmp_path / "cache" / "kvshm").glob("*.failed"))
+
+
 HANG_TWO = """
 from kvshm.shm import native
 native._BUILD_SECONDS = 1  # (15 s in service; a normal build takes ~0.1 s)
@@ -485,11 +511,9 @@ except OwnerUnavailableError:
 """
 
 
-def _owned_while_it_builds(tmp_path: Path, seg, argv: list[str]) -> tuple[int, str, str]:
-    """Run ``argv`` with a compiler that blocks; once it is inside its build, this process
-    becomes the segment's owner (it built its loops before the test began), then lets the
-    compiler fail. Returns the process's exit status, stdout and stderr."""
-    from kvshm.owner.manager import LocalManager
+def _in_a_blocked_build(tmp_path: Path, argv: list[str]) -> subprocess.Popen:
+    """``python argv`` with a compiler that blocks on ``cc.fifo`` (``release`` lets it fail),
+    once the process is inside that build."""
     cc = tmp_path / "cc"
     cc.write_text(BLOCKED_CC)
     cc.chmod(0o755)
@@ -497,13 +521,24 @@ def _owned_while_it_builds(tmp_path: Path, seg, argv: list[str]) -> tuple[int, s
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "CC": str(cc)}
     builder = subprocess.Popen([sys.executable, *argv], env=env, stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "cc.started").exists():
+        if builder.poll() is not None or time.monotonic() > deadline:
+            builder.kill()
+            raise AssertionError(f"the process never started its build: "
+                                 f"{builder.communicate()}")
+        time.sleep(0.01)
+    return builder
+
+
+def _owned_while_it_builds(tmp_path: Path, seg, argv: list[str]) -> tuple[int, str, str]:
+    """Run ``argv`` with a compiler that blocks; once it is inside its build, this process
+    becomes the segment's owner (it built its loops before the test began), then lets the
+    compiler fail. Returns the process's exit status, stdout and stderr."""
+    from kvshm.owner.manager import LocalManager
+    builder = _in_a_blocked_build(tmp_path, argv)
     manager = None
     try:
-        deadline = time.monotonic() + 60
-        while not (tmp_path / "cc.started").exists():  # the process is inside its build
-            assert builder.poll() is None, builder.communicate()
-            assert time.monotonic() < deadline, "the process never started its build"
-            time.sleep(0.01)
         manager = LocalManager(seg)
         release(tmp_path / "cc.fifo", builder)  # the compiler fails; the process goes on
         out, err = builder.communicate(timeout=60)

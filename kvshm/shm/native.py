@@ -127,7 +127,8 @@ class CLibrary:
 def _build_unless_failed(path: Path, source: str) -> None:
     """``_build``, unless a build of ``path`` failed lately: an owner builds as it starts,
     while its first client waits, so a host whose compiler fails or hangs pays for it once an
-    hour, not at every start. A failure leaves a marker beside the library."""
+    hour, not at every start. A failure of the compiler (an error, or its time limit) leaves
+    a marker beside the library; a process interrupted while it waited does not."""
     marker = path.with_name(path.name + ".failed")
     with contextlib.suppress(OSError):
         if time.time() - marker.stat().st_mtime < _RETRY_SECONDS:
@@ -135,7 +136,7 @@ def _build_unless_failed(path: Path, source: str) -> None:
                                "remove it to try again")
     try:
         _build(path, source)
-    except BaseException:
+    except Exception:
         with contextlib.suppress(OSError):
             marker.touch()
         raise
