@@ -407,11 +407,10 @@ def pytest_configure(config) -> None:
     os.environ[SESSION_MARK] = SESSION_PREFIX
     # Build the compiled loops (once per host) before any test: the first handler or manager
     # a unit test makes would otherwise start the compiler, a process.
-    from kvshm.shm import probing, rounds
+    from kvshm.owner.manager import build_loops
     from kvshm.transfer import native_check
     native_check.load()
-    probing.load()
-    rounds.load()
+    build_loops()
 
 
 # multiprocessing's helper processes live as long as the process that started them.
