@@ -13,28 +13,19 @@ from __future__ import annotations
 
 import pytest
 
-from kvshm.errors import KvshmError
-from kvshm.shm.segment import Segment
 
 from conftest import unique_name
 from test_tier_mooncake import WHY, Host
 from test_tier_mooncake import master  # noqa: F401  (a fixture)
 from test_vllm import VLLM_PY, E, gen, kvshm_extra, needs_vllm, out, remove_segment
-from test_vllm_processes import wait_until
+from test_vllm_processes import attached, wait_until
 
 pytestmark = [needs_vllm, pytest.mark.skipif(WHY is not None, reason=WHY or "")]
 CHUNKS = E.EXPECTED_CACHED_TOKENS // E.BLOCK_SIZE  # 12 blocks of the prompt
 
 
-def _attached(name: str) -> Segment | None:
-    try:
-        return Segment.attach(name)
-    except KvshmError:  # its engine has not created it yet
-        return None
-
-
 def test_an_engine_hits_a_prefix_that_an_engine_on_another_host_computed(
-        tiny_model, master, tmp_path):
+        tiny_model, master, tmp_path):  # noqa: F811
     m = master()
     names = [unique_name(), unique_name()]
     go = [str(tmp_path / "a_go"), str(tmp_path / "b_go")]
@@ -48,7 +39,7 @@ def test_an_engine_hits_a_prefix_that_an_engine_on_another_host_computed(
     hosts: list[Host] = []
     try:
         for i, name in enumerate(names):  # each engine creates its segment; its mover joins
-            seg = wait_until(lambda: _attached(name), f"segment {i}", engines)
+            seg = wait_until(lambda: attached(name), f"segment {i}", engines)
             hosts.append(Host(seg, m, str(tmp_path / f"mover-{i}.log")))
             hosts[-1].start_mover()
         a, b = hosts

@@ -24,6 +24,7 @@ from lazy import torch  # imported at its first use, not when the suite is colle
 
 from kvshm.index.api import LookupResult
 from kvshm.client.connect import connect
+from kvshm.errors import KvshmError
 from kvshm.integrations.vllm.jobs import WorkerCore
 from kvshm.logs import owner_log_path
 from kvshm.shm import layout as L
@@ -263,6 +264,14 @@ def remove_vllm_shm(before: set[str]) -> None:
         if entry.startswith("vllm_dist_"):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join("/dev/shm", entry))
+
+
+def attached(name: str) -> Segment | None:
+    """The segment an engine creates, attached; None until it exists."""
+    try:
+        return Segment.attach(name)
+    except KvshmError:  # its engine has not created it yet
+        return None
 
 
 def wait_until(cond, what: str, procs=(), timeout: float = 600):

@@ -23,14 +23,13 @@ import sys
 
 import pytest
 
-from kvshm.errors import KvshmError
 from kvshm.index.launch import OWNER_IDLE_EXIT_S
 from kvshm.inspect.snapshot import snapshot
 from kvshm.shm.segment import Segment
 
 from conftest import unique_name
 from test_vllm import REPO, VLLM_PY, E, _alive, needs_vllm, remove_segment
-from test_vllm_processes import descendants, wait_until
+from test_vllm_processes import attached, descendants, wait_until
 from vllm_support.serve import Server
 
 pytestmark = [pytest.mark.slow, needs_vllm]
@@ -56,14 +55,11 @@ def wait_exit(pid: int, timeout: float) -> bool:
 
 def _with_a_client(name: str) -> Segment | None:
     """The segment, attached, once its owner runs and a client is connected; else None."""
-    try:
-        seg = Segment.attach(name)
-    except KvshmError:  # its engine has not created it yet
+    seg = attached(name)
+    if seg is not None and not (seg.owner_record()[0] and seg.clients_alive()):
+        seg.close()
         return None
-    if seg.owner_record()[0] and seg.clients_alive():
-        return seg
-    seg.close()
-    return None
+    return seg
 
 
 def test_the_owner_outlives_vllm_serve_stopped_by_sigterm(tiny_model):
