@@ -7,6 +7,7 @@ cache directories.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -451,6 +452,83 @@ def test_a_build_interrupted_by_a_signal_leaves_no_failure_marker(tmp_path):
             builder.kill()
             builder.wait()
     assert not list((tmp_path / "cache" / "kvshm").glob("*.failed"))
+
+
+ESCAPING_CC = """#!/bin/sh
+setsid sleep 30 &
+echo $! > "$0.pid"
+exec cc "$@"
+"""
+BUILD_ONE = """
+from kvshm.shm import native
+native._BUILD_SECONDS = 5  # (15 s in service)
+lib = native.CLibrary("escaping", "test loops", "int f(void) { return 1; }\\n", {},
+                      lambda fns: True)
+print(lib.load())
+"""
+
+
+@pytest.mark.procs
+def test_a_compiler_whose_helper_outlives_it_still_builds_the_library(tmp_path):
+    """A compiler wrapper may leave a process of its own behind (a compile cache's or a
+    distributed compiler's daemon, in a session of its own) that keeps the compiler's output
+    open: the build ends when the compiler does, not when every holder of its output has
+    closed it, and never waits past its time limit."""
+    cc = tmp_path / "cc"
+    cc.write_text(ESCAPING_CC)
+    cc.chmod(0o755)
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "CC": str(cc)}
+    try:
+        out = subprocess.run([sys.executable, "-c", BUILD_ONE], env=env, capture_output=True,
+                             text=True, timeout=120)
+        assert out.stdout == "True\n", out.stderr
+        assert not list((tmp_path / "cache" / "kvshm").glob("*.failed"))
+    finally:
+        with contextlib.suppress(OSError, ValueError):
+            os.kill(int((tmp_path / "cc.pid").read_text()), signal.SIGKILL)
+
+
+DONE_CC = """#!/bin/sh
+read line < "$0.fifo"
+cc "$@"
+status=$?
+touch "$0.done"
+exit $status
+"""
+
+
+@pytest.mark.procs
+def test_a_builder_stopped_while_its_compiler_finished_keeps_the_library(tmp_path):
+    """A process stopped (a debugger, a frozen cgroup) longer than the build's time limit
+    while its compiler finished has a library, not a hung compiler: it loads it and leaves no
+    failure marker that would send every process on the host to Python for an hour."""
+    cc = tmp_path / "cc"
+    cc.write_text(DONE_CC)
+    cc.chmod(0o755)
+    os.mkfifo(tmp_path / "cc.fifo")
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "CC": str(cc)}
+    builder = subprocess.Popen([sys.executable, "-c", BUILD_ONE.replace("= 5", "= 1")],
+                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+    try:
+        release(tmp_path / "cc.fifo", builder)  # the compiler is running: it waited for this
+        builder.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "cc.done").exists():  # the compiler finished meanwhile
+            assert time.monotonic() < deadline, "the compiler never finished"
+            time.sleep(0.01)
+        stopped = time.monotonic()
+        while time.monotonic() < stopped + 2:  # stopped past the build's limit (1 s)
+            time.sleep(0.05)
+        builder.send_signal(signal.SIGCONT)
+        out, err = builder.communicate(timeout=60)
+        assert out == "True\n", err
+        assert not list((tmp_path / "cache" / "kvshm").glob("*.failed"))
+    finally:
+        if builder.poll() is None:
+            builder.send_signal(signal.SIGCONT)
+            builder.kill()
+            builder.wait()
 
 
 HANG_TWO = """

@@ -165,22 +165,27 @@ def _build(path: Path, source: str) -> None:
                 shutil.rmtree(old)
     cc = shlex.split(os.environ.get("CC") or "cc")
     with tempfile.TemporaryDirectory(prefix=BUILD_PREFIX, dir=path.parent) as tmp:
-        src, out = Path(tmp) / "lib.c", Path(tmp) / "lib.so"
+        src, out, log = Path(tmp) / "lib.c", Path(tmp) / "lib.so", Path(tmp) / "cc.log"
         src.write_text(source)
-        # its own session, so that a timeout kills the compiler's children too (cc1, as, ld)
-        proc = subprocess.Popen([*cc, *_FLAGS, "-o", str(out), str(src)],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                start_new_session=True)
+        # Its own session, so that a timeout kills the compiler's children too (cc1, as, ld);
+        # its output to a file, not a pipe: the build ends when the compiler exits, whoever
+        # else still holds its output (a compile cache's daemon). A process stopped past the
+        # limit while the compiler finished finds it exited (wait reaps before it times out).
+        with open(log, "wb") as err:
+            proc = subprocess.Popen([*cc, *_FLAGS, "-o", str(out), str(src)],
+                                    stdout=subprocess.DEVNULL, stderr=err,
+                                    start_new_session=True)
         try:
-            _, err = proc.communicate(timeout=_BUILD_SECONDS)
+            proc.wait(timeout=_BUILD_SECONDS)
         except BaseException as e:  # (not reaped yet: its group id cannot have been reused)
             os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
+            proc.wait()
             if isinstance(e, subprocess.TimeoutExpired):
                 _hung = True
             raise
         if proc.returncode:
-            raise subprocess.CalledProcessError(proc.returncode, cc, stderr=err)
+            raise subprocess.CalledProcessError(proc.returncode, cc,
+                                                stderr=log.read_bytes()[-4000:])
         body = out.read_bytes()
         with open(out, "ab") as f:  # sealed, and on disk before it takes the library's name
             f.write(hashlib.sha256(body).digest() + _SEAL)
