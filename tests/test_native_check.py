@@ -393,6 +393,17 @@ def test_a_fifo_in_the_librarys_place_is_replaced_by_a_build_and_blocks_nothing(
     assert out.stdout == "loaded True\n", out.stderr
 
 
+def _with_compiler(tmp_path: Path, script: str, fifo: bool = False) -> dict[str, str]:
+    """An environment whose compiler is ``script`` (as ``tmp_path/cc``; ``fifo``: with a
+    ``cc.fifo`` beside it to read from) and whose cache is ``tmp_path/cache``."""
+    cc = tmp_path / "cc"
+    cc.write_text(script)
+    cc.chmod(0o755)
+    if fifo:
+        os.mkfifo(tmp_path / "cc.fifo")
+    return {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "CC": str(cc)}
+
+
 HANG = """
 import sys, time
 from kvshm.shm import native
@@ -415,10 +426,7 @@ def test_a_hanging_compiler_is_killed_whole_and_not_run_again_soon(tmp_path):
     """An owner builds as it starts, while its first client waits for it:
     a compiler that hangs costs one bounded wait, its children die with it, and the next
     processes use Python at once instead of waiting again."""
-    cc = tmp_path / "cc"
-    cc.write_text(HANGING_CC)
-    cc.chmod(0o755)
-    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "CC": str(cc)}
+    env = _with_compiler(tmp_path, HANGING_CC)
     for _ in range(2):
         out = subprocess.run([sys.executable, "-c", HANG], env=env, capture_output=True,
                              text=True, timeout=60)
@@ -474,10 +482,7 @@ def test_a_compiler_whose_helper_outlives_it_still_builds_the_library(tmp_path):
     distributed compiler's daemon, in a session of its own) that keeps the compiler's output
     open: the build ends when the compiler does, not when every holder of its output has
     closed it, and never waits past its time limit."""
-    cc = tmp_path / "cc"
-    cc.write_text(ESCAPING_CC)
-    cc.chmod(0o755)
-    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "CC": str(cc)}
+    env = _with_compiler(tmp_path, ESCAPING_CC)
     try:
         out = subprocess.run([sys.executable, "-c", BUILD_ONE], env=env, capture_output=True,
                              text=True, timeout=120)
@@ -502,11 +507,7 @@ def test_a_builder_stopped_while_its_compiler_finished_keeps_the_library(tmp_pat
     """A process stopped (a debugger, a frozen cgroup) longer than the build's time limit
     while its compiler finished has a library, not a hung compiler: it loads it and leaves no
     failure marker that would send every process on the host to Python for an hour."""
-    cc = tmp_path / "cc"
-    cc.write_text(DONE_CC)
-    cc.chmod(0o755)
-    os.mkfifo(tmp_path / "cc.fifo")
-    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "CC": str(cc)}
+    env = _with_compiler(tmp_path, DONE_CC, fifo=True)
     builder = subprocess.Popen([sys.executable, "-c", BUILD_ONE.replace("= 5", "= 1")],
                                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                text=True)
@@ -545,10 +546,7 @@ def test_a_compiler_that_hung_once_is_not_started_again_by_the_same_process(tmp_
     """An owner builds several libraries before it takes the owner lock, and whoever started
     it waits a bounded time for that lock: a hanging compiler must cost one build's time
     limit, not one per library."""
-    cc = tmp_path / "cc"
-    cc.write_text(HANGING_CC)
-    cc.chmod(0o755)
-    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "CC": str(cc)}
+    env = _with_compiler(tmp_path, HANGING_CC)
     out = subprocess.run([sys.executable, "-c", HANG_TWO], env=env, capture_output=True,
                          text=True, timeout=60)
     assert out.stdout == "[False, False]\n", out.stderr
@@ -592,11 +590,7 @@ except OwnerUnavailableError:
 def _in_a_blocked_build(tmp_path: Path, argv: list[str]) -> subprocess.Popen:
     """``python argv`` with a compiler that blocks on ``cc.fifo`` (``release`` lets it fail),
     once the process is inside that build."""
-    cc = tmp_path / "cc"
-    cc.write_text(BLOCKED_CC)
-    cc.chmod(0o755)
-    os.mkfifo(tmp_path / "cc.fifo")
-    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "CC": str(cc)}
+    env = _with_compiler(tmp_path, BLOCKED_CC, fifo=True)
     builder = subprocess.Popen([sys.executable, *argv], env=env, stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
