@@ -532,6 +532,31 @@ def test_a_builder_stopped_while_its_compiler_finished_keeps_the_library(tmp_pat
             builder.wait()
 
 
+@pytest.mark.procs  # (starts the compiler)
+def test_a_compiler_that_exited_as_the_wait_timed_out_is_not_hung(tmp_path, monkeypatch):
+    """The window the stopped builder above may or may not hit: its wait looked at the
+    compiler last just before the stop, and times out on waking although the compiler exited
+    meanwhile. A compiler that exited is never taken for a hung one."""
+    import subprocess as sp
+
+    from kvshm.shm import native
+
+    class LookedLastBeforeItExited(sp.Popen):
+        def wait(self, timeout=None):
+            if timeout is None:
+                return super().wait()
+            os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOWAIT)  # exited, not reaped
+            raise sp.TimeoutExpired(self.args, timeout)
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(sp, "Popen", LookedLastBeforeItExited)
+    monkeypatch.setattr(native, "_hung", False)
+    lib = native.CLibrary("late", "test loops", "int f(void) { return 1; }\n", {},
+                          lambda fns: True)
+    assert lib.load()
+    assert not native._hung and not list((tmp_path / "kvshm").glob("*.failed"))
+
+
 HANG_TWO = """
 from kvshm.shm import native
 native._BUILD_SECONDS = 1  # (15 s in service; a normal build takes ~0.1 s)

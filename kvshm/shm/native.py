@@ -170,18 +170,22 @@ def _build(path: Path, source: str) -> None:
         # Its own session, so that a timeout kills the compiler's children too (cc1, as, ld);
         # its output to a file, not a pipe: the build ends when the compiler exits, whoever
         # else still holds its output (a compile cache's daemon). A process stopped past the
-        # limit while the compiler finished finds it exited (wait reaps before it times out).
+        # limit while the compiler finished finds it exited, not hung.
         with open(log, "wb") as err:
             proc = subprocess.Popen([*cc, *_FLAGS, "-o", str(out), str(src)],
                                     stdout=subprocess.DEVNULL, stderr=err,
                                     start_new_session=True)
         try:
-            proc.wait(timeout=_BUILD_SECONDS)
-        except BaseException as e:  # (not reaped yet: its group id cannot have been reused)
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            if isinstance(e, subprocess.TimeoutExpired):
-                _hung = True
+            try:
+                proc.wait(timeout=_BUILD_SECONDS)
+            except subprocess.TimeoutExpired:
+                if proc.poll() is None:  # (wait may look last just before a stop)
+                    _hung = True
+                    raise
+        except BaseException:
+            if proc.returncode is None:  # not reaped: its group id cannot have been reused
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
             raise
         if proc.returncode:
             raise subprocess.CalledProcessError(proc.returncode, cc,
